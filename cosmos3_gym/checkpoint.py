@@ -1,0 +1,626 @@
+"""Find, check and fabricate Cosmos3 policy checkpoints.
+
+A checkpoint is a diffusers ``Cosmos3OmniPipeline`` directory, laid out like ``nvidia/Cosmos3-Nano-Policy-DROID``::
+
+    model_index.json
+    transformer/            config.json + *.safetensors (or shards listed by *.safetensors.index.json)
+    vae/                    config.json + *.safetensors (AutoencoderKLWan, Wan2.2 shape)
+    scheduler/              scheduler_config.json (UniPCMultistepScheduler)
+    text_tokenizer/         Qwen tokenizer files + chat template
+
+``resolve_checkpoint`` turns a local path or a hub id into a directory, ``validate_checkpoint`` checks every part
+cheaply (JSON parses, required config keys, safetensors headers and lengths) and names the exact file that is wrong,
+and ``build_tiny_checkpoint`` writes a small random checkpoint with diffusers' own classes for tests and demos.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cosmos3_gym.errors import CheckpointError, InputError
+
+TRANSFORMER_DIR = "transformer"
+VAE_DIR = "vae"
+TEXT_TOKENIZER_DIR = "text_tokenizer"
+SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
+
+# Index files naming the shards of a sharded component: diffusers writes the first, transformers-style exports the
+# second.
+WEIGHT_INDEX_NAMES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
+
+# Keys the engine reads from transformer/config.json to build the model; `Cosmos3OmniTransformer` has defaults for
+# them, but a config without them describes no particular model, so it is rejected rather than silently defaulted.
+REQUIRED_TRANSFORMER_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "patch_latent_dim",
+)
+# The latent statistics (de)normalise every latent, so they must be present and match the latent width.
+REQUIRED_VAE_KEYS = ("z_dim", "latents_mean", "latents_std")
+
+# safetensors stores an 8-byte little-endian header length, then a JSON header of at most 100 MB.
+_SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
+
+# A hub id is "org/name" with the characters the hub allows.
+_HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Only the parts this project loads; skips e.g. the unused vision_encoder/ of the HF export.
+_HUB_ALLOW_PATTERNS = [
+    "model_index.json",
+    f"{TRANSFORMER_DIR}/*",
+    f"{VAE_DIR}/*",
+    f"{TEXT_TOKENIZER_DIR}/*",
+    f"{SCHEDULER_CONFIG.parent.as_posix()}/*",
+]
+# Seconds to wait for the hub before concluding it is unreachable.
+HUB_TIMEOUT_S = 10.0
+_OFFLINE_ENV_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Resolving a path or hub id
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
+    """Return the local directory of a checkpoint given as a local path or a hub id ("org/name").
+
+    A local directory is returned as is (resolved). Anything else that looks like a hub id is fetched with
+    ``huggingface_hub.snapshot_download`` (the local cache is tried first, without network); when the hub is
+    offline or unreachable, or the repo does not exist, ``CheckpointError`` is raised at once.
+    """
+    text = os.fspath(path_or_id)
+    local_path = Path(text).expanduser()
+    if local_path.is_dir():
+        return local_path.resolve()
+    if local_path.exists():
+        raise CheckpointError(f"checkpoint: {local_path} is a file; expected a checkpoint directory or a hub id")
+    if not _HUB_ID_PATTERN.match(text):
+        raise CheckpointError(f"checkpoint: {local_path} does not exist (and is not a hub id like 'org/name')")
+    return _download_from_hub(text)
+
+
+def _hub_is_offline() -> bool:
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; the environment is read again here so that setting it
+    # later in the process still counts.
+    from huggingface_hub import constants
+
+    offline_values = {"1", "ON", "YES", "TRUE"}
+    env_offline = any(os.environ.get(name, "").upper() in offline_values for name in _OFFLINE_ENV_VARS)
+    return env_offline or bool(constants.HF_HUB_OFFLINE)
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import HfApi, snapshot_download
+
+    not_local = f"checkpoint: {repo_id!r} is not a local directory"
+    pass_local = "pass the path of a local checkpoint directory instead"
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_ALLOW_PATTERNS, local_files_only=True))
+    except Exception:  # not (completely) in the local cache: fetch it below
+        pass
+    if _hub_is_offline():
+        raise CheckpointError(
+            f"{not_local}, is not in the Hugging Face cache, and the hub is offline ({' / '.join(_OFFLINE_ENV_VARS)} "
+            f"is set); {pass_local}"
+        )
+    try:
+        # The default HTTP client waits forever on a silent network; one bounded request fails fast instead.
+        HfApi().repo_info(repo_id, timeout=HUB_TIMEOUT_S)
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_ALLOW_PATTERNS, etag_timeout=HUB_TIMEOUT_S))
+    # The HTTP client (requests, httpx) and so its exception types differ between huggingface_hub versions; any
+    # failure here means the checkpoint could not be fetched, and the cause stays chained.
+    except Exception as error:
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        raise CheckpointError(
+            f"{not_local} and could not be fetched from the Hugging Face hub ({type(error).__name__}: {first_line}); "
+            f"{pass_local}"
+        ) from error
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validating the layout
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """The checked parts of a checkpoint directory: component paths, weight files and parsed configs."""
+
+    root: Path
+    transformer_dir: Path
+    vae_dir: Path
+    text_tokenizer_dir: Path
+    scheduler_config_path: Path
+    transformer_weights: tuple[Path, ...]
+    vae_weights: tuple[Path, ...]
+    transformer_config: dict[str, Any]
+    vae_config: dict[str, Any]
+    scheduler_config: dict[str, Any]
+
+
+def validate_checkpoint(path: str | os.PathLike) -> CheckpointLayout:
+    """Check a local checkpoint directory and return its layout; ``CheckpointError`` names the first bad path.
+
+    Reads only configs and safetensors headers (a few KB per file), so it is cheap even for the full model.
+    """
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint: {root} is not a directory")
+    transformer_dir = _require_dir(root / TRANSFORMER_DIR)
+    vae_dir = _require_dir(root / VAE_DIR)
+    text_tokenizer_dir = _require_dir(root / TEXT_TOKENIZER_DIR)
+    scheduler_config_path = root / SCHEDULER_CONFIG
+
+    transformer_config = _read_config(transformer_dir / "config.json", REQUIRED_TRANSFORMER_KEYS)
+    vae_config = _read_config(vae_dir / "config.json", REQUIRED_VAE_KEYS)
+    _check_latent_statistics(vae_dir / "config.json", vae_config)
+    _check_latent_width(transformer_dir / "config.json", transformer_config, vae_config["z_dim"])
+    scheduler_config = _read_config(scheduler_config_path, required_keys=())
+    _check_tokenizer_files(text_tokenizer_dir)
+
+    transformer_weights = safetensors_files(transformer_dir)
+    vae_weights = safetensors_files(vae_dir)
+    for weights_file in (*transformer_weights, *vae_weights):
+        check_safetensors_file(weights_file)
+
+    return CheckpointLayout(
+        root=root,
+        transformer_dir=transformer_dir,
+        vae_dir=vae_dir,
+        text_tokenizer_dir=text_tokenizer_dir,
+        scheduler_config_path=scheduler_config_path,
+        transformer_weights=transformer_weights,
+        vae_weights=vae_weights,
+        transformer_config=transformer_config,
+        vae_config=vae_config,
+        scheduler_config=scheduler_config,
+    )
+
+
+def _require_dir(path: Path) -> Path:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint: missing directory {path}")
+    return path
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint: missing file {path}")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"checkpoint: {path} is not valid JSON ({error})") from error
+    if not isinstance(value, dict):
+        raise CheckpointError(f"checkpoint: {path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_config(path: Path, required_keys: Iterable[str]) -> dict[str, Any]:
+    config = _read_json_object(path)
+    missing = [key for key in required_keys if key not in config]
+    if missing:
+        raise CheckpointError(f"checkpoint: {path} lacks required keys {missing}")
+    return config
+
+
+def _check_latent_statistics(path: Path, vae_config: Mapping[str, Any]) -> None:
+    z_dim = vae_config["z_dim"]
+    for key in ("latents_mean", "latents_std"):
+        values = vae_config[key]
+        if not isinstance(values, list) or len(values) != z_dim or not all(isinstance(v, (int, float)) for v in values):
+            raise CheckpointError(f"checkpoint: {path} field {key!r} must be a list of z_dim={z_dim} numbers")
+    if any(value <= 0 for value in vae_config["latents_std"]):
+        raise CheckpointError(f"checkpoint: {path} field 'latents_std' must be positive")
+
+
+def _check_latent_width(path: Path, transformer_config: Mapping[str, Any], z_dim: int) -> None:
+    # A transformer and VAE from different models load fine separately and only fail deep inside the first step.
+    latent_channel = transformer_config.get("latent_channel", z_dim)
+    if latent_channel != z_dim:
+        raise CheckpointError(
+            f"checkpoint: {path} field 'latent_channel' is {latent_channel}, but the VAE's z_dim is {z_dim}"
+        )
+
+
+def _check_tokenizer_files(tokenizer_dir: Path) -> None:
+    tokenizer_json = tokenizer_dir / "tokenizer.json"
+    if tokenizer_json.is_file():
+        _read_json_object(tokenizer_json)
+    elif not ((tokenizer_dir / "vocab.json").is_file() and (tokenizer_dir / "merges.txt").is_file()):
+        raise CheckpointError(
+            f"checkpoint: {tokenizer_dir} has no tokenizer files (expected tokenizer.json, or vocab.json + merges.txt)"
+        )
+    tokenizer_config = tokenizer_dir / "tokenizer_config.json"
+    if tokenizer_config.exists():
+        _read_json_object(tokenizer_config)
+
+
+def safetensors_files(component_dir: str | os.PathLike) -> tuple[Path, ...]:
+    """The weight files of a component directory: the shards its index names, or else its ``*.safetensors``."""
+    component_dir = Path(component_dir)
+    for index_name in WEIGHT_INDEX_NAMES:
+        index_path = component_dir / index_name
+        if index_path.exists():
+            weight_map = _read_json_object(index_path).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"checkpoint: {index_path} has no 'weight_map' object")
+            shards = tuple(component_dir / name for name in sorted(set(weight_map.values())))
+            for shard in shards:
+                if not shard.is_file():
+                    raise CheckpointError(f"checkpoint: missing shard {shard} (named in {index_path})")
+            return shards
+    files = tuple(sorted(component_dir.glob("*.safetensors")))
+    if not files:
+        other = sorted(p.name for p in component_dir.glob("*") if p.suffix in {".bin", ".pt", ".pth", ".ckpt"})
+        hint = f" (found {other}; only safetensors weights are loaded)" if other else ""
+        raise CheckpointError(f"checkpoint: no *.safetensors weights in {component_dir}{hint}")
+    return files
+
+
+def check_safetensors_file(path: str | os.PathLike) -> None:
+    """Check a safetensors file from its header alone: the header parses and the file holds all the data it lists.
+
+    Catches truncated downloads and files that are not safetensors without reading the tensors.
+    """
+    path = Path(path)
+    file_size = path.stat().st_size
+    with path.open("rb") as handle:
+        length_bytes = handle.read(8)
+        if len(length_bytes) < 8:
+            raise CheckpointError(f"checkpoint: {path} is too short ({file_size} bytes) to be a safetensors file")
+        (header_length,) = struct.unpack("<Q", length_bytes)
+        if header_length > _SAFETENSORS_MAX_HEADER_BYTES or 8 + header_length > file_size:
+            raise CheckpointError(
+                f"checkpoint: {path} is not a valid safetensors file (header length {header_length}, file size "
+                f"{file_size}): truncated or corrupt"
+            )
+        header_bytes = handle.read(header_length)
+    try:
+        header = json.loads(header_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"checkpoint: {path} has an unreadable safetensors header ({error})") from error
+    if not isinstance(header, dict):
+        raise CheckpointError(f"checkpoint: {path} has a safetensors header that is not a JSON object")
+
+    data_length = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        well_formed = (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(offset, int) for offset in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        )
+        if not well_formed:
+            raise CheckpointError(f"checkpoint: {path} has a malformed safetensors entry for tensor {name!r}")
+        data_length = max(data_length, offsets[1])
+    available = file_size - 8 - header_length
+    if available < data_length:
+        raise CheckpointError(
+            f"checkpoint: {path} is truncated: its header lists {data_length} bytes of tensor data but the file "
+            f"holds {available}"
+        )
+
+
+def load_safetensors_state_dict(
+    paths_or_dir: str | os.PathLike | Iterable[str | os.PathLike], device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Load all shards of a component (a component directory, one file, or a list of files) into one state dict.
+
+    safetensors only (never ``torch.load``); a corrupt or truncated file raises ``CheckpointError`` naming it.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if isinstance(paths_or_dir, (str, os.PathLike)):
+        single = Path(paths_or_dir)
+        paths = safetensors_files(single) if single.is_dir() else (single,)
+    else:
+        paths = tuple(Path(p) for p in paths_or_dir)
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for path in paths:
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint: missing weights file {path}")
+        check_safetensors_file(path)
+        try:
+            tensors = load_file(path, device=str(device))
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CheckpointError(f"checkpoint: cannot read safetensors file {path} ({error})") from error
+        duplicates = state_dict.keys() & tensors.keys()
+        if duplicates:
+            raise CheckpointError(f"checkpoint: {path} repeats tensors from another shard: {sorted(duplicates)[:5]}")
+        state_dict.update(tensors)
+    return state_dict
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tiny random checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+
+# The Nano transformer scaled down: same structure (GQA, qk-norm, interleaved mRoPE, domain-aware action heads),
+# tiny widths. mrope_section sums to head_dim / 2 as in Nano (24 + 20 + 20 = 64 = 128 / 2).
+TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
+    "action_gen": True,
+    "action_dim": 64,
+    "hidden_size": 64,
+    "head_dim": 16,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "latent_channel": 16,
+    "latent_patch_size": 2,
+    "patch_latent_dim": 2 * 2 * 16,
+    "rope_scaling": {"mrope_section": [4, 2, 2]},
+    # Nano's 5e6 barely rotates the slots that matter on tiny grids; a small theta makes position bugs visible.
+    "rope_theta": 50.0,
+    "num_embodiment_domains": 32,
+}
+
+# The Wan2.2 VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json: base_dim 160, decoder_base_dim 256, z_dim 48,
+# num_res_blocks 2) with the same structure but narrow channels, one residual block per level and 16 latent
+# channels. Compression stays 16x spatial (2x pixel patchify + 3 downsamples) and 4x temporal.
+TINY_VAE_CONFIG: dict[str, Any] = {
+    "base_dim": 4,
+    "decoder_base_dim": 8,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 1,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "scale_factor_temporal": 4,
+}
+
+# The sampler settings of the native policy server (linear flow sigmas, shift 5, order-2 UniPC bh2).
+TINY_SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "prediction_type": "flow_prediction",
+    "use_flow_sigmas": True,
+    "flow_shift": 5.0,
+    "solver_order": 2,
+    "solver_type": "bh2",
+    "final_sigmas_type": "zero",
+    "use_karras_sigmas": False,
+}
+
+# Byte-level BPE vocabulary: the 256 byte symbols, the special tokens and about 250 merges, so embedding tables stay
+# small while the pipeline's action prompt is about 150 tokens.
+TINY_TOKENIZER_VOCAB_SIZE = 512
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (
+    PAD_TOKEN,
+    "<|im_start|>",
+    EOS_TOKEN,
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# The Qwen3-VL chat template without its tool-calling branches: an optional leading system turn, user/assistant
+# turns whose content is a string or a list of text/image/video parts, and the assistant generation prompt.
+QWEN_CHAT_TEMPLATE = """\
+{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- macro render_content(content) %}
+    {%- if content is string %}
+        {{- content }}
+    {%- else %}
+        {%- for item in content %}
+            {%- if 'image' in item or 'image_url' in item or item.type == 'image' %}
+                {%- set image_count.value = image_count.value + 1 %}
+                {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+                <|vision_start|><|image_pad|><|vision_end|>
+            {%- elif 'video' in item or item.type == 'video' %}
+                {%- set video_count.value = video_count.value + 1 %}
+                {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
+                <|vision_start|><|video_pad|><|vision_end|>
+            {%- elif 'text' in item %}
+                {{- item.text }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+{%- endmacro %}
+{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + render_content(messages[0].content) + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or message.role == 'assistant' %}
+        {{- '<|im_start|>' + message.role + '\\n' + render_content(message.content) + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
+def _tokenizer_training_text() -> list[str]:
+    """Robot-task text in the shapes the pipeline's prompts take (action JSON caption, metadata sentences)."""
+    from diffusers.pipelines.cosmos import pipeline_cosmos3_omni as omni
+
+    tasks = [
+        "pick up the red cup and place it in the bowl",
+        "push the T-shaped block onto the green target",
+        "open the top drawer of the cabinet",
+        "close the microwave door",
+        "put the banana on the plate",
+        "stack the blue block on top of the yellow block",
+        "move the spoon to the left of the pot",
+        "wipe the table with the towel",
+        "turn on the faucet and wash the mug",
+        "fold the cloth in half",
+        "pour water from the bottle into the glass",
+        "grasp the handle and pull the door open",
+        "robot picks up the marker and puts it in the box",
+        "the gripper slides the cube to the right side of the table",
+        "the robot arm reaches for the apple near the sink",
+    ]
+    viewpoints = list(omni._ACTION_VIEWPOINT_TEMPLATES.values())
+    metadata = [
+        omni._SYSTEM_PROMPT_VIDEO,
+        omni._SYSTEM_PROMPT_IMAGE,
+        "The video is 1.4 seconds long and is of 24 FPS. This video is of 480x832 resolution.",
+        "The video is 2.2 seconds long and is of 15 FPS. This video is of 544x736 resolution.",
+        "This image is of 256x256 resolution. 0 1 2 3 4 5 6 7 8 9 10 16 24 32 33 64 192 320 640 720 960 1280",
+    ]
+    captions = [
+        omni.Cosmos3OmniPipeline._build_action_json_prompt(
+            task, view_point=view_point, num_frames=frames, fps=fps, height=height, width=width
+        )
+        for task, view_point, (frames, fps, height, width) in zip(
+            tasks,
+            list(omni._ACTION_VIEWPOINT_TEMPLATES) * 4,
+            [(17, 24.0, 480, 832), (33, 15.0, 544, 736), (5, 24.0, 256, 256), (9, 24.0, 320, 256)] * 4,
+        )
+    ]
+    return tasks + viewpoints + metadata + captions
+
+
+def build_tiny_tokenizer():
+    """A Qwen2 byte-level BPE tokenizer trained in-process, with Qwen's special tokens and chat template.
+
+    Normaliser, pre-tokenizer and decoder are Qwen2's, only the vocabulary is trained on a few hundred words, so any
+    text still encodes (unknown words as bytes).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2TokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_TOKENIZER_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_tokenizer_training_text(), trainer)
+    return Qwen2TokenizerFast(
+        tokenizer_object=backend,
+        bos_token=None,
+        unk_token=None,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=QWEN_CHAT_TEMPLATE,
+    )
+
+
+def _check_override_keys(overrides: Mapping[str, Any], cls: type, field: str) -> None:
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    unknown = sorted(set(overrides) - accepted)
+    if unknown:
+        raise InputError(f"{field}: unknown {cls.__name__} config keys {unknown}")
+
+
+@torch.no_grad()
+def _redraw_transformer_weights(transformer: torch.nn.Module, generator: torch.Generator) -> None:
+    """Redraw every parameter so none is zero or one: the default init leaves biases and
+    ``action_modality_embed`` at 0 and norm weights at 1, which would hide bugs in a reimplementation."""
+    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3NemotronRMSNorm
+
+    for module in transformer.modules():
+        is_norm = isinstance(module, (RMSNorm, Cosmos3NemotronRMSNorm))
+        for param in module.parameters(recurse=False):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.copy_(1.0 + 0.1 * noise if is_norm else 0.02 * noise)
+
+
+@torch.no_grad()
+def _perturb_vae_norm_scales(vae: torch.nn.Module, generator: torch.Generator) -> None:
+    """The VAE's convolutions keep their (random) default init; its RMS-norm scales start at 1 and are perturbed."""
+    for name, param in vae.named_parameters():
+        if name.endswith("gamma"):
+            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator, dtype=torch.float32))
+
+
+def build_tiny_checkpoint(
+    path: str | os.PathLike,
+    seed: int = 0,
+    *,
+    vae_overrides: Mapping[str, Any] | None = None,
+    scheduler_overrides: Mapping[str, Any] | None = None,
+    **transformer_overrides: Any,
+) -> Path:
+    """Write a small random ``Cosmos3OmniPipeline`` checkpoint (about 4 MB, safetensors) and return its path.
+
+    Built from diffusers' own classes and ``save_pretrained``, so the layout is exactly diffusers'. The same seed
+    gives identical weights. ``transformer_overrides`` update ``TINY_TRANSFORMER_CONFIG`` (e.g.
+    ``num_hidden_layers=3, hidden_act="relu2"``); ``vae_overrides`` / ``scheduler_overrides`` update the VAE and
+    scheduler configs. ``path`` must not exist or be an empty directory.
+    """
+    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
+
+    path = Path(path).expanduser()
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise InputError(f"path: {path} already exists and is not an empty directory")
+    vae_overrides = dict(vae_overrides or {})
+    scheduler_overrides = dict(scheduler_overrides or {})
+    _check_override_keys(transformer_overrides, Cosmos3OmniTransformer, "transformer_overrides")
+    _check_override_keys(vae_overrides, AutoencoderKLWan, "vae_overrides")
+    _check_override_keys(scheduler_overrides, UniPCMultistepScheduler, "scheduler_overrides")
+
+    tokenizer = build_tiny_tokenizer()
+    transformer_config = {**TINY_TRANSFORMER_CONFIG, "vocab_size": len(tokenizer), **transformer_overrides}
+    vae_config = {**TINY_VAE_CONFIG, **vae_overrides}
+
+    generator = torch.Generator().manual_seed(seed)
+    z_dim = vae_config["z_dim"]
+    # Latent statistics away from the identity (mean 0, std 1) so a missing (de)normalisation shows up in tests.
+    latents_mean = (0.5 * torch.randn(z_dim, generator=generator)).tolist()
+    latents_std = (0.5 + torch.rand(z_dim, generator=generator)).tolist()
+    vae_config.setdefault("latents_mean", [round(value, 4) for value in latents_mean])
+    vae_config.setdefault("latents_std", [round(value, 4) for value in latents_std])
+
+    # The modules draw their default init from the global RNG; seed it without disturbing the caller's state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = Cosmos3OmniTransformer(**transformer_config)
+        vae = AutoencoderKLWan(**vae_config)
+    _redraw_transformer_weights(transformer, generator)
+    _perturb_vae_norm_scales(vae, generator)
+    scheduler = UniPCMultistepScheduler(**{**TINY_SCHEDULER_CONFIG, **scheduler_overrides})
+
+    pipeline = Cosmos3OmniPipeline(
+        transformer=transformer,
+        text_tokenizer=tokenizer,
+        vae=vae,
+        scheduler=scheduler,
+        enable_safety_checker=False,
+    )
+    pipeline.save_pretrained(path, safe_serialization=True)
+    validate_checkpoint(path)
+    return path

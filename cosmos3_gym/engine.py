@@ -1,0 +1,362 @@
+"""``Cosmos3Engine``: batched Cosmos3 inference for the three action modes.
+
+One ``step(requests)`` call validates and preprocesses every request, encodes only the clean conditioning frames,
+draws seeded noise exactly as diffusers' ``Cosmos3OmniPipeline`` does, and denoises all requests that share a latent
+shape and step count in one batched GEN-tower pass per step (conditional and unconditional branches together).
+Text K/V come from a per-prompt cache, so a prompt's UND tower runs once for the engine's lifetime.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from . import processor
+from .checkpoint import resolve_checkpoint, validate_checkpoint
+from .errors import InputError
+from .models.transformer import Cosmos3Transformer, TextKV
+from .models.vae import Cosmos3VAE
+from .sampling import FlowUniPCSampler, cfg_combine, make_schedule
+
+MODES = ("policy", "forward_dynamics", "inverse_dynamics")
+
+
+@dataclass
+class Cosmos3Request:
+    """One inference request. Defaults follow the native RoboLab DROID policy server (4 steps, guidance 3, chunk
+    32, 15 fps); the flow shift defaults to the checkpoint's scheduler config."""
+
+    mode: str
+    observation: Any  # image / video / path / frames, see processor.load_frames
+    task: str = ""
+    actions: Any = None  # [T, raw_action_dim], forward_dynamics only (normalised model space)
+    domain: str | int = "droid_lerobot"
+    raw_action_dim: int | None = None
+    chunk: int = 32
+    cond_frame_indexes: Sequence[int] | None = None  # clean latent frames; default [0] (all for inverse dynamics)
+    num_steps: int = 4
+    guidance_scale: float = 3.0
+    flow_shift: float | None = None
+    use_karras_sigmas: bool | None = None
+    fps: float = 15.0
+    seed: int | None = None
+    resolution_tier: int = 480
+    view_point: str = "ego_view"
+    negative_prompt: str | None = None
+
+
+@dataclass
+class Cosmos3Result:
+    mode: str
+    action: np.ndarray  # [chunk, raw_action_dim] float32 (the given actions for forward_dynamics)
+    video_latents: torch.Tensor  # [C, t, h, w] float32, normalised latent space
+    pixels: torch.Tensor | None  # [3, T, H, W] float32 in [0, 1] when decoded
+    seed: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Prepared:
+    """A validated request turned into tensors, ready to be batched."""
+
+    request: Cosmos3Request
+    seed: int
+    domain_id: int
+    raw_action_dim: int
+    cond_ids: list[int]
+    uncond_ids: list[int]
+    clean_frames: list[int]
+    clean_rows: list[int]
+    x0_video: torch.Tensor  # [1, C, n_clean_encoded, h, w]
+    x0_actions: torch.Tensor  # [chunk, action_dim]
+    latent_thw: tuple[int, int, int]
+    schedule: Any
+
+    @property
+    def group_key(self):
+        return (self.latent_thw, self.request.chunk, self.request.num_steps)
+
+
+class Cosmos3Engine:
+    """Cosmos3 policy-checkpoint inference in one process (CPU or one GPU)."""
+
+    def __init__(
+        self,
+        transformer: Cosmos3Transformer,
+        vae: Cosmos3VAE,
+        tokenizer,
+        scheduler_config: dict,
+        *,
+        decode_video: bool = True,
+        progress: bool = True,
+        text_cache_size: int = 256,
+    ):
+        self.transformer = transformer.eval().requires_grad_(False)
+        self.vae = vae.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.scheduler_config = dict(scheduler_config)
+        self.decode_video = decode_video
+        self.progress = progress
+        self._text_cache: OrderedDict[tuple[int, ...], TextKV] = OrderedDict()
+        self._text_cache_size = text_cache_size
+        self._closed = False
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_id: str | Path,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        vae_dtype: torch.dtype | str | None = None,
+        decode_video: bool = True,
+        progress: bool = True,
+    ) -> "Cosmos3Engine":
+        """Load a diffusers-layout Cosmos3 checkpoint (local directory or hub id).
+
+        ``dtype`` is the transformer's (default bf16 on CUDA, fp32 on CPU); the VAE runs in fp32 unless
+        ``vae_dtype`` says otherwise (diffusers' docs load AutoencoderKLWan in fp32).
+        """
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = resolve_dtype(dtype, default=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        vae_dtype = resolve_dtype(vae_dtype, default=torch.float32)
+        layout = validate_checkpoint(resolve_checkpoint(path_or_id))
+        transformer = Cosmos3Transformer.from_pretrained(layout.transformer_dir, device=device, dtype=dtype)
+        if not transformer.config.action_gen:
+            raise InputError(f"checkpoint {path_or_id}: transformer has action_gen=False; not a Cosmos3 policy model")
+        vae = Cosmos3VAE.from_pretrained(layout.vae_dir, device=device, dtype=vae_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(layout.text_tokenizer_dir))
+        return cls(
+            transformer, vae, tokenizer, layout.scheduler_config, decode_video=decode_video, progress=progress
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    # ------------------------------------------------------------------ public API
+
+    def step(self, requests: Cosmos3Request | Sequence[Cosmos3Request], *, decode: bool | None = None):
+        """Run one request (returns a ``Cosmos3Result``) or a list (returns a list, in order)."""
+        if self._closed:
+            raise RuntimeError("Cosmos3Engine is closed")
+        single = isinstance(requests, Cosmos3Request)
+        batch = [requests] if single else list(requests)
+        if not batch:
+            raise InputError("requests: expected at least one Cosmos3Request")
+        decode = self.decode_video if decode is None else decode
+        with torch.inference_mode():
+            prepared = [self.prepare(r) for r in batch]
+            results: list[Cosmos3Result | None] = [None] * len(batch)
+            groups: dict[Any, list[int]] = {}
+            for i, p in enumerate(prepared):
+                groups.setdefault(p.group_key, []).append(i)
+            for indexes in groups.values():
+                for i, result in zip(indexes, self._denoise([prepared[i] for i in indexes], decode)):
+                    results[i] = result
+        return results[0] if single else results
+
+    def close(self) -> None:
+        """Release the model (idempotent)."""
+        if not self._closed:
+            self._text_cache.clear()
+            self._closed = True
+
+    def text_kv(self, input_ids: list[int]) -> TextKV:
+        """The UND K/V of one prompt, from the cache or computed now (and cached)."""
+        key = tuple(input_ids)
+        cached = self._text_cache.get(key)
+        if cached is not None:
+            self._text_cache.move_to_end(key)
+            return cached
+        kv = self.transformer.encode_text([list(input_ids)])
+        self._text_cache[key] = kv
+        if len(self._text_cache) > self._text_cache_size:
+            self._text_cache.popitem(last=False)
+        return kv
+
+    # ------------------------------------------------------------------ preprocessing
+
+    def prepare(self, request: Cosmos3Request) -> _Prepared:
+        """Validate a request and build its conditioning: prompts, clean latents, clean actions, schedule."""
+        if not isinstance(request, Cosmos3Request):
+            raise InputError(f"requests: expected Cosmos3Request, got {type(request).__name__}")
+        r = request
+        if r.mode not in MODES:
+            raise InputError(f"mode: expected one of {list(MODES)}, got {r.mode!r}")
+        if not isinstance(r.chunk, int) or r.chunk < 1:
+            raise InputError(f"chunk: expected an integer >= 1, got {r.chunk!r}")
+        if not isinstance(r.num_steps, int) or r.num_steps < 1:
+            raise InputError(f"num_steps: expected an integer >= 1, got {r.num_steps!r}")
+        if not np.isfinite(r.guidance_scale) or r.guidance_scale < 0:
+            raise InputError(f"guidance_scale: expected a finite number >= 0, got {r.guidance_scale!r}")
+        if not np.isfinite(r.fps) or r.fps <= 0:
+            raise InputError(f"fps: expected a positive number, got {r.fps!r}")
+        if r.flow_shift is not None and (not np.isfinite(r.flow_shift) or r.flow_shift <= 0):
+            raise InputError(f"flow_shift: expected a positive number, got {r.flow_shift!r}")
+        if r.mode == "forward_dynamics" and r.actions is None:
+            raise InputError("actions: mode 'forward_dynamics' needs an action chunk [T, raw_action_dim]")
+        action_dim = self.transformer.config.action_dim
+        domain_id, raw_dim = processor.resolve_domain(r.domain, r.raw_action_dim, action_dim=action_dim)
+
+        num_frames = r.chunk + 1
+        latent_t = (num_frames - 1) // self.vae.temporal_compression + 1
+        clean_frames = self._clean_frames(r, latent_t)
+        frames = processor.load_frames(r.observation)
+        # The VAE is causal in time: latent frames 0..k depend only on pixel frames 0..4k, so encoding just the
+        # pixel frames that feed clean latents gives the same latents as encoding the whole clip.
+        encoded_pixel_frames = (max(clean_frames) * self.vae.temporal_compression + 1) if clean_frames else 1
+        cond = processor.prepare_conditioning(frames, r.resolution_tier, encoded_pixel_frames)
+        canvas_h, canvas_w = cond.canvas_hw
+        h, w = cond.latent_hw
+        x0_video = self.vae.encode(cond.pixels.to(self.device))[..., :h, :w]
+
+        if r.mode == "forward_dynamics":
+            x0_actions = processor.prepare_action_chunk(r.actions, r.chunk, raw_dim, action_dim)
+            clean_rows = list(range(r.chunk))
+        else:
+            x0_actions = torch.zeros(r.chunk, action_dim)
+            clean_rows = []
+
+        cond_ids, uncond_ids = processor.build_prompt_token_ids(
+            self.tokenizer,
+            r.task,
+            negative_prompt=r.negative_prompt,
+            view_point=r.view_point,
+            num_frames=num_frames,
+            fps=r.fps,
+            height=canvas_h,
+            width=canvas_w,
+        )
+        schedule = make_schedule(
+            r.num_steps, self.scheduler_config, flow_shift=r.flow_shift, use_karras_sigmas=r.use_karras_sigmas
+        )
+        seed = r.seed if r.seed is not None else secrets.randbelow(2**63)
+        return _Prepared(
+            r, seed, domain_id, raw_dim, cond_ids, uncond_ids, clean_frames, clean_rows,
+            x0_video, x0_actions, (latent_t, h, w), schedule,
+        )
+
+    @staticmethod
+    def _clean_frames(r: Cosmos3Request, latent_t: int) -> list[int]:
+        if r.cond_frame_indexes is None:
+            return list(range(latent_t)) if r.mode == "inverse_dynamics" else [0]
+        indexes = sorted(set(int(i) for i in r.cond_frame_indexes))
+        if not indexes or indexes[0] < 0 or indexes[-1] >= latent_t:
+            raise InputError(
+                f"cond_frame_indexes: expected latent frame indexes in [0, {latent_t}) for chunk {r.chunk}, "
+                f"got {list(r.cond_frame_indexes)}"
+            )
+        return indexes
+
+    def initial_noise(self, p: _Prepared) -> tuple[torch.Tensor, torch.Tensor]:
+        """Seeded noise drawn exactly as ``Cosmos3OmniPipeline.prepare_latents``: one CPU generator, the video
+        noise [1, C, t, h, w] first, then the action noise [chunk, action_dim], both float32."""
+        generator = torch.Generator("cpu").manual_seed(p.seed)
+        c = self.transformer.config.latent_channel
+        video_noise = torch.randn((1, c, *p.latent_thw), generator=generator, dtype=torch.float32)
+        action_noise = torch.randn(
+            (p.request.chunk, self.transformer.config.action_dim), generator=generator, dtype=torch.float32
+        )
+        return video_noise, action_noise
+
+    # ------------------------------------------------------------------ the batched denoising loop
+
+    def _denoise(self, group: list[_Prepared], decode: bool) -> list[Cosmos3Result]:
+        device = self.device
+        batch = len(group)
+        latent_t, _, _ = group[0].latent_thw
+        chunk = group[0].request.chunk
+
+        video_clean = torch.zeros(batch, latent_t, dtype=torch.bool)
+        action_clean = torch.zeros(batch, chunk, dtype=torch.bool)
+        x0_video = torch.zeros(batch, self.transformer.config.latent_channel, *group[0].latent_thw)
+        x0_actions = torch.stack([p.x0_actions for p in group])
+        video, actions = torch.empty_like(x0_video), torch.empty_like(x0_actions)
+        for b, p in enumerate(group):
+            video_clean[b, p.clean_frames] = True
+            action_clean[b, p.clean_rows] = True
+            n = p.x0_video.shape[2]
+            x0_video[b, :, :n] = p.x0_video[0].float().cpu()
+            video_noise, action_noise = self.initial_noise(p)
+            video[b] = video_noise[0]
+            actions[b] = action_noise
+            actions[b, :, p.raw_action_dim :] = 0
+        video = torch.where(video_clean[:, None, :, None, None], x0_video, video).to(device)
+        actions = torch.where(action_clean[..., None], x0_actions, actions).to(device)
+        x0_video, x0_actions = x0_video.to(device), x0_actions.to(device)
+        video_clean, action_clean = video_clean.to(device), action_clean.to(device)
+        raw_dims = torch.tensor([p.raw_action_dim for p in group], device=device)
+        action_dim_mask = torch.arange(actions.shape[-1], device=device)[None, None, :] < raw_dims[:, None, None]
+
+        # Conditional branch for every request; unconditional only where guidance != 1 (as diffusers skips it).
+        guided = [b for b, p in enumerate(group) if p.request.guidance_scale != 1.0]
+        rows = list(range(batch)) + guided
+        text = TextKV.stack([self.text_kv(p.cond_ids) for p in group] + [self.text_kv(group[b].uncond_ids)
+                                                                           for b in guided])
+        fps = [group[b].request.fps for b in rows]
+        layout = self.transformer.gen_layout(text.lengths, group[0].latent_thw, chunk, fps)
+        domain_ids = torch.tensor([group[b].domain_id for b in rows], device=device)
+        video_noisy, action_noisy = ~video_clean[rows], ~action_clean[rows]
+        guidance = torch.tensor([group[b].request.guidance_scale for b in guided], device=device)
+
+        video_sampler = FlowUniPCSampler([p.schedule for p in group], device)
+        action_sampler = FlowUniPCSampler([p.schedule for p in group], device)
+        steps = group[0].request.num_steps
+        for i in tqdm(range(steps), desc="denoising", disable=not self.progress, leave=False):
+            timesteps = video_sampler.timesteps_for_step(i)
+            v_video, v_action = self.transformer(
+                text, layout, video[rows], video_noisy, timesteps[rows], actions[rows], action_noisy, domain_ids
+            )
+            v_video, v_action = self._combine(v_video, v_action, batch, guided, guidance)
+            v_action = v_action * action_dim_mask
+            video = video_sampler.step(i, v_video, video)
+            actions = action_sampler.step(i, v_action, actions) * action_dim_mask
+            # Clean frames / rows are re-imposed exactly (diffusers keeps them only up to sampler rounding).
+            video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
+            actions = torch.where(action_clean[..., None], x0_actions, actions)
+
+        pixels = self.vae.decode(video) if decode else None
+        results = []
+        for b, p in enumerate(group):
+            results.append(
+                Cosmos3Result(
+                    mode=p.request.mode,
+                    action=actions[b, :, : p.raw_action_dim].float().cpu().numpy(),
+                    video_latents=video[b].float().cpu(),
+                    pixels=pixels[b].float().cpu() if pixels is not None else None,
+                    seed=p.seed,
+                )
+            )
+        return results
+
+    @staticmethod
+    def _combine(v_video, v_action, batch, guided, guidance):
+        """Split the [cond; uncond] rows and apply CFG to the guided requests."""
+        cond_video, cond_action = v_video[:batch], v_action[:batch]
+        if not guided:
+            return cond_video, cond_action
+        index = torch.tensor(guided, device=v_video.device)
+        video = cond_video.index_copy(0, index, cfg_combine(cond_video[index], v_video[batch:], guidance))
+        action = cond_action.index_copy(0, index, cfg_combine(cond_action[index], v_action[batch:], guidance))
+        return video, action
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in names:
+        raise InputError(f"dtype: expected one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]

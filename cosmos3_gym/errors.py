@@ -1,0 +1,13 @@
+"""Errors raised for bad user input.
+
+Every check that rejects user input raises ``InputError`` (a ``ValueError``) with a message naming the field
+and what was expected; the CLI turns it into one line on stderr and exit code 2.
+"""
+
+
+class InputError(ValueError):
+    """Bad user input: the message names the field and what was expected."""
+
+
+class CheckpointError(InputError):
+    """A checkpoint (or a part of it) is missing, malformed or unreachable."""

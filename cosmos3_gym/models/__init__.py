@@ -1,0 +1,5 @@
+"""Cosmos3 model components."""
+
+from cosmos3_gym.models.vae import Cosmos3VAE, TileConfig
+
+__all__ = ["Cosmos3VAE", "TileConfig"]

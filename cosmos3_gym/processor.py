@@ -1,0 +1,629 @@
+"""Input and output processing for the Cosmos3 action modes (policy, forward and inverse dynamics).
+
+diffusers' ``Cosmos3OmniPipeline`` (pipeline_cosmos3_omni.py) is the numerics reference for everything that reaches
+the model: the observation canvas, the prompt token ids, the domain ids and the padded action chunk. Its tables
+(resolution bins, viewpoint sentences, embodiment domains and widths), its ``VideoProcessor`` and its JSON caption
+builder are imported rather than copied, so this module cannot drift from the reference; tests/test_processor.py
+proves the results equal to calling the pipeline's own methods.
+
+The rest (reading images/videos from files, dataset action statistics, action JSON files) has no diffusers
+counterpart; it follows PhyAI's Cosmos3 processor and the native cosmos-framework file formats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# Private names of diffusers' pipeline module, imported on purpose: diffusers (pinned to 0.42.1) is the numerics and
+# semantics reference, and sharing its tables means a model trained against them sees the same values here.
+from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import (
+    _ACTION_RESOLUTION_BINS,
+    _ACTION_VIEWPOINT_TEMPLATES,
+    _EMBODIMENT_TO_DOMAIN_ID,
+    _EMBODIMENT_TO_RAW_ACTION_DIM,
+    _SYSTEM_PROMPT_IMAGE,
+    _SYSTEM_PROMPT_VIDEO,
+    Cosmos3OmniPipeline,
+)
+from diffusers.video_processor import VideoProcessor
+from PIL import Image
+
+from .errors import InputError
+
+__all__ = [
+    "ACTION_DIM",
+    "ACTION_NORMALIZATION_MODES",
+    "DOMAIN_NAMES",
+    "NUM_EMBODIMENT_DOMAINS",
+    "RESOLUTION_TIERS",
+    "VAE_SPATIAL_FACTOR",
+    "VIEW_POINTS",
+    "ActionStats",
+    "Conditioning",
+    "build_prompt_token_ids",
+    "load_action_file",
+    "load_frames",
+    "prepare_action_chunk",
+    "prepare_conditioning",
+    "resolve_domain",
+    "save_action_file",
+]
+
+VAE_SPATIAL_FACTOR = 16  # Wan2.2 VAE: one latent pixel per 16x16 image pixels.
+ACTION_DIM = 64  # the transformer's padded action width (config.action_dim)
+NUM_EMBODIMENT_DOMAINS = 32  # rows of the DomainAwareLinear tables (config.num_embodiment_domains)
+RESOLUTION_TIERS = tuple(sorted(int(tier) for tier in _ACTION_RESOLUTION_BINS))
+VIEW_POINTS = tuple(_ACTION_VIEWPOINT_TEMPLATES)
+DOMAIN_NAMES = tuple(sorted(_EMBODIMENT_TO_DOMAIN_ID))
+# The two statistics each mode reads: (mean, std) or the (low, high) bounds of the range it maps [-1, 1] onto.
+_STATS_KEYS_BY_MODE = {
+    "meanstd": ("mean", "std"),
+    "minmax": ("min", "max"),
+    "quantile": ("q01", "q99"),
+    "quantile_rot": ("q01", "q99"),
+}
+ACTION_NORMALIZATION_MODES = tuple(_STATS_KEYS_BY_MODE)
+
+VIDEO_SUFFIXES = (".mp4", ".gif", ".webm", ".avi", ".mov", ".mkv")
+_VISION_START_TOKEN = "<|vision_start|>"
+
+# The exact processor Cosmos3OmniPipeline.__init__ builds (VAE scale_factor_spatial = 16). Reused, not re-implemented,
+# because diffusers is the numerics reference: it decides how a frame is snapped to a multiple of 16 before binning.
+_VIDEO_PROCESSOR = VideoProcessor(vae_scale_factor=VAE_SPATIAL_FACTOR, resample="bilinear")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Observations
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_frames(observation: Any) -> np.ndarray:
+    """Read an observation as float32 RGB frames ``[T, H, W, 3]`` in ``[0, 1]``.
+
+    Accepts a path to an image (anything PIL reads) or a video (.mp4/.gif/.webm/.avi/.mov/.mkv), a PIL image, a
+    numpy array ``HW``/``HWC``/``THWC``, a torch tensor ``CHW``/``TCHW`` (or channels-last ``HWC``/``THWC``), or a
+    list of any of these (the frames of one video). 8-bit integers are divided by 255; floats in [0, 1] are kept;
+    floats with negative values are read as [-1, 1] and mapped to [0, 1], as the reference processors do.
+    Grayscale and RGBA become RGB.
+    """
+    if isinstance(observation, list):
+        if not observation:
+            raise InputError("observation: got an empty list; expected one or more frames.")
+        clips = [load_frames(item) for item in observation]
+        sizes = sorted({clip.shape[1:3] for clip in clips})
+        if len(sizes) > 1:
+            raise InputError(f"observation: all frames must have the same height and width, got sizes {sizes}.")
+        return np.concatenate(clips, axis=0)
+    if isinstance(observation, (str, os.PathLike)):
+        return _read_frames_file(Path(observation))
+    if isinstance(observation, Image.Image):
+        return _pil_to_frames(observation)
+    if isinstance(observation, torch.Tensor):
+        return _array_to_frames(_tensor_to_channels_last(observation))
+    if isinstance(observation, np.ndarray):
+        return _array_to_frames(observation)
+    raise InputError(
+        f"observation: unsupported type {type(observation).__name__}; expected a path, PIL image, numpy array, "
+        "torch tensor or a list of these."
+    )
+
+
+def _read_frames_file(path: Path) -> np.ndarray:
+    if not path.is_file():
+        raise InputError(f"observation: file not found: {path}")
+    if path.suffix.lower() in VIDEO_SUFFIXES:
+        frames = _read_video_file(path)
+        if frames.shape[0] == 0:
+            raise InputError(f"observation: video {path} has no frames.")
+        return _array_to_frames(frames)
+    try:
+        with Image.open(path) as image:
+            return _pil_to_frames(image)
+    except (OSError, ValueError) as error:  # PIL.UnidentifiedImageError is an OSError
+        raise InputError(
+            f"observation: cannot read {path} as an image ({error}); videos must end in one of {VIDEO_SUFFIXES}."
+        ) from error
+
+
+def _read_video_file(path: Path) -> np.ndarray:
+    """All frames of a video file as a ``[T, H, W, C]`` array."""
+    import imageio.v3 as iio
+
+    # GIF frames are palette images; ask Pillow for RGB so every frame comes back with 3 channels.
+    options = {"plugin": "pillow", "mode": "RGB"} if path.suffix.lower() == ".gif" else {}
+    try:
+        frames = iio.imread(path, index=None, **options)
+    except Exception as error:  # imageio/ffmpeg raise many exception types for unreadable files
+        raise InputError(f"observation: cannot read video {path}: {error}") from error
+    frames = np.asarray(frames)
+    if frames.ndim == 3:  # a single-frame file comes back without the time axis
+        frames = frames[None]
+    return frames
+
+
+def _pil_to_frames(image: Image.Image) -> np.ndarray:
+    # Same arithmetic as VaeImageProcessor.pil_to_numpy (uint8 -> float32 / 255), so the values are bit-identical.
+    return (np.asarray(image.convert("RGB")).astype(np.float32) / 255.0)[None]
+
+
+def _tensor_to_channels_last(tensor: torch.Tensor) -> np.ndarray:
+    """``CHW``/``TCHW`` (or already channels-last ``HWC``/``THWC``) tensor -> channels-last numpy array.
+
+    Shapes that fit both layouts are read channels-first, the torch convention.
+    """
+    array = tensor.detach().cpu()
+    if array.is_floating_point():
+        array = array.float()  # numpy has no bfloat16
+    array = array.numpy()
+    channel_counts = (1, 3, 4)
+    if array.ndim in (3, 4) and array.shape[-3] in channel_counts:
+        return np.moveaxis(array, -3, -1)
+    if array.ndim in (3, 4) and array.shape[-1] in channel_counts:
+        return array
+    raise InputError(
+        f"observation: tensor of shape {tuple(tensor.shape)} is not CHW, TCHW or HWC with 1, 3 or 4 channels."
+    )
+
+
+def _array_to_frames(array: np.ndarray) -> np.ndarray:
+    """Channels-last ``HW``/``HWC``/``THWC`` array -> float32 RGB ``[T, H, W, 3]`` in [0, 1]."""
+    if array.ndim == 2:  # a single grayscale image
+        array = array[:, :, None]
+    if array.ndim == 3:
+        array = array[None]
+    if array.ndim != 4:
+        raise InputError(f"observation: expected an HWC image or THWC video, got an array of shape {array.shape}.")
+    if array.shape[0] == 0:
+        raise InputError("observation: the video has no frames.")
+    channels = array.shape[-1]
+    if channels not in (1, 3, 4):
+        raise InputError(
+            f"observation: expected 1 (grayscale), 3 (RGB) or 4 (RGBA) channels, got {channels} "
+            f"(array shape {array.shape})."
+        )
+    if channels == 1:
+        array = np.repeat(array, 3, axis=-1)
+    elif channels == 4:
+        array = array[..., :3]  # PIL's RGBA -> RGB conversion also just drops alpha
+
+    is_number = np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
+    if array.dtype == np.bool_ or not is_number:
+        raise InputError(f"observation: expected uint8 or float pixel values, got dtype {array.dtype}.")
+    if np.issubdtype(array.dtype, np.integer):
+        if array.min() < 0 or array.max() > 255:
+            raise InputError(
+                f"observation: integer pixels must lie in [0, 255], got range [{array.min()}, {array.max()}]."
+            )
+        return array.astype(np.float32) / 255.0
+
+    array = array.astype(np.float32, copy=False)
+    if not np.isfinite(array).all():
+        raise InputError("observation: pixel values contain NaN or infinity.")
+    low, high = float(array.min()), float(array.max())
+    if low < 0.0:
+        if low < -1.0 or high > 1.0:
+            raise InputError(
+                f"observation: float pixels with negative values must lie in [-1, 1], got [{low}, {high}]."
+            )
+        return (array + 1.0) / 2.0
+    if high > 1.0:
+        raise InputError(
+            f"observation: float pixels must lie in [0, 1] or [-1, 1], got [{low}, {high}]; pass 0-255 data as uint8."
+        )
+    return array
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """The observation clip on the model's canvas.
+
+    ``pixels`` is ``[1, 3, num_frames, *canvas_hw]`` in [-1, 1]; the image content fills the top-left ``content_hw``
+    and the rest is padding. After VAE encoding, the latent is cropped to ``latent_hw`` (the content's latent grid),
+    as ``Cosmos3OmniPipeline._remove_action_video_padding_from_latent`` does.
+    """
+
+    pixels: torch.Tensor
+    canvas_hw: tuple[int, int]
+    content_hw: tuple[int, int]
+    latent_hw: tuple[int, int]
+
+
+def prepare_conditioning(
+    frames: Any,
+    resolution_tier: int,
+    num_frames: int,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Conditioning:
+    """Put the observation frames on the tier's canvas, exactly as ``Cosmos3OmniPipeline`` does for action modes.
+
+    Reproduces ``Cosmos3OmniPipeline._prepare_action_video_conditioning``: VideoProcessor.preprocess_video (snap to a
+    multiple of 16, scale to [-1, 1]) -> the tier's canvas closest in aspect ratio -> pad the clip to ``num_frames``
+    by repeating its last frame, or keep its first ``num_frames`` -> downscale only (bicubic, antialias) -> pad
+    bottom/right (reflect, or replicate when the padding is as large as the content).
+
+    ``frames`` is ``load_frames`` output (anything ``load_frames`` accepts is read through it first). ``num_frames``
+    may be smaller than the clip, e.g. 1 to encode only the clean observation. ``device``/``dtype`` are where the
+    resize runs; the pipeline runs it on its execution device in the transformer's dtype.
+    """
+    frames = load_frames(frames)
+    if str(resolution_tier) not in _ACTION_RESOLUTION_BINS:
+        raise InputError(f"resolution_tier: got {resolution_tier!r}; expected one of {list(RESOLUTION_TIERS)}.")
+    if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
+        raise InputError(f"num_frames: expected an integer >= 1, got {num_frames!r}.")
+
+    clip = _video_processor_input(frames)
+    pixels = _VIDEO_PROCESSOR.preprocess_video(clip).to(device=device, dtype=dtype)
+    source_h, source_w = pixels.shape[-2:]
+    target_h, target_w = VideoProcessor.classify_height_width_bin(
+        source_h, source_w, ratios=_ACTION_RESOLUTION_BINS[str(resolution_tier)]
+    )
+
+    clip_frames = pixels.shape[2]
+    if clip_frames < num_frames:
+        last_frame = pixels[:, :, -1:].expand(-1, -1, num_frames - clip_frames, -1, -1)
+        pixels = torch.cat([pixels, last_frame], dim=2)
+    else:
+        pixels = pixels[:, :, :num_frames]
+
+    # Fit inside the canvas without upscaling; the same rounding as the pipeline (int(x + 0.5)).
+    scale = min(target_w / source_w, target_h / source_h, 1.0)
+    content_h = max(1, int(scale * source_h + 0.5))
+    content_w = max(1, int(scale * source_w + 0.5))
+
+    channels = pixels.shape[1]
+    images = pixels.permute(0, 2, 1, 3, 4).reshape(-1, channels, source_h, source_w)  # [T, C, H, W]
+    if (content_h, content_w) != (source_h, source_w):
+        images = F.interpolate(images, size=(content_h, content_w), mode="bicubic", align_corners=False, antialias=True)
+    pad_bottom, pad_right = target_h - content_h, target_w - content_w
+    if pad_bottom or pad_right:
+        # Reflect padding needs the pad to be smaller than the content along that axis.
+        pad_mode = "replicate" if pad_right >= content_w or pad_bottom >= content_h else "reflect"
+        images = F.pad(images, (0, pad_right, 0, pad_bottom), mode=pad_mode)
+    pixels = images.reshape(1, num_frames, channels, target_h, target_w).permute(0, 2, 1, 3, 4).to(dtype=dtype)
+
+    return Conditioning(
+        pixels=pixels,
+        canvas_hw=(target_h, target_w),
+        content_hw=(content_h, content_w),
+        latent_hw=(max(content_h // VAE_SPATIAL_FACTOR, 1), max(content_w // VAE_SPATIAL_FACTOR, 1)),
+    )
+
+
+def _video_processor_input(frames: np.ndarray) -> list[Image.Image] | np.ndarray:
+    """What the pipeline would have been given for these frames.
+
+    diffusers' VideoProcessor snaps a frame to a multiple of 16 with a Pillow bilinear resize for PIL input but a
+    torch nearest-neighbour resize for arrays and tensors. Frames that are exactly 8-bit (an image file, a PIL image,
+    uint8 pixels) therefore go back in as PIL images, so the result is bit-identical to giving the pipeline the PIL
+    image. (Giving the pipeline a uint8 array is no reference: its VideoProcessor scales uint8 as if it were [0, 1].)
+    Other float frames go in as the float array, bit-identical to giving the pipeline that float tensor. (A float
+    tensor whose values all happen to be multiples of 1/255 takes the PIL route; that differs from the pipeline only
+    when its size is not a multiple of 16.)
+    """
+    eight_bit = np.rint(frames * 255.0)
+    if np.array_equal(eight_bit.astype(np.float32) / 255.0, frames):
+        return [Image.fromarray(frame) for frame in eight_bit.astype(np.uint8)]
+    return frames
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompts
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_prompt_token_ids(
+    tokenizer: Any,
+    task: str,
+    *,
+    negative_prompt: str | None,
+    view_point: str,
+    num_frames: int,
+    fps: float,
+    height: int,
+    width: int,
+    use_system_prompt: bool = True,
+) -> tuple[list[int], list[int]]:
+    """Token ids of the conditional and unconditional prompts, as ``Cosmos3OmniPipeline.tokenize_prompt`` builds them
+    with ``action_mode`` set.
+
+    The task becomes the pipeline's JSON action caption (viewpoint sentence, time span, duration, fps, resolution,
+    aspect ratio); the negative prompt ("" when None) is used verbatim. Each goes through the tokenizer's chat
+    template (with the video system prompt when ``num_frames > 1``, the image one otherwise), then eos and
+    ``<|vision_start|>`` are appended. ``num_frames`` is the clip length (chunk + 1) and ``height``/``width`` the
+    padded canvas (``Conditioning.canvas_hw``), which is what the pipeline reports.
+    """
+    if not isinstance(task, str):
+        raise InputError(f"task: expected a string, got {type(task).__name__}.")
+    if negative_prompt is not None and not isinstance(negative_prompt, str):
+        raise InputError(f"negative_prompt: expected a string or None, got {type(negative_prompt).__name__}.")
+    # Stricter than diffusers, which only warns and drops the framing sentence the model was trained with.
+    if view_point not in _ACTION_VIEWPOINT_TEMPLATES:
+        raise InputError(f"view_point: got {view_point!r}; expected one of {list(VIEW_POINTS)}.")
+    if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
+        raise InputError(f"num_frames: expected an integer >= 1, got {num_frames!r}.")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+        raise InputError(f"fps: expected a positive number, got {fps!r}.")
+
+    eos_id = tokenizer.eos_token_id
+    vision_start_id = tokenizer.convert_tokens_to_ids(_VISION_START_TOKEN)
+    has_vision_start = vision_start_id is not None and (
+        tokenizer.convert_ids_to_tokens(vision_start_id) == _VISION_START_TOKEN
+    )
+    if eos_id is None or not has_vision_start:
+        raise InputError(
+            f"tokenizer: needs an eos token and the {_VISION_START_TOKEN} token (a Cosmos3 text_tokenizer)."
+        )
+
+    caption = Cosmos3OmniPipeline._build_action_json_prompt(
+        task, view_point=view_point, num_frames=num_frames, fps=fps, height=height, width=width
+    )
+    system_prompt = (_SYSTEM_PROMPT_IMAGE if num_frames == 1 else _SYSTEM_PROMPT_VIDEO) if use_system_prompt else None
+
+    def token_ids(text: str) -> list[int]:
+        conversation = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        conversation.append({"role": "user", "content": text})
+        encoding = tokenizer.apply_chat_template(
+            conversation, tokenize=True, add_generation_prompt=True, add_vision_id=False, return_dict=True
+        )
+        return list(encoding.input_ids) + [eos_id, vision_start_id]
+
+    return token_ids(caption), token_ids("" if negative_prompt is None else negative_prompt)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Domains and actions
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def resolve_domain(
+    domain: str | int, raw_action_dim: int | None = None, action_dim: int = ACTION_DIM
+) -> tuple[int, int]:
+    """``(domain_id, raw_action_dim)`` for an embodiment name from diffusers' table or an integer domain id.
+
+    An explicit ``raw_action_dim`` wins over the table: one domain id serves checkpoints trained on different action
+    layouts (the released DROID policy uses 8-D joint positions, the table says 10). An integer id has no table
+    entry, so it needs ``raw_action_dim``.
+    """
+    if isinstance(domain, bool) or not isinstance(domain, (str, int)):
+        raise InputError(f"domain: expected an embodiment name or an integer domain id, got {domain!r}.")
+    if isinstance(domain, int):
+        if not 0 <= domain < NUM_EMBODIMENT_DOMAINS:
+            raise InputError(f"domain: integer domain id must be in [0, {NUM_EMBODIMENT_DOMAINS}), got {domain}.")
+        if raw_action_dim is None:
+            raise InputError(f"raw_action_dim: required with an integer domain id ({domain}); only names have a width.")
+        domain_id = domain
+    else:
+        if domain not in _EMBODIMENT_TO_DOMAIN_ID:
+            raise InputError(f"domain: unknown embodiment {domain!r}; expected one of {list(DOMAIN_NAMES)}.")
+        domain_id = _EMBODIMENT_TO_DOMAIN_ID[domain]
+        if raw_action_dim is None:
+            if domain not in _EMBODIMENT_TO_RAW_ACTION_DIM:
+                raise InputError(f"raw_action_dim: domain {domain!r} has no standard action width; pass it explicitly.")
+            raw_action_dim = _EMBODIMENT_TO_RAW_ACTION_DIM[domain]
+    _check_raw_action_dim(raw_action_dim, action_dim)
+    return domain_id, raw_action_dim
+
+
+def _check_raw_action_dim(raw_action_dim: Any, action_dim: int) -> None:
+    if isinstance(raw_action_dim, bool) or not isinstance(raw_action_dim, int) or not 1 <= raw_action_dim <= action_dim:
+        raise InputError(f"raw_action_dim: expected an integer in [1, {action_dim}], got {raw_action_dim!r}.")
+
+
+def prepare_action_chunk(actions: Any, chunk: int, raw_action_dim: int, action_dim: int = ACTION_DIM) -> torch.Tensor:
+    """Raw actions ``[T, raw_action_dim]`` -> the model's float32 action rows ``[chunk, action_dim]``.
+
+    Like ``Cosmos3OmniPipeline.prepare_latents`` for forward_dynamics: longer inputs are truncated to ``chunk``,
+    shorter ones repeat their last row, and the channels are zero-padded to ``action_dim``.
+    """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise InputError(f"chunk: expected an integer >= 1, got {chunk!r}.")
+    _check_raw_action_dim(raw_action_dim, action_dim)
+    rows = _as_float_matrix(actions, "actions")
+    if rows.shape[1] != raw_action_dim:
+        raise InputError(f"actions: expected {raw_action_dim} values per row (raw_action_dim), got {rows.shape[1]}.")
+
+    rows = torch.from_numpy(rows)
+    if rows.shape[0] < chunk:
+        rows = torch.cat([rows, rows[-1:].expand(chunk - rows.shape[0], -1)], dim=0)
+    rows = rows[:chunk]
+    return F.pad(rows, (0, action_dim - raw_action_dim))
+
+
+def _as_float_matrix(values: Any, field: str) -> np.ndarray:
+    """A finite float32 ``[T, D]`` array with ``T >= 1``; InputError naming ``field`` otherwise."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().float().numpy()
+    try:
+        matrix = np.asarray(values, dtype=np.float32)
+    except (TypeError, ValueError) as error:  # ragged or non-numeric nested lists
+        raise InputError(f"{field}: expected a numeric [T, D] array ({error}).") from error
+    if matrix.ndim != 2 or matrix.shape[0] < 1 or matrix.shape[1] < 1:
+        raise InputError(f"{field}: expected shape [T, D] with T >= 1, got {matrix.shape}.")
+    if not np.isfinite(matrix).all():
+        raise InputError(f"{field}: contains NaN or infinity.")
+    return matrix
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Action statistics
+# ----------------------------------------------------------------------------------------------------------------
+
+_STATS_KEYS = ("mean", "std", "min", "max", "q01", "q99")
+
+
+@dataclass(frozen=True)
+class ActionStats:
+    """Dataset action statistics mapping the model's normalised actions (about [-1, 1]) to raw units and back.
+
+    ``meanstd``: raw = x * std + mean.  ``minmax``: raw = (x + 1) / 2 * (max - min) + min.  ``quantile``: the same
+    with q01/q99.  ``quantile_rot``: the quantile mapping with the statistics of the ``global_raw`` block (native
+    cosmos-framework stats files keep identity rotation statistics in ``global`` and the real ones there).
+    As in PhyAI's processor, std is clamped to >= 1e-8 and the range to >= 1e-6 so constant dims stay invertible.
+    """
+
+    mode: str
+    offset: np.ndarray  # mean (meanstd) or the lower bound: min / q01
+    scale: np.ndarray  # std (meanstd) or the range: max - min / q99 - q01
+    source: str = "<dict>"
+
+    @property
+    def dim(self) -> int:
+        return int(self.offset.shape[0])
+
+    @classmethod
+    def from_json(
+        cls, path_or_dict: str | os.PathLike | dict, mode: str = "minmax", dataset: str | None = None
+    ) -> ActionStats:
+        """Load statistics from a JSON file or an already parsed dict.
+
+        Accepted layouts: the statistics at the top level (``{"mean": [...], "std": [...], "min": ..., "max": ...,
+        "q01": ..., "q99": ...}``), under ``"action"`` (LeRobot ``stats.json``), under a dataset name
+        (RLinf / OpenVLA ``dataset_statistics.json``: ``{<name>: {"action": {...}}}``; pick one with ``dataset``
+        when there are several), and under ``"global"`` / ``"global_raw"`` (native cosmos-framework files).
+        """
+        if mode not in ACTION_NORMALIZATION_MODES:
+            raise InputError(f"action stats mode: got {mode!r}; expected one of {list(ACTION_NORMALIZATION_MODES)}.")
+        if isinstance(path_or_dict, dict):
+            document, source = path_or_dict, "<dict>"
+        else:
+            source = str(path_or_dict)
+            try:
+                document = json.loads(Path(path_or_dict).read_text())
+            except (OSError, ValueError) as error:
+                raise InputError(f"action stats file {source}: cannot read it as JSON ({error}).") from error
+        if not isinstance(document, dict):
+            raise InputError(f"action stats file {source}: expected a JSON object, got {type(document).__name__}.")
+
+        block = _select_stats_block(document, mode, source, dataset)
+        first_key, second_key = _STATS_KEYS_BY_MODE[mode]
+        first, second = _stats_vector(block, first_key, source), _stats_vector(block, second_key, source)
+        if first.shape != second.shape:
+            raise InputError(
+                f"action stats file {source}: {first_key!r} has {first.shape[0]} values but {second_key!r} has "
+                f"{second.shape[0]}."
+            )
+        if mode == "meanstd":
+            offset, scale = first, np.maximum(second, 1e-8)
+        else:
+            offset, scale = first, np.maximum(second - first, 1e-6)
+        return cls(mode=mode, offset=offset, scale=scale, source=source)
+
+    def denormalize(self, actions: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+        """Normalised actions ``[..., D]`` -> raw units (same type, dtype and device as the input)."""
+        offset, scale = self._as_operands(actions)
+        if self.mode == "meanstd":
+            return actions * scale + offset
+        return (actions + 1.0) / 2.0 * scale + offset
+
+    def normalize(self, actions: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+        """Raw actions ``[..., D]`` -> the model's normalised space (the inverse of ``denormalize``)."""
+        offset, scale = self._as_operands(actions)
+        if self.mode == "meanstd":
+            return (actions - offset) / scale
+        return (actions - offset) / scale * 2.0 - 1.0
+
+    def _as_operands(self, actions: np.ndarray | torch.Tensor) -> tuple[Any, Any]:
+        if not isinstance(actions, (np.ndarray, torch.Tensor)):
+            raise InputError(f"actions: expected a numpy array or torch tensor, got {type(actions).__name__}.")
+        if actions.ndim < 1 or actions.shape[-1] != self.dim:
+            raise InputError(
+                f"action stats file {self.source}: the statistics have {self.dim} dims but the actions have shape "
+                f"{tuple(actions.shape)}."
+            )
+        if isinstance(actions, torch.Tensor):
+            dtype = actions.dtype if actions.is_floating_point() else torch.float32
+            return (
+                torch.as_tensor(self.offset, dtype=dtype, device=actions.device),
+                torch.as_tensor(self.scale, dtype=dtype, device=actions.device),
+            )
+        dtype = actions.dtype if np.issubdtype(actions.dtype, np.floating) else np.float32
+        return self.offset.astype(dtype), self.scale.astype(dtype)
+
+
+def _select_stats_block(document: dict, mode: str, source: str, dataset: str | None) -> dict:
+    block = document
+    if dataset is not None:
+        if not isinstance(block.get(dataset), dict):
+            raise InputError(f"action stats file {source}: no dataset {dataset!r}; keys are {sorted(block)}.")
+        block = block[dataset]
+    elif not any(key in block for key in (*_STATS_KEYS, "action", "global", "global_raw")):
+        datasets = sorted(key for key, value in block.items() if isinstance(value, dict) and "action" in value)
+        if len(datasets) > 1:
+            raise InputError(
+                f"action stats file {source}: holds several datasets {datasets}; choose one with `dataset`."
+            )
+        if datasets:
+            block = block[datasets[0]]
+    if isinstance(block.get("action"), dict):
+        block = block["action"]
+    if mode == "quantile_rot":
+        if not isinstance(block.get("global_raw"), dict):
+            raise InputError(f"action stats file {source}: mode 'quantile_rot' needs a 'global_raw' block.")
+        block = block["global_raw"]
+    elif isinstance(block.get("global"), dict):
+        block = block["global"]
+    return block
+
+
+def _stats_vector(block: dict, key: str, source: str) -> np.ndarray:
+    if key not in block:
+        raise InputError(f"action stats file {source}: missing field {key!r} (found {sorted(block)}).")
+    try:
+        vector = np.asarray(block[key], dtype=np.float32)
+    except (TypeError, ValueError) as error:
+        raise InputError(f"action stats file {source}: field {key!r} is not a list of numbers ({error}).") from error
+    if vector.ndim != 1 or vector.shape[0] < 1:
+        raise InputError(f"action stats file {source}: field {key!r} must be a flat list, got shape {vector.shape}.")
+    if not np.isfinite(vector).all():
+        raise InputError(f"action stats file {source}: field {key!r} contains NaN or infinity.")
+    return vector
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Action files
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_action_file(path: str | os.PathLike, chunk_index: int = 0) -> np.ndarray:
+    """Read float32 actions ``[T, D]`` from ``{"shape": [T, D], "dtype": ..., "data": [[...], ...]}`` or from
+    ``{"action_chunks": [[[...], ...], ...]}`` (the chunk ``chunk_index``)."""
+    field = f"action file {path}"
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise InputError(f"{field}: cannot read it as JSON ({error}).") from error
+
+    if isinstance(document, dict) and "data" in document:
+        actions = _as_float_matrix(document["data"], field)
+        if "shape" in document and list(document["shape"]) != list(actions.shape):
+            raise InputError(f"{field}: 'shape' says {document['shape']} but 'data' is {list(actions.shape)}.")
+        return actions
+    if isinstance(document, dict) and "action_chunks" in document:
+        chunks = document["action_chunks"]
+        if not isinstance(chunks, list) or not chunks:
+            raise InputError(f"{field}: 'action_chunks' must be a non-empty list of [T, D] chunks.")
+        if isinstance(chunk_index, bool) or not isinstance(chunk_index, int) or not 0 <= chunk_index < len(chunks):
+            raise InputError(f"{field}: chunk_index {chunk_index!r} is out of range; it has {len(chunks)} chunks.")
+        return _as_float_matrix(chunks[chunk_index], field)
+    raise InputError(
+        f"{field}: expected {{\"shape\", \"dtype\", \"data\"}} or {{\"action_chunks\"}}, got "
+        f"{sorted(document) if isinstance(document, dict) else type(document).__name__}."
+    )
+
+
+def save_action_file(path: str | os.PathLike, actions: np.ndarray | torch.Tensor) -> None:
+    """Write actions ``[T, D]`` as ``{"shape": [T, D], "dtype": "float32", "data": [[...], ...]}``."""
+    matrix = _as_float_matrix(actions, "actions")
+    document = {"shape": list(matrix.shape), "dtype": "float32", "data": matrix.tolist()}
+    Path(path).write_text(json.dumps(document))

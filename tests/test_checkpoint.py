@@ -1,0 +1,350 @@
+"""Checkpoint resolution, validation and the tiny random checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer
+from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+
+from cosmos3_gym.checkpoint import (
+    SPECIAL_TOKENS,
+    TINY_SCHEDULER_CONFIG,
+    TINY_TRANSFORMER_CONFIG,
+    TINY_VAE_CONFIG,
+    build_tiny_checkpoint,
+    load_safetensors_state_dict,
+    resolve_checkpoint,
+    validate_checkpoint,
+)
+from cosmos3_gym.errors import CheckpointError, InputError
+
+
+@pytest.fixture
+def checkpoint_copy(tiny_checkpoint: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny checkpoint that a test may break."""
+    return Path(shutil.copytree(tiny_checkpoint, tmp_path / "checkpoint"))
+
+
+def _message(excinfo: pytest.ExceptionInfo) -> str:
+    return str(excinfo.value)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The tiny checkpoint
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_tiny_checkpoint_validates_with_diffusers_layout(tiny_checkpoint: Path):
+    layout = validate_checkpoint(tiny_checkpoint)
+
+    assert (tiny_checkpoint / "model_index.json").is_file()
+    assert layout.root == tiny_checkpoint.resolve()
+    assert layout.transformer_weights == (layout.transformer_dir / "diffusion_pytorch_model.safetensors",)
+    assert layout.vae_weights == (layout.vae_dir / "diffusion_pytorch_model.safetensors",)
+    for key, value in TINY_TRANSFORMER_CONFIG.items():
+        assert layout.transformer_config[key] == value, key
+    for key, value in TINY_VAE_CONFIG.items():
+        assert layout.vae_config[key] == value, key
+    for key, value in TINY_SCHEDULER_CONFIG.items():
+        assert layout.scheduler_config[key] == value, key
+    # Latent statistics are drawn, not the identity, so a missing (de)normalisation cannot go unnoticed.
+    assert len(layout.vae_config["latents_mean"]) == 16 and len(layout.vae_config["latents_std"]) == 16
+    assert not np.allclose(layout.vae_config["latents_mean"], 0.0)
+    assert not np.allclose(layout.vae_config["latents_std"], 1.0)
+    assert min(layout.vae_config["latents_std"]) > 0
+    total_bytes = sum(f.stat().st_size for f in tiny_checkpoint.rglob("*") if f.is_file())
+    assert total_bytes < 5_000_000
+
+
+def test_tiny_transformer_has_no_trivial_parameters(tiny_checkpoint: Path):
+    state_dict = load_safetensors_state_dict(tiny_checkpoint / "transformer")
+
+    assert state_dict["action_modality_embed"].abs().min() > 0
+    for name, tensor in state_dict.items():
+        assert not torch.all(tensor == 0), f"{name} is all zeros"
+        assert not torch.all(tensor == 1), f"{name} is all ones"
+
+
+def test_load_safetensors_state_dict_matches_diffusers_loading(tiny_checkpoint: Path):
+    loaded = load_safetensors_state_dict(tiny_checkpoint / "vae")
+    reference = AutoencoderKLWan.from_pretrained(tiny_checkpoint / "vae").state_dict()
+
+    assert loaded.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
+
+
+def test_pipeline_loads_and_runs_policy_end_to_end(tiny_checkpoint: Path):
+    pipeline = Cosmos3OmniPipeline.from_pretrained(tiny_checkpoint, enable_safety_checker=False)
+    pipeline.set_progress_bar_config(disable=True)
+    image = np.random.default_rng(0).integers(0, 256, size=(256, 256, 3), dtype=np.uint8)
+    condition = CosmosActionCondition(
+        mode="policy", chunk_size=4, domain_name="pusht", resolution_tier=256, image=image
+    )
+
+    output = pipeline(
+        prompt="push the T-shaped block onto the target",
+        action=condition,
+        num_inference_steps=2,
+        guidance_scale=2.0,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    )
+
+    action = output.action[0]
+    assert action.shape == (4, 2)  # chunk 4, pusht's raw action width 2
+    assert torch.isfinite(action).all() and action.abs().max() > 0
+    assert output.video.shape == (5, 256, 256, 3)  # chunk + 1 frames
+    assert np.isfinite(output.video).all()
+
+
+def test_tokenizer_renders_qwen_chat_template_and_special_tokens(tiny_checkpoint: Path):
+    pipeline = Cosmos3OmniPipeline.from_pretrained(tiny_checkpoint, enable_safety_checker=False)
+    tokenizer = pipeline.text_tokenizer
+    conversation = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "open the drawer"},
+    ]
+
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nopen the drawer<|im_end|>\n<|im_start|>assistant\n"
+    )
+    encoded = tokenizer.apply_chat_template(
+        conversation, tokenize=True, add_generation_prompt=True, add_vision_id=False, return_dict=True
+    )
+    assert tokenizer.decode(encoded["input_ids"]) == text
+    for token in SPECIAL_TOKENS:  # each special token is one id, never split into bytes
+        assert tokenizer(token)["input_ids"] == [tokenizer.convert_tokens_to_ids(token)]
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+
+    # The pipeline's full action prompt is tens of tokens; words the tokenizer never saw still encode.
+    cond_ids, uncond_ids = pipeline.tokenize_prompt(
+        "pick up the red cup", None, num_frames=5, height=256, width=256, action_mode="policy",
+        action_view_point="ego_view",
+    )
+    assert 20 < len(cond_ids) < 300 and len(uncond_ids) < len(cond_ids)
+    unseen = "Zebra xylophone über 12345 ✓"
+    assert tokenizer.decode(tokenizer(unseen)["input_ids"]) == unseen
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Malformed checkpoints: every error names the offending path
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _remove_transformer_dir(root: Path) -> Path:
+    shutil.rmtree(root / "transformer")
+    return root / "transformer"
+
+
+def _remove_scheduler_config(root: Path) -> Path:
+    (root / "scheduler" / "scheduler_config.json").unlink()
+    return root / "scheduler" / "scheduler_config.json"
+
+
+def _write_invalid_json(root: Path) -> Path:
+    path = root / "vae" / "config.json"
+    path.write_text('{"z_dim": 16,', encoding="utf-8")
+    return path
+
+
+def _drop_required_key(root: Path) -> Path:
+    path = root / "transformer" / "config.json"
+    config = json.loads(path.read_text())
+    del config["hidden_size"]
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _mismatch_latent_statistics(root: Path) -> Path:
+    path = root / "vae" / "config.json"
+    config = json.loads(path.read_text())
+    config["latents_std"] = config["latents_std"][:-1]
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _mismatch_latent_width(root: Path) -> Path:
+    path = root / "transformer" / "config.json"
+    config = json.loads(path.read_text())
+    config["latent_channel"] = 48
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _truncate_safetensors(root: Path) -> Path:
+    path = root / "vae" / "diffusion_pytorch_model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    return path
+
+
+def _corrupt_safetensors_header(root: Path) -> Path:
+    path = root / "transformer" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:16] = b"not json"
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _remove_weights(root: Path) -> Path:
+    (root / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+    return root / "vae"
+
+
+def _remove_tokenizer_files(root: Path) -> Path:
+    (root / "text_tokenizer" / "tokenizer.json").unlink()
+    return root / "text_tokenizer"
+
+
+@pytest.mark.parametrize(
+    "break_checkpoint",
+    [
+        _remove_transformer_dir,
+        _remove_scheduler_config,
+        _write_invalid_json,
+        _drop_required_key,
+        _mismatch_latent_statistics,
+        _mismatch_latent_width,
+        _truncate_safetensors,
+        _corrupt_safetensors_header,
+        _remove_weights,
+        _remove_tokenizer_files,
+    ],
+)
+def test_malformed_checkpoint_error_names_the_path(checkpoint_copy: Path, break_checkpoint):
+    offending_path = break_checkpoint(checkpoint_copy)
+
+    with pytest.raises(CheckpointError) as excinfo:
+        validate_checkpoint(checkpoint_copy)
+    assert str(offending_path.resolve()) in _message(excinfo)
+
+
+@pytest.mark.parametrize("break_file", [_truncate_safetensors, _corrupt_safetensors_header])
+def test_loading_a_corrupt_weights_file_names_it(checkpoint_copy: Path, break_file):
+    broken = break_file(checkpoint_copy)
+
+    with pytest.raises(CheckpointError) as excinfo:
+        load_safetensors_state_dict(broken.parent)
+    assert str(broken) in _message(excinfo)
+
+
+def test_sharded_component_loads_and_a_missing_shard_is_named(tiny_checkpoint: Path, checkpoint_copy: Path):
+    transformer = Cosmos3OmniTransformer.from_pretrained(tiny_checkpoint / "transformer")
+    shutil.rmtree(checkpoint_copy / "transformer")
+    transformer.save_pretrained(checkpoint_copy / "transformer", max_shard_size="600KB")
+    index_path = checkpoint_copy / "transformer" / "diffusion_pytorch_model.safetensors.index.json"
+    assert index_path.is_file()
+
+    layout = validate_checkpoint(checkpoint_copy)
+    assert len(layout.transformer_weights) > 1
+    sharded = load_safetensors_state_dict(layout.transformer_weights)
+    single = load_safetensors_state_dict(tiny_checkpoint / "transformer")
+    assert sharded.keys() == single.keys()
+    assert all(torch.equal(sharded[name], single[name]) for name in single)
+
+    missing_shard = layout.transformer_weights[-1]
+    missing_shard.unlink()
+    with pytest.raises(CheckpointError) as excinfo:
+        validate_checkpoint(checkpoint_copy)
+    assert str(missing_shard) in _message(excinfo)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Resolving paths and hub ids
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_resolve_returns_local_directory(tiny_checkpoint: Path):
+    assert resolve_checkpoint(str(tiny_checkpoint)) == tiny_checkpoint.resolve()
+
+
+def test_resolve_missing_local_path_names_it(tmp_path: Path):
+    missing = tmp_path / "no" / "such" / "checkpoint"
+    with pytest.raises(CheckpointError) as excinfo:
+        resolve_checkpoint(missing)
+    assert str(missing) in _message(excinfo)
+
+
+def test_resolve_hub_id_offline_fails_fast_naming_the_id(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo_id = "cosmos3-gym-tests/not-a-real-repo"
+
+    start = time.monotonic()
+    with pytest.raises(CheckpointError) as excinfo:
+        resolve_checkpoint(repo_id)
+    assert time.monotonic() - start < 5
+    assert repo_id in _message(excinfo)
+    assert "local checkpoint directory" in _message(excinfo)
+
+
+def test_resolve_hub_id_unreachable_hub_names_the_id(monkeypatch: pytest.MonkeyPatch):
+    import huggingface_hub
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("network is unreachable")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", unreachable)
+    repo_id = "cosmos3-gym-tests/not-a-real-repo"
+
+    with pytest.raises(CheckpointError) as excinfo:
+        resolve_checkpoint(repo_id)
+    assert repo_id in _message(excinfo)
+    assert "network is unreachable" in _message(excinfo)
+    assert isinstance(excinfo.value.__cause__, ConnectionError)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Determinism and overrides
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_same_seed_gives_identical_weights_and_other_seed_differs(tiny_checkpoint: Path, tmp_path: Path):
+    same = build_tiny_checkpoint(tmp_path / "seed0", seed=0)
+    other = build_tiny_checkpoint(tmp_path / "seed1", seed=1)
+
+    for component in ("transformer", "vae"):
+        reference = load_safetensors_state_dict(tiny_checkpoint / component)
+        rebuilt = load_safetensors_state_dict(same / component)
+        reseeded = load_safetensors_state_dict(other / component)
+        assert all(torch.equal(rebuilt[name], tensor) for name, tensor in reference.items()), component
+        assert any(not torch.equal(reseeded[name], tensor) for name, tensor in reference.items()), component
+    assert json.loads((same / "vae" / "config.json").read_text()) == json.loads(
+        (tiny_checkpoint / "vae" / "config.json").read_text()
+    )
+
+
+def test_overrides_reach_the_saved_configs(tmp_path: Path):
+    path = build_tiny_checkpoint(
+        tmp_path / "edge",
+        num_hidden_layers=3,
+        hidden_act="relu2",
+        scheduler_overrides={"use_karras_sigmas": True},
+    )
+    layout = validate_checkpoint(path)
+
+    assert layout.transformer_config["num_hidden_layers"] == 3
+    assert layout.transformer_config["hidden_act"] == "relu2"
+    assert layout.scheduler_config["use_karras_sigmas"] is True
+    transformer = Cosmos3OmniTransformer.from_pretrained(path / "transformer")
+    assert len(transformer.layers) == 3
+
+
+def test_build_rejects_unknown_override_and_non_empty_directory(tiny_checkpoint: Path, tmp_path: Path):
+    with pytest.raises(InputError, match="hidden_sise"):
+        build_tiny_checkpoint(tmp_path / "typo", hidden_sise=32)
+    with pytest.raises(InputError, match="not an empty directory"):
+        build_tiny_checkpoint(tiny_checkpoint)

@@ -1,0 +1,262 @@
+"""Cosmos3VAE against the numerics of diffusers' Cosmos3OmniPipeline, on a tiny random Wan2.2-shaped VAE."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from diffusers import AutoencoderKLWan
+from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import Cosmos3OmniPipeline
+from diffusers.video_processor import VideoProcessor
+
+from cosmos3_gym.errors import CheckpointError, InputError
+from cosmos3_gym.models.vae import Cosmos3VAE, TileConfig
+
+Z_DIM = 16
+FRAMES, HEIGHT, WIDTH = 5, 64, 96  # latent (2, 4, 6)
+
+
+def build_tiny_wan22_vae(seed: int = 0) -> AutoencoderKLWan:
+    """The Wan2.2 VAE layout (residual, patch 2, 16x spatial / 4x temporal) with small widths and random weights."""
+    generator = torch.Generator().manual_seed(seed)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        decoder_base_dim=12,
+        z_dim=Z_DIM,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=2,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=torch.randn(Z_DIM, generator=generator).tolist(),
+        latents_std=(0.5 + torch.rand(Z_DIM, generator=generator)).tolist(),
+    )
+    # Re-draw every weight so that no layer is an identity or zero map (fan-in scaling keeps activations O(1)).
+    with torch.no_grad():
+        for name, param in vae.named_parameters():
+            if param.ndim > 1:
+                param.copy_(torch.randn(param.shape, generator=generator) / param[0].numel() ** 0.5)
+            elif name.endswith("gamma"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    return vae
+
+
+@pytest.fixture(scope="module")
+def vae_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("checkpoint") / "vae"
+    build_tiny_wan22_vae().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vae(vae_dir):
+    torch.set_num_threads(1)
+    return Cosmos3VAE.from_pretrained(vae_dir)
+
+
+@pytest.fixture(scope="module")
+def vae_bf16(vae_dir):
+    return Cosmos3VAE.from_pretrained(vae_dir, dtype=torch.bfloat16)
+
+
+def random_pixels(batch: int = 1, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(batch, 3, FRAMES, HEIGHT, WIDTH, generator=generator) * 2 - 1
+
+
+def random_latents(batch: int = 1, seed: int = 2) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, Z_DIM, 2, HEIGHT // 16, WIDTH // 16, generator=generator)
+
+
+def pipeline_stand_in(vae: AutoencoderKLWan) -> SimpleNamespace:
+    """The attributes that Cosmos3OmniPipeline's VAE code reads, built as in Cosmos3OmniPipeline.__init__."""
+    return SimpleNamespace(
+        vae=vae,
+        _vae_latents_mean=torch.tensor(vae.config.latents_mean, dtype=vae.dtype),
+        _vae_latents_inv_std=1.0 / torch.tensor(vae.config.latents_std, dtype=vae.dtype),
+    )
+
+
+def pipeline_encode(vae: AutoencoderKLWan, pixels: torch.Tensor) -> torch.Tensor:
+    """diffusers' own Cosmos3OmniPipeline._encode_video, then `.contiguous().float()` as its __call__ does."""
+    with torch.no_grad():
+        return Cosmos3OmniPipeline._encode_video(pipeline_stand_in(vae), pixels).contiguous().float()
+
+
+def pipeline_decode(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
+    """The decode at the end of Cosmos3OmniPipeline.__call__ (copied), with postprocess_video's "pt" output."""
+    stand_in = pipeline_stand_in(vae)
+    with torch.no_grad():
+        in_dtype = latents.dtype
+        dtype = vae.dtype
+        mean = stand_in._vae_latents_mean.to(device=latents.device, dtype=dtype)
+        inv_std = stand_in._vae_latents_inv_std.to(device=latents.device, dtype=dtype)
+        z_raw = latents.to(dtype) / inv_std.view(1, -1, 1, 1, 1) + mean.view(1, -1, 1, 1, 1)
+        decoded = vae.decode(z_raw).sample.to(in_dtype)
+        video = VideoProcessor(vae_scale_factor=16).postprocess_video(decoded, output_type="pt")
+    return video.permute(0, 2, 1, 3, 4).float()  # postprocess_video gives [B, T, 3, H, W]
+
+
+def test_loads_with_config_geometry_and_pipeline_statistics(vae, vae_bf16, vae_dir):
+    assert isinstance(vae.vae, AutoencoderKLWan)
+    assert (vae.latent_channels, vae.spatial_compression, vae.temporal_compression) == (Z_DIM, 16, 4)
+    assert vae.latent_shape(FRAMES, HEIGHT, WIDTH) == (2, 4, 6)
+    assert vae.latent_shape(33, 544, 736) == (9, 34, 46)
+    for wrapper in (vae, vae_bf16):
+        reference = pipeline_stand_in(wrapper.vae)
+        assert wrapper.latents_mean.dtype == wrapper.latents_inv_std.dtype == wrapper.vae.dtype
+        assert torch.equal(wrapper.latents_mean, reference._vae_latents_mean)
+        assert torch.equal(wrapper.latents_inv_std, reference._vae_latents_inv_std)
+    # Saved weights come back unchanged.
+    original = build_tiny_wan22_vae().state_dict()
+    assert all(torch.equal(original[key], value) for key, value in vae.vae.state_dict().items())
+
+
+@pytest.mark.parametrize("pixel_dtype", [torch.float32, torch.bfloat16])
+def test_encode_equals_pipeline_encode(vae, pixel_dtype):
+    pixels = random_pixels().to(pixel_dtype)
+    latents = vae.encode(pixels)
+    assert latents.dtype == torch.float32 and latents.shape == (1, Z_DIM, 2, 4, 6)
+    assert torch.equal(latents, pipeline_encode(vae.vae, pixels))
+
+
+def test_encode_equals_pipeline_encode_bf16_vae(vae_bf16):
+    pixels = random_pixels()
+    assert torch.equal(vae_bf16.encode(pixels), pipeline_encode(vae_bf16.vae, pixels))
+
+
+def test_encode_normalises_the_posterior_mean(vae):
+    pixels = random_pixels()
+    latents = vae.encode(pixels).double()
+    with torch.no_grad():
+        raw_mu = vae.vae.encode(pixels).latent_dist.mode().double()
+    mean = torch.tensor(vae.vae.config.latents_mean, dtype=torch.float64).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.vae.config.latents_std, dtype=torch.float64).view(1, -1, 1, 1, 1)
+    assert torch.allclose(latents, (raw_mu - mean) / std, rtol=1e-5, atol=1e-5)
+    # Each wrong handling is far off: raw latents, mean only, multiplying by std instead of dividing.
+    for wrong in (raw_mu, raw_mu - mean, (raw_mu - mean) * std):
+        assert (latents - wrong).abs().max() > 0.1
+
+
+def test_first_frame_alone_encodes_to_the_clips_first_latent_frame(vae):
+    """The Wan VAE is causal in time, so the engine may encode only the clean first frame."""
+    pixels = random_pixels()
+    clip_latents = vae.encode(pixels)
+    first_frame_latents = vae.encode(pixels[:, :, :1])
+    assert first_frame_latents.shape == (1, Z_DIM, 1, 4, 6)
+    relative_error = (first_frame_latents - clip_latents[:, :, :1]).abs().max() / clip_latents.abs().max()
+    assert relative_error < 1e-6, relative_error  # bit-exact on CPU (float32, torch 2.13)
+    # The later latent frames do depend on the later pixels (the check above is not vacuous).
+    changed = pixels.clone()
+    changed[:, :, 1:] = -changed[:, :, 1:]
+    assert (vae.encode(changed)[:, :, 1] - clip_latents[:, :, 1]).abs().max() > 0.1
+
+
+def test_decode_equals_pipeline_decode(vae):
+    latents = random_latents()
+    pixels = vae.decode(latents)
+    assert pixels.dtype == torch.float32 and pixels.shape == (1, 3, FRAMES, HEIGHT, WIDTH)
+    assert 0 <= pixels.min() and pixels.max() <= 1 and pixels.std() > 0.05
+    assert torch.equal(pixels, pipeline_decode(vae.vae, latents))
+
+
+@pytest.mark.parametrize("latent_dtype", [torch.float32, torch.bfloat16])
+def test_decode_equals_pipeline_decode_bf16_vae(vae_bf16, latent_dtype):
+    latents = random_latents().to(latent_dtype)
+    assert torch.equal(vae_bf16.decode(latents), pipeline_decode(vae_bf16.vae, latents))
+
+
+def test_decode_inverts_the_normalisation(vae):
+    """Decoding encode(x) is the VAE's own reconstruction of x, so the (de)normalisation round-trips."""
+    pixels = random_pixels()
+    with torch.no_grad():
+        reconstruction = vae.vae.decode(vae.vae.encode(pixels).latent_dist.mode()).sample / 2 + 0.5
+    assert torch.allclose(vae.decode(vae.encode(pixels)), reconstruction, atol=1e-5)
+
+
+def test_batch_equals_each_item_alone(vae):
+    pixels = random_pixels(batch=3)
+    latents = vae.encode(pixels)
+    decoded = vae.decode(latents)
+    for item in range(3):
+        assert torch.allclose(latents[item : item + 1], vae.encode(pixels[item : item + 1]), rtol=0, atol=1e-5)
+        assert torch.allclose(decoded[item : item + 1], vae.decode(latents[item : item + 1]), rtol=0, atol=1e-5)
+
+
+def test_tiled_decode_is_diffusers_tiling_within_its_blend_bound(vae):
+    """Tiled decode is approximate; its error is bounded by the worst single tile.
+
+    diffusers decodes each tile alone (values c_k after the clamp) and writes, at every pixel, a convex combination
+    of the tiles covering it (linear blend weights in [0, 1], summing to 1), clamped. A clamp of a convex combination
+    lies between the smallest and largest c_k at that pixel, so |tiled - untiled| is at most the largest
+    |c_k - untiled| over the tiles that cover the pixel; the [0, 1] rescale scales both sides alike. The test builds
+    that per-pixel bound from the tiles decoded one by one and checks it, up to float rounding.
+    """
+    latents = random_latents()  # 4 x 6 latent pixels
+    tile = TileConfig(tile_latent_h=3, tile_latent_w=4, overlap_latent=1)
+    tiled = vae.decode(latents, tile=tile)
+    untiled = vae.decode(latents)
+    assert not vae.vae.use_tiling  # tiling was only for that call
+
+    # It is diffusers' tiling with the tile and stride converted to pixels.
+    vae.vae.enable_tiling(
+        tile_sample_min_height=48, tile_sample_min_width=64, tile_sample_stride_height=32, tile_sample_stride_width=48
+    )
+    try:
+        assert torch.equal(tiled, pipeline_decode(vae.vae, latents))
+    finally:
+        vae.vae.disable_tiling()
+
+    stride_h, stride_w = tile.tile_latent_h - tile.overlap_latent, tile.tile_latent_w - tile.overlap_latent
+    bound = torch.zeros_like(untiled)
+    for top in range(0, latents.shape[3], stride_h):
+        for left in range(0, latents.shape[4], stride_w):
+            tile_pixels = vae.decode(latents[..., top : top + tile.tile_latent_h, left : left + tile.tile_latent_w])
+            rows = slice(16 * top, 16 * top + tile_pixels.shape[3])
+            cols = slice(16 * left, 16 * left + tile_pixels.shape[4])
+            bound[..., rows, cols] = torch.maximum(bound[..., rows, cols], (tile_pixels - untiled[..., rows, cols]).abs())
+    error = (tiled - untiled).abs()
+    print(f"tiled vs untiled decode: max abs error {error.max():.4f} (per-pixel bound max {bound.max():.4f})")
+    assert error.max() > 1e-3  # the tiles really were decoded apart
+    assert (error <= bound + 1e-5).all(), (error - bound).max()
+
+
+def test_tile_covering_the_latent_is_the_untiled_decode(vae):
+    latents = random_latents()
+    assert torch.equal(vae.decode(latents, tile=TileConfig(4, 6, 2)), vae.decode(latents))
+
+
+def test_bad_input_is_rejected_naming_the_field(vae, vae_dir, tmp_path):
+    with pytest.raises(InputError, match="pixels"):
+        vae.encode(torch.zeros(1, 3, 4, HEIGHT, WIDTH))  # 4 frames is not 1 + 4k
+    with pytest.raises(InputError, match="pixels"):
+        vae.encode(torch.zeros(1, 3, 1, 40, WIDTH))  # 40 is not a multiple of 16
+    with pytest.raises(InputError, match="pixels"):
+        vae.encode(torch.zeros(3, 1, HEIGHT, WIDTH))
+    with pytest.raises(InputError, match="pixels"):
+        vae.encode(torch.zeros(1, 3, 1, HEIGHT, WIDTH, dtype=torch.uint8))
+    with pytest.raises(InputError, match="num_frames"):
+        vae.latent_shape(2, HEIGHT, WIDTH)
+    with pytest.raises(InputError, match="latents"):
+        vae.decode(torch.zeros(1, Z_DIM + 1, 1, 4, 6))
+    with pytest.raises(InputError, match="overlap_latent"):
+        TileConfig(2, 4, 2)
+    with pytest.raises(InputError, match="tile_latent_w"):
+        TileConfig(2, 0, 0)
+
+    with pytest.raises(CheckpointError, match="missing"):
+        Cosmos3VAE.from_pretrained(tmp_path / "missing")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((vae_dir / "config.json").read_text())
+    (broken / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="broken"):
+        Cosmos3VAE.from_pretrained(broken)
+    with pytest.raises(CheckpointError, match="latents_std"):
+        Cosmos3VAE(AutoencoderKLWan(base_dim=8, z_dim=4, latents_mean=[0.0] * 4, latents_std=[1.0, 1.0, 0.0, 1.0]))
