@@ -7,7 +7,8 @@ the same layer. Information flows one way (UND never sees GEN), so the text towe
 shares the prompt. Each denoising step then runs only the GEN tower (``forward``).
 
 Differences from diffusers' packed single-sample implementation, all numerically neutral:
-- batch-first tensors; prompts of different lengths are right-padded and masked out of the GEN attention;
+- batch-first tensors; prompts of different lengths are right-padded, and the GEN attention runs per group of
+  equal text length over the unpadded K/V;
 - to_q/to_k/to_v (and gate/up) fused into one GEMM after loading;
 - velocities are computed for every token and zeroed on clean frames/rows (diffusers computes only noisy ones);
 - ``norm`` and ``lm_head`` of the UND tower are never used for velocities and are not loaded.
@@ -206,12 +207,21 @@ class DecoderBlock(nn.Module):
         x = x + self.attn.out(o.transpose(1, 2).flatten(2))
         return x + self.mlp(self.post_attn_norm(x)), k_gen, v
 
-    def gen_forward(self, x, cos, sin, text_k, text_v, attn_mask):
+    def gen_forward(self, x, cos, sin, text_k, text_v, length_groups):
         q, k, v, _ = self.attn.project(self.input_norm(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k = torch.cat([text_k, k], dim=2)
-        v = torch.cat([text_v, v], dim=2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+        if length_groups is None:
+            o = F.scaled_dot_product_attention(
+                q, torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), enable_gqa=True
+            )
+        else:
+            # Prompts of different lengths: attend per group of equal length over the unpadded text K/V. A padding
+            # mask would force SDPA off the flash / cuDNN kernels onto a much slower masked path.
+            o = torch.empty_like(q)
+            for rows, length in length_groups:
+                keys = torch.cat([text_k[rows, :, :length], k[rows]], dim=2)
+                values = torch.cat([text_v[rows, :, :length], v[rows]], dim=2)
+                o[rows] = F.scaled_dot_product_attention(q[rows], keys, values, enable_gqa=True)
         x = x + self.attn.out(o.transpose(1, 2).flatten(2))
         return x + self.mlp(self.post_attn_norm(x))
 
@@ -282,7 +292,8 @@ class GenLayout:
     chunk: int
     cos: torch.Tensor = field(repr=False)  # [B, 1, S_gen, D]
     sin: torch.Tensor = field(repr=False)
-    attn_mask: torch.Tensor | None = field(repr=False)  # [B, 1, 1, L + S_gen] bool, None when no padding
+    # (row indexes, text length) per distinct prompt length; None when every prompt has the same length.
+    length_groups: list[tuple[torch.Tensor, int]] | None = field(repr=False, default=None)
 
     @property
     def num_video_tokens(self) -> int:
@@ -463,13 +474,13 @@ class Cosmos3Transformer(nn.Module):
             rows.append(torch.cat(parts, dim=1))
         positions = torch.stack(rows, dim=1).to(self.device)  # [3, B, S]
         cos, sin = self.rotary(positions, self.dtype)
-        max_len = max(text_lengths)
-        attn_mask = None
-        if min(text_lengths) != max_len:
-            keep = torch.arange(max_len)[None, :] < torch.tensor(text_lengths)[:, None]
-            keep = torch.cat([keep, torch.ones(batch, positions.shape[2], dtype=torch.bool)], dim=1)
-            attn_mask = keep[:, None, None, :].to(self.device)
-        return GenLayout((t, h, w), (hp, wp), chunk if c.action_gen else 0, cos, sin, attn_mask)
+        length_groups = None
+        if len(set(text_lengths)) > 1:
+            length_groups = [
+                (torch.tensor([i for i, n in enumerate(text_lengths) if n == length], device=self.device), length)
+                for length in sorted(set(text_lengths))
+            ]
+        return GenLayout((t, h, w), (hp, wp), chunk if c.action_gen else 0, cos, sin, length_groups)
 
     def patchify(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, C, t, h, w] -> [B, t*hp*wp, p*p*C], zero-padding h, w to the patch size (diffusers' order)."""
@@ -530,7 +541,7 @@ class Cosmos3Transformer(nn.Module):
         x = torch.cat(tokens, dim=1) if len(tokens) > 1 else tokens[0]
 
         for layer, k, v in zip(self.gen_layers, text.keys, text.values):
-            x = layer.gen_forward(x, layout.cos, layout.sin, k, v, layout.attn_mask)
+            x = layer.gen_forward(x, layout.cos, layout.sin, k, v, layout.length_groups)
         x = self.gen_norm(x)
 
         n_video = layout.num_video_tokens

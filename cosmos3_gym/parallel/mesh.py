@@ -1,0 +1,124 @@
+"""``ParallelConfig(dp, cfg, tp)`` -> a ``DeviceMesh`` with axes (dp, cfg, tp), outer to inner (tp ranks adjacent).
+
+NCCL on GPU, gloo on CPU, so every parallel path runs in CI. Global rank r = (dp_rank * cfg + cfg_rank) * tp + tp_rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 1
+    cfg: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        for name in ("dp", "cfg", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"{name}: expected an integer >= 1, got {value!r}")
+        if self.cfg > 2:
+            raise InputError(f"cfg: expected 1 or 2 (one rank group per CFG branch), got {self.cfg}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cfg * self.tp
+
+    @property
+    def is_single(self) -> bool:
+        return self.world_size == 1
+
+
+@dataclass
+class ParallelContext:
+    """Where this process sits in the (dp, cfg, tp) mesh."""
+
+    config: ParallelConfig
+    mesh: DeviceMesh | None
+    device: torch.device
+    # The cfg*tp ranks of this process's dp replica: they share one request batch and split its VAE decode.
+    replica_group: dist.ProcessGroup | None = None
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.mesh is not None else 0
+
+    def local_rank(self, axis: str) -> int:
+        return self.mesh.get_local_rank(axis) if self.mesh is not None else 0
+
+    def group(self, axis: str):
+        return self.mesh.get_group(axis) if self.mesh is not None else None
+
+    @property
+    def tp_rank(self) -> int:
+        return self.local_rank("tp")
+
+    @property
+    def cfg_rank(self) -> int:
+        return self.local_rank("cfg")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.local_rank("dp")
+
+    @property
+    def replica_rank(self) -> int:
+        """Rank inside the replica group: cfg_rank * tp + tp_rank (cfg outer, tp inner)."""
+        return self.cfg_rank * self.config.tp + self.tp_rank
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank that writes files and returns results (global rank 0)."""
+        return self.rank == 0
+
+
+def init_parallel(config: ParallelConfig, device: str | torch.device | None = None) -> ParallelContext:
+    """Join (or start) the default process group and build the mesh. A single-process config needs no group.
+
+    Under torchrun the rendezvous comes from its environment (RANK, WORLD_SIZE, MASTER_ADDR, ...); multi-node runs
+    use torchrun's own rendezvous (``--nnodes --rdzv-endpoint``), nothing else is needed here.
+    """
+    if config.is_single and not dist.is_initialized():
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return ParallelContext(config, None, dev)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise InputError(
+                f"parallel config {config} needs {config.world_size} processes: run under torchrun "
+                f"--nproc_per_node={config.world_size}, or use the client mode (Cosmos3Engine.from_pretrained(..., "
+                f"tp=..., cfg=...)) which starts the workers itself"
+            )
+        use_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    world = dist.get_world_size()
+    if world != config.world_size:
+        raise InputError(
+            f"parallel config: dp*cfg*tp = {config.dp}*{config.cfg}*{config.tp} = {config.world_size} must equal the "
+            f"number of processes ({world})"
+        )
+    if device is None:
+        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+    device = torch.device(device)
+    mesh = init_device_mesh(device.type, (config.dp, config.cfg, config.tp), mesh_dim_names=("dp", "cfg", "tp"))
+    # new_group is collective over the world: every rank creates every replica's group, in the same order.
+    replica_size = config.cfg * config.tp
+    replica_group = None
+    for dp_index in range(config.dp):
+        ranks = list(range(dp_index * replica_size, (dp_index + 1) * replica_size))
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            replica_group = group
+    return ParallelContext(config, mesh, device, replica_group)
