@@ -1,0 +1,285 @@
+"""One-call benchmark suite: diffusers' Cosmos3OmniPipeline vs this engine on the SAME random Cosmos3-Nano weights.
+
+    python benchmarks/gpu_suite.py --out $OUT            # on a lent GPU (H100/H200), ~6-8 minutes
+    python benchmarks/gpu_suite.py --tiny --out /tmp/x   # CPU dry run of every code path with tiny models
+
+Reports (JSON with card, commit, command): bf16 GEMM peak; per-request latency per mode broken into
+encode / text / denoise / decode against diffusers; GEN forward time and MFU at batch 1/4/16 for tiers 256 and 480;
+forward-dynamics env throughput at 1/4/16/64 envs (tier 256) against diffusers called once per env; peak memory;
+bf16 parity of our engine against diffusers on the Nano request and against an fp32 reference on a Nano-width model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from common import (  # noqa: E402
+    SCHEDULER, build_nano_transformer, build_wan22_vae, gemm_peak_tflops, provenance, sync, timed, write_results,
+)
+
+from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG, build_tiny_tokenizer  # noqa: E402
+from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
+from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig  # noqa: E402
+from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
+
+
+def gen_forward_flops(cfg: Cosmos3TransformerConfig, gen_tokens: int, text_tokens: int) -> float:
+    """FLOPs of one GEN-tower forward (matmuls + attention), per sample."""
+    d, ffn, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_token = 2 * d * (q_dim + 2 * kv_dim) + 2 * q_dim * d + 2 * d * ffn * (3 if cfg.hidden_act == "silu" else 2)
+    attention = 4 * gen_tokens * (gen_tokens + text_tokens) * q_dim
+    return layers * (per_token * gen_tokens + attention) + 2 * 2 * gen_tokens * d * cfg.patch_latent_dim
+
+
+def make_models(tiny: bool, device: str):
+    from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
+
+    tokenizer = build_tiny_tokenizer()
+    if tiny:
+        from common import fill_random_
+        from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer
+
+        reference = Cosmos3OmniTransformer(**{**TINY_TRANSFORMER_CONFIG, "vocab_size": len(tokenizer)}).eval()
+        fill_random_(reference)
+        vae = AutoencoderKLWan(**TINY_VAE_CONFIG, latents_mean=[0.0] * 16, latents_std=[1.0] * 16).eval()
+        dtype = torch.float32
+    else:
+        reference = build_nano_transformer(device)
+        vae = build_wan22_vae(device)
+        dtype = torch.bfloat16
+    scheduler = UniPCMultistepScheduler(**SCHEDULER)
+    pipe = Cosmos3OmniPipeline(reference, tokenizer, vae, scheduler, enable_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.device("meta"):  # no host copy of 15 B parameters; weights are assigned from the reference
+        ours = Cosmos3Transformer(Cosmos3TransformerConfig.from_dict(dict(reference.config)))
+    ours.load_diffusers_state_dict(reference.state_dict(), device=device, dtype=dtype)
+    engine = Cosmos3Engine(ours, Cosmos3VAE(vae), tokenizer, scheduler.config, progress=False)
+    return pipe, engine, dtype
+
+
+def scene(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """A smooth synthetic frame (random images are an unrealistic worst case for nothing; any image times the same)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(height, width)
+    frame = np.stack([np.sin(6 * x + rng.uniform(0, 6)), np.cos(5 * y + rng.uniform(0, 6)), x * y], -1)
+    return ((frame - frame.min()) / (frame.max() - frame.min()) * 255).astype(np.uint8)
+
+
+def diffusers_request(pipe, mode, image, chunk, steps, guidance, fps, tier, actions=None, output_type="latent"):
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+    from PIL import Image
+
+    condition = CosmosActionCondition(
+        mode=mode, chunk_size=chunk, domain_name="droid_lerobot", resolution_tier=tier,
+        raw_actions=torch.as_tensor(actions) if actions is not None else None,
+        image=Image.fromarray(image) if mode != "inverse_dynamics" else None,
+        video=[Image.fromarray(image)] * (chunk + 1) if mode == "inverse_dynamics" else None,
+    )
+    return pipe(prompt="pick up the cup and put it in the bowl", action=condition, num_inference_steps=steps,
+                guidance_scale=guidance, fps=fps, generator=torch.Generator().manual_seed(0),
+                output_type=output_type, enable_safety_check=False)
+
+
+def our_request(mode, image, chunk, steps, guidance, fps, tier, actions=None):
+    return Cosmos3Request(
+        mode=mode, observation=image if mode != "inverse_dynamics" else [image] * (chunk + 1),
+        task="pick up the cup and put it in the bowl", actions=actions, domain="droid_lerobot", chunk=chunk,
+        num_steps=steps, guidance_scale=guidance, fps=fps, seed=0, resolution_tier=tier,
+    )
+
+
+def rel(a, b) -> float:
+    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def count_forwards(model):
+    """Time every diffusers transformer forward (synchronised) through a hook."""
+    times = []
+
+    def pre(*_):
+        sync()
+        times.append(-time.perf_counter())
+
+    def post(*_):
+        sync()
+        times[-1] += time.perf_counter()
+
+    model.register_forward_pre_hook(pre)
+    model.register_forward_hook(post)
+    return times
+
+
+def latency_breakdown(engine, request) -> dict:
+    """encode (conditioning prep incl. VAE encode + tokenising) / text (UND tower, both prompts, cold cache) /
+    denoise (GEN loop) / decode, for one request."""
+    engine._text_cache.clear()
+    t_prepare, _ = timed(lambda: engine.prepare(request), repeats=3)
+    prepared = engine.prepare(request)
+
+    def text():
+        engine._text_cache.clear()
+        engine.text_kv(prepared.cond_ids)
+        engine.text_kv(prepared.uncond_ids)
+
+    t_text, _ = timed(text, repeats=3)
+    t_step, _ = timed(lambda: engine.step(request, decode=False), repeats=3)  # text cache warm
+    result = engine.step(request, decode=False)
+    latents = result.video_latents[None].to(engine.device)
+    t_decode, _ = timed(lambda: engine.vae.decode(latents), repeats=2)
+    denoise = t_step - t_prepare
+    return {"encode_s": t_prepare, "text_s": t_text, "denoise_s": denoise, "decode_s": t_decode,
+            "total_no_decode_s": t_prepare + t_text + denoise, "total_with_decode_s": t_prepare + t_text + denoise
+            + t_decode, "result": result}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run with tiny models")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--env-counts", default="1,4,16,64")
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results: dict = {"provenance": provenance()}
+    if not args.tiny:
+        results["gemm_bf16_tflops"] = gemm_peak_tflops()
+        print("GEMM peak", results["gemm_bf16_tflops"])
+    peak = results.get("gemm_bf16_tflops", 1.0)
+
+    t0 = time.perf_counter()
+    pipe, engine, dtype = make_models(args.tiny, device)
+    results["build_s"] = time.perf_counter() - t0
+    cfg = engine.transformer.config
+    chunk, steps, guidance, fps = (32, 4, 3.0, 15.0) if not args.tiny else (8, 2, 3.0, 15.0)
+    image = scene(480, 832)
+
+    # ---- per-request latency, every mode, ours vs diffusers (tier 480, 4 steps, guidance 3) ----
+    actions = np.random.default_rng(0).uniform(-1, 1, (chunk, 10)).astype(np.float32)
+    per_mode = {}
+    forward_times = count_forwards(pipe.transformer)
+    for mode in ("policy", "forward_dynamics", "inverse_dynamics"):
+        acts = actions if mode == "forward_dynamics" else None
+        forward_times.clear()
+        ref_latent = diffusers_request(pipe, mode, image, chunk, steps, guidance, fps, 480, acts)  # warm-up
+        forward_times.clear()
+        d_latent, _ = timed(lambda: diffusers_request(pipe, mode, image, chunk, steps, guidance, fps, 480, acts),
+                            repeats=2, warmup=0)
+        forwards = sorted(forward_times)[len(forward_times) // 2] if forward_times else float("nan")
+        d_decode, _ = timed(lambda: diffusers_request(pipe, mode, image, chunk, steps, guidance, fps, 480, acts,
+                                                      output_type="np"), repeats=1, warmup=0)
+        ours = latency_breakdown(engine, our_request(mode, image, chunk, steps, guidance, fps, 480, acts))
+        result = ours.pop("result")
+        entry = {"diffusers_no_decode_s": d_latent, "diffusers_with_decode_s": d_decode,
+                 "diffusers_forward_s": forwards, "ours": ours,
+                 "speedup_no_decode": d_latent / ours["total_no_decode_s"],
+                 "speedup_with_decode": d_decode / ours["total_with_decode_s"],
+                 "parity_video_rel": rel(result.video_latents, ref_latent.video[0].float().cpu())}
+        if mode != "forward_dynamics":
+            entry["parity_action_rel"] = rel(result.action, ref_latent.action[0].float())
+        per_mode[mode] = entry
+        print(mode, {k: v for k, v in entry.items() if k != "ours"}, ours)
+    results["request_latency_tier480"] = per_mode
+    latent_shape = tuple(result.video_latents.shape[1:])
+
+    # ---- fd env throughput: N envs in one batched step vs diffusers once per env (tier 256, decode included) ----
+    small = scene(256, 256, seed=1)
+    fd_actions = np.random.default_rng(1).uniform(-1, 1, (chunk, 10)).astype(np.float32)
+    d_env, _ = timed(lambda: diffusers_request(pipe, "forward_dynamics", small, chunk, steps, guidance, fps, 256,
+                                               fd_actions, output_type="np"), repeats=2)
+    throughput = {"diffusers_one_env_step_s": d_env}
+    del pipe
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for n in [int(x) for x in args.env_counts.split(",")]:
+        requests = [our_request("forward_dynamics", scene(256, 256, seed=i), chunk, steps, guidance, fps, 256,
+                                fd_actions) for i in range(n)]
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            t, _ = timed(lambda: engine.step(requests, decode=True), repeats=2)
+        except torch.OutOfMemoryError as e:
+            throughput[f"envs_{n}"] = {"error": f"OOM: {e}"[:200]}
+            torch.cuda.empty_cache()
+            continue
+        throughput[f"envs_{n}"] = {
+            "step_s": t, "env_steps_per_s": n / t, "actions_per_s": n * chunk / t,
+            "diffusers_env_steps_per_s": 1 / d_env, "speedup_vs_diffusers_one_at_a_time": (n / t) * d_env,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+        }
+        print("envs", n, throughput[f"envs_{n}"])
+    results["fd_env_throughput_tier256"] = throughput
+
+    # ---- GEN forward time and MFU, batch 1/4/16, tiers 256 and 480 ----
+    gen = {}
+    model = engine.transformer
+    for tier, thw in (("256", (chunk // 4 + 1, 16, 16)), ("480", latent_shape)):
+        for batch in (1, 4, 16):
+            prompt = list(range(3, 153))
+            text = model.encode_text([prompt] * batch)
+            layout = model.gen_layout(text.lengths, thw, chunk, fps)
+            video = torch.randn(batch, cfg.latent_channel, *thw, device=device)
+            acts = torch.randn(batch, chunk, cfg.action_dim, device=device)
+            noisy_v = torch.ones(batch, thw[0], dtype=torch.bool, device=device)
+            noisy_v[:, 0] = False
+            noisy_a = torch.ones(batch, chunk, dtype=torch.bool, device=device)
+            ts = torch.full((batch,), 900, device=device)
+            dom = torch.full((batch,), 8, device=device)
+            try:
+                with torch.inference_mode():
+                    t, _ = timed(lambda: model(text, layout, video, noisy_v, ts, acts, noisy_a, dom), repeats=5)
+            except torch.OutOfMemoryError:
+                gen[f"tier{tier}_b{batch}"] = {"error": "OOM"}
+                torch.cuda.empty_cache()
+                continue
+            tokens = layout.num_video_tokens + chunk
+            flops = batch * gen_forward_flops(cfg, tokens, len(prompt))
+            gen[f"tier{tier}_b{batch}"] = {"forward_s": t, "gen_tokens": tokens, "tflops": flops / t / 1e12,
+                                           "mfu_vs_gemm_peak": flops / t / 1e12 / peak}
+            print("gen", tier, batch, gen[f"tier{tier}_b{batch}"])
+    results["gen_forward"] = gen
+    results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
+    del engine, model
+    gc.collect()
+
+    # ---- bf16 vs fp32: our bf16 GEN forward against diffusers fp32 on a Nano-width, 4-layer model ----
+    if not args.tiny:
+        from reference import reference_velocities  # tests/reference.py: diffusers packed exactly as its pipeline
+
+        ref32 = build_nano_transformer(device, dtype=torch.float32, num_hidden_layers=4)
+        with torch.device("meta"):
+            ours16 = Cosmos3Transformer(Cosmos3TransformerConfig.from_dict(dict(ref32.config)))
+        ours16.load_diffusers_state_dict(ref32.state_dict(), device=device, dtype=torch.bfloat16)
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, 500, (150,), generator=g).tolist()
+        lat = torch.randn(1, 48, 9, 30, 52, generator=g).to(device)
+        act = torch.randn(1, chunk, 64, generator=g).to(device)
+        with torch.inference_mode():
+            ref_v, ref_a = reference_velocities(ref32, prompt, lat, act[0], [0], [], 900, 8, fps)
+            text = ours16.encode_text([prompt])
+            layout = ours16.gen_layout(text.lengths, (9, 30, 52), chunk, fps)
+            noisy_v = torch.tensor([[False] + [True] * 8], device=device)
+            v, a = ours16(text, layout, lat, noisy_v, torch.tensor([900], device=device), act,
+                          torch.ones(1, chunk, dtype=torch.bool, device=device), torch.tensor([8], device=device))
+        results["bf16_vs_fp32_nano_width_4_layers"] = {"video_rel": rel(v.cpu(), ref_v.cpu()),
+                                                       "action_rel": rel(a[0].cpu(), ref_a.cpu())}
+        print("bf16 vs fp32", results["bf16_vs_fp32_nano_width_4_layers"])
+    write_results(results, "gpu_suite.json" if not args.tiny else "gpu_suite_tiny.json", args.out)
+
+
+if __name__ == "__main__":
+    main()

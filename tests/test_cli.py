@@ -1,0 +1,139 @@
+"""``cosmos3-gym infer`` / ``make-tiny-checkpoint``: outputs, parity of saved frames with diffusers, bad input."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+import torch
+from diffusers import Cosmos3OmniPipeline
+from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+from PIL import Image
+
+from cosmos3_gym.cli import main
+
+COMMON = ["--domain-name", "pusht", "--resolution-tier", "256", "--chunk", "4", "--num-steps", "2", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def image_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("inputs") / "frame.png"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def infer(ckpt, out, *extra):
+    return main(["infer", "--checkpoint", str(ckpt), "--out", str(out), *COMMON, *extra])
+
+
+def test_infer_writes_actions_video_and_arrays_equal_to_pipeline(tiny_checkpoint, image_path, tmp_path):
+    assert infer(tiny_checkpoint, tmp_path / "run", "--image", str(image_path), "--prompt", "push the block",
+                 "--guidance-scale", "2.0", "--seed", "3", "--save-arrays") == 0
+    action = json.loads((tmp_path / "run_action.json").read_text())
+    assert action["shape"] == [4, 2] and action["dtype"] == "float32"
+    frames = np.load(tmp_path / "run_video.npy")
+    assert iio.imread(tmp_path / "run.mp4").shape[0] == frames.shape[0] == 5
+
+    pipe = Cosmos3OmniPipeline.from_pretrained(tiny_checkpoint, enable_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(
+        prompt="push the block",
+        action=CosmosActionCondition(mode="policy", chunk_size=4, domain_name="pusht", resolution_tier=256,
+                                     image=Image.open(image_path)),
+        num_inference_steps=2, guidance_scale=2.0, fps=15.0, generator=torch.Generator().manual_seed(3),
+        output_type="np", enable_safety_check=False,
+    )
+    assert frames.shape == ref.video.shape and frames.dtype == np.float32
+    assert np.abs(frames - ref.video).max() < 1e-4
+    assert np.allclose(np.array(action["data"]), ref.action[0].numpy(), atol=1e-4)
+
+
+def test_forward_dynamics_with_both_action_file_formats(tiny_checkpoint, image_path, tmp_path):
+    data = np.random.default_rng(1).uniform(-1, 1, (4, 2)).round(4).tolist()
+    (tmp_path / "a.json").write_text(json.dumps({"shape": [4, 2], "dtype": "float32", "data": data}))
+    (tmp_path / "b.json").write_text(json.dumps({"action_chunks": [[[0, 0]] * 4, data]}))
+    assert infer(tiny_checkpoint, tmp_path / "a", "--image", str(image_path), "--mode", "forward_dynamics",
+                 "--action-file", str(tmp_path / "a.json"), "--save-arrays", "--no-decode") == 0
+    assert infer(tiny_checkpoint, tmp_path / "b", "--image", str(image_path), "--mode", "forward_dynamics",
+                 "--action-file", str(tmp_path / "b.json"), "--action-chunk-index", "1", "--save-arrays") == 0
+    assert not (tmp_path / "a.mp4").exists() and (tmp_path / "b.mp4").exists()
+    assert json.loads((tmp_path / "a_action.json").read_text())["data"] == \
+        json.loads((tmp_path / "b_action.json").read_text())["data"]
+
+
+def test_inverse_dynamics_from_video(tiny_checkpoint, tmp_path):
+    video = np.random.default_rng(2).integers(0, 256, (5, 64, 64, 3), dtype=np.uint8)
+    iio.imwrite(tmp_path / "clip.gif", video, duration=60, loop=0)
+    assert infer(tiny_checkpoint, tmp_path / "inv", "--video", str(tmp_path / "clip.gif"),
+                 "--mode", "inverse_dynamics", "--no-decode") == 0
+    assert json.loads((tmp_path / "inv_action.json").read_text())["shape"] == [4, 2]
+
+
+def _bad_inputs(tmp_path, ckpt, image_path):
+    """(argv overrides, text the error must contain)."""
+    nan_file = tmp_path / "nan.json"
+    nan_file.write_text('{"shape": [1, 2], "dtype": "float32", "data": [[NaN, 0.0]]}')
+    wide_file = tmp_path / "wide.json"
+    wide_file.write_text(json.dumps({"shape": [1, 3], "dtype": "float32", "data": [[0, 0, 0]]}))
+    odd_file = tmp_path / "odd.json"
+    odd_file.write_text(json.dumps({"actions": [[0, 0]]}))
+    not_image = tmp_path / "not_image.png"
+    not_image.write_text("this is not a PNG")
+    empty_video = tmp_path / "empty.mp4"
+    empty_video.write_bytes(b"")
+    corrupt = tmp_path / "corrupt_ckpt"
+    shutil.copytree(ckpt, corrupt)
+    weights = next((corrupt / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    img = ["--image", str(image_path)]
+    fd = ["--mode", "forward_dynamics"]
+    return [
+        (["--checkpoint", str(tmp_path / "missing"), *img], "missing"),
+        (["--checkpoint", str(corrupt), *img], "safetensors"),
+        ([*img, "--mode", "dream"], "mode"),
+        ([*img, "--domain-name", "no_such_robot"], "domain"),
+        ([*img, "--domain-name", "4"], "raw_action_dim"),
+        ([*img, "--raw-action-dim", "65"], "raw_action_dim"),
+        ([*img, *fd], "action-file"),
+        ([*img, *fd, "--action-file", str(odd_file)], str(odd_file)),
+        ([*img, *fd, "--action-file", str(nan_file)], str(nan_file)),
+        ([*img, *fd, "--action-file", str(wide_file)], "actions"),
+        (["--image", str(not_image)], "not_image.png"),
+        (["--video", str(empty_video)], "empty.mp4"),
+        ([*img, "--condition-frames", "0,7"], "cond_frame_indexes"),
+        ([*img, "--num-steps", "0"], "num_steps"),
+        ([*img, "--chunk", "0"], "chunk"),
+    ]
+
+
+def test_bad_input_exits_2_with_one_line_naming_the_field(tiny_checkpoint, image_path, tmp_path, capsys):
+    for overrides, expected in _bad_inputs(tmp_path, tiny_checkpoint, image_path):
+        argv = ["infer", "--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path / "x"), *COMMON]
+        argv += overrides  # later flags win in argparse
+        capsys.readouterr()
+        assert main(argv) == 2, overrides
+        err = capsys.readouterr().err.strip().splitlines()
+        errors = [line for line in err if "error:" in line]
+        assert len(errors) == 1 and expected in errors[0], (overrides, err)
+        assert "Traceback" not in "\n".join(err)
+
+
+def test_console_script_prints_no_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "cosmos3_gym.cli", "infer", "--checkpoint", str(tmp_path / "nope"), "--image",
+         str(tmp_path / "nope.png"), "--out", str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_make_tiny_checkpoint_command(tmp_path, capsys):
+    assert main(["make-tiny-checkpoint", str(tmp_path / "ckpt")]) == 0
+    assert "RANDOM" in capsys.readouterr().out
+    assert (tmp_path / "ckpt" / "transformer" / "config.json").exists()
+    assert main(["make-tiny-checkpoint", str(tmp_path / "ckpt")]) == 2  # refuses to overwrite
