@@ -1,0 +1,49 @@
+"""Gymnasium environments backed by the Cosmos3 world model.
+
+``WorldModelEnv`` (one rollout), ``WorldModelVectorEnv`` (a batch of rollouts sharing one model call per step) and
+``SB3VecEnv`` (Stable-Baselines3's VecEnv API over the vector env). ``register_envs()`` registers
+``cosmos3_gym/WorldModel-v0`` with Gymnasium for ``gym.make`` / ``gym.make_vec``.
+"""
+
+from __future__ import annotations
+
+import gymnasium
+
+from .core import REWARD_MODES, model_frame_size
+from .initial_states import InitialState, InitialStateSource, load_initial_states
+from .sb3 import SB3VecEnv
+from .vector_env import WorldModelVectorEnv
+from .world_model_env import WorldModelEnv
+
+ENV_ID = "cosmos3_gym/WorldModel-v0"
+
+__all__ = [
+    "ENV_ID",
+    "REWARD_MODES",
+    "InitialState",
+    "InitialStateSource",
+    "SB3VecEnv",
+    "WorldModelEnv",
+    "WorldModelVectorEnv",
+    "load_initial_states",
+    "model_frame_size",
+    "register_envs",
+]
+
+
+def register_envs() -> None:
+    """Register ``cosmos3_gym/WorldModel-v0`` (idempotent).
+
+    ``gym.make(ENV_ID, checkpoint=..., ...)`` builds a ``WorldModelEnv`` and ``gym.make_vec(ENV_ID, num_envs=N, ...)``
+    a ``WorldModelVectorEnv`` (through ``vector_entry_point``; ``autoreset_mode=`` goes to it). No default episode
+    limit: pass ``max_episode_steps`` (``TimeLimit`` for ``make``, counted per slot by the vector env). The env checks
+    the order of calls itself (``InputError`` for step before reset), so Gymnasium's ``OrderEnforcing`` is off.
+    """
+    if ENV_ID in gymnasium.registry:
+        return
+    gymnasium.register(
+        id=ENV_ID,
+        entry_point="cosmos3_gym.envs.world_model_env:WorldModelEnv",
+        vector_entry_point="cosmos3_gym.envs.vector_env:WorldModelVectorEnv",
+        order_enforce=False,
+    )

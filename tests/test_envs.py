@@ -1,0 +1,415 @@
+"""``WorldModelEnv`` (one Cosmos3 forward-dynamics rollout), its initial-state sources and the Gymnasium registration.
+
+Everything runs the real tiny model (chunk 4, 2 denoising steps, tier 256, 96x128 frames), so the checks see the
+real frame sizes, noise seeding and decode.
+"""
+
+import warnings
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium.utils.env_checker import check_env as gym_check_env
+from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
+from cosmos3_gym.engine import Cosmos3Engine
+from cosmos3_gym.envs import ENV_ID, WorldModelEnv, load_initial_states, model_frame_size, register_envs
+from cosmos3_gym.errors import InputError
+from cosmos3_gym.media import write_video
+from cosmos3_gym.processor import ActionStats
+
+FAST = dict(domain="pusht", chunk=4, num_steps=2, resolution_tier=256)  # pusht: raw_action_dim 2
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)
+
+
+def image(seed: int, size=(96, 128)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+
+
+def make_env(shared_engine, **kwargs) -> WorldModelEnv:
+    return WorldModelEnv(**{"engine": shared_engine, **FAST, "initial_states": image(0), **kwargs})
+
+
+def actions(seed: int, n: int = 1) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.uniform(-1, 1, (4, 2)).astype(np.float32) for _ in range(n)]
+
+
+def rollout(env, seed, chunks):
+    observations = [env.reset(seed=seed)[0]["image"]]
+    observations += [env.step(chunk)[0]["image"] for chunk in chunks]
+    return observations
+
+
+def mean_brightness(frames, tasks):
+    """A deterministic reward model: the mean pixel value of each slot's chunk, in [0, 1]."""
+    return frames.mean(dim=(1, 2, 3, 4))
+
+
+class CountingEngine:
+    """Counts the requests that reach ``engine.step`` (to prove bad input never does)."""
+
+    def __init__(self, engine, monkeypatch):
+        self.batches = []
+        original = engine.step
+
+        def step(requests, **kwargs):
+            self.batches.append(len(requests))
+            return original(requests, **kwargs)
+
+        monkeypatch.setattr(engine, "step", step)
+
+
+# ---------------------------------------------------------------------------------------------------- checkers
+
+
+def test_gymnasium_check_env_passes(tiny_checkpoint):
+    """Through gym.make (so the checker also rebuilds the env per render mode and checks close); deterministic,
+    not registered as nondeterministic."""
+    register_envs()
+    env = gym.make(ENV_ID, checkpoint=tiny_checkpoint, initial_states=image(0), render_mode="rgb_array", **FAST)
+    assert env.spec.nondeterministic is False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gym_check_env(env.unwrapped)
+    assert not [str(w.message) for w in caught if "gymnasium" in w.filename]
+    env.close()
+
+
+def test_sb3_check_env_passes(engine):
+    env = make_env(engine)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sb3_check_env(env, warn=True)
+    assert not [str(w.message) for w in caught if "stable_baselines3" in w.filename]
+
+
+# ---------------------------------------------------------------------------------------------------- behaviour
+
+
+def test_spaces_reset_step_render(engine):
+    env = make_env(engine, return_frames=True, render_mode="rgb_array", fps=8.0, task="push the T")
+    assert env.observation_space["image"].shape == (96, 128, 3) and env.observation_space["image"].dtype == np.uint8
+    assert env.action_space.shape == (4, 2) and env.action_space.dtype == np.float32
+    assert (env.action_space.low == -1).all() and (env.action_space.high == 1).all()
+    assert env.metadata["render_fps"] == 8.0
+
+    obs, info = env.reset(seed=0)
+    assert np.array_equal(obs["image"], image(0))  # 96x128 is a fixed point of the model's size map: not resized
+    assert info == {"task": "push the T", "initial_state_index": 0}
+    assert np.array_equal(env.render(), obs["image"])
+
+    obs, reward, terminated, truncated, info = env.step(actions(1)[0])
+    assert env.observation_space.contains(obs)
+    assert (reward, terminated, truncated) == (0.0, False, False)  # no reward model
+    assert type(terminated) is bool and type(truncated) is bool and type(reward) is float
+    assert info["frames"].shape == (4, 96, 128, 3) and info["frames"].dtype == np.uint8
+    assert np.array_equal(obs["image"], info["frames"][-1])  # the rollout continues from the chunk's last frame
+    assert np.array_equal(env.render(), obs["image"])
+    assert info["elapsed_steps"] == 1 and info["task"] == "push the T" and "score" not in info
+    assert not np.array_equal(obs["image"], image(0))
+
+
+def test_step_is_the_engines_forward_dynamics(engine):
+    """One step = one forward_dynamics request on the current frame with the action unchanged; the env continues
+    from the chunk's last frame (the proof that nothing is lost in between, e.g. a denormalisation)."""
+    from cosmos3_gym.engine import Cosmos3Request
+    from cosmos3_gym.media import to_uint8
+
+    env = make_env(engine, task="push the T", return_frames=True)
+    frame, _ = env.reset(seed=2)
+    chunk = actions(4)[0]
+    obs, *_, info = env.step(chunk)
+    expected = engine.step(Cosmos3Request(
+        mode="forward_dynamics", observation=frame["image"], task="push the T", actions=chunk, domain="pusht",
+        chunk=4, num_steps=2, resolution_tier=256, seed=info["noise_seed"],
+    ))
+    expected_frames = to_uint8(expected.pixels[:, 1:].permute(1, 2, 3, 0).numpy())
+    assert np.array_equal(info["frames"], expected_frames)
+    assert np.array_equal(obs["image"], expected_frames[-1])
+
+
+def test_same_seed_and_actions_give_same_frames(engine):
+    env = make_env(engine)
+    chunks = actions(2, n=2)
+    first, second = rollout(env, 7, chunks), rollout(env, 7, chunks)
+    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+    other_seed = rollout(env, 8, chunks)
+    assert not np.array_equal(first[1], other_seed[1])  # the diffusion noise comes from the seed
+
+
+def test_frame_size_is_the_models_fixed_point(engine):
+    # 240x336 -> 224x320 (canvas bin 0.8) -> 192x272 (bin 0.6) -> 192x272: the frame must not keep shrinking.
+    assert model_frame_size(240, 336, 256) == (192, 272)
+    assert model_frame_size(192, 272, 256) == (192, 272)
+    env = make_env(engine, initial_states=image(3, (240, 336)))
+    assert env.image_size == (192, 272) and env.observation_space["image"].shape == (192, 272, 3)
+    obs, _ = env.reset(seed=0)
+    assert obs["image"].shape == (192, 272, 3)
+    obs, *_ = env.step(actions(0)[0])
+    assert obs["image"].shape == (192, 272, 3)
+
+
+def test_observation_size_downscales_only_the_observation(engine):
+    env = make_env(engine, observation_size=(48, 64), render_mode="rgb_array")
+    assert env.observation_space["image"].shape == (48, 64, 3)
+    obs, _ = env.reset(seed=0)
+    obs, *_ = env.step(actions(0)[0])
+    assert obs["image"].shape == (48, 64, 3)
+    assert env.render().shape == (96, 128, 3)
+
+
+@pytest.mark.parametrize("mode", ["per_step", "relative", "terminal"])
+def test_reward_modes(engine, mode):
+    env = make_env(engine, reward_model=mean_brightness, reward_mode=mode, max_episode_steps=2)
+    env.reset(seed=1)
+    steps = [env.step(chunk) for chunk in actions(3, n=2)]
+    scores = [info["score"] for *_, info in steps]
+    rewards = [reward for _, reward, *_ in steps]
+    assert [truncated for *_, truncated, _ in steps] == [False, True]
+    assert all(0.0 < s < 1.0 for s in scores) and scores[0] != scores[1]
+    expected = {
+        "per_step": scores,
+        "relative": [scores[0], scores[1] - scores[0]],  # the first chunk's score minus 0
+        "terminal": [0.0, scores[1]],  # only on the step that ends the episode
+    }[mode]
+    assert rewards == pytest.approx(expected, abs=1e-12)
+
+
+def test_terminal_reward_without_any_episode_end_warns(engine):
+    with pytest.warns(UserWarning, match="terminal"):
+        make_env(engine, reward_model=mean_brightness, reward_mode="terminal")
+
+
+def test_success_threshold_terminates(engine):
+    env = make_env(engine, reward_model=mean_brightness, success_threshold=0.0)
+    env.reset(seed=0)
+    _, reward, terminated, truncated, info = env.step(actions(0)[0])
+    assert terminated is True and truncated is False and info["success"] is True and reward == info["score"]
+    env = make_env(engine, reward_model=mean_brightness, success_threshold=1.0)
+    env.reset(seed=0)
+    _, _, terminated, _, info = env.step(actions(0)[0])
+    assert terminated is False and info["success"] is False
+
+
+def test_time_limit_is_counted_once(engine, tiny_checkpoint):
+    """gym.make's max_episode_steps becomes TimeLimit (the env does not count too); direct construction counts."""
+    register_envs()
+    made = gym.make(ENV_ID, checkpoint=tiny_checkpoint, initial_states=image(0), max_episode_steps=2, **FAST)
+    assert isinstance(made, gym.wrappers.TimeLimit) and made.unwrapped._core.max_episode_steps is None
+    direct = make_env(engine, max_episode_steps=2)
+    for env in (made, direct):
+        env.reset(seed=0)
+        truncations = [env.step(chunk)[3] for chunk in actions(0, n=2)]
+        assert truncations == [False, True]
+    made.close()
+
+
+def test_action_stats_only_annotate(engine):
+    stats = ActionStats.from_json({"min": [0.0, -2.0], "max": [10.0, 2.0]}, mode="minmax")
+    chunk = actions(5)[0]
+    plain, annotated = make_env(engine), make_env(engine, action_stats=stats)
+    plain.reset(seed=3)
+    annotated.reset(seed=3)
+    obs_plain, *_ = plain.step(chunk)
+    obs_annotated, *_, info = annotated.step(chunk)
+    assert np.array_equal(obs_plain["image"], obs_annotated["image"])  # the model sees the normalised action
+    assert np.allclose(info["raw_action"], stats.denormalize(chunk))
+    assert annotated.action_stats is stats
+
+
+def test_offload_and_onload_keep_results(engine):
+    env = make_env(engine)
+    chunks = actions(6, n=2)
+    reference = rollout(env, 4, chunks)
+    env.reset(seed=4)
+    env.step(chunks[0])
+    env.offload()
+    assert len(engine._text_cache) == 0  # the cached prompt K/V lived on the model's device
+    assert engine.transformer.device.type == "cpu" and env._core._home_device is not None
+    obs, *_ = env.step(chunks[1])  # moves the model back by itself
+    assert env._core._home_device is None
+    assert np.array_equal(obs["image"], reference[2])
+    env.offload()
+    env.onload()
+    assert env._core._home_device is None
+
+
+def test_close_is_idempotent_and_releases_only_an_owned_engine(engine, tiny_checkpoint):
+    shared = make_env(engine)
+    shared.close()
+    shared.close()
+    assert not engine._closed
+    with pytest.raises(InputError, match="closed"):
+        shared.reset(seed=0)
+
+    owned = WorldModelEnv(tiny_checkpoint, initial_states=image(0), **FAST)
+    owned_engine = owned.engine
+    owned.close()
+    owned.close()
+    assert owned_engine._closed
+
+
+# ---------------------------------------------------------------------------------------------------- initial states
+
+
+def test_initial_states_from_a_folder(tmp_path, engine):
+    from PIL import Image
+
+    Image.fromarray(image(1)).save(tmp_path / "a_image.png")
+    write_video(tmp_path / "b_video.mp4", np.stack([image(2), image(3)]), fps=4)
+    np.save(tmp_path / "c_frames.npy", np.stack([image(4), image(5)]))
+    (tmp_path / "c_frames.txt").write_text("stack the cups\n")
+    np.savez(tmp_path / "d_episode.npz", frames=image(6)[None], task=np.array("open the drawer"))
+    (tmp_path / "notes.md").write_text("ignored")
+
+    source = load_initial_states(tmp_path)
+    assert len(source) == 4
+    states = [source[i] for i in range(4)]
+    assert np.array_equal(states[0].frame, image(1)) and states[0].task is None
+    assert np.abs(states[1].frame.astype(int) - image(2)).mean() < 60  # lossy H.264 of a noise image
+    assert np.array_equal(states[2].frame, image(4)) and states[2].task == "stack the cups"
+    assert np.array_equal(states[3].frame, image(6)) and states[3].task == "open the drawer"
+
+    env = make_env(engine, initial_states=tmp_path)
+    obs, info = env.reset(seed=0, options={"initial_state_index": 3})
+    assert info == {"task": "open the drawer", "initial_state_index": 3} and np.array_equal(obs["image"], image(6))
+    _, info = env.reset(options={"initial_state_index": 3, "task": "close it"})  # a per-reset task wins
+    assert info["task"] == "close it"
+    env = make_env(engine, initial_states=tmp_path, task="global task")  # the env's task wins over the item's
+    assert env.reset(options={"initial_state_index": 3})[1]["task"] == "global task"
+    picks = {env.reset(seed=s)[1]["initial_state_index"] for s in range(12)}
+    assert picks == {0, 1, 2, 3}  # drawn with np_random
+
+
+def test_frames_from_reset_options(engine):
+    env = WorldModelEnv(engine=engine, image_size=(96, 128), **FAST)
+    obs, info = env.reset(seed=0, options={"frames": image(9), "task": "wipe"})
+    assert np.array_equal(obs["image"], image(9)) and info == {"task": "wipe", "initial_state_index": -1}
+    obs, _ = env.reset(options={"frames": image(9, (192, 256))})  # other sizes are resized to image_size
+    assert obs["image"].shape == (96, 128, 3)
+    with pytest.raises(InputError, match="options"):
+        env.reset()
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (np.zeros((3, 2), np.float32), "shape"),
+        (np.zeros((4, 3), np.float32), "shape"),
+        (np.zeros((4, 2), np.int64), "dtype"),
+        (np.full((4, 2), np.nan, np.float32), "NaN"),
+        (np.full((4, 2), np.inf, np.float32), "NaN or infinity"),
+        (np.full((4, 2), 1.5, np.float32), r"\[-1, 1\]"),
+        ([[0.0, 0.0], [0.0]], "ragged"),
+    ],
+)
+def test_bad_actions_never_reach_the_model(engine, monkeypatch, bad, message):
+    env = make_env(engine)
+    env.reset(seed=0)
+    counter = CountingEngine(engine, monkeypatch)
+    with pytest.raises(InputError, match=f"action: .*{message}"):
+        env.step(bad)
+    assert counter.batches == []
+
+
+def test_other_float_actions_are_accepted(engine):
+    env = make_env(engine)
+    env.reset(seed=0)
+    env.step(np.zeros((4, 2)))  # numpy's default dtype; cast to float32
+    env.step(torch.zeros(4, 2, dtype=torch.bfloat16))  # what a bf16 torch policy outputs
+
+
+def test_step_before_reset_and_bad_options(engine):
+    env = make_env(engine, render_mode="rgb_array")
+    with pytest.raises(InputError, match="reset"):
+        env.step(actions(0)[0])
+    with pytest.raises(InputError, match="reset"):
+        env.render()
+    with pytest.raises(InputError, match=r"options: unknown keys \['frame'\]"):
+        env.reset(options={"frame": image(0)})
+    with pytest.raises(InputError, match="initial_state_index"):
+        env.reset(options={"initial_state_index": 1})
+    with pytest.raises(InputError, match="task"):
+        env.reset(options={"task": 3})
+    with pytest.raises(InputError, match="options\\['frames'\\]"):
+        env.reset(options={"frames": np.zeros((8, 8, 5), np.uint8)})
+
+
+def test_bad_reward_model_output(engine):
+    env = make_env(engine, reward_model=lambda frames, tasks: torch.zeros(3))
+    env.reset(seed=0)
+    with pytest.raises(InputError, match="reward_model"):
+        env.step(actions(0)[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(engine=None), "checkpoint"),
+        (dict(checkpoint="CKPT"), "checkpoint"),  # both checkpoint and engine
+        (dict(chunk=6), "chunk"),
+        (dict(num_steps=0), "num_steps"),
+        (dict(resolution_tier=300), "resolution_tier"),
+        (dict(reward_mode="sparse"), "reward_mode"),
+        (dict(success_threshold=0.5), "success_threshold"),
+        (dict(max_episode_steps=0), "max_episode_steps"),
+        (dict(initial_states=None), "initial_states"),
+        (dict(image_size=(100, 100)), "image_size"),
+        (dict(observation_size=(0, 10)), "observation_size"),
+        (dict(task=["a"]), "task"),
+        (dict(render_mode="human"), "render_mode"),
+        (dict(request_options={"seed": 1}), "request_options"),
+        (dict(action_stats={"min": [0.0], "max": [1.0]}), "action_stats"),
+        (dict(domain="no_such_robot"), "domain"),
+    ],
+)
+def test_bad_construction_arguments(engine, tiny_checkpoint, kwargs, field):
+    if kwargs.get("checkpoint") == "CKPT":
+        kwargs = {"checkpoint": tiny_checkpoint}
+    with pytest.raises(InputError, match=field):
+        make_env(engine, **kwargs)
+
+
+def test_bad_initial_state_sources(tmp_path, engine):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "readme.txt").write_text("no frames here")
+    with pytest.raises(InputError, match="initial_states: folder .* has no image"):
+        make_env(engine, initial_states=empty)
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    with pytest.raises(InputError, match="initial_states.*broken.png"):
+        make_env(engine, initial_states=broken)
+    pickled = tmp_path / "traj.npy"
+    np.save(pickled, np.array([{"image": image(0)}], dtype=object), allow_pickle=True)
+    with pytest.raises(InputError, match="pickled"):
+        make_env(engine, initial_states=pickled)
+    pickled_npz = tmp_path / "traj.npz"
+    np.savez(pickled_npz, frames=np.array([image(0)], dtype=object))
+    with pytest.raises(InputError, match="pickled"):
+        make_env(engine, initial_states=pickled_npz)
+    no_frames = tmp_path / "no_frames.npz"
+    np.savez(no_frames, pixels=image(0))
+    with pytest.raises(InputError, match="'frames'"):
+        make_env(engine, initial_states=no_frames)
+    with pytest.raises(InputError, match="initial_states"):
+        make_env(engine, initial_states=tmp_path / "missing.png")
+    with pytest.raises(InputError, match="initial_states"):
+        make_env(engine, initial_states=[])
+
+
+def test_registration_is_idempotent():
+    register_envs()
+    register_envs()
+    spec = gym.spec(ENV_ID)
+    assert spec.entry_point == "cosmos3_gym.envs.world_model_env:WorldModelEnv"
+    assert spec.vector_entry_point == "cosmos3_gym.envs.vector_env:WorldModelVectorEnv"

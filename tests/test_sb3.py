@@ -1,0 +1,90 @@
+"""``SB3VecEnv``: Stable-Baselines3's VecEnv API over the batched world-model env, and PPO training on it."""
+
+import numpy as np
+import pytest
+import torch
+from gymnasium.vector import AutoresetMode
+from stable_baselines3 import PPO
+from stable_baselines3.common.vec_env import VecMonitor
+
+from cosmos3_gym.engine import Cosmos3Engine
+from cosmos3_gym.envs import SB3VecEnv, WorldModelVectorEnv
+from cosmos3_gym.errors import InputError
+
+FAST = dict(domain="pusht", chunk=4, num_steps=2, resolution_tier=256)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)
+
+
+def image(seed: int, size=(64, 64)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+
+
+def make_sb3_env(shared_engine, num_envs=2, **kwargs) -> SB3VecEnv:
+    defaults = dict(engine=shared_engine, initial_states=[image(0), image(1)], max_episode_steps=2,
+                    autoreset_mode=AutoresetMode.SAME_STEP)
+    return SB3VecEnv(WorldModelVectorEnv(num_envs, **{**FAST, **defaults, **kwargs}))
+
+
+def test_vec_env_api(engine):
+    env = make_sb3_env(engine, reward_model=lambda frames, tasks: frames.mean(dim=(1, 2, 3, 4)), task="push")
+    assert env.num_envs == 2 and env.observation_space["image"].shape == (64, 64, 3)
+    assert env.action_space.shape == (4, 2)
+
+    env.seed(3)
+    obs = env.reset()
+    assert obs["image"].shape == (2, 64, 64, 3) and obs["image"].dtype == np.uint8
+    env.seed(3)
+    assert np.array_equal(env.reset()["image"], obs["image"])  # seeds are used by the next reset
+    assert env.reset_infos[0]["task"] == "push"
+
+    actions = np.zeros((2, 4, 2), np.float32)
+    obs, rewards, dones, infos = env.step(actions)
+    assert rewards.dtype == np.float32 and rewards.shape == (2,) and not dones.any()
+    assert rewards[0] == pytest.approx(infos[0]["score"]) and infos[0]["elapsed_steps"] == 1
+    assert infos[0]["TimeLimit.truncated"] is False and "terminal_observation" not in infos[0]
+
+    new_obs, _, dones, infos = env.step(actions)  # max_episode_steps=2: both episodes time out
+    assert dones.all()
+    for i in range(2):
+        assert infos[i]["TimeLimit.truncated"] is True and infos[i]["elapsed_steps"] == 2
+        assert infos[i]["terminal_observation"]["image"].shape == (64, 64, 3)
+        assert "initial_state_index" in env.reset_infos[i]  # the reset that followed
+    assert not np.array_equal(infos[0]["terminal_observation"]["image"], new_obs["image"][0])
+
+    assert env.get_attr("image_size") == [(64, 64), (64, 64)]
+    assert env.get_attr("num_envs", indices=[1]) == [2]
+    assert env.env_is_wrapped(VecMonitor) == [False, False]
+    env.env_method("offload")
+    env.set_options({"task": "lift"})
+    env.reset()
+    assert env.get_attr("tasks")[0] == ["lift", "lift"]
+    env.set_options([{"initial_state_index": 1}, {}])  # per-env options become per-slot values
+    env.reset()
+    assert [info["initial_state_index"] for info in env.reset_infos][0] == 1
+    env.close()
+    env.close()
+
+
+def test_needs_same_step_autoreset(engine):
+    with pytest.raises(InputError, match="SAME_STEP"):
+        SB3VecEnv(WorldModelVectorEnv(2, engine=engine, initial_states=image(0), **FAST))
+    with pytest.raises(InputError, match="vector_env"):
+        SB3VecEnv(object())
+
+
+def test_ppo_trains_on_the_world_model(engine):
+    """PPO with a MultiInputPolicy (NatureCNN on the image) runs a few hundred steps inside the world model."""
+    env = VecMonitor(make_sb3_env(engine, max_episode_steps=8, observation_size=(48, 48),
+                                  reward_model=lambda frames, tasks: frames[:, -1].mean(dim=(1, 2, 3))))
+    model = PPO("MultiInputPolicy", env, n_steps=32, batch_size=32, n_epochs=1, seed=0, device="cpu",
+                policy_kwargs=dict(net_arch=[16], features_extractor_kwargs=dict(cnn_output_dim=16)))
+    before = [p.detach().clone() for p in model.policy.parameters()]
+    model.learn(total_timesteps=256)
+    assert model.num_timesteps >= 256
+    assert len(model.ep_info_buffer) >= 256 // 8 - 2  # episodes ended by max_episode_steps, logged by VecMonitor
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.policy.parameters()))
+    env.close()

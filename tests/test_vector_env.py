@@ -1,0 +1,246 @@
+"""``WorldModelVectorEnv``: one batched model call per step, per-slot autoreset in all three modes, seeding, make_vec.
+
+Episodes end deterministically: a reward model scores 1 for the task "finish" and 0 otherwise, with
+``success_threshold=0.5``, so a slot with that task terminates after every chunk; ``max_episode_steps`` truncates
+the others.
+"""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode
+
+from cosmos3_gym.engine import Cosmos3Engine
+from cosmos3_gym.envs import ENV_ID, WorldModelEnv, WorldModelVectorEnv, register_envs
+from cosmos3_gym.errors import InputError
+
+FAST = dict(domain="pusht", chunk=4, num_steps=2, resolution_tier=256)
+TASKS = ["finish", "go", "go"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)
+
+
+@pytest.fixture
+def batches(engine, monkeypatch):
+    """The number of requests in each ``engine.step`` call."""
+    sizes = []
+    original = engine.step
+
+    def step(requests, **kwargs):
+        sizes.append(len(requests))
+        return original(requests, **kwargs)
+
+    monkeypatch.setattr(engine, "step", step)
+    return sizes
+
+
+def image(seed: int, size=(96, 128)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+
+
+def finish_task(frames, tasks):
+    return [1.0 if task == "finish" else 0.0 for task in tasks]
+
+
+def make_vec_env(shared_engine, num_envs=3, **kwargs) -> WorldModelVectorEnv:
+    defaults = dict(engine=shared_engine, initial_states=image(0), task=TASKS, reward_model=finish_task,
+                    success_threshold=0.5, max_episode_steps=3)
+    return WorldModelVectorEnv(num_envs, **{**FAST, **defaults, **kwargs})
+
+
+def random_actions(env, seed):
+    return np.random.default_rng(seed).uniform(-1, 1, env.action_space.shape).astype(np.float32)
+
+
+def masked(info, key):
+    """The slots for which ``info`` has ``key``."""
+    return info[f"_{key}"].tolist() if key in info else [False] * len(info["_task"])
+
+
+def test_make_vec_builds_the_batched_env(engine):
+    register_envs()
+    env = gym.make_vec(ENV_ID, num_envs=2, engine=engine, initial_states=image(0), max_episode_steps=5,
+                       autoreset_mode=AutoresetMode.SAME_STEP, **FAST)
+    assert isinstance(env, WorldModelVectorEnv)
+    assert env.num_envs == 2 and env.autoreset_mode == AutoresetMode.SAME_STEP
+    assert env.metadata["autoreset_mode"] == AutoresetMode.SAME_STEP and env.metadata["render_fps"] == 15.0
+    assert env._core.max_episode_steps == 5  # make_vec hands max_episode_steps to the vector env itself
+    assert env.single_observation_space["image"].shape == (96, 128, 3)
+    assert env.observation_space["image"].shape == (2, 96, 128, 3)
+    assert env.single_action_space.shape == (4, 2) and env.action_space.shape == (2, 4, 2)
+    obs, _ = env.reset(seed=0)
+    assert env.observation_space.contains(obs)
+    default = gym.make_vec(ENV_ID, num_envs=1, vectorization_mode="vector_entry_point", engine=engine,
+                           initial_states=image(0), **FAST)
+    assert isinstance(default, WorldModelVectorEnv)
+    assert default.metadata["autoreset_mode"] == AutoresetMode.NEXT_STEP  # gymnasium's default
+
+
+def test_all_slots_advance_in_one_engine_call(engine, batches):
+    env = make_vec_env(engine, reward_model=None, success_threshold=None, return_frames=True,
+                       render_mode="rgb_array")
+    obs, info = env.reset(seed=0)
+    assert info["task"].tolist() == TASKS and obs["image"].shape == (3, 96, 128, 3)
+    obs, rewards, terminated, truncated, info = env.step(random_actions(env, 0))
+    assert batches == [3]
+    assert rewards.tolist() == [0.0] * 3 and not terminated.any() and not truncated.any()
+    assert info["frames"].shape == (3, 4, 96, 128, 3)
+    assert all(np.array_equal(frame, obs["image"][i]) for i, frame in enumerate(env.render()))
+    assert len(set(info["noise_seed"].tolist())) == 3  # each slot draws its own noise
+
+
+def test_next_step_autoreset_resets_only_finished_slots(engine, batches):
+    env = make_vec_env(engine)
+    start, _ = env.reset(seed=0)
+    obs, rewards, terminated, truncated, info = env.step(random_actions(env, 1))
+    assert terminated.tolist() == [True, False, False] and rewards.tolist() == [1.0, 0.0, 0.0]
+
+    # Step 2: slot 0 is reset (its action ignored) while slots 1 and 2 advance: 2 requests in one call.
+    previous = obs
+    obs, rewards, terminated, truncated, info = env.step(random_actions(env, 2))
+    assert batches == [3, 2]
+    assert rewards[0] == 0.0 and not terminated[0] and not truncated[0]
+    assert np.array_equal(obs["image"][0], start["image"][0])
+    assert masked(info, "initial_state_index") == [True, False, False]
+    assert masked(info, "elapsed_steps") == [False, True, True] and info["elapsed_steps"][1:].tolist() == [2, 2]
+    assert not np.array_equal(obs["image"][1], previous["image"][1])
+
+    # Step 3: slot 0 finishes its second episode, slots 1 and 2 reach max_episode_steps.
+    obs, rewards, terminated, truncated, info = env.step(random_actions(env, 3))
+    assert terminated.tolist() == [True, False, False] and truncated.tolist() == [False, True, True]
+    assert info["elapsed_steps"].tolist() == [1, 3, 3]
+
+    # Step 4: every slot resets and nothing runs through the model.
+    obs, rewards, terminated, truncated, info = env.step(random_actions(env, 4))
+    assert batches == [3, 2, 3] and not (terminated | truncated).any()
+    assert masked(info, "initial_state_index") == [True, True, True]
+
+
+def test_same_step_autoreset_returns_final_observations(engine, batches):
+    env = make_vec_env(engine, autoreset_mode=AutoresetMode.SAME_STEP)
+    start, _ = env.reset(seed=0)
+    obs, rewards, terminated, truncated, info = env.step(random_actions(env, 1))
+    assert terminated.tolist() == [True, False, False]
+    assert info["_final_obs"].tolist() == [True, False, False]
+    assert info["final_obs"][0]["image"].shape == (96, 128, 3)
+    assert not np.array_equal(info["final_obs"][0]["image"], start["image"][0])  # the generated frame
+    assert np.array_equal(obs["image"][0], start["image"][0])  # ...and slot 0 already starts over
+    assert info["final_info"]["score"][0] == 1.0 and info["final_info"]["_score"].tolist() == [True, False, False]
+    assert masked(info, "initial_state_index") == [True, False, False]  # the reset info of slot 0
+    assert masked(info, "score") == [False, True, True]
+
+    obs, rewards, terminated, truncated, info = env.step(random_actions(env, 2))
+    assert batches == [3, 3]  # no slot waits a step to be reset
+    assert info["final_info"]["elapsed_steps"][0] == 1 and info["elapsed_steps"][1:].tolist() == [2, 2]
+
+
+def test_disabled_autoreset_needs_a_reset_mask(engine, batches):
+    env = make_vec_env(engine, autoreset_mode=AutoresetMode.DISABLED)
+    assert env.metadata["autoreset_mode"] == AutoresetMode.DISABLED
+    start, _ = env.reset(seed=0)
+    obs, _, terminated, _, _ = env.step(random_actions(env, 1))
+    assert terminated.tolist() == [True, False, False]
+    with pytest.raises(InputError, match=r"reset_mask: slots \[0\]"):
+        env.step(random_actions(env, 2))
+    assert batches == [3]
+
+    reset_obs, info = env.reset(options={"reset_mask": np.array([True, False, False])})
+    assert np.array_equal(reset_obs["image"][0], start["image"][0])
+    assert np.array_equal(reset_obs["image"][1:], obs["image"][1:])  # untouched slots keep their frames
+    assert masked(info, "task") == [True, False, False]
+    _, _, _, _, info = env.step(random_actions(env, 2))
+    assert info["elapsed_steps"].tolist() == [1, 2, 2]
+
+
+def test_per_slot_seeds_match_single_envs(engine):
+    """Slot i of a vector env reset with seed s follows the stream of a single env reset with seed s + i."""
+    env = make_vec_env(engine, reward_model=None, success_threshold=None, task=None)
+    chunks = [random_actions(env, k) for k in range(2)]
+
+    def vector_rollout(seed):
+        frames = [env.reset(seed=seed)[0]["image"]]
+        return frames + [env.step(chunk)[0]["image"] for chunk in chunks]
+
+    first, again = vector_rollout(5), vector_rollout(5)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not np.array_equal(vector_rollout(6)[1], first[1])
+
+    single = WorldModelEnv(engine=engine, initial_states=image(0), **FAST)
+    for slot in range(3):
+        single.reset(seed=5 + slot)
+        for step, chunk in enumerate(chunks, start=1):
+            obs, *_ = single.step(chunk[slot])
+            # Batched and solo passes differ only by float summation order; after uint8 rounding that is at most
+            # one level on a few pixels.
+            assert np.abs(obs["image"].astype(int) - first[step][slot].astype(int)).max() <= 1
+
+    env.reset(seed=[11, None, 13])  # a list seeds each slot; None keeps that slot's stream
+
+
+def test_per_slot_tasks_and_reset_options(engine):
+    env = make_vec_env(engine, task=None, num_envs=2, reward_model=None, success_threshold=None,
+                       image_size=(96, 128), initial_states=None)
+    _, info = env.reset(seed=0, options={"frames": [image(1), image(2)], "task": ["a", "b"]})
+    assert info["task"].tolist() == ["a", "b"] and env.tasks == ["a", "b"]
+    obs, info = env.reset(options={"frames": [image(3), image(4)], "task": "same"})
+    assert info["task"].tolist() == ["same", "same"] and np.array_equal(obs["image"][1], image(4))
+    with pytest.raises(InputError, match=r"options\['frames'\]"):
+        env.reset(options={"frames": image(3)})
+    with pytest.raises(InputError, match=r"options\['task'\]"):
+        env.reset(options={"frames": [image(3), image(4)], "task": ["a", "b", "c"]})
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        (np.array([True, False]), r"shape \(3,\)"),
+        (np.array([1, 0, 0]), "bool"),
+        (np.zeros(3, dtype=bool), "at least one"),
+    ],
+)
+def test_bad_reset_masks(engine, mask, message):
+    env = make_vec_env(engine)
+    env.reset(seed=0)
+    with pytest.raises(InputError, match=f"reset_mask: .*{message}"):
+        env.reset(options={"reset_mask": mask})
+
+
+def test_bad_vector_arguments(engine, batches):
+    register_envs()
+    for num_envs in (0, -1, 1.5):
+        with pytest.raises(InputError, match="num_envs"):
+            make_vec_env(engine, num_envs=num_envs)
+    with pytest.raises(InputError, match="num_envs"):
+        gym.make_vec(ENV_ID, num_envs=0, engine=engine, initial_states=image(0), **FAST)
+    with pytest.raises(InputError, match="task"):
+        make_vec_env(engine, task=["a", "b"])
+    with pytest.raises(InputError, match="autoreset_mode"):
+        make_vec_env(engine, autoreset_mode="sometimes")
+    env = make_vec_env(engine, autoreset_mode="SameStep")  # the enum's value works too
+    assert env.autoreset_mode == AutoresetMode.SAME_STEP
+    with pytest.raises(InputError, match="reset"):
+        env.step(random_actions(env, 0))
+    env.reset(seed=0)
+    with pytest.raises(InputError, match="actions: expected shape"):
+        env.step(np.zeros((2, 4, 2), np.float32))
+    bad = random_actions(env, 0)
+    bad[2, 1, 0] = np.nan
+    with pytest.raises(InputError, match="actions: contains NaN"):
+        env.step(bad)
+    with pytest.raises(InputError, match="seed"):
+        env.reset(seed=[1, 2])
+    assert batches == []
+
+
+def test_close_is_idempotent(engine, tiny_checkpoint):
+    env = make_vec_env(engine)
+    env.close()
+    env.close()
+    assert not engine._closed  # shared engines stay open
+    owned = WorldModelVectorEnv(2, tiny_checkpoint, initial_states=image(0), **FAST)
+    owned.close()
+    owned.close()
+    assert owned.engine._closed
