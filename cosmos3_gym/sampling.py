@@ -98,6 +98,10 @@ def make_schedule(
         config["flow_shift"] = flow_shift
     if use_karras_sigmas is not None:
         config["use_karras_sigmas"] = bool(use_karras_sigmas)
+    # Checked before diffusers sees the config: its beta sigmas need scipy and would fail with an unrelated message.
+    for key in ("use_beta_sigmas", "use_exponential_sigmas"):
+        if config.get(key):
+            raise InputError(f"scheduler_config.{key}: expected False, got {config[key]!r}")
     try:
         scheduler = UniPCMultistepScheduler.from_config(config)
     except (ValueError, TypeError, NotImplementedError, ImportError) as error:
