@@ -12,6 +12,7 @@ bf16 parity of our engine against diffusers on the Nano request and against an f
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import math
 import sys
@@ -146,6 +147,60 @@ def latency_breakdown(engine, request) -> dict:
             + t_decode, "result": result}
 
 
+def env_throughput(engine, counts, diffusers_step_s, chunk, steps, guidance, fps, actions) -> dict:
+    table = {"diffusers_one_env_step_s": diffusers_step_s}
+    for n in counts:
+        requests = [our_request("forward_dynamics", scene(256, 256, seed=i), chunk, steps, guidance, fps, 256,
+                                actions) for i in range(n)]
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            t, _ = timed(lambda: engine.step(requests, decode=True), repeats=2)
+        except torch.OutOfMemoryError as e:
+            table[f"envs_{n}"] = {"error": f"OOM: {e}"[:200]}
+            torch.cuda.empty_cache()
+            continue
+        table[f"envs_{n}"] = {
+            "step_s": t, "env_steps_per_s": n / t, "actions_per_s": n * chunk / t,
+            "diffusers_env_steps_per_s": 1 / diffusers_step_s,
+            "speedup_vs_diffusers_one_at_a_time": (n / t) * diffusers_step_s,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+        }
+        print("envs", n, table[f"envs_{n}"])
+    return table
+
+
+def gen_forward_table(model, chunk, fps, latent_shape_480, peak, device) -> dict:
+    """GEN forward time and MFU at batch 1/4/16 for tiers 256 (256x256 canvas) and 480 (480x832)."""
+    cfg = model.config
+    table = {}
+    for tier, thw in (("256", (chunk // 4 + 1, 16, 16)), ("480", latent_shape_480)):
+        for batch in (1, 4, 16):
+            prompt = list(range(3, 153))
+            text = model.encode_text([prompt] * batch)
+            layout = model.gen_layout(text.lengths, thw, chunk, fps)
+            video = torch.randn(batch, cfg.latent_channel, *thw, device=device)
+            acts = torch.randn(batch, chunk, cfg.action_dim, device=device)
+            noisy_v = torch.ones(batch, thw[0], dtype=torch.bool, device=device)
+            noisy_v[:, 0] = False
+            noisy_a = torch.ones(batch, chunk, dtype=torch.bool, device=device)
+            ts = torch.full((batch,), 900, device=device)
+            dom = torch.full((batch,), 8, device=device)
+            try:
+                with torch.inference_mode():
+                    t, _ = timed(lambda: model(text, layout, video, noisy_v, ts, acts, noisy_a, dom), repeats=5)
+            except torch.OutOfMemoryError:
+                table[f"tier{tier}_b{batch}"] = {"error": "OOM"}
+                torch.cuda.empty_cache()
+                continue
+            tokens = layout.num_video_tokens + chunk
+            flops = batch * gen_forward_flops(cfg, tokens, len(prompt))
+            table[f"tier{tier}_b{batch}"] = {"forward_s": t, "gen_tokens": tokens, "tflops": flops / t / 1e12,
+                                             "mfu_vs_gemm_peak": flops / t / 1e12 / peak}
+            print("gen", tier, batch, table[f"tier{tier}_b{batch}"])
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="CPU dry run with tiny models")
@@ -200,61 +255,52 @@ def main() -> None:
     fd_actions = np.random.default_rng(1).uniform(-1, 1, (chunk, 10)).astype(np.float32)
     d_env, _ = timed(lambda: diffusers_request(pipe, "forward_dynamics", small, chunk, steps, guidance, fps, 256,
                                                fd_actions, output_type="np"), repeats=2)
-    throughput = {"diffusers_one_env_step_s": d_env}
     del pipe
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    for n in [int(x) for x in args.env_counts.split(",")]:
-        requests = [our_request("forward_dynamics", scene(256, 256, seed=i), chunk, steps, guidance, fps, 256,
-                                fd_actions) for i in range(n)]
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            t, _ = timed(lambda: engine.step(requests, decode=True), repeats=2)
-        except torch.OutOfMemoryError as e:
-            throughput[f"envs_{n}"] = {"error": f"OOM: {e}"[:200]}
-            torch.cuda.empty_cache()
-            continue
-        throughput[f"envs_{n}"] = {
-            "step_s": t, "env_steps_per_s": n / t, "actions_per_s": n * chunk / t,
-            "diffusers_env_steps_per_s": 1 / d_env, "speedup_vs_diffusers_one_at_a_time": (n / t) * d_env,
-            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-        }
-        print("envs", n, throughput[f"envs_{n}"])
-    results["fd_env_throughput_tier256"] = throughput
+    counts = [int(x) for x in args.env_counts.split(",")]
+    results["fd_env_throughput_tier256"] = env_throughput(engine, counts, d_env, chunk, steps, guidance, fps,
+                                                          fd_actions)
+    results["gen_forward"] = gen_forward_table(engine.transformer, chunk, fps, latent_shape, peak, device)
 
-    # ---- GEN forward time and MFU, batch 1/4/16, tiers 256 and 480 ----
-    gen = {}
-    model = engine.transformer
-    for tier, thw in (("256", (chunk // 4 + 1, 16, 16)), ("480", latent_shape)):
-        for batch in (1, 4, 16):
-            prompt = list(range(3, 153))
-            text = model.encode_text([prompt] * batch)
-            layout = model.gen_layout(text.lengths, thw, chunk, fps)
-            video = torch.randn(batch, cfg.latent_channel, *thw, device=device)
-            acts = torch.randn(batch, chunk, cfg.action_dim, device=device)
-            noisy_v = torch.ones(batch, thw[0], dtype=torch.bool, device=device)
-            noisy_v[:, 0] = False
-            noisy_a = torch.ones(batch, chunk, dtype=torch.bool, device=device)
-            ts = torch.full((batch,), 900, device=device)
-            dom = torch.full((batch,), 8, device=device)
-            try:
-                with torch.inference_mode():
-                    t, _ = timed(lambda: model(text, layout, video, noisy_v, ts, acts, noisy_a, dom), repeats=5)
-            except torch.OutOfMemoryError:
-                gen[f"tier{tier}_b{batch}"] = {"error": "OOM"}
-                torch.cuda.empty_cache()
-                continue
-            tokens = layout.num_video_tokens + chunk
-            flops = batch * gen_forward_flops(cfg, tokens, len(prompt))
-            gen[f"tier{tier}_b{batch}"] = {"forward_s": t, "gen_tokens": tokens, "tflops": flops / t / 1e12,
-                                           "mfu_vs_gemm_peak": flops / t / 1e12 / peak}
-            print("gen", tier, batch, gen[f"tier{tier}_b{batch}"])
-    results["gen_forward"] = gen
+    # ---- optimised variant: compiled decoder blocks + bf16 VAE decode ----
+    if not args.tiny:
+        torch.backends.cudnn.benchmark = True
+        vae_fp32 = engine.vae
+        vae_bf16 = Cosmos3VAE(copy.deepcopy(vae_fp32.vae).to(torch.bfloat16))
+        lat = result.video_latents[None].to(device)
+        t32, _ = timed(lambda: vae_fp32.decode(lat), repeats=2)
+        t16, _ = timed(lambda: vae_bf16.decode(lat), repeats=2)
+        err = (vae_bf16.decode(lat) - vae_fp32.decode(lat)).abs()
+        results["vae_decode_tier480"] = {"fp32_cudnn_benchmark_s": t32, "bf16_s": t16,
+                                         "bf16_vs_fp32_max_abs": float(err.max()),
+                                         "bf16_vs_fp32_mean_abs": float(err.mean())}
+        print("vae", results["vae_decode_tier480"])
+        t0 = time.perf_counter()
+        engine.transformer.compile_blocks()
+        engine.vae = vae_bf16
+        optimised = {"compile_note": "regional torch.compile of decoder blocks; VAE decode in bf16"}
+        request = our_request("policy", image, chunk, steps, guidance, fps, 480)
+        engine.step(request, decode=False)  # compile warm-up
+        optimised["first_call_with_compile_s"] = time.perf_counter() - t0
+        ours = latency_breakdown(engine, request)
+        ours.pop("result")
+        optimised["policy_request_tier480"] = ours
+        optimised["speedup_no_decode_vs_diffusers"] = per_mode["policy"]["diffusers_no_decode_s"] / \
+            ours["total_no_decode_s"]
+        optimised["speedup_with_decode_vs_diffusers"] = per_mode["policy"]["diffusers_with_decode_s"] / \
+            ours["total_with_decode_s"]
+        print("optimised policy", optimised)
+        optimised["fd_env_throughput_tier256"] = env_throughput(engine, counts, d_env, chunk, steps, guidance, fps,
+                                                                fd_actions)
+        optimised["gen_forward"] = gen_forward_table(engine.transformer, chunk, fps, latent_shape, peak, device)
+        results["optimised"] = optimised
     results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
-    del engine, model
+    del engine
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
     # ---- bf16 vs fp32: our bf16 GEN forward against diffusers fp32 on a Nano-width, 4-layer model ----
     if not args.tiny:
@@ -275,8 +321,16 @@ def main() -> None:
             noisy_v = torch.tensor([[False] + [True] * 8], device=device)
             v, a = ours16(text, layout, lat, noisy_v, torch.tensor([900], device=device), act,
                           torch.ones(1, chunk, dtype=torch.bool, device=device), torch.tensor([8], device=device))
-        results["bf16_vs_fp32_nano_width_4_layers"] = {"video_rel": rel(v.cpu(), ref_v.cpu()),
-                                                       "action_rel": rel(a[0].cpu(), ref_a.cpu())}
+        ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
+        ref16.time_embedder.float()
+        with torch.inference_mode():
+            d16_v, d16_a = reference_velocities(ref16, prompt, lat.bfloat16(), act[0].bfloat16(), [0], [], 900, 8, fps)
+        results["bf16_vs_fp32_nano_width_4_layers"] = {
+            "ours_bf16_video_rel": rel(v.cpu(), ref_v.cpu()), "ours_bf16_action_rel": rel(a[0].cpu(), ref_a.cpu()),
+            "diffusers_bf16_video_rel": rel(d16_v.cpu(), ref_v.cpu()),
+            "diffusers_bf16_action_rel": rel(d16_a.cpu(), ref_a.cpu()),
+            "ours_bf16_vs_diffusers_bf16_video_rel": rel(v.cpu(), d16_v.cpu()),
+        }
         print("bf16 vs fp32", results["bf16_vs_fp32_nano_width_4_layers"])
     write_results(results, "gpu_suite.json" if not args.tiny else "gpu_suite_tiny.json", args.out)
 

@@ -56,12 +56,37 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     infer.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
     infer.add_argument("--out", required=True, help="output prefix")
+    parallel = infer.add_argument_group(
+        "parallel", "under torchrun --nproc_per_node=dp*cfg*tp every rank runs this command and rank 0 writes the "
+        "files; without torchrun a config of several ranks starts its own worker processes"
+    )
+    parallel.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (must divide the KV heads)")
+    parallel.add_argument("--cfg", type=int, default=1, help="1, or 2 to run the CFG branches on two rank groups")
+    parallel.add_argument("--dp", type=int, default=1, help="data-parallel replicas (split a batch of requests)")
     infer.set_defaults(func=run_infer)
 
     tiny = sub.add_parser("make-tiny-checkpoint", help="write a small random checkpoint (for tests and demos)")
     tiny.add_argument("directory")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=run_make_tiny_checkpoint)
+    add_training_commands(sub)
+
+    evaluate = sub.add_parser("eval", help="evaluate a policy in the world model: success rate, returns, videos")
+    add_eval_arguments(evaluate)
+    evaluate.set_defaults(func=run_eval)
+
+    demo = sub.add_parser("demo", help="run a few short episodes of the default env and write their videos")
+    demo.add_argument("--checkpoint", default=None,
+                      help="checkpoint directory or hub id (default: a tiny checkpoint with RANDOM weights)")
+    demo.add_argument("--policy", default="random", choices=["random", "agent"],
+                      help="uniform random actions, or the checkpoint's own policy (PolicyAgent)")
+    demo.add_argument("--episodes", type=int, default=2)
+    demo.add_argument("--steps-per-episode", type=int, default=3, help="env steps (action chunks) per episode")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    demo.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
+    demo.add_argument("--out", required=True, help="output directory (report.json and one mp4 per episode)")
+    demo.set_defaults(func=run_demo)
     return parser
 
 
@@ -92,12 +117,21 @@ def run_infer(args: argparse.Namespace) -> None:
         negative_prompt=args.negative_prompt,
     )
     engine = Cosmos3Engine.from_pretrained(
-        args.checkpoint, device=args.device, dtype=args.dtype, decode_video=not args.no_decode
+        args.checkpoint, device=args.device, dtype=args.dtype, decode_video=not args.no_decode,
+        tp=args.tp, cfg=args.cfg, dp=args.dp,
     )
-    # Validate the request fully (file contents, domains, shapes) before any expensive work.
-    engine.prepare(request)
-    result = engine.step(request)
-    engine.close()
+    try:
+        if isinstance(engine, Cosmos3Engine):
+            # Validate the request fully (file contents, domains, shapes) before any expensive work.
+            engine.prepare(request)
+        result = engine.step(request)
+        # Under torchrun every rank holds the same result and only global rank 0 writes and prints; a client-mode
+        # engine (workers started for us) has no ranks here, this process is the output.
+        is_output_rank = getattr(engine, "is_output_rank", True)
+    finally:
+        engine.close()
+    if not is_output_rank:
+        return
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +153,172 @@ def run_make_tiny_checkpoint(args: argparse.Namespace) -> None:
 
     path = build_tiny_checkpoint(args.directory, seed=args.seed)
     print(f"wrote a tiny RANDOM-weight Cosmos3 checkpoint to {path}")
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``cosmos3-gym eval`` (shared with benchmarks/policy_eval.py)."""
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory or hub id (diffusers layout)")
+    parser.add_argument("--policy", default="agent",
+                        help="'agent' (the checkpoint's policy), 'random', or 'module:factory' / 'file.py:factory' "
+                        "(factory(env) returns a callable obs -> action or a Stable-Baselines3 model)")
+    parser.add_argument("--episodes", type=int, default=10)
+    parser.add_argument("--num-envs", type=int, default=1, help="env slots run in one batched model call")
+    parser.add_argument("--initial-states", required=True, help="image / video / folder of initial states")
+    parser.add_argument("--task", default=None, help="instruction for every episode (default: each state's own)")
+    parser.add_argument("--reward-model", default=None, help="reward model spec, e.g. goal_image:goal.png")
+    parser.add_argument("--success-threshold", type=float, default=None,
+                        help="an episode succeeds (and ends) when the reward model's score reaches this")
+    parser.add_argument("--success-return-threshold", type=float, default=0.0,
+                        help="without --success-threshold: an episode succeeds when its return exceeds this")
+    parser.add_argument("--max-episode-steps", type=int, default=10, help="env steps (action chunks) per episode")
+    parser.add_argument("--domain-name", type=_domain, default=None,
+                        help="embodiment name or id (default: the checkpoint's meta.json, else droid_lerobot)")
+    parser.add_argument("--raw-action-dim", type=int, default=None)
+    parser.add_argument("--chunk", type=int, default=None, help="default: meta.json, else 32")
+    parser.add_argument("--num-steps", type=int, default=4)
+    parser.add_argument("--guidance-scale", type=float, default=3.0)
+    parser.add_argument("--resolution-tier", type=int, default=None, help="default: meta.json, else 480")
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    parser.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-videos", type=int, default=8, help="write mp4s of the first N episodes")
+    parser.add_argument("--out", required=True, help="output directory (report.json and episode mp4s)")
+
+
+def eval_options(args: argparse.Namespace) -> dict:
+    """``evaluation.evaluate_checkpoint`` keyword arguments from parsed ``add_eval_arguments`` options."""
+    return dict(
+        checkpoint=args.checkpoint, out_dir=args.out, policy=args.policy, episodes=args.episodes,
+        num_envs=args.num_envs, initial_states=args.initial_states, task=args.task, reward_model=args.reward_model,
+        success_threshold=args.success_threshold, success_return_threshold=args.success_return_threshold,
+        max_episode_steps=args.max_episode_steps, domain=args.domain_name, raw_action_dim=args.raw_action_dim,
+        chunk=args.chunk, num_steps=args.num_steps, guidance_scale=args.guidance_scale,
+        resolution_tier=args.resolution_tier, device=args.device, dtype=args.dtype, seed=args.seed,
+        max_videos=args.max_videos,
+    )
+
+
+def run_eval(args: argparse.Namespace) -> None:
+    from .evaluation import evaluate_checkpoint
+
+    report = evaluate_checkpoint(**eval_options(args))
+    print(report.table())
+    print(f"wrote {Path(args.out) / 'report.json'} and {sum(e.video is not None for e in report.episodes)} videos")
+
+
+def run_demo(args: argparse.Namespace) -> None:
+    from .evaluation import cached_tiny_checkpoint, run_demo as demo
+
+    if args.checkpoint is None:
+        print(f"No --checkpoint given: using a tiny checkpoint with RANDOM weights ({cached_tiny_checkpoint()}).\n"
+              "Its videos show what an untrained model generates, not a world model; pass --checkpoint for a real one.")
+    report = demo(args.out, checkpoint=args.checkpoint, policy=args.policy, episodes=args.episodes,
+                  steps_per_episode=args.steps_per_episode, seed=args.seed, device=args.device, dtype=args.dtype)
+    print(report.table())
+    videos = [e.video for e in report.episodes if e.video is not None]
+    print(f"wrote {Path(args.out) / 'report.json'} and {len(videos)} videos in {args.out}: {', '.join(videos)}")
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object given inline or as the path of a JSON file."""
+    try:
+        value = json.loads(Path(text).read_text()) if Path(text).is_file() else json.loads(text)
+    except (OSError, ValueError) as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object or the path of a JSON file ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def add_training_commands(sub) -> None:
+    """``train-vae`` and ``train`` (cosmos3_gym.training); flags left out keep the config dataclass defaults."""
+    vae = sub.add_parser("train-vae", help="train a small Wan2.2-layout VAE on an episode dataset")
+    vae.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py)")
+    vae.add_argument("--out", required=True, help="output folder (AutoencoderKLWan.save_pretrained)")
+    for flag, kind, text in (
+        ("--steps", int, "optimizer steps"), ("--batch-size", int, "clips per step"), ("--lr", float, "AdamW lr"),
+        ("--base-dim", int, "encoder width"), ("--decoder-base-dim", int, "decoder width"),
+        ("--z-dim", int, "latent channels"), ("--num-res-blocks", int, "residual blocks per level"),
+        ("--frames-per-clip", int, "1 + 4k frames"), ("--resolution-tier", int, "canvas tier (256, 480, ...)"),
+        ("--kl-weight", float, "weight of the KL term"), ("--stats-clips", int, "clips for latents_mean/std"),
+        ("--num-workers", int, "DataLoader workers"), ("--log-every", int, "steps per log line"),
+        ("--seed", int, "seed"),
+    ):
+        vae.add_argument(flag, type=kind, default=None, help=text)
+    vae.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    vae.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
+    vae.set_defaults(func=run_train_vae)
+
+    train = sub.add_parser(
+        "train", help="flow-matching training of a Cosmos3 policy world model; exports a checkpoint "
+        "(multi-GPU: torchrun --nproc_per_node=N -m cosmos3_gym.cli train ...)"
+    )
+    train.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py)")
+    train.add_argument("--vae", required=True, help="trained VAE folder (train-vae output or a checkpoint's vae/)")
+    train.add_argument("--out", required=True, help="checkpoint folder to write (training state in OUT/training)")
+    train.add_argument("--config", type=_json_object, default={},
+                       help="WorldModelTrainConfig fields as JSON (inline or file); the flags below override it")
+    for flag, kind, text in (
+        ("--steps", int, "total optimizer steps"), ("--batch-size", int, "samples per step and rank"),
+        ("--lr", float, "peak AdamW lr"), ("--warmup-steps", int, "linear warmup steps"),
+        ("--chunk", int, "actions per window (chunk + 1 frames)"), ("--resolution-tier", int, "canvas tier"),
+        ("--window-stride", int, "frames between window starts"), ("--flow-shift", float, "default: tier rule"),
+        ("--uncond-prob", float, "prompt dropout for CFG"), ("--ema-decay", float, "0 disables the EMA"),
+        ("--save-every", int, "steps between training-state saves"), ("--log-every", int, "steps per log line"),
+        ("--seed", int, "seed"), ("--save-dtype", str, "float32 | float16 | bfloat16 (exported weights)"),
+        ("--param-dtype", str, "float32 | bfloat16 (training weights)"),
+        ("--work-dir", str, "training state, log and latent cache (default OUT/training)"),
+        ("--init-checkpoint", str, "fine-tune this checkpoint's transformer"),
+        ("--tokenizer-dir", str, "tokenizer (default: the tiny in-process tokenizer)"),
+    ):
+        train.add_argument(flag, type=kind, default=None, help=text)
+    train.add_argument("--model", type=_json_object, default=None, help="transformer config overrides (JSON)")
+    train.add_argument("--mode-probs", type=_json_object, default=None, help='e.g. {"policy": 0.4, ...}')
+    train.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    train.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
+    train.add_argument("--gradient-checkpointing", action="store_true")
+    train.add_argument("--freeze-text-tower", action="store_true")
+    train.add_argument("--resume", action="store_true", help="continue from the saved training state")
+    train.set_defaults(func=run_train)
+
+
+def _flag_overrides(args: argparse.Namespace, names: list[str]) -> dict:
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def run_train_vae(args: argparse.Namespace) -> None:
+    from .training import VAETrainConfig, train_vae
+
+    fields = ["steps", "batch_size", "lr", "base_dim", "decoder_base_dim", "z_dim", "num_res_blocks",
+              "frames_per_clip", "resolution_tier", "kl_weight", "stats_clips", "num_workers", "log_every", "seed",
+              "device"]
+    config = VAETrainConfig(**_flag_overrides(args, fields), bf16=not args.no_bf16)
+    path = train_vae(args.dataset, args.out, config)
+    print(f"wrote the VAE to {path}")
+
+
+def run_train(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from .training import WorldModelTrainConfig, train_world_model
+
+    known = {f.name for f in dataclasses.fields(WorldModelTrainConfig)}
+    unknown = sorted(set(args.config) - known)
+    if unknown:
+        raise InputError(f"--config: unknown WorldModelTrainConfig fields {unknown}")
+    fields = ["steps", "batch_size", "lr", "warmup_steps", "chunk", "resolution_tier", "window_stride", "flow_shift",
+              "uncond_prob", "ema_decay", "save_every", "log_every", "seed", "save_dtype", "param_dtype", "work_dir",
+              "init_checkpoint", "tokenizer_dir", "model", "mode_probs", "device"]
+    values = {**args.config, **_flag_overrides(args, fields)}
+    for flag in ("gradient_checkpointing", "freeze_text_tower", "resume"):
+        if getattr(args, flag):
+            values[flag] = True
+    if args.no_bf16:
+        values["bf16"] = False
+    if "betas" in values:
+        values["betas"] = tuple(values["betas"])
+    path = train_world_model(args.dataset, args.out, WorldModelTrainConfig(**values), args.vae)
+    print(f"wrote the checkpoint to {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

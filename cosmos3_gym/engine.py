@@ -4,10 +4,24 @@ One ``step(requests)`` call validates and preprocesses every request, encodes on
 draws seeded noise exactly as diffusers' ``Cosmos3OmniPipeline`` does, and denoises all requests that share a latent
 shape and step count in one batched GEN-tower pass per step (conditional and unconditional branches together).
 Text K/V come from a per-prompt cache, so a prompt's UND tower runs once for the engine's lifetime.
+
+Multi-GPU (SPMD): under torchrun (or any initialised process group) every rank builds the engine with the same
+``ParallelConfig(dp, cfg, tp)`` and calls ``step`` with the same requests; every rank returns the same results.
+- tp: both towers are tensor-parallel (``parallel/tensor_parallel.py``), text K/V sharded by KV head;
+- cfg: the rows of the batched pass (conditional rows, then the unconditional rows of guided requests) are split
+  between the two cfg rank groups, and one all-gather per denoising step gives every rank all velocities; CFG and
+  the sampler then run redundantly, so latents stay bit-identical on every rank;
+- dp: the requests are dealt round-robin to the dp replicas and the results all-gathered once at the end;
+- VAE encode, noise and sampler state are replicated (same seed everywhere); the decode is split over the cfg*tp
+  ranks of a replica.
+Without a process group, a config with more than one rank starts worker processes (``parallel/client.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -16,17 +30,24 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from . import processor
 from .checkpoint import resolve_checkpoint, validate_checkpoint
 from .errors import InputError
-from .models.transformer import Cosmos3Transformer, TextKV
+from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
 from .models.vae import Cosmos3VAE
+from .parallel.mesh import ParallelConfig, ParallelContext, init_parallel
+from .parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from .sampling import FlowUniPCSampler, cfg_combine, make_schedule
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
+
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; torch 2.11 has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -98,7 +119,12 @@ class Cosmos3Engine:
         decode_video: bool = True,
         progress: bool = True,
         text_cache_size: int = 256,
+        parallel: ParallelContext | None = None,
+        owns_process_group: bool = False,
     ):
+        """``transformer`` must already be sharded for ``parallel``'s tp group (``apply_tensor_parallel``)."""
+        self.parallel = parallel or ParallelContext(ParallelConfig(), None, transformer.device)
+        self._owns_process_group = owns_process_group
         self.transformer = transformer.eval().requires_grad_(False)
         self.vae = vae.eval().requires_grad_(False)
         self.tokenizer = tokenizer
@@ -119,33 +145,80 @@ class Cosmos3Engine:
         vae_dtype: torch.dtype | str | None = None,
         decode_video: bool = True,
         progress: bool = True,
+        parallel: ParallelConfig | ParallelContext | None = None,
+        tp: int | None = None,
+        cfg: int | None = None,
+        dp: int | None = None,
     ) -> "Cosmos3Engine":
         """Load a diffusers-layout Cosmos3 checkpoint (local directory or hub id).
 
         ``dtype`` is the transformer's (default bf16 on CUDA, fp32 on CPU); the VAE runs in fp32 unless
         ``vae_dtype`` says otherwise (diffusers' docs load AutoencoderKLWan in fp32).
+
+        ``parallel`` (or the shorthands ``tp``/``cfg``/``dp``) spreads the engine over dp*cfg*tp ranks. Inside a
+        process group (torchrun, or ``dist.init_process_group`` already called) every rank calls this and gets its
+        shard of the SPMD engine; ``device`` "cuda" then means this rank's GPU (LOCAL_RANK). Outside one, a
+        multi-rank config returns a ``Cosmos3EngineClient`` that runs the ranks as worker processes.
         """
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        config = resolve_parallel_config(parallel, tp=tp, cfg=cfg, dp=dp)
+        layout = validate_checkpoint(resolve_checkpoint(path_or_id))
+        # Checked from config.json before any weights are read or workers started, on every rank alike.
+        check_tensor_parallel(Cosmos3TransformerConfig.from_dict(layout.transformer_config), config.tp)
+        context = parallel if isinstance(parallel, ParallelContext) else None
+        in_process_group = dist.is_initialized() or "RANK" in os.environ
+        if context is None and config.world_size > 1 and not in_process_group:
+            from .parallel.client import start_engine_client
+
+            return start_engine_client(
+                layout.root, config, device=device, dtype=dtype, vae_dtype=vae_dtype, decode_video=decode_video,
+                progress=progress,
+            )
+
+        launched_world = int(os.environ.get("WORLD_SIZE", "1"))
+        if context is None and not dist.is_initialized() and config.world_size not in (1, launched_world):
+            raise InputError(
+                f"parallel config: dp*cfg*tp = {config.dp}*{config.cfg}*{config.tp} = {config.world_size} must equal "
+                f"the number of processes torchrun started (WORLD_SIZE={launched_world})"
+            )
+        owns_process_group = False
+        if context is None:
+            owns_process_group = not dist.is_initialized() and config.world_size > 1
+            if in_process_group and torch.cuda.is_available() and device in (None, "cuda", torch.device("cuda")):
+                # "cuda" is this rank's GPU; a single-rank config under torchrun is one independent engine per rank.
+                device = None if config.world_size > 1 else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            context = init_parallel(config, device)
+        device = context.device
         dtype = resolve_dtype(dtype, default=torch.bfloat16 if device.type == "cuda" else torch.float32)
         vae_dtype = resolve_dtype(vae_dtype, default=torch.float32)
-        layout = validate_checkpoint(resolve_checkpoint(path_or_id))
+        # Every rank loads the full weights and keeps its 1/tp slice (the rest is freed as the layers are resliced).
         transformer = Cosmos3Transformer.from_pretrained(layout.transformer_dir, device=device, dtype=dtype)
         if not transformer.config.action_gen:
             raise InputError(f"checkpoint {path_or_id}: transformer has action_gen=False; not a Cosmos3 policy model")
+        if config.tp > 1:
+            apply_tensor_parallel(transformer, context.group("tp"))
         vae = Cosmos3VAE.from_pretrained(layout.vae_dir, device=device, dtype=vae_dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(layout.text_tokenizer_dir))
         return cls(
-            transformer, vae, tokenizer, layout.scheduler_config, decode_video=decode_video, progress=progress
+            transformer, vae, tokenizer, layout.scheduler_config, decode_video=decode_video, progress=progress,
+            parallel=context, owns_process_group=owns_process_group,
         )
 
     @property
     def device(self) -> torch.device:
         return self.transformer.device
 
+    @property
+    def is_output_rank(self) -> bool:
+        """True on the one process that should write files (global rank 0; always True in a single process)."""
+        return self.parallel.is_output_rank
+
     # ------------------------------------------------------------------ public API
 
     def step(self, requests: Cosmos3Request | Sequence[Cosmos3Request], *, decode: bool | None = None):
-        """Run one request (returns a ``Cosmos3Result``) or a list (returns a list, in order)."""
+        """Run one request (returns a ``Cosmos3Result``) or a list (returns a list, in order).
+
+        SPMD: every rank must call this with the same requests; every rank returns the same results.
+        """
         if self._closed:
             raise RuntimeError("Cosmos3Engine is closed")
         single = isinstance(requests, Cosmos3Request)
@@ -154,24 +227,30 @@ class Cosmos3Engine:
             raise InputError("requests: expected at least one Cosmos3Request")
         decode = self.decode_video if decode is None else decode
         with torch.inference_mode():
-            prepared = [self.prepare(r) for r in batch]
-            results: list[Cosmos3Result | None] = [None] * len(batch)
+            batch = self._agree_on_seeds(batch)
+            share = self._dp_share(len(batch))
+            prepared = self._prepare_share([batch[i] for i in share])
+            local_results: list[Cosmos3Result | None] = [None] * len(prepared)
             groups: dict[Any, list[int]] = {}
             for i, p in enumerate(prepared):
                 groups.setdefault(p.group_key, []).append(i)
             for indexes in groups.values():
                 for i, result in zip(indexes, self._denoise([prepared[i] for i in indexes], decode)):
-                    results[i] = result
+                    local_results[i] = result
+            results = self._gather_dp_results(local_results, len(batch))
         return results[0] if single else results
 
     def close(self) -> None:
-        """Release the model (idempotent)."""
+        """Release the model (idempotent); also ends the process group if ``from_pretrained`` started it."""
         if not self._closed:
             self._text_cache.clear()
             self._closed = True
+            if self._owns_process_group and dist.is_initialized():
+                dist.destroy_process_group()
 
     def text_kv(self, input_ids: list[int]) -> TextKV:
-        """The UND K/V of one prompt, from the cache or computed now (and cached)."""
+        """The UND K/V of one prompt, from the cache or computed now (and cached). Under tensor parallel it is this
+        rank's KV-head shard, and every rank of the tp group must call this with the same prompts in order."""
         key = tuple(input_ids)
         cached = self._text_cache.get(key)
         if cached is not None:
@@ -268,6 +347,62 @@ class Cosmos3Engine:
         )
         return video_noise, action_noise
 
+    # ------------------------------------------------------------------ SPMD bookkeeping (once per step call)
+
+    def _agree_on_seeds(self, batch: list) -> list:
+        """Give each request without a seed one drawn on rank 0, so that every rank draws the same noise."""
+        missing = [i for i, r in enumerate(batch) if isinstance(r, Cosmos3Request) and r.seed is None]
+        if not missing:
+            return batch
+        seeds = torch.tensor([secrets.randbelow(2**63) for _ in missing], dtype=torch.int64)
+        if self.parallel.config.world_size > 1:
+            seeds = seeds.to(self.parallel.device)
+            dist.broadcast(seeds, src=0)
+        batch = list(batch)
+        for i, seed in zip(missing, seeds.tolist()):
+            batch[i] = dataclasses.replace(batch[i], seed=seed)
+        return batch
+
+    def _dp_share(self, num_requests: int) -> list[int]:
+        """The request indexes this rank's dp replica runs: dealt round-robin (replica d gets d, d+dp, ...)."""
+        return list(range(self.parallel.dp_rank, num_requests, self.parallel.config.dp))
+
+    def _prepare_share(self, requests: list) -> list[_Prepared]:
+        """``prepare`` each request; with several ranks, an error on any rank is raised on all of them (a rank
+        that raised alone would leave the others waiting in the next collective)."""
+        if self.parallel.config.world_size == 1:
+            return [self.prepare(r) for r in requests]
+        error, prepared = None, []
+        try:
+            prepared = [self.prepare(r) for r in requests]
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+        failed = torch.tensor([int(error is not None)], device=self.parallel.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, None if error is None else (isinstance(error, InputError), str(error)))
+            if error is not None:
+                raise error
+            rank, (is_input_error, message) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
+            if is_input_error:
+                raise InputError(message)
+            raise RuntimeError(f"rank {rank} failed to prepare its requests: {message}")
+        return prepared
+
+    def _gather_dp_results(self, local_results: list[Cosmos3Result], num_requests: int) -> list[Cosmos3Result]:
+        """Every replica's results, back in request order, on every rank (one object all-gather per step call)."""
+        dp = self.parallel.config.dp
+        if dp == 1:
+            return local_results
+        shares: list[list[Cosmos3Result] | None] = [None] * dp
+        dist.all_gather_object(shares, local_results, group=self.parallel.group("dp"))
+        results: list[Cosmos3Result | None] = [None] * num_requests
+        for replica, replica_results in enumerate(shares):
+            for i, result in zip(range(replica, num_requests, dp), replica_results):
+                results[i] = result
+        return results
+
     # ------------------------------------------------------------------ the batched denoising loop
 
     def _denoise(self, group: list[_Prepared], decode: bool) -> list[Cosmos3Result]:
@@ -297,25 +432,40 @@ class Cosmos3Engine:
         raw_dims = torch.tensor([p.raw_action_dim for p in group], device=device)
         action_dim_mask = torch.arange(actions.shape[-1], device=device)[None, None, :] < raw_dims[:, None, None]
 
-        # Conditional branch for every request; unconditional only where guidance != 1 (as diffusers skips it).
+        # The rows of the batched pass: the conditional branch of every request, then the unconditional branch of
+        # each guided one (guidance 1 skips it, as diffusers does). With cfg=2 each cfg rank group runs half of the
+        # rows, so an all-guided batch runs its conditional rows on cfg rank 0 and its unconditional rows on rank 1
+        # (each prompt's text K/V only where it is needed), and an unguided batch is split instead of idling a rank.
         guided = [b for b, p in enumerate(group) if p.request.guidance_scale != 1.0]
-        rows = list(range(batch)) + guided
-        text = TextKV.stack([self.text_kv(p.cond_ids) for p in group] + [self.text_kv(group[b].uncond_ids)
-                                                                           for b in guided])
-        fps = [group[b].request.fps for b in rows]
-        layout = self.transformer.gen_layout(text.lengths, group[0].latent_thw, chunk, fps)
-        domain_ids = torch.tensor([group[b].domain_id for b in rows], device=device)
-        video_noisy, action_noisy = ~video_clean[rows], ~action_clean[rows]
+        branches = [(b, False) for b in range(batch)] + [(b, True) for b in guided]
+        cfg_size, cfg_rank = self.parallel.config.cfg, self.parallel.cfg_rank
+        rows_per_cfg_rank = math.ceil(len(branches) / cfg_size)
+        local_branches = branches[cfg_rank * rows_per_cfg_rank : (cfg_rank + 1) * rows_per_cfg_rank]
+        rows = [b for b, _ in local_branches]
+        if rows:
+            text = TextKV.stack(
+                [self.text_kv(group[b].uncond_ids if uncond else group[b].cond_ids) for b, uncond in local_branches]
+            )
+            fps = [group[b].request.fps for b in rows]
+            layout = self.transformer.gen_layout(text.lengths, group[0].latent_thw, chunk, fps)
+            domain_ids = torch.tensor([group[b].domain_id for b in rows], device=device)
+            video_noisy, action_noisy = ~video_clean[rows], ~action_clean[rows]
         guidance = torch.tensor([group[b].request.guidance_scale for b in guided], device=device)
 
         video_sampler = FlowUniPCSampler([p.schedule for p in group], device)
         action_sampler = FlowUniPCSampler([p.schedule for p in group], device)
         steps = group[0].request.num_steps
-        for i in tqdm(range(steps), desc="denoising", disable=not self.progress, leave=False):
+        show_progress = self.progress and self.is_output_rank
+        for i in tqdm(range(steps), desc="denoising", disable=not show_progress, leave=False):
             timesteps = video_sampler.timesteps_for_step(i)
-            v_video, v_action = self.transformer(
-                text, layout, video[rows], video_noisy, timesteps[rows], actions[rows], action_noisy, domain_ids
-            )
+            if rows:
+                v_video, v_action = self.transformer(
+                    text, layout, video[rows], video_noisy, timesteps[rows], actions[rows], action_noisy, domain_ids
+                )
+            else:  # a single unguided request under cfg=2: cfg rank 1 has no row, it only sends padding
+                v_video, v_action = video[:0], actions[:0]
+            if cfg_size > 1:
+                v_video, v_action = self._gather_cfg_rows(v_video, v_action, rows_per_cfg_rank, len(branches))
             v_video, v_action = self._combine(v_video, v_action, batch, guided, guidance)
             v_action = v_action * action_dim_mask
             video = video_sampler.step(i, v_video, video)
@@ -324,7 +474,7 @@ class Cosmos3Engine:
             video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
             actions = torch.where(action_clean[..., None], x0_actions, actions)
 
-        pixels = self.vae.decode(video) if decode else None
+        pixels = self._decode(video) if decode else None
         results = []
         for b, p in enumerate(group):
             results.append(
@@ -337,6 +487,31 @@ class Cosmos3Engine:
                 )
             )
         return results
+
+    def _gather_cfg_rows(self, v_video, v_action, rows_per_rank: int, num_rows: int):
+        """All-gather the velocity rows of both cfg rank groups: one collective per step (video and action rows
+        packed side by side), every rank padded to ``rows_per_rank`` rows of the same dtype (fp32) so that the
+        shapes agree; returns all ``num_rows`` rows in branch order on every rank."""
+        video_shape, action_shape = v_video.shape[1:], v_action.shape[1:]
+        packed = torch.cat([v_video.flatten(1), v_action.flatten(1)], dim=1)
+        packed = F.pad(packed, (0, 0, 0, rows_per_rank - packed.shape[0]))
+        gathered = packed.new_empty(self.parallel.config.cfg * rows_per_rank, packed.shape[1])
+        _all_gather_single(gathered, packed, group=self.parallel.group("cfg"))
+        gathered = gathered[:num_rows]
+        split = video_shape.numel()
+        return gathered[:, :split].reshape(num_rows, *video_shape), gathered[:, split:].reshape(num_rows, *action_shape)
+
+    def _decode(self, video: torch.Tensor) -> torch.Tensor:
+        """VAE decode, split over the cfg*tp ranks of this replica when there are several (all hold the same
+        latents); every rank gets the full pixels."""
+        group = self.parallel.replica_group
+        if group is None or dist.get_world_size(group) == 1:
+            return self.vae.decode(video)
+        from .parallel.vae_decode import decode_tile_parallel
+
+        # exact: halo exchange per convolution and a gathered mid-block attention, so the pixels equal the
+        # single-process decode (the feathered-halo approximation is off by up to ~0.2 near the tile seams).
+        return decode_tile_parallel(self.vae, video, group, exact=True)
 
     @staticmethod
     def _combine(v_video, v_action, batch, guided, guidance):
@@ -360,3 +535,21 @@ def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torc
     if dtype not in names:
         raise InputError(f"dtype: expected one of {sorted(names)}, got {dtype!r}")
     return names[dtype]
+
+
+def resolve_parallel_config(
+    parallel: ParallelConfig | ParallelContext | None, *, tp: int | None, cfg: int | None, dp: int | None
+) -> ParallelConfig:
+    """One ``ParallelConfig`` from ``parallel`` and/or the ``tp``/``cfg``/``dp`` shorthands (which must agree)."""
+    if parallel is None:
+        return ParallelConfig(dp=1 if dp is None else dp, cfg=1 if cfg is None else cfg, tp=1 if tp is None else tp)
+    if isinstance(parallel, ParallelContext):
+        config = parallel.config
+    elif isinstance(parallel, ParallelConfig):
+        config = parallel
+    else:
+        raise InputError(f"parallel: expected a ParallelConfig or ParallelContext, got {type(parallel).__name__}")
+    for name, value in (("tp", tp), ("cfg", cfg), ("dp", dp)):
+        if value is not None and value != getattr(config, name):
+            raise InputError(f"{name}: {value} contradicts parallel={config}; give one or the other")
+    return config

@@ -1,0 +1,126 @@
+"""Megatron-style tensor parallelism for both towers of a loaded ``Cosmos3Transformer``, applied from outside.
+
+Per layer (UND and GEN alike), as the native PhyAI implementation (QKVParallelLinear / RowParallelLinear):
+- ``attn.qkv`` (fused q/k/v) and ``mlp.gate_up`` (fused gate/up) are column-parallel: each rank keeps the rows of
+  its own query heads, KV heads and intermediate features, so attention (GQA over local heads) and the SwiGLU run
+  locally with no communication;
+- ``attn.out`` and ``mlp.down`` are row-parallel: each rank multiplies its slice of the input features and one
+  all-reduce sums the partial outputs, i.e. 2 all-reduces per layer per tower;
+- everything else (embeddings, proj_in/out, time embedder, action heads, all norms) stays replicated.
+
+The per-head q/k RMSNorm (diffusers: ``RMSNorm(head_dim)`` applied to ``[..., heads, head_dim]``) normalises each
+head on its own, so it is exact under head sharding; Wan's across-heads q/k norm would not be. The UND K/V that
+``encode_text`` returns are then sharded by KV head with the same split the GEN attention expects.
+
+Why plain tensors and one ``dist.all_reduce`` instead of DTensor ``ColwiseParallel`` / ``RowwiseParallel``: the
+fused q/k/v and gate/up weights need a rank-major re-layout that DTensor's even row split does not do, the model
+code would have to cope with DTensor activations (views over heads, SDPA, ``chunk``), and DTensor adds per-op
+dispatch on the CPU for every one of the ~10 ops per layer x 72 layers per forward. With plain local tensors the
+model code runs unchanged and the only distributed op is the all-reduce, which torch.compile also traces.
+Autograd is not supported (``dist.all_reduce`` is not differentiable); this is for inference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import InputError
+from ..models.transformer import Attention, Cosmos3Transformer, Cosmos3TransformerConfig, MLP
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_local @ W_local^T) + b``: the input features are split across the group, the output is
+    the full (replicated) result. The bias is added once, after the sum."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features_local={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
+
+
+def check_tensor_parallel(config: Cosmos3TransformerConfig, tp: int) -> None:
+    """Raise ``InputError`` unless the heads and the MLP width split evenly over ``tp`` ranks (cheap, no weights:
+    call it before loading a large checkpoint)."""
+    for name, count in (
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_key_value_heads", config.num_key_value_heads),
+        ("intermediate_size", config.intermediate_size),
+    ):
+        if count % tp:
+            raise InputError(
+                f"tp: tensor parallel size {tp} must divide the transformer's {name} ({count}); "
+                f"each rank holds {name}/tp of them"
+            )
+
+
+def apply_tensor_parallel(model: Cosmos3Transformer, tp_group: dist.ProcessGroup) -> Cosmos3Transformer:
+    """Shard ``model`` (a plain, fully loaded ``Cosmos3Transformer``) in place over ``tp_group`` and return it.
+
+    Every rank of the group must call this on identical weights. Afterwards each rank holds 1/tp of the attention
+    and MLP weights of both towers; ``encode_text`` and ``forward`` must then be called on every rank of the group
+    with the same inputs, and return the same (replicated) outputs on all of them.
+    """
+    tp = dist.get_world_size(tp_group)
+    rank = dist.get_rank(tp_group)
+    check_tensor_parallel(model.config, tp)
+    if tp == 1:
+        return model
+    for layer in list(model.text_layers) + list(model.gen_layers):
+        _shard_attention(layer.attn, tp, rank, tp_group)
+        _shard_mlp(layer.mlp, tp, rank, tp_group)
+    return model
+
+
+def _rows(t: torch.Tensor | None, sizes: list[int], tp: int, rank: int) -> torch.Tensor | None:
+    """Split ``t`` along dim 0 into consecutive blocks of ``sizes`` (e.g. q, k, v), take this rank's 1/tp of each
+    block and concatenate them: the rank-major layout of a fused column-parallel weight."""
+    if t is None:
+        return None
+    parts = []
+    for block in t.split(sizes, dim=0):
+        local = block.shape[0] // tp
+        parts.append(block[rank * local : (rank + 1) * local])
+    return torch.cat(parts).contiguous()
+
+
+def _columns(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    local = t.shape[1] // tp
+    return t[:, rank * local : (rank + 1) * local].contiguous()
+
+
+def _replace_linear(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    linear.out_features, linear.in_features = weight.shape
+
+
+def _shard_attention(attn: Attention, tp: int, rank: int, group: dist.ProcessGroup) -> None:
+    # Query head h belongs to rank h // (H/tp) and uses KV head h // (H/KV); since H/tp = (H/KV) * (KV/tp) its KV
+    # head is on the same rank, and local query head i uses local KV head i // (H/KV): GQA stays local.
+    q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    sizes = [q_rows, kv_rows, kv_rows]
+    _replace_linear(attn.qkv, _rows(attn.qkv.weight, sizes, tp, rank), _rows(attn.qkv.bias, sizes, tp, rank))
+    attn.num_heads //= tp
+    attn.num_kv_heads //= tp
+    attn.out = RowParallelLinear(_columns(attn.out.weight, tp, rank), attn.out.bias, group)
+
+
+def _shard_mlp(mlp: MLP, tp: int, rank: int, group: dist.ProcessGroup) -> None:
+    # Fused [gate; up] rows become [gate_r; up_r] so that MLP.forward's chunk(2) still splits gate from up.
+    sizes = [mlp.intermediate] * (2 if mlp.gated else 1)
+    _replace_linear(mlp.gate_up, _rows(mlp.gate_up.weight, sizes, tp, rank), _rows(mlp.gate_up.bias, sizes, tp, rank))
+    mlp.intermediate //= tp
+    mlp.down = RowParallelLinear(_columns(mlp.down.weight, tp, rank), mlp.down.bias, group)
