@@ -96,10 +96,11 @@ class _Prepared:
     uncond_ids: list[int]
     clean_frames: list[int]
     clean_rows: list[int]
-    x0_video: torch.Tensor  # [1, C, n_clean_encoded, h, w]
+    pixels: torch.Tensor | None  # [1, 3, n_clean_pixel_frames, H, W] in [-1, 1], until encoded
     x0_actions: torch.Tensor  # [chunk, action_dim]
     latent_thw: tuple[int, int, int]
     schedule: Any
+    x0_video: torch.Tensor | None = None  # [1, C, n_clean_encoded, h, w], set by _encode_conditions
 
     @property
     def group_key(self):
@@ -134,6 +135,7 @@ class Cosmos3Engine:
         self._text_cache: OrderedDict[tuple[int, ...], TextKV] = OrderedDict()
         self._text_cache_size = text_cache_size
         self._closed = False
+        self._home_device: torch.device | None = None  # set while offloaded
 
     @classmethod
     def from_pretrained(
@@ -240,6 +242,29 @@ class Cosmos3Engine:
             results = self._gather_dp_results(local_results, len(batch))
         return results[0] if single else results
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def clear_text_cache(self) -> None:
+        self._text_cache.clear()
+
+    def offload(self) -> None:
+        """Move the model to host memory between rollouts (frees the GPU for a policy update); ``onload`` undoes it."""
+        if self._home_device is None:
+            self._home_device = self.device
+        self.transformer.to("cpu")
+        self.vae.to("cpu")
+        self._text_cache.clear()  # cached K/V live on the device; they are recomputed on demand
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self._home_device is not None:
+            self.transformer.to(self._home_device)
+            self.vae.to(self._home_device)
+            self._home_device = None
+
     def close(self) -> None:
         """Release the model (idempotent); also ends the process group if ``from_pretrained`` started it."""
         if not self._closed:
@@ -264,8 +289,9 @@ class Cosmos3Engine:
 
     # ------------------------------------------------------------------ preprocessing
 
-    def prepare(self, request: Cosmos3Request) -> _Prepared:
-        """Validate a request and build its conditioning: prompts, clean latents, clean actions, schedule."""
+    def prepare(self, request: Cosmos3Request, *, encode: bool = True) -> _Prepared:
+        """Validate a request and build its conditioning: prompts, clean latents, clean actions, schedule.
+        With ``encode=False`` the clean pixels are kept for a later batched ``_encode_conditions``."""
         if not isinstance(request, Cosmos3Request):
             raise InputError(f"requests: expected Cosmos3Request, got {type(request).__name__}")
         r = request
@@ -296,7 +322,6 @@ class Cosmos3Engine:
         cond = processor.prepare_conditioning(frames, r.resolution_tier, encoded_pixel_frames)
         canvas_h, canvas_w = cond.canvas_hw
         h, w = cond.latent_hw
-        x0_video = self.vae.encode(cond.pixels.to(self.device))[..., :h, :w]
 
         if r.mode == "forward_dynamics":
             x0_actions = processor.prepare_action_chunk(r.actions, r.chunk, raw_dim, action_dim)
@@ -319,10 +344,29 @@ class Cosmos3Engine:
             r.num_steps, self.scheduler_config, flow_shift=r.flow_shift, use_karras_sigmas=r.use_karras_sigmas
         )
         seed = r.seed if r.seed is not None else secrets.randbelow(2**63)
-        return _Prepared(
+        prepared = _Prepared(
             r, seed, domain_id, raw_dim, cond_ids, uncond_ids, clean_frames, clean_rows,
-            x0_video, x0_actions, (latent_t, h, w), schedule,
+            cond.pixels, x0_actions, (latent_t, h, w), schedule,
         )
+        if encode:
+            self._encode_conditions([prepared])
+        return prepared
+
+    def _encode_conditions(self, prepared: list[_Prepared], max_batch: int = 16) -> None:
+        """VAE-encode the clean conditioning pixels, batching requests whose pixel clips share a shape (one encoder
+        pass for all the slots of a vector env instead of one per slot); crops to the content latent."""
+        by_shape: dict[tuple, list[_Prepared]] = {}
+        for p in prepared:
+            if p.x0_video is None:
+                by_shape.setdefault(tuple(p.pixels.shape), []).append(p)
+        for group in by_shape.values():
+            for start in range(0, len(group), max_batch):
+                part = group[start : start + max_batch]
+                latents = self.vae.encode(torch.cat([p.pixels for p in part]).to(self.device))
+                for p, latent in zip(part, latents):
+                    _, h, w = p.latent_thw
+                    p.x0_video = latent[None, :, :, :h, :w]
+                    p.pixels = None
 
     @staticmethod
     def _clean_frames(r: Cosmos3Request, latent_t: int) -> list[int]:
@@ -371,10 +415,13 @@ class Cosmos3Engine:
         """``prepare`` each request; with several ranks, an error on any rank is raised on all of them (a rank
         that raised alone would leave the others waiting in the next collective)."""
         if self.parallel.config.world_size == 1:
-            return [self.prepare(r) for r in requests]
+            prepared = [self.prepare(r, encode=False) for r in requests]
+            self._encode_conditions(prepared)
+            return prepared
         error, prepared = None, []
         try:
-            prepared = [self.prepare(r) for r in requests]
+            prepared = [self.prepare(r, encode=False) for r in requests]
+            self._encode_conditions(prepared)
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
             error = e
         failed = torch.tensor([int(error is not None)], device=self.parallel.device)

@@ -244,7 +244,7 @@ def test_close_is_idempotent_and_releases_only_an_owned_engine(engine, tiny_chec
     shared = make_env(engine)
     shared.close()
     shared.close()
-    assert not engine._closed
+    assert not engine.closed
     with pytest.raises(InputError, match="closed"):
         shared.reset(seed=0)
 
@@ -252,7 +252,7 @@ def test_close_is_idempotent_and_releases_only_an_owned_engine(engine, tiny_chec
     owned_engine = owned.engine
     owned.close()
     owned.close()
-    assert owned_engine._closed
+    assert owned_engine.closed
 
 
 # ---------------------------------------------------------------------------------------------------- initial states

@@ -239,8 +239,8 @@ def test_close_is_idempotent(engine, tiny_checkpoint):
     env = make_vec_env(engine)
     env.close()
     env.close()
-    assert not engine._closed  # shared engines stay open
+    assert not engine.closed  # shared engines stay open
     owned = WorldModelVectorEnv(2, tiny_checkpoint, initial_states=image(0), **FAST)
     owned.close()
     owned.close()
-    assert owned.engine._closed
+    assert owned.engine.closed

@@ -345,25 +345,18 @@ class WorldModelCore:
         if self._home_device is not None:
             return
         self._home_device = self.engine.device
-        self._move_models(torch.device("cpu"))
-        # The engine's per-prompt text K/V cache lives on the model's device; it is rebuilt on demand. (No public
-        # Cosmos3Engine method clears it; the engine owner was asked for one.)
-        self.engine._text_cache.clear()
-        if self._home_device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.engine.offload()
+        if self.reward_model is not None:
+            self.reward_model.to("cpu")
 
     def onload(self) -> None:
         """Move the model back to the device it was on before ``offload`` (a no-op when it was not offloaded)."""
         if self._home_device is None:
             return
-        self._move_models(self._home_device)
-        self._home_device = None
-
-    def _move_models(self, device: torch.device) -> None:
-        self.engine.transformer.to(device)
-        self.engine.vae.to(device)
+        self.engine.onload()
         if self.reward_model is not None:
-            self.reward_model.to(device)
+            self.reward_model.to(self._home_device)
+        self._home_device = None
 
     def close(self) -> None:
         """Idempotent; closes the engine only if this core created it."""
