@@ -265,7 +265,8 @@ def add_training_commands(sub) -> None:
         ("--window-stride", int, "frames between window starts"), ("--flow-shift", float, "default: tier rule"),
         ("--uncond-prob", float, "prompt dropout for CFG"), ("--ema-decay", float, "0 disables the EMA"),
         ("--save-every", int, "steps between training-state saves"), ("--log-every", int, "steps per log line"),
-        ("--seed", int, "seed"), ("--save-dtype", str, "float32 | float16 | bfloat16 (exported weights)"),
+        ("--seed", int, "seed"), ("--save-dtype", str, "float32 | float16 | bfloat16 (exported transformer)"),
+        ("--vae-save-dtype", str, "float32 | float16 | bfloat16 (exported VAE)"),
         ("--param-dtype", str, "float32 | bfloat16 (training weights)"),
         ("--work-dir", str, "training state, log and latent cache (default OUT/training)"),
         ("--init-checkpoint", str, "fine-tune this checkpoint's transformer"),
@@ -299,6 +300,7 @@ def run_train_vae(args: argparse.Namespace) -> None:
 
 def run_train(args: argparse.Namespace) -> None:
     import dataclasses
+    import os
 
     from .training import WorldModelTrainConfig, train_world_model
 
@@ -307,7 +309,8 @@ def run_train(args: argparse.Namespace) -> None:
     if unknown:
         raise InputError(f"--config: unknown WorldModelTrainConfig fields {unknown}")
     fields = ["steps", "batch_size", "lr", "warmup_steps", "chunk", "resolution_tier", "window_stride", "flow_shift",
-              "uncond_prob", "ema_decay", "save_every", "log_every", "seed", "save_dtype", "param_dtype", "work_dir",
+              "uncond_prob", "ema_decay", "save_every", "log_every", "seed", "save_dtype", "vae_save_dtype",
+              "param_dtype", "work_dir",
               "init_checkpoint", "tokenizer_dir", "model", "mode_probs", "device"]
     values = {**args.config, **_flag_overrides(args, fields)}
     for flag in ("gradient_checkpointing", "freeze_text_tower", "resume"):
@@ -318,7 +321,8 @@ def run_train(args: argparse.Namespace) -> None:
     if "betas" in values:
         values["betas"] = tuple(values["betas"])
     path = train_world_model(args.dataset, args.out, WorldModelTrainConfig(**values), args.vae)
-    print(f"wrote the checkpoint to {path}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank runs this; one reports
+        print(f"wrote the checkpoint to {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
