@@ -60,7 +60,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     # diffusers, ...) once, instead of each spawned interpreter importing them again (~5 s each); unlike a plain
     # fork of the test process they inherit no threads or process-group state.
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload([fn.__module__])
+    # The server process does not have tests/ on its path, so preloading fn's own module silently fails: preload
+    # the package (the heavy imports) as well.
+    context.set_forkserver_preload(["cosmos3_gym.engine", fn.__module__])
     results = context.Queue()
     port = free_port()
     processes = [

@@ -1,0 +1,156 @@
+"""Client mode (``cosmos3_gym/parallel/client.py``): worker processes running the SPMD engine, on the tiny checkpoint.
+
+The clients use ``ParallelConfig(dp=2)`` (two gloo ranks, requests dealt between them) so that the results cross a
+real process group, and fp32 on CPU. References come from an in-process single engine: the dp split only changes
+batch composition (summation order), so results agree to ~1e-7 and 1e-5 relative is tight. Starting the workers
+dominates the cost, so one client serves the step tests, and the in-process tests fork their workers from a fork
+server that imported the engine once (``start_method="forkserver"``); the interpreter-exit test uses the default
+``spawn``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from PIL import Image
+
+from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
+from cosmos3_gym.errors import CheckpointError, InputError
+from cosmos3_gym.parallel.client import Cosmos3EngineClient, start_engine_client
+from cosmos3_gym.parallel.mesh import ParallelConfig
+
+BASE = dict(domain="pusht", chunk=4, num_steps=2, fps=15.0, resolution_tier=256)
+ENGINE_KWARGS = dict(device="cpu", dtype="fp32", progress=False)
+FAST_START = dict(start_method="forkserver")
+
+
+def image(seed: int, size=(200, 280)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def requests() -> list[Cosmos3Request]:
+    actions = np.random.default_rng(1).uniform(-1, 1, (4, 2)).astype(np.float32)
+    return [
+        Cosmos3Request("policy", image(1), "push the T", guidance_scale=2.5, seed=1, **BASE),
+        Cosmos3Request("forward_dynamics", image(2), "push", actions=actions, guidance_scale=3.0, seed=2, **BASE),
+        Cosmos3Request("policy", image(3), "reach", guidance_scale=1.0, seed=3, **BASE),
+    ]
+
+
+def relative_error(a, b) -> float:
+    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint) -> Cosmos3Engine:
+    return Cosmos3Engine.from_pretrained(tiny_checkpoint, **ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_checkpoint) -> Cosmos3EngineClient:
+    client = start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **FAST_START, **ENGINE_KWARGS)
+    yield client
+    client.close()
+
+
+def test_step_equals_in_process_engine(client, engine):
+    expected = engine.step(requests(), decode=True)
+    results = client.step(requests(), decode=True)
+    assert len(results) == len(expected)
+    for result, reference in zip(results, expected):
+        assert (result.mode, result.seed) == (reference.mode, reference.seed)
+        assert result.action.shape == reference.action.shape and result.action.dtype == np.float32
+        assert relative_error(result.action, reference.action) < 1e-5
+        assert relative_error(result.video_latents, reference.video_latents) < 1e-5
+        assert relative_error(result.pixels, reference.pixels) < 1e-5
+    single = client.step(requests()[0], decode=False)  # one request in, one result out, as on the engine
+    assert single.pixels is None and relative_error(single.action, expected[0].action) < 1e-5
+
+
+def test_bad_request_raises_input_error_and_client_stays_usable(client, engine):
+    bad = Cosmos3Request("policy", image(0), "push", **{**BASE, "chunk": 0})
+    with pytest.raises(InputError) as in_process:
+        engine.step(bad)
+    with pytest.raises(InputError) as through_client:
+        client.step([requests()[0], bad])
+    assert type(through_client.value) is InputError and str(through_client.value) == str(in_process.value)
+    assert client.step(requests()[0], decode=False).action.shape == (4, 2)
+
+
+def test_close_stops_the_workers_and_is_idempotent(client):
+    pids = client.worker_pids
+    client.close()
+    assert client.worker_exitcodes == [0, 0]  # they exited on the close command
+    assert all(gone(pid) for pid in pids)
+    client.close()
+    assert client.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        client.step(requests()[0])
+
+
+def test_bad_checkpoint_raises_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError) as in_process:
+        Cosmos3Engine.from_pretrained(tmp_path / "missing", **ENGINE_KWARGS)
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    with pytest.raises(CheckpointError) as through_client:
+        start_engine_client(tmp_path / "missing", ParallelConfig(dp=2), **FAST_START, **ENGINE_KWARGS)
+    assert str(through_client.value) == str(in_process.value)
+    # The fork server (a child of this process) stays; the workers it forked must be gone.
+    workers = {child.pid for child in psutil.Process().children(recursive=True)} - before
+    assert all(gone(pid) or "forkserver" in " ".join(psutil.Process(pid).cmdline()) for pid in workers)
+
+
+def test_killed_worker_fails_the_next_step_quickly(tiny_checkpoint):
+    client = start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **FAST_START, **ENGINE_KWARGS)
+    pids = client.worker_pids
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 .*SIGKILL"):
+        client.step(requests()[0])
+    assert time.monotonic() - start < 10
+    assert all(gone(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="closed: worker rank 1"):
+        client.step(requests()[0])
+    client.close()
+
+
+EXIT_SCRIPT = """
+import json, sys
+from cosmos3_gym.parallel.client import start_engine_client
+from cosmos3_gym.parallel.mesh import ParallelConfig
+
+if __name__ == "__main__":
+    client = start_engine_client(sys.argv[1], ParallelConfig(), device="cpu", dtype="fp32", progress=False)
+    print(json.dumps(client.worker_pids), flush=True)
+    # Exit without close(): the client's finalizer must stop the worker.
+"""
+
+
+def test_interpreter_exit_leaves_no_worker_behind(tiny_checkpoint, tmp_path):
+    script = tmp_path / "leave_open.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, str(script), str(tiny_checkpoint)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    pids = json.loads(run.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 10
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(pid) for pid in pids)

@@ -1,0 +1,132 @@
+"""Beyond one process group: ``RayEngineReplicas`` on a local Ray cluster of CPU actors (skipped when Ray is not
+installed), and torchrun's c10d rendezvous (the multi-node launcher) with one node.
+
+Two replicas, each a single-process engine on the tiny checkpoint in fp32. Each replica batches only its own chunk
+of the requests, which changes summation order only, so results agree with one in-process engine to 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from cosmos3_gym.cli import main
+from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
+from cosmos3_gym.errors import CheckpointError, InputError
+from cosmos3_gym.parallel.ray_replicas import split_contiguous
+
+try:
+    import ray
+
+    from cosmos3_gym.parallel.ray_replicas import RayEngineReplicas
+except ImportError:
+    ray = None
+needs_ray = pytest.mark.skipif(ray is None, reason='Ray is not installed (pip install "cosmos3_gym[ray]")')
+
+BASE = dict(domain="pusht", chunk=4, num_steps=2, fps=15.0, resolution_tier=256, guidance_scale=2.0)
+ENGINE_KWARGS = dict(device="cpu", dtype="fp32", progress=False)
+# The cluster has 2 CPUs, both held by the module's replicas; a further actor must not reserve one, or Ray would
+# wait for a free CPU forever.
+NO_CPU = {"num_cpus": 0}
+
+
+def image(seed: int, size=(200, 280)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def requests(n: int) -> list[Cosmos3Request]:
+    return [Cosmos3Request("policy", image(i), f"task {i % 2}", seed=i, **BASE) for i in range(n)]
+
+
+def relative_error(a, b) -> float:
+    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    assert ray is not None
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replicas(cluster, tiny_checkpoint):
+    replicas = RayEngineReplicas(tiny_checkpoint, 2, replica_resources={"num_cpus": 1}, **ENGINE_KWARGS)
+    yield replicas
+    replicas.close()
+
+
+def test_split_contiguous():
+    assert split_contiguous(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
+    assert split_contiguous(list(range(6)), 3) == [[0, 1], [2, 3], [4, 5]]
+    assert split_contiguous([0], 3) == [[0], [], []]
+
+
+@needs_ray
+def test_step_splits_requests_and_keeps_their_order(replicas, tiny_checkpoint):
+    engine = Cosmos3Engine.from_pretrained(tiny_checkpoint, **ENGINE_KWARGS)
+    expected = engine.step(requests(5), decode=False)
+    results = replicas.step(requests(5), decode=False)
+    assert [r.seed for r in results] == [r.seed for r in expected] == list(range(5))
+    for result, reference in zip(results, expected):
+        assert relative_error(result.action, reference.action) < 1e-5
+        assert relative_error(result.video_latents, reference.video_latents) < 1e-5
+    single = replicas.step(requests(1)[0], decode=False)
+    assert relative_error(single.action, expected[0].action) < 1e-5
+    assert len(replicas.step(requests(1), decode=False)) == 1  # fewer requests than replicas
+
+
+@needs_ray
+def test_input_errors_come_back_unchanged(replicas, tiny_checkpoint, tmp_path):
+    bad = Cosmos3Request("policy", image(0), "push", **{**BASE, "num_steps": 0})
+    with pytest.raises(InputError, match=r"^num_steps: expected an integer >= 1, got 0$"):
+        replicas.step([*requests(2), bad])
+    assert len(replicas.step(requests(2), decode=False)) == 2
+    with pytest.raises(CheckpointError, match="missing"):
+        RayEngineReplicas(tmp_path / "missing", 1, replica_resources=NO_CPU, **ENGINE_KWARGS)
+
+
+@needs_ray
+def test_close_is_idempotent(replicas):
+    replicas.close()
+    replicas.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        replicas.step(requests(1))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_c10d_rendezvous_on_one_node(tiny_checkpoint, tmp_path):
+    """The multi-node launch of the ray_replicas docstring with --nnodes=1: two cfg ranks rendezvous through c10d
+    and give the single-process actions."""
+    image(3).save(tmp_path / "obs.png")
+    args = ["infer", "--checkpoint", str(tiny_checkpoint), "--image", str(tmp_path / "obs.png"), "--prompt", "push",
+            "--domain-name", "pusht", "--chunk", "4", "--num-steps", "2", "--resolution-tier", "256", "--seed", "3",
+            "--guidance-scale", "2.5", "--no-decode"]
+    assert main([*args, "--out", str(tmp_path / "single")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "cosmos3_gym.cli", *args,
+               "--cfg", "2", "--out", str(tmp_path / "parallel")]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    single = json.loads((tmp_path / "single_action.json").read_text())
+    parallel = json.loads((tmp_path / "parallel_action.json").read_text())
+    assert parallel["shape"] == single["shape"] == [4, 2]
+    assert relative_error(parallel["data"], single["data"]) < 1e-5
