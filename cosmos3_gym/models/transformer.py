@@ -217,11 +217,17 @@ class DecoderBlock(nn.Module):
         else:
             # Prompts of different lengths: attend per group of equal length over the unpadded text K/V. A padding
             # mask would force SDPA off the flash / cuDNN kernels onto a much slower masked path.
-            o = torch.empty_like(q)
-            for rows, length in length_groups:
-                keys = torch.cat([text_k[rows, :, :length], k[rows]], dim=2)
-                values = torch.cat([text_v[rows, :, :length], v[rows]], dim=2)
-                o[rows] = F.scaled_dot_product_attention(q[rows], keys, values, enable_gqa=True)
+            outputs = [
+                (rows, F.scaled_dot_product_attention(
+                    q[rows], torch.cat([text_k[rows, :, :length], k[rows]], dim=2),
+                    torch.cat([text_v[rows, :, :length], v[rows]], dim=2), enable_gqa=True,
+                ))
+                for rows, length in length_groups
+            ]
+            # Allocated from an output, not from q: under autocast SDPA returns bf16 while q may be fp32.
+            o = outputs[0][1].new_empty(q.shape)
+            for rows, out in outputs:
+                o[rows] = out
         x = x + self.attn.out(o.transpose(1, 2).flatten(2))
         return x + self.mlp(self.post_attn_norm(x))
 

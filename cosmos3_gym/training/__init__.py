@@ -1,0 +1,22 @@
+"""Post-training of Cosmos3 policy world models on episode datasets.
+
+``train_vae`` trains a small Wan2.2-layout VAE on the dataset's frames; ``train_world_model`` trains a Cosmos3 policy
+transformer with flow matching on windows of those frames and actions (policy / forward / inverse dynamics masks
+drawn per sample) and exports a complete diffusers-layout checkpoint. The dataset layout is documented in
+``cosmos3_gym.training.data``.
+"""
+
+from .export import export_checkpoint, native_to_diffusers_state_dict
+from .vae import VAETrainConfig, train_vae
+from .world_model import DEFAULT_MODEL_CONFIG, WorldModelTrainConfig, WorldModelTrainer, train_world_model
+
+__all__ = [
+    "DEFAULT_MODEL_CONFIG",
+    "VAETrainConfig",
+    "WorldModelTrainConfig",
+    "WorldModelTrainer",
+    "export_checkpoint",
+    "native_to_diffusers_state_dict",
+    "train_vae",
+    "train_world_model",
+]

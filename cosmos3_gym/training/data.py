@@ -1,0 +1,317 @@
+"""Episode datasets for training: reading, validation, and the training windows with cached VAE latents.
+
+Dataset layout (the contract between data generation and training)::
+
+    DATASET/
+      meta.json    {"domain": "pusht", "raw_action_dim": 2, "fps": 10.0, "image_size": [H, W],
+                    "action_normalization": "minmax", "num_episodes": N, "source": "...", "policies": {...}}
+      stats.json   action statistics as processor.ActionStats.from_json reads them:
+                   {"action": {"min": [...], "max": [...], "mean": [...], "std": [...], "q01": [...], "q99": [...]}}
+      episodes/episode_000000.npz
+                   frames uint8 [T+1, H, W, 3]; actions float32 [T, raw_action_dim] (RAW units, not normalised);
+                   task (0-d str array); optional: rewards [T], coverage [T+1], success, policy (ignored here)
+
+Action ``t`` takes frame ``t`` to frame ``t + 1``. A training window starting at frame ``s`` holds frames
+``s .. s+chunk`` (chunk + 1 frames, the clip the engine generates) and actions ``s .. s+chunk-1``; windows start
+every ``stride`` frames. Actions are normalised with stats.json in the mode meta.json names (minmax by default).
+
+Frames reach the model exactly as at inference: ``processor.prepare_conditioning`` (tier canvas, padding), the
+frozen VAE's ``encode`` (posterior mean, latent normalisation) and the crop to the content latent
+(``Conditioning.latent_hw``), as ``Cosmos3Engine.prepare`` does. ``prepare_conditioning`` works frame by frame, so
+the whole episode is put on the canvas once and windows are slices of it; each window is then encoded on its own
+(the causal VAE's latents of a window are not a slice of the episode's latents). The latents are cached on disk,
+one safetensors file per episode, in a folder named by a hash of everything they depend on (VAE weights and
+config, chunk, stride, tier, the episode files), so a changed input never reuses stale latents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .. import processor
+from ..errors import InputError
+
+EPISODES_DIR = "episodes"
+EPISODE_GLOB = "episode_*.npz"
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """meta.json, the action statistics and the episode files of a dataset."""
+
+    root: Path
+    meta: dict
+    domain: str | int
+    raw_action_dim: int
+    fps: float
+    action_normalization: str
+    stats: processor.ActionStats
+    stats_document: dict
+    episode_paths: tuple[Path, ...]
+
+
+@dataclass(frozen=True)
+class Episode:
+    frames: np.ndarray | None  # uint8 [T+1, H, W, 3]; None when loaded without frames
+    actions: np.ndarray  # float32 [T, raw_action_dim], raw units
+    task: str
+
+    @property
+    def num_actions(self) -> int:
+        return int(self.actions.shape[0])
+
+
+def read_dataset(dataset_dir: str | os.PathLike) -> DatasetInfo:
+    """Read and check meta.json and stats.json and list the episodes; ``InputError`` names the bad file and field."""
+    root = Path(dataset_dir).expanduser()
+    if not root.is_dir():
+        raise InputError(f"dataset: {root} is not a directory")
+    meta_path = root / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as error:
+        raise InputError(f"dataset: cannot read {meta_path} as JSON ({error})") from error
+    if not isinstance(meta, dict):
+        raise InputError(f"dataset: {meta_path} must hold a JSON object")
+    for key in ("domain", "raw_action_dim", "fps"):
+        if key not in meta:
+            raise InputError(f"dataset: {meta_path} lacks the field {key!r}")
+    raw_action_dim = meta["raw_action_dim"]
+    if isinstance(raw_action_dim, bool) or not isinstance(raw_action_dim, int) or raw_action_dim < 1:
+        raise InputError(
+            f"dataset: {meta_path} field 'raw_action_dim' must be a positive integer, got {raw_action_dim!r}"
+        )
+    fps = meta["fps"]
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+        raise InputError(f"dataset: {meta_path} field 'fps' must be a positive number, got {fps!r}")
+    mode = meta.get("action_normalization", "minmax")
+    if mode not in processor.ACTION_NORMALIZATION_MODES:
+        raise InputError(
+            f"dataset: {meta_path} field 'action_normalization' must be one of "
+            f"{list(processor.ACTION_NORMALIZATION_MODES)}, got {mode!r}"
+        )
+    stats_path = root / "stats.json"
+    if not stats_path.is_file():
+        raise InputError(f"dataset: missing {stats_path} (action statistics)")
+    stats_document = json.loads(stats_path.read_text())
+    stats = processor.ActionStats.from_json(stats_document, mode=mode)
+    if stats.dim != raw_action_dim:
+        raise InputError(
+            f"dataset: {stats_path} has {stats.dim}-dim statistics but meta.json says raw_action_dim={raw_action_dim}"
+        )
+    episode_paths = tuple(sorted((root / EPISODES_DIR).glob(EPISODE_GLOB)))
+    if not episode_paths:
+        raise InputError(f"dataset: no {EPISODES_DIR}/{EPISODE_GLOB} files in {root}")
+    return DatasetInfo(
+        root=root, meta=meta, domain=meta["domain"], raw_action_dim=raw_action_dim, fps=float(fps),
+        action_normalization=mode, stats=stats, stats_document=stats_document, episode_paths=episode_paths,
+    )
+
+
+def load_episode(path: Path, raw_action_dim: int, *, with_frames: bool = True) -> Episode:
+    """One episode file, checked against the layout in the module docstring (frames only when read)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            actions, task = data["actions"], data["task"]
+            frames = data["frames"] if with_frames else None
+    except KeyError as error:
+        raise InputError(f"dataset: {path} lacks the array {error.args[0]!r}") from error
+    except (OSError, ValueError) as error:
+        raise InputError(f"dataset: cannot read {path} as an .npz file ({error})") from error
+    if actions.ndim != 2 or actions.shape[1] != raw_action_dim:
+        raise InputError(f"dataset: {path} 'actions' must be [T, {raw_action_dim}], got shape {actions.shape}")
+    if frames is not None and (frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3):
+        raise InputError(f"dataset: {path} 'frames' must be uint8 [T+1, H, W, 3], got {frames.dtype} {frames.shape}")
+    if frames is not None and frames.shape[0] != actions.shape[0] + 1:
+        raise InputError(
+            f"dataset: {path} has {frames.shape[0]} frames and {actions.shape[0]} actions; expected T+1 frames for "
+            f"T actions"
+        )
+    actions = actions.astype(np.float32)
+    if not np.isfinite(actions).all():
+        raise InputError(f"dataset: {path} 'actions' contains NaN or infinity")
+    if task.shape != () or task.dtype.kind not in "US":
+        raise InputError(f"dataset: {path} 'task' must be a 0-d string array, got {task.dtype} {task.shape}")
+    return Episode(frames=frames, actions=actions, task=str(task))
+
+
+def window_starts(num_actions: int, chunk: int, stride: int) -> list[int]:
+    """First frames of the windows of an episode with ``num_actions`` actions (empty when shorter than chunk)."""
+    return list(range(0, num_actions - chunk + 1, stride))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training windows
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingWindows:
+    """Every training window of a dataset, in memory.
+
+    ``latents[i]`` are window i's clean latents, ``actions[i]`` its normalised raw-width actions, and
+    ``prompt_index[i]`` indexes ``prompts``: the (conditional, unconditional) token ids of its episode's task.
+    """
+
+    latents: torch.Tensor  # [N, C, t, h, w] float32
+    actions: torch.Tensor  # [N, chunk, raw_action_dim] float32, normalised
+    prompt_index: torch.Tensor  # [N] long
+    prompts: list[tuple[list[int], list[int]]]
+    episode_index: torch.Tensor  # [N] long (into DatasetInfo.episode_paths)
+    start: torch.Tensor  # [N] long (first frame of the window)
+    canvas_hw: tuple[int, int]
+
+    def __len__(self) -> int:
+        return int(self.latents.shape[0])
+
+    @property
+    def latent_thw(self) -> tuple[int, int, int]:
+        return tuple(self.latents.shape[2:])
+
+
+def _sha256_of_files(paths) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def latent_cache_key(info: DatasetInfo, vae_dir: Path, *, chunk: int, stride: int, resolution_tier: int) -> str:
+    """A hash of everything the cached latents depend on."""
+    from ..checkpoint import safetensors_files
+
+    fingerprint = {
+        "vae_config": json.loads((vae_dir / "config.json").read_text()),
+        "vae_weights": _sha256_of_files(safetensors_files(vae_dir)),
+        "chunk": chunk,
+        "stride": stride,
+        "resolution_tier": resolution_tier,
+        "episodes": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in info.episode_paths],
+    }
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def encode_episode_windows(
+    vae, frames: np.ndarray, starts: list[int], chunk: int, resolution_tier: int, batch_size: int
+) -> tuple[torch.Tensor, processor.Conditioning]:
+    """Latents [len(starts), C, t, h, w] of the windows of one episode, as ``Cosmos3Engine.prepare`` encodes a clip.
+
+    Also returns the conditioning of the whole episode (for its canvas and latent sizes).
+    """
+    cond = processor.prepare_conditioning(frames, resolution_tier, int(frames.shape[0]))
+    h, w = cond.latent_hw
+    pixels = cond.pixels  # [1, 3, T+1, H, W] on the host; windows go to the VAE's device batch by batch
+    latents = []
+    for first in range(0, len(starts), batch_size):
+        clips = torch.cat([pixels[:, :, s : s + chunk + 1] for s in starts[first : first + batch_size]])
+        latents.append(vae.encode(clips.to(vae.vae.device))[..., :h, :w].cpu())
+    return torch.cat(latents), cond
+
+
+def build_training_windows(
+    info: DatasetInfo,
+    vae,
+    vae_dir: str | os.PathLike,
+    tokenizer,
+    *,
+    chunk: int,
+    stride: int,
+    resolution_tier: int,
+    view_point: str,
+    fps: float,
+    cache_dir: str | os.PathLike,
+    encode_batch_size: int = 8,
+    progress: bool = True,
+) -> TrainingWindows:
+    """Load (or encode and cache) every window's latents and gather actions and prompts.
+
+    ``vae`` is a ``models.vae.Cosmos3VAE`` loaded from ``vae_dir``. Under torch.distributed each rank encodes every
+    world_size-th missing episode and all ranks then read the whole cache.
+    """
+    from tqdm.auto import tqdm
+
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise InputError(f"window_stride: expected an integer >= 1, got {stride!r}")
+    vae_dir = Path(vae_dir)
+    cache = Path(cache_dir) / latent_cache_key(info, vae_dir, chunk=chunk, stride=stride,
+                                               resolution_tier=resolution_tier)
+    cache.mkdir(parents=True, exist_ok=True)
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+    # Frames are read only for the episodes this rank encodes; actions and tasks of all of them.
+    episodes = [load_episode(path, info.raw_action_dim, with_frames=False) for path in info.episode_paths]
+    starts_per_episode = [window_starts(e.num_actions, chunk, stride) for e in episodes]
+    if not any(starts_per_episode):
+        longest = max(e.num_actions for e in episodes)
+        raise InputError(f"chunk: {chunk} is longer than every episode of {info.root} (at most {longest} actions)")
+
+    todo = [
+        i for i, starts in enumerate(starts_per_episode)
+        if starts and i % world_size == rank and not (cache / f"{info.episode_paths[i].stem}.safetensors").exists()
+    ]
+    for i in tqdm(todo, desc="encoding windows", disable=not progress or not todo, leave=False):
+        frames = load_episode(info.episode_paths[i], info.raw_action_dim).frames
+        latents, cond = encode_episode_windows(
+            vae, frames, starts_per_episode[i], chunk, resolution_tier, encode_batch_size
+        )
+        target = cache / f"{info.episode_paths[i].stem}.safetensors"
+        temporary = target.with_suffix(f".tmp{rank}")
+        save_file({"latents": latents.contiguous()}, temporary,
+                  metadata={"canvas_hw": json.dumps(list(cond.canvas_hw))})
+        os.replace(temporary, target)  # atomic: a crash never leaves a half-written cache file behind
+    if world_size > 1:
+        dist.barrier()
+
+    prompts: list[tuple[list[int], list[int]]] = []
+    prompt_of_key: dict[tuple, int] = {}
+    latents, actions, prompt_index, episode_index, window_start = [], [], [], [], []
+    canvas_hw = latent_shape = None
+    for i, (episode, starts) in enumerate(zip(episodes, starts_per_episode)):
+        if not starts:
+            continue
+        path = cache / f"{info.episode_paths[i].stem}.safetensors"
+        with safe_open(path, framework="pt") as handle:
+            episode_canvas = tuple(json.loads(handle.metadata()["canvas_hw"]))
+        episode_latents = load_file(path)["latents"]
+        if canvas_hw is None:
+            canvas_hw, latent_shape = episode_canvas, tuple(episode_latents.shape[1:])
+        elif episode_canvas != canvas_hw or tuple(episode_latents.shape[1:]) != latent_shape:
+            raise InputError(
+                f"dataset: {info.episode_paths[i]} gives a {episode_canvas} canvas / latent {episode_latents.shape[1:]}"
+                f" but earlier episodes give {canvas_hw} / {latent_shape}; all frames must have one size"
+            )
+        key = (episode.task, episode_canvas)
+        if key not in prompt_of_key:
+            prompt_of_key[key] = len(prompts)
+            prompts.append(processor.build_prompt_token_ids(
+                tokenizer, episode.task, negative_prompt=None, view_point=view_point, num_frames=chunk + 1,
+                fps=fps, height=episode_canvas[0], width=episode_canvas[1],
+            ))
+        normalised = torch.from_numpy(np.asarray(info.stats.normalize(episode.actions), dtype=np.float32))
+        latents.append(episode_latents)
+        actions.append(torch.stack([normalised[s : s + chunk] for s in starts]))
+        prompt_index += [prompt_of_key[key]] * len(starts)
+        episode_index += [i] * len(starts)
+        window_start += starts
+    return TrainingWindows(
+        latents=torch.cat(latents),
+        actions=torch.cat(actions),
+        prompt_index=torch.tensor(prompt_index),
+        prompts=prompts,
+        episode_index=torch.tensor(episode_index),
+        start=torch.tensor(window_start),
+        canvas_hw=canvas_hw,
+    )

@@ -1,0 +1,195 @@
+"""The flow-matching objective of a Cosmos3 policy model, with the engine's three action modes as masks.
+
+Convention (the sampler's, see ``sampling.py``): a noisy sample is ``x_t = (1 - sigma) * x0 + sigma * eps`` and the
+model predicts the velocity ``v = eps - x0``, so that ``x0 = x_t - sigma * v``. The model sees the timestep
+``int64(sigma * 1000)`` (a truncation, as ``UniPCMultistepScheduler`` hands out timesteps), while ``x_t`` uses the
+exact sigma, as at sampling time.
+
+Sigma is drawn per sample (one sigma for the sample's video and actions, which share one timestep embedding at
+inference) as ``sigma = shift(u) = s*u / (1 + (s-1)*u)`` with the flow shift ``s`` the checkpoint's scheduler uses,
+and ``u`` either uniform on (0, 1) or logit-normal (``u = sigmoid(n)``, ``n ~ N(mean, std)``, as in SD3). The shift
+moves the training mass to high noise just as it moves the sampler's few steps there.
+
+Each sample gets one of the engine's modes (``engine.Cosmos3Engine.prepare`` / ``_denoise`` build the same masks):
+
+============== ========================== ==========================
+mode            video latent frames         action rows
+============== ========================== ==========================
+policy          frame 0 clean, rest noisy   all noisy
+forward_dyn.    frame 0 clean, rest noisy   all clean (given)
+inverse_dyn.    all clean                   all noisy
+============== ========================== ==========================
+
+Clean entries are fed as ``x0`` without a timestep embedding (the model's ``forward`` handles that from the masks)
+and carry no loss. Action dims at or beyond the raw action width are zero in ``x0`` and in the noise (the engine
+zeroes them in the noise and after every step) and carry no loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+
+from ..engine import MODES
+from ..errors import InputError
+from ..models.transformer import Cosmos3Transformer, TextKV
+
+NUM_TRAIN_TIMESTEPS = 1000  # the scheduler's num_train_timesteps: the model's timestep is int(sigma * 1000)
+SIGMA_DISTRIBUTIONS = ("uniform", "logit_normal")
+# The flow shift native Cosmos3 training uses per resolution tier (reference/cosmos3.md, section 4: 256 -> 3,
+# 480 -> 5, 720 -> 10); the 704 tier, not listed there, takes the 720 value.
+NATIVE_FLOW_SHIFT_BY_TIER = {256: 3.0, 480: 5.0, 704: 10.0, 720: 10.0}
+
+POLICY, FORWARD_DYNAMICS, INVERSE_DYNAMICS = (MODES.index(m) for m in ("policy", "forward_dynamics",
+                                                                       "inverse_dynamics"))
+
+
+def shift_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """The flow shift diffusers applies to its sigma grid (``use_flow_sigmas``): s*u / (1 + (s-1)*u)."""
+    return shift * u / (1.0 + (shift - 1.0) * u)
+
+
+def sample_sigmas(
+    batch_size: int,
+    generator: torch.Generator,
+    *,
+    shift: float,
+    distribution: str = "logit_normal",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+) -> torch.Tensor:
+    """[batch_size] float32 sigmas in (0, 1), drawn on the generator's device (see the module docstring)."""
+    if distribution == "uniform":
+        u = torch.rand(batch_size, generator=generator)
+    elif distribution == "logit_normal":
+        u = torch.sigmoid(logit_mean + logit_std * torch.randn(batch_size, generator=generator))
+    else:
+        raise InputError(f"sigma_distribution: expected one of {list(SIGMA_DISTRIBUTIONS)}, got {distribution!r}")
+    # Keep sigma strictly inside (0, 1): sigma 0 has no noise to learn from, sigma 1 is the sampler's 0.9998 anyway.
+    return shift_sigmas(u.clamp(1e-5, 1.0 - 1e-5), shift).float()
+
+
+def timesteps_from_sigmas(sigmas: torch.Tensor) -> torch.Tensor:
+    """The model timesteps: int64 truncation of sigma * 1000, as the sampler's ``timesteps``."""
+    return (sigmas.double() * NUM_TRAIN_TIMESTEPS).to(torch.int64)
+
+
+def mode_masks(modes: torch.Tensor, latent_t: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample modes [B] (indexes into ``engine.MODES``) -> (video_noisy [B, t], action_noisy [B, chunk]) bool."""
+    batch = modes.shape[0]
+    frame = torch.arange(latent_t, device=modes.device)
+    video_noisy = (frame[None, :] >= 1) & (modes != INVERSE_DYNAMICS)[:, None]
+    action_noisy = (modes != FORWARD_DYNAMICS)[:, None].expand(batch, chunk).clone()
+    return video_noisy, action_noisy
+
+
+@dataclass
+class FlowMatchingBatch:
+    """One training batch: clean targets, per-sample conditioning and the random draws (made on the host)."""
+
+    prompt_ids: list[list[int]]  # the token ids each sample's text tower sees (conditional or unconditional)
+    fps: list[float]
+    video: torch.Tensor  # [B, C, t, h, w] clean normalised latents
+    actions: torch.Tensor  # [B, chunk, action_dim] clean normalised actions, zero beyond the raw width
+    raw_action_dims: torch.Tensor  # [B] long
+    domain_ids: torch.Tensor  # [B] long
+    modes: torch.Tensor  # [B] long, indexes into engine.MODES
+    sigmas: torch.Tensor  # [B] float32
+    video_noise: torch.Tensor  # [B, C, t, h, w]
+    action_noise: torch.Tensor  # [B, chunk, action_dim]
+
+    def to(self, device: torch.device | str) -> "FlowMatchingBatch":
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            values[f.name] = value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+        return FlowMatchingBatch(**values)
+
+
+class FlowMatchingObjective(nn.Module):
+    """Wraps a ``Cosmos3Transformer``; ``forward(batch)`` returns the loss and per-sample errors.
+
+    The module to hand to DDP: the text tower (unless frozen), the GEN tower and the loss all run inside one
+    ``forward``. With ``freeze_text_tower`` the UND K/V of each distinct prompt are computed once without gradients
+    and cached, as the engine caches them.
+    """
+
+    def __init__(
+        self,
+        transformer: Cosmos3Transformer,
+        *,
+        video_loss_weight: float = 1.0,
+        action_loss_weight: float = 1.0,
+        freeze_text_tower: bool = False,
+    ):
+        super().__init__()
+        self.transformer = transformer
+        self.video_loss_weight = video_loss_weight
+        self.action_loss_weight = action_loss_weight
+        self.freeze_text_tower = freeze_text_tower
+        self._frozen_text_cache: dict[tuple[int, ...], TextKV] = {}
+
+    def encode_prompts(self, prompt_ids: list[list[int]]) -> TextKV:
+        """UND K/V for every sample; each distinct prompt runs through the text tower once."""
+        unique = list(dict.fromkeys(tuple(ids) for ids in prompt_ids))
+        if self.freeze_text_tower:
+            with torch.no_grad():
+                missing = [ids for ids in unique if ids not in self._frozen_text_cache]
+                if missing:
+                    encoded = self.transformer.encode_text([list(ids) for ids in missing])
+                    for i, ids in enumerate(missing):
+                        self._frozen_text_cache[ids] = encoded.select(i)
+            return TextKV.stack([self._frozen_text_cache[tuple(ids)] for ids in prompt_ids])
+        encoded = self.transformer.encode_text([list(ids) for ids in unique])
+        row_of = {ids: i for i, ids in enumerate(unique)}
+        rows = torch.tensor([row_of[tuple(ids)] for ids in prompt_ids], device=self.transformer.device)
+        return TextKV(
+            [k.index_select(0, rows) for k in encoded.keys],
+            [v.index_select(0, rows) for v in encoded.values],
+            [encoded.lengths[row_of[tuple(ids)]] for ids in prompt_ids],
+        )
+
+    def forward(self, batch: FlowMatchingBatch) -> dict[str, torch.Tensor]:
+        """Returns ``loss`` (scalar, differentiable) and detached per-sample ``video_mse`` / ``action_mse`` [B]
+        (NaN where the sample has no noisy video / no noisy action), the means over the noisy entries."""
+        x0_video, x0_actions = batch.video.float(), batch.actions.float()
+        _, _, latent_t, h, w = x0_video.shape
+        chunk, action_dim = x0_actions.shape[1:]
+        video_noisy, action_noisy = mode_masks(batch.modes, latent_t, chunk)
+        dims = torch.arange(action_dim, device=x0_actions.device)
+        raw_dims = dims[None, None, :] < batch.raw_action_dims[:, None, None]  # [B, 1, action_dim]
+        action_noise = batch.action_noise.float() * raw_dims
+
+        sigma_video = batch.sigmas.view(-1, 1, 1, 1, 1)
+        sigma_action = batch.sigmas.view(-1, 1, 1)
+        noisy_video = (1.0 - sigma_video) * x0_video + sigma_video * batch.video_noise.float()
+        noisy_actions = (1.0 - sigma_action) * x0_actions + sigma_action * action_noise
+        video_in = torch.where(video_noisy[:, None, :, None, None], noisy_video, x0_video)
+        actions_in = torch.where(action_noisy[..., None], noisy_actions, x0_actions)
+
+        text = self.encode_prompts(batch.prompt_ids)
+        timesteps = timesteps_from_sigmas(batch.sigmas)
+        layout = self.transformer.gen_layout(text.lengths, (latent_t, h, w), chunk, list(batch.fps))
+        v_video, v_action = self.transformer(
+            text, layout, video_in, video_noisy, timesteps, actions_in, action_noisy, batch.domain_ids
+        )
+
+        video_weight = video_noisy[:, None, :, None, None].float().expand_as(x0_video)
+        video_sse = ((v_video - (batch.video_noise.float() - x0_video)).square() * video_weight).flatten(1).sum(1)
+        video_count = video_weight.flatten(1).sum(1)
+        action_weight = (action_noisy[..., None] & raw_dims).float()
+        action_sse = ((v_action - (action_noise - x0_actions)).square() * action_weight).flatten(1).sum(1)
+        action_count = action_weight.flatten(1).sum(1)
+
+        # Mean over the batch's noisy entries, per modality, so the weights do not depend on the mode mix.
+        video_loss = video_sse.sum() / video_count.sum().clamp_min(1.0)
+        action_loss = action_sse.sum() / action_count.sum().clamp_min(1.0)
+        loss = self.video_loss_weight * video_loss + self.action_loss_weight * action_loss
+        nan = torch.full_like(video_sse, float("nan"))
+        return {
+            "loss": loss,
+            "video_mse": torch.where(video_count > 0, video_sse / video_count.clamp_min(1.0), nan).detach(),
+            "action_mse": torch.where(action_count > 0, action_sse / action_count.clamp_min(1.0), nan).detach(),
+        }

@@ -1,0 +1,747 @@
+"""Post-training a Cosmos3 policy model (``Cosmos3Transformer``) on an episode dataset with flow matching.
+
+One model serves the env step (forward dynamics) and both helper agents (policy, inverse dynamics): every sample
+draws its mode (``WorldModelTrainConfig.mode_probs``) and gets that mode's clean/noisy masks, exactly the masks the
+engine uses (``flow_matching.py``). Inputs are built exactly as the engine builds them: latents from the frozen VAE
+through the tier canvas (``data.py``), prompts through ``processor.build_prompt_token_ids`` with the canvas size, the
+clip length and the fps the engine reports, actions normalised with the dataset's stats.json and zero-padded to the
+model's action width. The task prompt is replaced by the unconditional one ("", the engine's default negative
+prompt) with probability ``uncond_prob`` so that classifier-free guidance works.
+
+Training state lives in ``work_dir`` (default ``<out_dir>/training``): ``state/`` (model, EMA and optimizer tensors as
+safetensors, step and optimizer hyperparameters as JSON), ``log.jsonl`` (one line per ``log_every`` steps, with
+per-mode losses) and ``latent_cache/``. Randomness is stateless: step ``k`` on rank ``r`` draws its windows, modes,
+sigmas, prompt dropout and noise from a generator seeded with ``(seed, k, r)``, so a resumed run continues the
+exact sample stream of an uninterrupted one with no RNG state to save (the model has no dropout).
+
+At the end, ``out_dir`` receives a complete diffusers-layout checkpoint (EMA weights by default) that
+``Cosmos3Engine.from_pretrained`` and ``Cosmos3OmniPipeline.from_pretrained`` load, plus action_stats.json and
+meta.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from diffusers import Cosmos3OmniTransformer
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from .. import processor
+from ..checkpoint import build_tiny_tokenizer, validate_checkpoint
+from ..engine import MODES
+from ..errors import InputError
+from ..models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, DomainAwareLinear
+from ..models.vae import Cosmos3VAE
+from .data import TrainingWindows, build_training_windows, read_dataset
+from .distributed import DistributedContext, init_distributed
+from .export import SAVE_DTYPES, export_checkpoint
+from .flow_matching import (
+    NATIVE_FLOW_SHIFT_BY_TIER,
+    SIGMA_DISTRIBUTIONS,
+    FlowMatchingBatch,
+    FlowMatchingObjective,
+    sample_sigmas,
+)
+
+# A small Cosmos3 (11 M parameters, 22 MB in float16, with the tiny tokenizer): the Nano structure (GQA, qk-norm,
+# interleaved mRoPE, domain-aware action heads) at PushT scale. rope_theta is small because the latent grids are
+# small: with Nano's 5e6 most spatial rotary slots would barely turn across a 6x6 latent. latent_channel,
+# patch_latent_dim and vocab_size are filled in from the VAE and the tokenizer.
+DEFAULT_MODEL_CONFIG: dict[str, Any] = {
+    "action_gen": True,
+    "action_dim": processor.ACTION_DIM,
+    "hidden_size": 256,
+    "head_dim": 32,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 768,
+    "num_hidden_layers": 6,
+    "latent_patch_size": 2,
+    "rope_scaling": {"mrope_section": [8, 4, 4]},
+    "rope_theta": 100.0,
+    "num_embodiment_domains": processor.NUM_EMBODIMENT_DOMAINS,
+}
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LR_SCHEDULES = ("constant", "cosine")
+STATE_FORMAT_VERSION = 1
+
+
+@dataclass
+class WorldModelTrainConfig:
+    """Settings of ``train_world_model``; every field is checked by ``validate`` (errors name the field)."""
+
+    model: dict = field(default_factory=dict)  # Cosmos3OmniTransformer config overrides of DEFAULT_MODEL_CONFIG
+    chunk: int = 16  # actions per window; windows have chunk + 1 frames
+    resolution_tier: int = 256
+    fps: float | None = None  # None: the dataset's meta.json fps
+    view_point: str = "ego_view"
+    window_stride: int = 4  # frames between the starts of consecutive windows of an episode
+    steps: int = 20_000  # total optimizer steps (a resumed run continues up to this number)
+    batch_size: int = 16  # per rank
+    lr: float = 3e-4
+    weight_decay: float = 0.01  # on matrices only (not on norms, biases, the modality embedding)
+    betas: tuple[float, float] = (0.9, 0.99)
+    warmup_steps: int = 500
+    lr_schedule: str = "cosine"  # after warmup: "constant", or cosine decay to min_lr_ratio * lr at `steps`
+    min_lr_ratio: float = 0.1
+    ema_decay: float = 0.999  # 0 disables the EMA; effective decay min(ema_decay, (1 + k) / (10 + k)) at step k
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    mode_probs: dict = field(
+        default_factory=lambda: {"policy": 0.4, "forward_dynamics": 0.4, "inverse_dynamics": 0.2}
+    )
+    uncond_prob: float = 0.1
+    flow_shift: float | None = None  # None: native Cosmos3 training's shift for the tier (256: 3, 480: 5, 720: 10)
+    sigma_distribution: str = "logit_normal"  # of u before the shift: "logit_normal" (SD3) or "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    video_loss_weight: float = 1.0
+    action_loss_weight: float = 1.0
+    freeze_text_tower: bool = False  # train only the GEN tower (the UND K/V are then cached per prompt)
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    device: str | None = None  # None: cuda if available, else cpu
+    bf16: bool = True  # bf16 autocast on CUDA (float32 master weights); ignored on CPU
+    param_dtype: str = "float32"  # "bfloat16" stores weights, grads and AdamW states in bf16 (for huge models)
+    resume: bool = False  # continue from work_dir/state when it exists
+    log_every: int = 10
+    save_every: int = 1000  # training-state checkpoints (one kept); 0: only at the end
+    save_dtype: str = "float32"  # exported transformer weights: float32 | float16 | bfloat16
+    vae_save_dtype: str = "float32"  # exported VAE weights: float32 | float16 | bfloat16
+    export_ema: bool = True
+    tokenizer_dir: str | None = None  # None: init_checkpoint's text_tokenizer, else checkpoint.build_tiny_tokenizer()
+    init_checkpoint: str | None = None  # fine-tune the transformer of this checkpoint instead of a fresh one
+    work_dir: str | None = None  # None: <out_dir>/training
+    cache_dir: str | None = None  # None: <work_dir>/latent_cache
+    encode_batch_size: int = 8
+    progress: bool = True
+
+    def validate(self) -> None:
+        def fail(name: str, expected: str):
+            raise InputError(f"WorldModelTrainConfig.{name}: expected {expected}, got {getattr(self, name)!r}")
+
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        for name in ("chunk", "window_stride", "batch_size", "log_every", "encode_batch_size"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                fail(name, "an integer >= 1")
+        for name in ("steps", "warmup_steps", "save_every", "seed"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                fail(name, "an integer >= 0")
+        for name in ("lr", "logit_std") + (("fps",) if self.fps is not None else ()) + (
+            ("flow_shift",) if self.flow_shift is not None else ()
+        ):
+            if not is_number(getattr(self, name)) or getattr(self, name) <= 0:
+                fail(name, "a positive number")
+        for name in ("weight_decay", "grad_clip", "video_loss_weight", "action_loss_weight"):
+            if not is_number(getattr(self, name)) or getattr(self, name) < 0:
+                fail(name, "a number >= 0")
+        for name in ("min_lr_ratio", "ema_decay", "uncond_prob"):
+            if not is_number(getattr(self, name)) or not 0 <= getattr(self, name) <= 1:
+                fail(name, "a number in [0, 1]")
+        if not is_number(self.logit_mean):
+            fail("logit_mean", "a finite number")
+        if self.resolution_tier not in processor.RESOLUTION_TIERS:
+            fail("resolution_tier", f"one of {list(processor.RESOLUTION_TIERS)}")
+        if self.view_point not in processor.VIEW_POINTS:
+            fail("view_point", f"one of {list(processor.VIEW_POINTS)}")
+        if len(self.betas) != 2 or not all(is_number(b) and 0 <= b < 1 for b in self.betas):
+            fail("betas", "two numbers in [0, 1)")
+        if self.lr_schedule not in LR_SCHEDULES:
+            fail("lr_schedule", f"one of {list(LR_SCHEDULES)}")
+        if self.sigma_distribution not in SIGMA_DISTRIBUTIONS:
+            fail("sigma_distribution", f"one of {list(SIGMA_DISTRIBUTIONS)}")
+        if self.param_dtype not in PARAM_DTYPES:
+            fail("param_dtype", f"one of {sorted(PARAM_DTYPES)}")
+        for name in ("save_dtype", "vae_save_dtype"):
+            if getattr(self, name) not in SAVE_DTYPES:
+                fail(name, f"one of {sorted(SAVE_DTYPES)}")
+        if not isinstance(self.mode_probs, dict) or not set(self.mode_probs) <= set(MODES):
+            fail("mode_probs", f"a dict with keys from {list(MODES)}")
+        weights = list(self.mode_probs.values())
+        if not all(is_number(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+            fail("mode_probs", "non-negative weights with a positive sum")
+        if not isinstance(self.model, dict):
+            fail("model", "a dict of Cosmos3OmniTransformer config overrides")
+        if self.init_checkpoint is not None and self.model:
+            fail("model", "{} with init_checkpoint (the architecture is the checkpoint's)")
+
+    @property
+    def resolved_flow_shift(self) -> float:
+        if self.flow_shift is not None:
+            return float(self.flow_shift)
+        return NATIVE_FLOW_SHIFT_BY_TIER[self.resolution_tier]
+
+    def mode_probability_tensor(self) -> torch.Tensor:
+        weights = torch.tensor([float(self.mode_probs.get(mode, 0.0)) for mode in MODES], dtype=torch.float64)
+        return weights / weights.sum()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model construction
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def resolve_transformer_config(config: WorldModelTrainConfig, vocab_size: int, latent_channels: int) -> dict:
+    """The diffusers ``Cosmos3OmniTransformer`` config to train (the JSON that transformer/config.json will hold)."""
+    if config.init_checkpoint is not None:
+        layout = validate_checkpoint(config.init_checkpoint)
+        transformer_config = {k: v for k, v in layout.transformer_config.items() if not k.startswith("_")}
+    else:
+        transformer_config = {**DEFAULT_MODEL_CONFIG, "vocab_size": vocab_size, **config.model}
+        transformer_config.setdefault("latent_channel", latent_channels)
+        patch = transformer_config["latent_patch_size"]
+        transformer_config.setdefault("patch_latent_dim", patch * patch * transformer_config["latent_channel"])
+    if transformer_config.get("latent_channel") != latent_channels:
+        raise InputError(
+            f"model.latent_channel: the transformer reads {transformer_config.get('latent_channel')} latent channels "
+            f"but the VAE has z_dim={latent_channels}"
+        )
+    if not transformer_config.get("action_gen") or transformer_config.get("action_dim") != processor.ACTION_DIM:
+        raise InputError(f"model: a policy model needs action_gen=True and action_dim={processor.ACTION_DIM}")
+    if transformer_config["vocab_size"] < vocab_size:
+        raise InputError(
+            f"model.vocab_size: {transformer_config['vocab_size']} is smaller than the tokenizer's {vocab_size}"
+        )
+    accepted = set(inspect.signature(Cosmos3OmniTransformer.__init__).parameters) - {"self"}
+    unknown = sorted(set(transformer_config) - accepted)
+    if unknown:
+        raise InputError(f"model: unknown Cosmos3OmniTransformer config keys {unknown}")
+    try:
+        Cosmos3TransformerConfig.from_dict(transformer_config)
+    except TypeError as error:  # a value of the wrong type
+        raise InputError(f"model: invalid transformer config ({error})") from error
+    return transformer_config
+
+
+@torch.no_grad()
+def init_transformer_weights(model: Cosmos3Transformer, seed: int) -> None:
+    """GPT-style init: matrices and embeddings N(0, 0.02), biases 0, norms 1, the action modality embedding 0;
+    the video and action output heads start at zero (the first velocity is 0, as DiT's zero-initialised final
+    layer); the timestep MLP keeps PyTorch's default init so the noise level is a strong signal from step one."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal_(tensor: torch.Tensor) -> None:
+        tensor.copy_(0.02 * torch.randn(tensor.shape, generator=generator))
+
+    for name, module in model.named_modules():
+        if name.startswith("time_embedder"):
+            continue
+        if isinstance(module, nn.Linear):
+            normal_(module.weight)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, DomainAwareLinear):
+            normal_(module.fc.weight)
+            module.bias.weight.zero_()
+        elif isinstance(module, nn.Embedding) and name == "embed_tokens":
+            normal_(module.weight)
+    model.proj_out.weight.zero_()
+    model.proj_out.bias.zero_()
+    model.action_proj_out.fc.weight.zero_()
+    model.action_proj_out.bias.weight.zero_()
+
+
+def build_transformer(
+    transformer_config: dict, config: WorldModelTrainConfig, device: torch.device
+) -> Cosmos3Transformer:
+    """A fresh (seeded) or init-checkpoint transformer on ``device`` in ``param_dtype`` (time embedder fp32)."""
+    dtype = PARAM_DTYPES[config.param_dtype]
+    if config.init_checkpoint is not None:
+        layout = validate_checkpoint(config.init_checkpoint)
+        return Cosmos3Transformer.from_pretrained(layout.transformer_dir, device=device, dtype=dtype)
+    cfg = Cosmos3TransformerConfig.from_dict(transformer_config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)  # the time embedder's default init draws from the global RNG
+        model = Cosmos3Transformer(cfg)
+    init_transformer_weights(model, config.seed)
+    model = model.to(device)
+    for name, param in model.named_parameters():
+        if not name.startswith("time_embedder."):
+            param.data = param.data.to(dtype)
+    return model
+
+
+def never_used_parameters(model: Cosmos3Transformer) -> list[str]:
+    """Parameters that never influence a velocity: the last text layer only contributes its K/V (its attention
+    output, MLP and post-attention norm feed the LM head, which the policy model does not use)."""
+    last = f"text_layers.{len(model.text_layers) - 1}."
+    unused_prefixes = tuple(last + part for part in ("attn.out.", "attn.q_norm.", "post_attn_norm.", "mlp."))
+    return [name for name, _ in model.named_parameters() if name.startswith(unused_prefixes)]
+
+
+def set_trainable(model: Cosmos3Transformer, freeze_text_tower: bool) -> list[str]:
+    """Freeze what does not train; returns the names of the trainable parameters (in model order)."""
+    frozen = set(never_used_parameters(model))
+    if freeze_text_tower:
+        frozen |= {n for n, _ in model.named_parameters() if n.startswith(("text_layers.", "embed_tokens."))}
+    names = []
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+        if name not in frozen:
+            names.append(name)
+    return names
+
+
+def enable_gradient_checkpointing(model: Cosmos3Transformer, text_tower: bool = True) -> None:
+    """Recompute each layer's activations in the backward pass (torch.utils.checkpoint, non-reentrant).
+
+    The towers call ``layer.gen_forward`` / ``layer.text_forward`` rather than ``forward``, so those bound methods
+    are wrapped on each layer instance; parameter names and the state dict are unchanged.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    def wrap(method):
+        def checkpointed(*args, **kwargs):
+            return checkpoint(method, *args, use_reentrant=False, **kwargs)
+
+        return checkpointed
+
+    for layer in model.gen_layers:
+        layer.gen_forward = wrap(layer.gen_forward)
+    if text_tower:
+        for layer in model.text_layers:
+            layer.text_forward = wrap(layer.text_forward)
+
+
+def build_optimizer(model: nn.Module, config: WorldModelTrainConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; weight decay on matrices only. States follow the parameter dtype."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 and name != "action_modality_embed" else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # The fused CUDA kernel updates in place without the foreach path's full-size temporaries (GBs for big models).
+    fused = all(p.is_cuda for group in groups for p in group["params"])
+    return torch.optim.AdamW(groups, lr=config.lr, betas=tuple(config.betas), fused=fused or None)
+
+
+def training_step(
+    model: nn.Module, batch: FlowMatchingBatch, optimizer: torch.optim.Optimizer, trainable_params: list,
+    grad_clip: float, autocast: bool,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Forward (under bf16 autocast when asked), backward, gradient clipping (``grad_clip`` 0: none, the norm is
+    still returned) and one optimizer step. Returns the objective's outputs and the gradient norm."""
+    device_type = batch.video.device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+        out = model(batch)
+    out["loss"].backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable_params, grad_clip if grad_clip > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return out, grad_norm
+
+
+def learning_rate(config: WorldModelTrainConfig, step: int) -> float:
+    """Linear warmup over ``warmup_steps``, then constant or cosine decay to ``min_lr_ratio * lr`` at ``steps``."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return config.lr
+    span = max(config.steps - config.warmup_steps, 1)
+    progress = min(max(step - config.warmup_steps, 0) / span, 1.0)
+    floor = config.min_lr_ratio * config.lr
+    return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class EMA:
+    """Float32 exponential moving average of the trainable parameters (exported instead of the raw weights)."""
+
+    def __init__(self, model: nn.Module, names: list[str], decay: float):
+        params = dict(model.named_parameters())
+        self.decay = decay
+        self.names = list(names)
+        self.params = [params[n] for n in names]
+        self.shadow = [p.detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        """``step`` counts completed optimizer steps; the decay warms up as min(decay, (1 + step) / (10 + step))."""
+        decay = min(self.decay, (1.0 + step) / (10.0 + step))
+        torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1.0 - decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.shadow))
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if set(state) != set(self.names):
+            raise InputError("training state: the EMA holds other parameters than the model trains")
+        for name, shadow in zip(self.names, self.shadow):
+            shadow.copy_(state[name])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batches
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    """The generator of one step on one rank (see the module docstring: stateless, hence exactly resumable)."""
+    digest = hashlib.sha256(f"cosmos3_gym.train/{seed}/{step}/{rank}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def sample_batch(
+    windows: TrainingWindows,
+    generator: torch.Generator,
+    config: WorldModelTrainConfig,
+    *,
+    domain_id: int,
+    raw_action_dim: int,
+    action_dim: int,
+    fps: float,
+) -> FlowMatchingBatch:
+    """Draw a batch on the host: windows, modes, prompt dropout, sigmas and noise (in that order)."""
+    b = config.batch_size
+    index = torch.randint(len(windows), (b,), generator=generator)
+    modes = torch.multinomial(config.mode_probability_tensor(), b, replacement=True, generator=generator)
+    uncond = (torch.rand(b, generator=generator) < config.uncond_prob).tolist()
+    sigmas = sample_sigmas(
+        b, generator, shift=config.resolved_flow_shift, distribution=config.sigma_distribution,
+        logit_mean=config.logit_mean, logit_std=config.logit_std,
+    )
+    video = windows.latents[index.to(windows.latents.device)]
+    video_noise = torch.randn(video.shape, generator=generator)
+    action_noise = torch.randn((b, config.chunk, action_dim), generator=generator)
+    actions = torch.zeros(b, config.chunk, action_dim)
+    actions[..., :raw_action_dim] = windows.actions[index]
+    prompt_ids = [windows.prompts[int(windows.prompt_index[i])][int(drop)] for i, drop in zip(index, uncond)]
+    return FlowMatchingBatch(
+        prompt_ids=prompt_ids, fps=[fps] * b, video=video, actions=actions,
+        raw_action_dims=torch.full((b,), raw_action_dim), domain_ids=torch.full((b,), domain_id), modes=modes,
+        sigmas=sigmas, video_noise=video_noise, action_noise=action_noise,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training state (resumable checkpoints)
+# ----------------------------------------------------------------------------------------------------------------
+
+# Fields that must not change when a run is resumed: they change the model or what its optimizer state means.
+_RESUME_FIXED_FIELDS = ("chunk", "resolution_tier", "freeze_text_tower", "param_dtype", "init_checkpoint")
+
+
+def save_training_state(
+    state_dir: Path, *, step: int, model: nn.Module, ema: EMA | None, optimizer: torch.optim.Optimizer,
+    config: WorldModelTrainConfig, transformer_config: dict,
+) -> None:
+    """Write ``state_dir`` atomically (a new folder renamed over the old one): model.safetensors, ema.safetensors,
+    optimizer.safetensors and state.json (step, configs, optimizer hyperparameters and scalar state)."""
+    temporary = state_dir.with_name(state_dir.name + ".tmp")
+    if temporary.exists():
+        shutil.rmtree(temporary)
+    temporary.mkdir(parents=True)
+    cpu = lambda tensors: {k: v.detach().cpu().contiguous() for k, v in tensors.items()}  # noqa: E731
+    save_file(cpu(model.state_dict()), temporary / "model.safetensors")
+    if ema is not None:
+        save_file(cpu(ema.state_dict()), temporary / "ema.safetensors")
+    optimizer_state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, param_state in optimizer_state["state"].items():
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{key}"] = value
+            else:
+                scalars[f"{index}.{key}"] = value
+    save_file(cpu(tensors), temporary / "optimizer.safetensors")
+    document = {
+        "format_version": STATE_FORMAT_VERSION,
+        "step": step,
+        "config": dataclasses.asdict(config),
+        "transformer_config": transformer_config,
+        "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars},
+    }
+    (temporary / "state.json").write_text(json.dumps(document, indent=2))
+    previous = state_dir.with_name(state_dir.name + ".old")
+    if state_dir.exists():
+        os.replace(state_dir, previous)
+    os.replace(temporary, state_dir)
+    if previous.exists():
+        shutil.rmtree(previous)
+
+
+def load_training_state(
+    state_dir: Path, *, model: nn.Module, ema: EMA | None, optimizer: torch.optim.Optimizer,
+    config: WorldModelTrainConfig, transformer_config: dict,
+) -> int:
+    """Restore what ``save_training_state`` wrote; returns the step to continue from."""
+    document = json.loads((state_dir / "state.json").read_text())
+    if document.get("format_version") != STATE_FORMAT_VERSION:
+        raise InputError(
+            f"resume: {state_dir} has state format {document.get('format_version')}, expected {STATE_FORMAT_VERSION}"
+        )
+    saved = document["config"]
+    for name in _RESUME_FIXED_FIELDS:
+        if saved.get(name) != getattr(config, name):
+            raise InputError(
+                f"WorldModelTrainConfig.{name}: {getattr(config, name)!r} differs from {saved.get(name)!r} of the run "
+                f"saved in {state_dir}; it cannot change on resume"
+            )
+    if json.loads(json.dumps(transformer_config)) != document["transformer_config"]:
+        raise InputError(
+            f"WorldModelTrainConfig.model: the transformer config differs from the run saved in {state_dir}"
+        )
+    device = next(model.parameters()).device
+    model.load_state_dict(load_file(state_dir / "model.safetensors", device=str(device)))
+    if ema is not None:
+        ema_path = state_dir / "ema.safetensors"
+        if not ema_path.exists():
+            raise InputError(f"resume: {state_dir} has no EMA but ema_decay={config.ema_decay} > 0")
+        ema.load_state_dict(load_file(ema_path, device=str(device)))
+    tensors = load_file(state_dir / "optimizer.safetensors")
+    optimizer_document = document["optimizer"]
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in [*tensors.items(), *optimizer_document["scalars"].items()]:
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer_document["param_groups"]})
+    return int(document["step"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The training loop
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(config: WorldModelTrainConfig):
+    from transformers import AutoTokenizer
+
+    if config.tokenizer_dir is not None:
+        return AutoTokenizer.from_pretrained(str(config.tokenizer_dir))
+    if config.init_checkpoint is not None:
+        return AutoTokenizer.from_pretrained(str(validate_checkpoint(config.init_checkpoint).text_tokenizer_dir))
+    return build_tiny_tokenizer()
+
+
+class _LossTracker:
+    """Sums of the loss terms since the last log line, kept on the device (read and reduced over ranks only when a
+    line is logged, so training steps do not wait for the host)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        # [loss sum, grad-norm sum, steps] and per mode [video mse sum, video samples, action mse sum, action samples]
+        self.totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        self.by_mode = torch.zeros(len(MODES), 4, dtype=torch.float64, device=self.device)
+
+    def add(self, out: dict[str, torch.Tensor], modes: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.totals += torch.stack([out["loss"].detach().double(), grad_norm.double(),
+                                    torch.ones((), dtype=torch.float64, device=self.device)])
+        for column, key in ((0, "video_mse"), (2, "action_mse")):
+            values = out[key].double()
+            present = ~values.isnan()
+            self.by_mode[:, column].index_add_(0, modes, torch.where(present, values, 0.0))
+            self.by_mode[:, column + 1].index_add_(0, modes, present.double())
+
+    def summary(self, ctx: DistributedContext) -> dict:
+        totals = ctx.all_reduce_sum(self.totals.clone()).tolist()
+        by_mode = ctx.all_reduce_sum(self.by_mode.clone()).tolist()
+        steps_times_ranks = max(totals[2], 1.0)
+
+        def mean(total: float, count: float) -> float | None:
+            return total / count if count else None
+
+        return {
+            "loss": totals[0] / steps_times_ranks,
+            "grad_norm": totals[1] / steps_times_ranks,
+            "losses_by_mode": {
+                mode: {"video": mean(row[0], row[1]), "action": mean(row[2], row[3]), "samples": int(row[1] or row[3])}
+                for mode, row in zip(MODES, by_mode)
+            },
+        }
+
+
+class WorldModelTrainer:
+    """The training run behind ``train_world_model``: ``train()`` runs the loop up to ``config.steps`` (resuming from
+    the saved state when ``config.resume``), ``export()`` writes the checkpoint (on the main rank).
+
+    ``ctx`` is the run's ``DistributedContext`` (``init_distributed``); the caller closes it.
+    """
+
+    def __init__(
+        self,
+        dataset_dir: str | os.PathLike,
+        out_dir: str | os.PathLike,
+        config: WorldModelTrainConfig,
+        vae_dir: str | os.PathLike,
+        ctx: DistributedContext,
+    ):
+        config.validate()
+        self.config, self.ctx = config, ctx
+        self.vae_dir = Path(vae_dir)
+        self.out_dir = Path(out_dir).expanduser()
+        self.work_dir = Path(config.work_dir).expanduser() if config.work_dir else self.out_dir / "training"
+        cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else self.work_dir / "latent_cache"
+        self.state_dir = self.work_dir / "state"
+        self.log_path = self.work_dir / "log.jsonl"
+        device = ctx.device
+
+        self.info = read_dataset(dataset_dir)
+        self.fps = float(config.fps if config.fps is not None else self.info.fps)
+        self.tokenizer = load_tokenizer(config)
+        if ctx.is_main:
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+        ctx.barrier()
+
+        vae = Cosmos3VAE.from_pretrained(self.vae_dir, device=device, dtype=torch.float32)
+        self.windows = build_training_windows(
+            self.info, vae, self.vae_dir, self.tokenizer, chunk=config.chunk, stride=config.window_stride,
+            resolution_tier=config.resolution_tier, view_point=config.view_point, fps=self.fps, cache_dir=cache_dir,
+            encode_batch_size=config.encode_batch_size, progress=config.progress and ctx.is_main,
+        )
+        latent_channels = vae.latent_channels
+        del vae
+        self.windows.latents = self.windows.latents.to(device)
+
+        self.transformer_config = resolve_transformer_config(config, len(self.tokenizer), latent_channels)
+        self.transformer = build_transformer(self.transformer_config, config, device)
+        model_config = self.transformer.config
+        self.domain_id, self.raw_action_dim = processor.resolve_domain(
+            self.info.domain, self.info.raw_action_dim, action_dim=model_config.action_dim
+        )
+        if self.domain_id >= model_config.num_embodiment_domains:
+            raise InputError(
+                f"model.num_embodiment_domains: {model_config.num_embodiment_domains} has no row for domain "
+                f"{self.info.domain!r} (id {self.domain_id})"
+            )
+        trainable = set_trainable(self.transformer, config.freeze_text_tower)
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(self.transformer, text_tower=not config.freeze_text_tower)
+        self.objective = FlowMatchingObjective(
+            self.transformer, video_loss_weight=config.video_loss_weight,
+            action_loss_weight=config.action_loss_weight, freeze_text_tower=config.freeze_text_tower,
+        )
+        self.optimizer = build_optimizer(self.transformer, config)
+        self.ema = EMA(self.transformer, trainable, config.ema_decay) if config.ema_decay > 0 else None
+        self.step = 0
+        if config.resume and (self.state_dir / "state.json").exists():
+            self.step = load_training_state(
+                self.state_dir, model=self.transformer, ema=self.ema, optimizer=self.optimizer, config=config,
+                transformer_config=self.transformer_config,
+            )
+        self.model = self.objective
+        if ctx.world_size > 1:
+            self.model = nn.parallel.DistributedDataParallel(
+                self.objective, device_ids=[device.index] if device.type == "cuda" else None
+            )
+
+    def save_state(self) -> None:
+        if self.ctx.is_main:
+            save_training_state(
+                self.state_dir, step=self.step, model=self.transformer, ema=self.ema, optimizer=self.optimizer,
+                config=self.config, transformer_config=self.transformer_config,
+            )
+        self.ctx.barrier()
+
+    def train(self) -> None:
+        config, ctx, device = self.config, self.ctx, self.ctx.device
+        autocast = device.type == "cuda" and config.bf16 and config.param_dtype == "float32"
+        trainable_params = [p for p in self.transformer.parameters() if p.requires_grad]
+        tracker = _LossTracker(device)
+        started, last_log_step = time.perf_counter(), self.step
+        bar = tqdm(total=config.steps, initial=self.step, desc="training",
+                   disable=not (config.progress and ctx.is_main))
+        while self.step < config.steps:
+            for group in self.optimizer.param_groups:
+                group["lr"] = learning_rate(config, self.step)
+            batch = sample_batch(
+                self.windows, step_generator(config.seed, self.step, ctx.rank), config, domain_id=self.domain_id,
+                raw_action_dim=self.raw_action_dim, action_dim=self.transformer.config.action_dim, fps=self.fps,
+            ).to(device)
+            out, grad_norm = training_step(
+                self.model, batch, self.optimizer, trainable_params, config.grad_clip, autocast
+            )
+            self.step += 1
+            if self.ema is not None:
+                self.ema.update(self.step)
+            tracker.add(out, batch.modes, grad_norm)
+            bar.update(1)
+
+            if self.step % config.log_every == 0 or self.step == config.steps:
+                summary = tracker.summary(ctx)
+                tracker.reset()
+                elapsed = time.perf_counter() - started
+                if ctx.is_main:
+                    samples = (self.step - last_log_step) * config.batch_size * ctx.world_size
+                    record = {"step": self.step, "lr": self.optimizer.param_groups[0]["lr"], **summary,
+                              "samples_per_s": samples / max(elapsed, 1e-9)}
+                    if device.type == "cuda":
+                        record["max_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+                    with self.log_path.open("a") as handle:
+                        handle.write(json.dumps(record) + "\n")
+                    bar.set_postfix(loss=f"{summary['loss']:.4f}")
+                started, last_log_step = time.perf_counter(), self.step
+            if config.save_every and self.step % config.save_every == 0 and self.step < config.steps:
+                self.save_state()
+        bar.close()
+        self.save_state()
+
+    def export(self) -> Path:
+        """Write the checkpoint (EMA weights unless ``export_ema`` is False or there is no EMA) on the main rank."""
+        config = self.config
+        if self.ctx.is_main:
+            weights = self.transformer.state_dict()
+            use_ema = self.ema is not None and config.export_ema
+            if use_ema:
+                weights.update(self.ema.state_dict())
+            meta = {
+                "domain": self.info.domain, "raw_action_dim": self.raw_action_dim, "fps": self.fps,
+                "chunk": config.chunk, "resolution_tier": config.resolution_tier,
+                "image_size": self.info.meta.get("image_size"), "canvas_hw": list(self.windows.canvas_hw),
+                "latent_thw": list(self.windows.latent_thw), "view_point": config.view_point,
+                "action_normalization": self.info.action_normalization, "flow_shift": config.resolved_flow_shift,
+                "train_steps": self.step, "weights": "ema" if use_ema else "model", "dataset": str(self.info.root),
+                "source": self.info.meta.get("source"),
+            }
+            export_checkpoint(
+                self.out_dir, native_state_dict={k: v.float() for k, v in weights.items()},
+                transformer_config=self.transformer_config, vae_dir=self.vae_dir, tokenizer=self.tokenizer,
+                flow_shift=config.resolved_flow_shift, action_stats=self.info.stats_document, meta=meta,
+                save_dtype=config.save_dtype, vae_save_dtype=config.vae_save_dtype,
+            )
+        self.ctx.barrier()
+        return self.out_dir
+
+
+def train_world_model(
+    dataset_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    config: WorldModelTrainConfig | None = None,
+    vae_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Train a Cosmos3 policy model on the dataset and export a complete checkpoint to ``out_dir`` (returned).
+
+    ``vae_dir`` is the frozen VAE (``train_vae`` output, or an existing checkpoint's ``vae/`` folder). Launched by
+    torchrun with several processes, the ranks train data-parallel (DDP; NCCL on CUDA, gloo on CPU), each drawing
+    ``batch_size`` samples per step; rank 0 writes the state, the log and the checkpoint.
+    """
+    config = config or WorldModelTrainConfig()
+    config.validate()
+    if vae_dir is None:
+        raise InputError("vae_dir: required (a trained AutoencoderKLWan folder, e.g. train_vae's output)")
+    ctx = init_distributed(config.device)
+    try:
+        trainer = WorldModelTrainer(dataset_dir, out_dir, config, vae_dir, ctx)
+        trainer.train()
+        return trainer.export()
+    finally:
+        ctx.close()

@@ -1,0 +1,417 @@
+"""Post-training (cosmos3_gym.training) on a tiny synthetic dataset, on CPU.
+
+The dataset is a red square moving on a dark background; each action is the square's velocity, so forward dynamics
+are learnable. Module fixtures train a tiny VAE once and a tiny world model once; the other tests reuse them (and the
+latent cache) so the whole file stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import Cosmos3OmniPipeline, Cosmos3OmniTransformer
+from safetensors.torch import load_file
+
+from cosmos3_gym import cli, processor
+from cosmos3_gym.checkpoint import TINY_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG, load_safetensors_state_dict
+from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
+from cosmos3_gym.errors import InputError
+from cosmos3_gym.models.transformer import (
+    Cosmos3Transformer,
+    Cosmos3TransformerConfig,
+    diffusers_to_native_state_dict,
+)
+from cosmos3_gym.models.vae import Cosmos3VAE
+from cosmos3_gym.sampling import make_schedule
+from cosmos3_gym.training import (
+    VAETrainConfig,
+    WorldModelTrainConfig,
+    WorldModelTrainer,
+    native_to_diffusers_state_dict,
+    train_vae,
+    train_world_model,
+)
+from cosmos3_gym.training.data import build_training_windows, encode_episode_windows, read_dataset
+from cosmos3_gym.training.distributed import init_distributed
+from cosmos3_gym.training.flow_matching import (
+    FlowMatchingBatch,
+    FlowMatchingObjective,
+    mode_masks,
+    shift_sigmas,
+    timesteps_from_sigmas,
+)
+from cosmos3_gym.training.vae import _ClipBatches
+from cosmos3_gym.training.world_model import enable_gradient_checkpointing
+
+from dist_utils import run_distributed
+
+TASK = "move the red square"
+CHUNK, TIER, FPS = 4, 256, 10.0
+TINY_MODEL = {
+    "hidden_size": 64, "head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+    "num_hidden_layers": 2, "rope_scaling": {"mrope_section": [4, 2, 2]},
+}
+TINY_VAE = dict(base_dim=4, decoder_base_dim=8, z_dim=16, num_res_blocks=1, frames_per_clip=5, resolution_tier=TIER)
+
+
+def make_dataset(root: Path, num_episodes: int = 4, steps: int = 16, size: int = 64, seed: int = 0) -> Path:
+    """Episodes in the documented layout: a 12x12 red square bouncing around; actions = its velocity (pixels)."""
+    (root / "episodes").mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    all_actions = []
+    for episode in range(num_episodes):
+        position = rng.uniform(12, size - 12, 2)
+        frames, actions = [], []
+        for t in range(steps + 1):
+            frame = np.full((size, size, 3), 30, np.uint8)
+            y, x = position.astype(int)
+            frame[y - 6 : y + 6, x - 6 : x + 6] = (230, 60, 40)
+            frames.append(frame)
+            if t < steps:
+                velocity = rng.uniform(-3, 3, 2)
+                velocity = np.where((position + velocity < 8) | (position + velocity > size - 8), -velocity, velocity)
+                actions.append(velocity)
+                position = position + velocity
+        actions = np.asarray(actions, np.float32)
+        all_actions.append(actions)
+        np.savez(root / "episodes" / f"episode_{episode:06d}.npz", frames=np.stack(frames), actions=actions,
+                 task=np.array(TASK))
+    a = np.concatenate(all_actions)
+    stats = {"min": a.min(0), "max": a.max(0), "mean": a.mean(0), "std": a.std(0),
+             "q01": np.quantile(a, 0.01, 0), "q99": np.quantile(a, 0.99, 0)}
+    (root / "stats.json").write_text(json.dumps({"action": {k: v.tolist() for k, v in stats.items()}}))
+    (root / "meta.json").write_text(json.dumps({
+        "domain": "pusht", "raw_action_dim": 2, "fps": FPS, "image_size": [size, size],
+        "action_normalization": "minmax", "num_episodes": num_episodes, "source": "synthetic",
+    }))
+    return root
+
+
+def world_model_config(tmp: Path, **overrides) -> WorldModelTrainConfig:
+    values = dict(model=TINY_MODEL, chunk=CHUNK, resolution_tier=TIER, steps=40, batch_size=4, lr=1e-3,
+                  warmup_steps=0, lr_schedule="constant", log_every=1, save_every=0, ema_decay=0.9, progress=False,
+                  cache_dir=str(tmp / "latent_cache"), device="cpu")
+    values.update(overrides)
+    return WorldModelTrainConfig(**values)
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("training")
+
+
+@pytest.fixture(scope="module")
+def dataset(work) -> Path:
+    return make_dataset(work / "dataset")
+
+
+@pytest.fixture(scope="module")
+def vae_dir(work, dataset) -> Path:
+    return train_vae(dataset, work / "vae", VAETrainConfig(**TINY_VAE, steps=4, batch_size=2, stats_clips=4,
+                                                           log_every=1, progress=False, device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def trained(work, dataset, vae_dir) -> Path:
+    """40 steps of the tiny world model on the whole dataset, exported."""
+    return train_world_model(dataset, work / "checkpoint", world_model_config(work), vae_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(trained) -> Cosmos3Engine:
+    return Cosmos3Engine.from_pretrained(trained, device="cpu", dtype="fp32", progress=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# VAE
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_vae_trains_and_fits_latent_statistics(vae_dir, dataset):
+    log = read_log(vae_dir / "train_log.jsonl")
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    assert all(np.isfinite([r["loss"], r["l1"], r["l2"], r["kl"]]).all() for r in log)
+    # The fitted statistics normalise the latents of the clips they were fitted on to mean 0, std 1 per channel.
+    vae = Cosmos3VAE.from_pretrained(vae_dir)
+    info = read_dataset(dataset)
+    episodes = [np.load(p)["frames"] for p in info.episode_paths]
+    config = VAETrainConfig(**TINY_VAE, batch_size=2, stats_clips=4)
+    clips = _ClipBatches(episodes, config, salt="latent_statistics")
+    latents = []
+    for step in range(2):
+        pixels, (h, w), _ = clips[step]
+        latents.append(vae.encode(pixels)[..., :h, :w])
+    per_channel = torch.cat(latents).transpose(0, 1).flatten(1).double()
+    torch.testing.assert_close(per_channel.mean(1), torch.zeros(16, dtype=torch.float64), atol=2e-3, rtol=0)
+    torch.testing.assert_close(per_channel.std(1, correction=0), torch.ones(16, dtype=torch.float64), atol=2e-3, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conventions shared with the engine and the sampler
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "relu2"])
+def test_native_diffusers_round_trip_is_exact(hidden_act):
+    torch.manual_seed(0)
+    config = {**TINY_TRANSFORMER_CONFIG, "vocab_size": 300, "hidden_act": hidden_act}
+    diffusers_state = Cosmos3OmniTransformer(**config).state_dict()
+    cfg = Cosmos3TransformerConfig.from_dict(config)
+    native = diffusers_to_native_state_dict(diffusers_state, cfg)
+    back = native_to_diffusers_state_dict(native, cfg)
+    assert set(back) == set(diffusers_state) - {"lm_head.weight", "norm.weight"}
+    assert all(torch.equal(back[k], diffusers_state[k]) for k in back)
+    again = diffusers_to_native_state_dict(back, cfg)
+    assert set(again) == set(native) and all(torch.equal(again[k], native[k]) for k in native)
+
+
+def test_timesteps_and_sigma_shift_match_the_sampler():
+    for shift in (3.0, 5.0):
+        schedule = make_schedule(4, {**TINY_SCHEDULER_CONFIG, "flow_shift": shift})
+        sigmas = torch.tensor(schedule.sigmas[:-1])
+        assert timesteps_from_sigmas(sigmas).tolist() == schedule.timesteps.tolist()
+        # The sampler's grid is the shifted linear grid: shift_sigmas reproduces it from the unshifted points.
+        unshifted = torch.linspace(1.0, 1.0 / 1000, 5, dtype=torch.float64)[:-1]
+        torch.testing.assert_close(shift_sigmas(unshifted, shift)[1:].float(), sigmas[1:], atol=1e-6, rtol=0)
+
+
+def test_mode_masks_equal_the_engine(engine, dataset):
+    frames = np.load(read_dataset(dataset).episode_paths[0])["frames"][: CHUNK + 1]
+    for mode_index, mode in enumerate(("policy", "forward_dynamics", "inverse_dynamics")):
+        prepared = engine.prepare(Cosmos3Request(
+            mode=mode, observation=frames if mode == "inverse_dynamics" else frames[0], task=TASK, domain="pusht",
+            actions=np.zeros((CHUNK, 2), np.float32) if mode == "forward_dynamics" else None, chunk=CHUNK,
+            resolution_tier=TIER, fps=FPS,
+        ))
+        latent_t = prepared.latent_thw[0]
+        video_noisy, action_noisy = mode_masks(torch.tensor([mode_index]), latent_t, CHUNK)
+        assert sorted(set(range(latent_t)) - set(video_noisy[0].nonzero().flatten().tolist())) == prepared.clean_frames
+        assert sorted(set(range(CHUNK)) - set(action_noisy[0].nonzero().flatten().tolist())) == prepared.clean_rows
+
+
+def test_training_windows_equal_the_engine_inputs(engine, trained, dataset, vae_dir, work):
+    """Cached latents, prompts and actions of a window are what the engine builds from the same frames."""
+    info = read_dataset(dataset)
+    vae = Cosmos3VAE.from_pretrained(vae_dir)
+    windows = build_training_windows(
+        info, vae, vae_dir, engine.tokenizer, chunk=CHUNK, stride=4, resolution_tier=TIER, view_point="ego_view",
+        fps=FPS, cache_dir=work / "latent_cache", progress=False,
+    )
+    assert len(windows) == 4 * 4  # 16 actions per episode, windows of 4 every 4 frames
+    index = 6
+    episode = np.load(info.episode_paths[int(windows.episode_index[index])])
+    start = int(windows.start[index])
+    prepared = engine.prepare(Cosmos3Request(
+        mode="inverse_dynamics", observation=episode["frames"][start : start + CHUNK + 1], task=TASK,
+        domain="pusht", chunk=CHUNK, resolution_tier=TIER, fps=FPS,
+    ))
+    # Windows are encoded 8 at a time; a batched convolution rounds differently from a single one (float32 noise).
+    torch.testing.assert_close(windows.latents[index], prepared.x0_video[0], atol=1e-5, rtol=0)
+    one_at_a_time, _ = encode_episode_windows(vae, episode["frames"], [start], CHUNK, TIER, batch_size=1)
+    assert torch.equal(one_at_a_time[0], prepared.x0_video[0])
+    cond_ids, uncond_ids = windows.prompts[int(windows.prompt_index[index])]
+    assert (cond_ids, uncond_ids) == (prepared.cond_ids, prepared.uncond_ids)
+    expected = info.stats.normalize(episode["actions"][start : start + CHUNK])
+    np.testing.assert_allclose(windows.actions[index].numpy(), expected, atol=1e-6)
+    assert windows.actions.abs().max() <= 1.0 + 1e-6
+
+
+def test_objective_under_bf16_autocast_with_prompts_of_two_lengths():
+    """Cond and uncond prompts differ in length; under autocast the GEN tower's per-prompt-length attention must
+    run (bf16 outputs, fp32 queries) and put every sample back in its row (samples are scaled differently so a
+    mix-up would show)."""
+    cfg = Cosmos3TransformerConfig.from_dict({**TINY_TRANSFORMER_CONFIG, "vocab_size": 64})
+    torch.manual_seed(0)
+    objective = FlowMatchingObjective(Cosmos3Transformer(cfg))
+    generator = torch.Generator().manual_seed(0)
+    scale = torch.tensor([1.0, 3.0, 0.3, 2.0]).view(-1, 1, 1, 1, 1)
+    batch = FlowMatchingBatch(
+        prompt_ids=[list(range(1, 12)), list(range(1, 6)), list(range(1, 12)), list(range(1, 6))], fps=[FPS] * 4,
+        video=scale * torch.randn(4, 16, 2, 4, 4, generator=generator), actions=torch.zeros(4, CHUNK, 64),
+        raw_action_dims=torch.full((4,), 2), domain_ids=torch.full((4,), 4), modes=torch.tensor([0, 1, 2, 0]),
+        sigmas=torch.tensor([0.9, 0.5, 0.7, 0.2]), video_noise=torch.randn(4, 16, 2, 4, 4, generator=generator),
+        action_noise=torch.randn(4, CHUNK, 64, generator=generator),
+    )
+    with torch.no_grad():
+        reference = objective(batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = objective(batch)
+    for key in ("video_mse", "action_mse"):
+        torch.testing.assert_close(mixed[key], reference[key], rtol=3e-2, atol=1e-3, equal_nan=True)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    cfg = Cosmos3TransformerConfig.from_dict({**TINY_TRANSFORMER_CONFIG, "vocab_size": 64})
+    generator = torch.Generator().manual_seed(1)
+    batch = FlowMatchingBatch(
+        prompt_ids=[list(range(1, 12)), list(range(1, 6))], fps=[FPS] * 2,
+        video=torch.randn(2, 16, 2, 4, 4, generator=generator), actions=torch.zeros(2, CHUNK, 64),
+        raw_action_dims=torch.full((2,), 2), domain_ids=torch.full((2,), 4), modes=torch.tensor([0, 2]),
+        sigmas=torch.tensor([0.9, 0.4]), video_noise=torch.randn(2, 16, 2, 4, 4, generator=generator),
+        action_noise=torch.randn(2, CHUNK, 64, generator=generator),
+    )
+    gradients = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = Cosmos3Transformer(cfg)
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+        FlowMatchingObjective(model)(batch)["loss"].backward()
+        gradients.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert gradients[0].keys() == gradients[1].keys()
+    for name, grad in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# World-model training
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_world_model_loss_decreases_in_every_mode(trained):
+    log = read_log(trained / "training" / "log.jsonl")
+    assert [r["step"] for r in log] == list(range(1, 41))
+    losses = np.array([r["loss"] for r in log])
+    assert np.isfinite(losses).all()
+    assert losses[-10:].mean() < 0.85 * losses[:10].mean()
+    for mode, terms in (("policy", ("video", "action")), ("forward_dynamics", ("video",)),
+                        ("inverse_dynamics", ("action",))):
+        values = [r["losses_by_mode"][mode][term] for r in log for term in terms
+                  if r["losses_by_mode"][mode]["samples"]]
+        assert values and np.isfinite(values).all(), mode
+        assert all(r["losses_by_mode"][mode][term] is None for r in log for term in {"video", "action"} - set(terms))
+
+
+def test_exported_checkpoint_runs_every_mode_and_loads_in_diffusers(trained, engine, dataset):
+    meta = json.loads((trained / "meta.json").read_text())
+    assert meta["chunk"] == CHUNK and meta["raw_action_dim"] == 2 and meta["domain"] == "pusht"
+    stats = processor.ActionStats.from_json(trained / "action_stats.json", mode=meta["action_normalization"])
+    assert stats.dim == 2
+    frames = np.load(read_dataset(dataset).episode_paths[0])["frames"]
+    for mode in ("policy", "forward_dynamics", "inverse_dynamics"):
+        result = engine.step(Cosmos3Request(
+            mode=mode, observation=frames[: CHUNK + 1] if mode == "inverse_dynamics" else frames[0], task=TASK,
+            actions=np.zeros((CHUNK, 2), np.float32) if mode == "forward_dynamics" else None, domain="pusht",
+            chunk=CHUNK, num_steps=2, resolution_tier=TIER, fps=FPS, seed=0,
+        ), decode=False)
+        assert result.action.shape == (CHUNK, 2) and np.isfinite(result.action).all()
+        assert result.video_latents.shape == (16, 2, 4, 4) and torch.isfinite(result.video_latents).all()
+
+    pipe = Cosmos3OmniPipeline.from_pretrained(trained, enable_safety_checker=False)
+    assert pipe.scheduler.config.flow_shift == meta["flow_shift"] == 3.0
+    exported = diffusers_to_native_state_dict(pipe.transformer.state_dict(), engine.transformer.config)
+    ours = engine.transformer.state_dict()
+    assert all(torch.equal(exported[k], ours[k]) for k in ours)
+
+
+def test_overfitting_one_window_improves_forward_dynamics(work, vae_dir):
+    """Trained on a single window (forward dynamics only), the model predicts that window's future latents far
+    better than the untrained model (the same init exported after 0 steps)."""
+    one_window = make_dataset(work / "one_window", num_episodes=1, steps=CHUNK, seed=3)
+    base = dict(mode_probs={"forward_dynamics": 1.0}, uncond_prob=0.0, ema_decay=0.0, lr=3e-3, batch_size=4,
+                sigma_distribution="uniform")
+    untrained = train_world_model(one_window, work / "untrained", world_model_config(work, steps=0, **base), vae_dir)
+    trained = train_world_model(one_window, work / "overfit", world_model_config(work, steps=250, **base), vae_dir)
+    episode = np.load(one_window / "episodes" / "episode_000000.npz")
+    actions = read_dataset(one_window).stats.normalize(episode["actions"])
+    errors = {}
+    for name, checkpoint in (("untrained", untrained), ("trained", trained)):
+        model = Cosmos3Engine.from_pretrained(checkpoint, device="cpu", dtype="fp32", progress=False)
+        truth = model.prepare(Cosmos3Request(  # the window's true latents, encoded as the engine encodes a video
+            mode="inverse_dynamics", observation=episode["frames"], domain="pusht", chunk=CHUNK, resolution_tier=TIER,
+        )).x0_video[0]
+        result = model.step(Cosmos3Request(
+            mode="forward_dynamics", observation=episode["frames"][0], task=TASK, actions=actions, domain="pusht",
+            chunk=CHUNK, num_steps=4, guidance_scale=1.0, resolution_tier=TIER, fps=FPS, seed=0,
+        ), decode=False)
+        errors[name] = (result.video_latents[:, 1:] - truth[:, 1:]).square().mean().item()
+    assert errors["trained"] < 0.3 * errors["untrained"], errors
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(work, dataset, vae_dir):
+    # Warmup makes the learning rate depend on the step, so a resume that restarted the step count would differ.
+    settings = dict(steps=6, warmup_steps=4, ema_decay=0.5)
+    straight = work / "straight"
+    train_world_model(dataset, straight, world_model_config(work, **settings), vae_dir)
+    resumed = work / "resumed"
+    interrupted = world_model_config(work, **{**settings, "steps": 3})
+    train_world_model(dataset, resumed, interrupted, vae_dir)
+    train_world_model(dataset, resumed, world_model_config(work, **settings, resume=True), vae_dir)
+
+    assert json.loads((resumed / "training" / "state" / "state.json").read_text())["step"] == 6
+    for name in ("model", "ema", "optimizer"):
+        a = load_file(straight / "training" / "state" / f"{name}.safetensors")
+        b = load_file(resumed / "training" / "state" / f"{name}.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    losses = [r["loss"] for r in read_log(straight / "training" / "log.jsonl")]
+    assert losses == [r["loss"] for r in read_log(resumed / "training" / "log.jsonl")]
+    with pytest.raises(InputError, match="chunk"):
+        train_world_model(dataset, resumed, world_model_config(work, **settings, resume=True, chunk=8), vae_dir)
+
+
+def _ddp_train(dataset, vae_dir, out, cache_dir):
+    """One rank of a 2-process gloo run: 2 DDP steps; returns this rank's weights."""
+    config = world_model_config(Path(cache_dir).parent, steps=2, batch_size=2)
+    ctx = init_distributed("cpu")
+    trainer = WorldModelTrainer(dataset, out, config, vae_dir, ctx)
+    initial = {k: v.clone() for k, v in trainer.transformer.state_dict().items()}
+    trainer.train()
+    return initial, {k: v.clone() for k, v in trainer.transformer.state_dict().items()}
+
+
+def test_ddp_ranks_stay_identical(work, dataset, vae_dir):
+    (initial, rank0), (_, rank1) = run_distributed(
+        _ddp_train, 2, dataset, vae_dir, work / "ddp", work / "latent_cache", timeout=120
+    )
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    assert any(not torch.equal(rank0[k], initial[k]) for k in rank0)
+    log = read_log(work / "ddp" / "training" / "log.jsonl")
+    assert [r["step"] for r in log] == [1, 2]
+    # Both ranks' samples are in the per-mode statistics: 2 ranks x 2 samples per step.
+    assert sum(m["samples"] for m in log[0]["losses_by_mode"].values()) == 4
+
+
+def test_cli_train_vae_and_train(work, dataset, tmp_path):
+    vae_out = tmp_path / "cli_vae"
+    assert cli.main([
+        "train-vae", "--dataset", str(dataset), "--out", str(vae_out), "--steps", "2", "--batch-size", "1",
+        "--base-dim", "4", "--decoder-base-dim", "8", "--frames-per-clip", "5", "--stats-clips", "1",
+        "--device", "cpu",
+    ]) == 0
+    assert json.loads((vae_out / "config.json").read_text())["base_dim"] == 4
+    checkpoint = tmp_path / "cli_checkpoint"
+    config = {"progress": False, "cache_dir": str(work / "latent_cache"), "save_every": 0}
+    assert cli.main([
+        "train", "--dataset", str(dataset), "--vae", str(vae_out), "--out", str(checkpoint), "--steps", "2",
+        "--batch-size", "2", "--chunk", str(CHUNK), "--model", json.dumps(TINY_MODEL), "--config", json.dumps(config),
+        "--save-dtype", "bfloat16", "--vae-save-dtype", "float16", "--device", "cpu",
+    ]) == 0
+    weights = load_safetensors_state_dict(checkpoint / "transformer")
+    assert weights["proj_in.weight"].dtype == torch.bfloat16
+    assert weights["time_embedder.linear_1.weight"].dtype == torch.float32  # kept fp32, as diffusers does
+    assert {w.dtype for w in load_safetensors_state_dict(checkpoint / "vae").values()} == {torch.float16}
+    Cosmos3Engine.from_pretrained(checkpoint, device="cpu", progress=False).close()
+    assert cli.main(["train", "--dataset", str(dataset), "--vae", str(vae_out), "--out", str(checkpoint),
+                     "--chunk", "0"]) == 2
+
+
+def test_bad_inputs_name_the_field(work, dataset, vae_dir, tmp_path):
+    with pytest.raises(InputError, match="mode_probs"):
+        world_model_config(work, mode_probs={"dreaming": 1.0}).validate()
+    with pytest.raises(InputError, match="frames_per_clip"):
+        VAETrainConfig(frames_per_clip=6).validate()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "meta.json").write_text(json.dumps({"domain": "pusht", "fps": 10.0}))
+    with pytest.raises(InputError, match="raw_action_dim"):
+        read_dataset(broken)
+    with pytest.raises(InputError, match="chunk"):
+        train_world_model(dataset, tmp_path / "x", world_model_config(work, chunk=64), vae_dir)
