@@ -2,7 +2,8 @@
 
 ``WorldModelEnv`` (one rollout), ``WorldModelVectorEnv`` (a batch of rollouts sharing one model call per step) and
 ``SB3VecEnv`` (Stable-Baselines3's VecEnv API over the vector env). ``register_envs()`` registers
-``cosmos3_gym/WorldModel-v0`` with Gymnasium for ``gym.make`` / ``gym.make_vec``.
+``cosmos3_gym/WorldModel-v0`` (any checkpoint) and ``cosmos3_gym/PushT-v0`` (the built-in PushT model, ``pusht.py``)
+with Gymnasium for ``gym.make`` / ``gym.make_vec``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import gymnasium
 
 from .core import REWARD_MODES, model_frame_size
 from .initial_states import InitialState, InitialStateSource, load_initial_states
+from .pusht import PUSHT_ENV_ID, make_pusht_env, make_pusht_vector_env, register_pusht_env
 from .sb3 import SB3VecEnv
 from .vector_env import WorldModelVectorEnv
 from .world_model_env import WorldModelEnv
@@ -22,23 +24,27 @@ __all__ = [
     "REWARD_MODES",
     "InitialState",
     "InitialStateSource",
+    "PUSHT_ENV_ID",
     "SB3VecEnv",
     "WorldModelEnv",
     "WorldModelVectorEnv",
     "load_initial_states",
+    "make_pusht_env",
+    "make_pusht_vector_env",
     "model_frame_size",
     "register_envs",
 ]
 
 
 def register_envs() -> None:
-    """Register ``cosmos3_gym/WorldModel-v0`` (idempotent).
+    """Register ``cosmos3_gym/WorldModel-v0`` and ``cosmos3_gym/PushT-v0`` (the built-in model; idempotent).
 
     ``gym.make(ENV_ID, checkpoint=..., ...)`` builds a ``WorldModelEnv`` and ``gym.make_vec(ENV_ID, num_envs=N, ...)``
     a ``WorldModelVectorEnv`` (through ``vector_entry_point``; ``autoreset_mode=`` goes to it). No default episode
     limit: pass ``max_episode_steps`` (``TimeLimit`` for ``make``, counted per slot by the vector env). The env checks
     the order of calls itself (``InputError`` for step before reset), so Gymnasium's ``OrderEnforcing`` is off.
     """
+    register_pusht_env()
     if ENV_ID in gymnasium.registry:
         return
     gymnasium.register(

@@ -1,0 +1,326 @@
+"""Train the built-in PushT world model in one GPU call, export it in the layout of cosmos3_gym/assets/pusht, and
+evaluate it against the real simulator.
+
+    python benchmarks/train_pusht.py --out $OUT                        # one H100/H200, 16 cores: about 9 minutes
+    python benchmarks/train_pusht.py --smoke --out /tmp/pusht_smoke    # the same pipeline scaled down, CPU, minutes
+
+Needs gym-pusht (the ``sim`` extra). Stages:
+
+1. simulate training episodes and held-out episodes (``cosmos3_gym.sim.pusht.generate_pusht_dataset``, one process
+   per core) and the held-out start frames the env ships (``--episodes``, ``--steps-per-episode``, ...);
+2. train the VAE (``cosmos3_gym.training.train_vae``) for ``--vae-seconds``;
+3. train the world model (``train_world_model``) for ``--wm-seconds``, written straight into ``<assets>/checkpoint``
+   and given the env defaults in its meta.json (task, num_steps, guidance_scale, success_threshold,
+   max_episode_steps). A training stage's time budget becomes a step count from a short speed probe on a few
+   episodes (``PROBE_STEPS``), capped by ``--vae-max-steps`` / ``--wm-max-steps``; reading the episodes and encoding
+   the latents come on top;
+4. train the reward model (``ClassifierRewardModel``) on the simulator's coverage of the target (soft labels);
+5. check the assets' size (``--max-size-mb``) and pack them (``pusht_assets.tar.gz``: extract it in
+   ``cosmos3_gym/assets/`` to install the model);
+6. evaluate (``fidelity_pusht_chunks.evaluate``: PSNR per chunk against the simulator, policy mode in the simulator
+   against random actions) and render a side-by-side video (simulator | world model, same start, same actions).
+
+Stage 6 is skipped when less than ``--eval-reserve-s`` of ``--deadline-s`` is left. Files in ``--out`` (at most 8,
+no folders): train_pusht.json (stages, timings, sizes, configs, last losses, provenance), fidelity_pusht_chunks.json,
+pusht_assets.tar.gz, side_by_side.mp4, vae_log.jsonl, world_model_log.jsonl. Datasets, latent caches and training
+states stay in ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import provenance, write_results  # noqa: E402
+import fidelity_pusht_chunks  # noqa: E402
+
+from cosmos3_gym.envs.pusht import (  # noqa: E402
+    CHECKPOINT_DIR, INITIAL_STATES_FILE, META_FILE, REWARD_MODEL_DIR, load_pusht_assets,
+)
+from cosmos3_gym.rewards import train_classifier  # noqa: E402
+from cosmos3_gym.sim import pusht  # noqa: E402
+from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig, train_vae, train_world_model  # noqa: E402
+
+# gym-pusht's episode limit: 300 control steps (30 s).
+SIM_EPISODE_STEPS = 300
+
+FULL = dict(
+    episodes=256, steps_per_episode=128, image_size=256, heldout_episodes=32, initial_states=48,
+    vae_seconds=100.0, vae_max_steps=5000, vae_batch=8, vae_base_dim=12, vae_decoder_dim=20, vae_z_dim=16,
+    wm_seconds=140.0, wm_max_steps=8000, wm_batch=32, wm_lr=5e-4, wm_warmup=200, hidden=256, layers=4, heads=8,
+    kv_heads=4, head_dim=32, intermediate=768, chunk=8, rm_episodes=128, rm_frames=20000, rm_epochs=4,
+    rm_input_size=96, fidelity_episodes=16, fidelity_chunks=4, policy_episodes=32, policy_chunks=16, video_chunks=8,
+)
+# The same pipeline on a CPU in minutes: tiny frames, models and budgets (the numbers mean nothing).
+SMOKE = dict(
+    FULL, episodes=6, steps_per_episode=20, image_size=64, heldout_episodes=3, initial_states=4,
+    vae_seconds=2.0, vae_max_steps=8, vae_batch=2, vae_base_dim=4, vae_decoder_dim=8, wm_seconds=2.0,
+    wm_max_steps=8, wm_batch=2, wm_warmup=2, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+    intermediate=128, chunk=4, rm_frames=64, rm_epochs=1, rm_input_size=32, fidelity_episodes=2, fidelity_chunks=4,
+    policy_episodes=2, policy_chunks=2, video_chunks=2,
+)
+# Training speed is measured with this many steps on a few episodes (the second half of them timed), then the
+# stage gets the steps that fit its time budget, at least MIN_STEPS and at most its --*-max-steps.
+PROBE_STEPS, PROBE_EPISODES, MIN_STEPS = 40, 4, 4
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="results folder ($OUT on the device)")
+    parser.add_argument("--work", default=None, help="bulky intermediates (default: a temporary folder)")
+    parser.add_argument("--smoke", action="store_true", help="tiny settings for a CPU check of the pipeline")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="simulator processes")
+    parser.add_argument("--num-steps", type=int, default=4, help="denoising steps the env uses")
+    parser.add_argument("--guidance-scale", type=float, default=1.0, help="the env's CFG scale (1: no CFG)")
+    parser.add_argument("--save-dtype", default="float16", help="stored weights of transformer and VAE")
+    parser.add_argument("--max-size-mb", type=float, default=25.0, help="fail when the assets are larger")
+    parser.add_argument("--deadline-s", type=float, default=560.0, help="whole run, for skipping evaluation")
+    parser.add_argument("--eval-reserve-s", type=float, default=75.0, help="time evaluation needs")
+    for name, value in FULL.items():  # every size and step count, defaulting to FULL (or SMOKE with --smoke)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
+    args = parser.parse_args(argv)
+    for name, value in (SMOKE if args.smoke else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+class Stages:
+    """Times each stage and collects what it reports into one results dict, written to ``out`` after every stage
+    (so a run cut off by a time limit still tells how far it got)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.started = time.perf_counter()
+        self.results: dict[str, Any] = {"stages": {}}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def run(self, name: str, fn, *args, **kwargs):
+        print(f"== {name} (at {self.elapsed():.0f} s)", flush=True)
+        start = time.perf_counter()
+        report = fn(*args, **kwargs)
+        self.results["stages"][name] = {"seconds": round(time.perf_counter() - start, 2), **(report or {})}
+        self.results["total_seconds"] = round(self.elapsed(), 2)
+        print(f"== {name}: {self.results['stages'][name]['seconds']} s", flush=True)
+        write_results(self.results, "train_pusht.json", str(self.out))
+        return report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def simulate(args, work: Path) -> dict:
+    size = (args.image_size, args.image_size)
+    pusht.generate_pusht_dataset(work / "dataset", args.episodes, steps_per_episode=args.steps_per_episode,
+                                 image_size=size, seed=args.seed, workers=args.workers)
+    heldout_steps = max(args.fidelity_chunks * args.chunk, 1)
+    pusht.generate_pusht_dataset(work / "heldout", max(args.heldout_episodes, args.fidelity_episodes,
+                                                       args.policy_episodes),
+                                 steps_per_episode=heldout_steps, image_size=size, seed=args.seed + 1,
+                                 workers=args.workers)
+    meta = json.loads((work / "dataset" / "meta.json").read_text())
+    return {key: meta[key] for key in ("num_episodes", "steps_per_episode", "policies", "success_rate",
+                                       "mean_final_coverage")}
+
+
+def start_frames(args, assets: Path) -> dict:
+    """Start frames for the env from seeds of their own stream (held out like the held-out episodes)."""
+    sim_seeds = np.random.default_rng([args.seed, 2]).integers(2**31, size=args.initial_states)
+    sim = pusht.PushTSim((args.image_size, args.image_size))
+    try:
+        frames = np.stack([sim.reset(int(s)) for s in sim_seeds])
+    finally:
+        sim.close()
+    np.savez_compressed(assets / INITIAL_STATES_FILE, frames=frames, task=np.asarray(pusht.TASK),
+                        sim_seeds=sim_seeds.astype(np.int64))
+    return {"count": len(frames)}
+
+
+def vae_stage(args, work: Path) -> dict:
+    config = VAETrainConfig(
+        base_dim=args.vae_base_dim, decoder_base_dim=args.vae_decoder_dim, z_dim=args.vae_z_dim,
+        batch_size=args.vae_batch, resolution_tier=256, seed=args.seed, device=args.device,
+        stats_clips=min(256, 8 * args.episodes),
+        # Putting clips on the canvas is CPU work that would leave a GPU waiting.
+        num_workers=min(8, args.workers) if args.device.startswith("cuda") else 0,
+    )
+    probe = dataclasses.replace(config, steps=PROBE_STEPS, warmup_steps=0, log_every=PROBE_STEPS // 2, stats_clips=1)
+    train_vae(probe_dataset(work), work / "vae_probe", probe)
+    steps_per_s = last_log_line(work / "vae_probe" / "train_log.jsonl")["clips_per_s"] / config.batch_size
+    steps = steps_for_budget(steps_per_s, args.vae_seconds, args.vae_max_steps)
+    config = dataclasses.replace(config, steps=steps, warmup_steps=min(200, steps // 5))
+    train_vae(work / "dataset", work / "vae", config)
+    return {"probe_steps_per_s": steps_per_s, "config": dataclasses.asdict(config),
+            "last_log": last_log_line(work / "vae" / "train_log.jsonl")}
+
+
+def world_model_stage(args, work: Path, assets: Path) -> dict:
+    model = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+             "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate_size": args.intermediate}
+    # The interleaved mRoPE sections (t, h, w) add up to head_dim / 2, split 2:1:1 as in DEFAULT_MODEL_CONFIG.
+    quarter = args.head_dim // 8
+    model["rope_scaling"] = {"mrope_section": [args.head_dim // 2 - 2 * quarter, quarter, quarter]}
+    config = WorldModelTrainConfig(
+        model=model, chunk=args.chunk, resolution_tier=256, batch_size=args.wm_batch, lr=args.wm_lr, seed=args.seed,
+        device=args.device, save_every=0, save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype,
+        encode_batch_size=32,
+    )
+    probe = dataclasses.replace(config, steps=PROBE_STEPS, warmup_steps=0, log_every=PROBE_STEPS // 2,
+                                work_dir=str(work / "world_model_probe" / "training"))
+    train_world_model(probe_dataset(work), work / "world_model_probe", probe, vae_dir=work / "vae")
+    log = last_log_line(work / "world_model_probe" / "training" / "log.jsonl")
+    steps_per_s = log["samples_per_s"] / config.batch_size
+    steps = steps_for_budget(steps_per_s, args.wm_seconds, args.wm_max_steps)
+    config = dataclasses.replace(config, steps=steps, warmup_steps=min(args.wm_warmup, steps // 5),
+                                 work_dir=str(work / "world_model"))
+    checkpoint = assets / CHECKPOINT_DIR
+    train_world_model(work / "dataset", checkpoint, config, vae_dir=work / "vae")
+    # The env's defaults live next to what training wrote (domain, chunk, tier, fps, image size).
+    meta = json.loads((checkpoint / META_FILE).read_text())
+    meta.update(
+        task=pusht.TASK, num_steps=args.num_steps, guidance_scale=args.guidance_scale,
+        success_threshold=pusht.SUCCESS_COVERAGE, max_episode_steps=-(-SIM_EPISODE_STEPS // args.chunk),
+    )
+    meta.pop("dataset", None)  # a path on the training machine means nothing to users
+    (checkpoint / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return {"probe_steps_per_s": steps_per_s, "config": dataclasses.asdict(config),
+            "last_log": last_log_line(work / "world_model" / "log.jsonl")}
+
+
+def probe_dataset(work: Path) -> Path:
+    """The first PROBE_EPISODES training episodes as a dataset of their own (links), for measuring speed."""
+    dataset, probe = work / "dataset", work / "probe_dataset"
+    if not probe.exists():
+        (probe / "episodes").mkdir(parents=True)
+        for name in ("meta.json", "stats.json"):
+            shutil.copyfile(dataset / name, probe / name)
+        for path in sorted((dataset / "episodes").glob("episode_*.npz"))[:PROBE_EPISODES]:
+            (probe / "episodes" / path.name).symlink_to(path)
+    return probe
+
+
+def steps_for_budget(steps_per_s: float, seconds: float, max_steps: int) -> int:
+    return int(min(max_steps, max(MIN_STEPS, steps_per_s * seconds)))
+
+
+def reward_model_stage(args, work: Path, assets: Path) -> dict:
+    """A classifier whose score estimates coverage: trained with BCE on coverage as a soft label."""
+    paths = sorted((work / "dataset" / "episodes").glob("episode_*.npz"))
+    paths = paths[:: max(1, len(paths) // args.rm_episodes)]  # reading every episode's frames would take long
+    per_episode = max(1, args.rm_frames // len(paths))
+    rng = np.random.default_rng(args.seed)
+    frames, labels = [], []
+    for path in paths:
+        with np.load(path) as episode:
+            picked = rng.choice(len(episode["coverage"]), size=min(per_episode, len(episode["coverage"])),
+                                replace=False)
+            frames.append(episode["frames"][picked])
+            labels.append(episode["coverage"][picked])
+    frames, labels = np.concatenate(frames), np.clip(np.concatenate(labels), 0.0, 1.0)
+    model = train_classifier(frames, labels, epochs=args.rm_epochs, batch_size=128, lr=1e-3, seed=args.seed,
+                             device=args.device, input_size=args.rm_input_size, channels=(16, 32, 64, 64),
+                             reduce="last")
+    model.save(assets / REWARD_MODEL_DIR)
+    return {"frames": int(len(frames)), "mean_label": float(labels.mean()),
+            "success_frames": int((labels > pusht.SUCCESS_COVERAGE).sum())}
+
+
+def package(args, assets: Path, out: Path) -> dict:
+    load_pusht_assets(assets)  # the folder is complete
+    sizes = {}
+    for path in sorted(p for p in assets.rglob("*") if p.is_file()):
+        sizes[str(path.relative_to(assets))] = path.stat().st_size
+    total_mb = sum(sizes.values()) / 1e6
+    archive = out / "pusht_assets.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(assets, arcname=assets.name)
+    report = {"total_mb": round(total_mb, 3), "archive_mb": round(archive.stat().st_size / 1e6, 3),
+              "files": sizes}
+    if total_mb > args.max_size_mb:
+        raise SystemExit(f"the assets take {total_mb:.1f} MB, more than --max-size-mb {args.max_size_mb}: {report}")
+    return report
+
+
+def evaluate_stage(args, work: Path, assets: Path, out: Path) -> dict:
+    results = fidelity_pusht_chunks.evaluate(
+        assets, work / "heldout", device=args.device, fidelity_episodes=args.fidelity_episodes,
+        fidelity_chunks=args.fidelity_chunks, policy_episodes=args.policy_episodes,
+        policy_chunks=args.policy_chunks, workers=args.workers,
+    )
+    results = {"provenance": provenance(), **results}
+    write_results(results, "fidelity_pusht_chunks.json", str(out))
+    video = pusht.side_by_side(out / "side_by_side.mp4", seed=int(args.seed + 3), num_chunks=args.video_chunks,
+                               assets_dir=assets, device=args.device)
+    return {
+        "psnr_rollout_db": [round(c["mean"], 2) for c in results["forward_dynamics"]["psnr_db"]["rollout"]],
+        "psnr_copy_start_db": [round(c["mean"], 2) for c in results["forward_dynamics"]["psnr_db"]["copy_start"]],
+        "policy_final_coverage": results["policy_in_simulator"]["policy"]["final_coverage"],
+        "random_final_coverage": results["policy_in_simulator"]["random"]["final_coverage"],
+        "video": video,
+    }
+
+
+def last_log_line(path: Path) -> dict | None:
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1]) if lines else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="train_pusht_"))
+    assets = work / "assets" / "pusht"
+    if assets.exists():
+        shutil.rmtree(assets)
+    assets.mkdir(parents=True)
+    stages = Stages(out)
+    stages.results.update(provenance=provenance(), arguments=vars(args), work=str(work))
+
+    try:
+        stages.run("simulate", simulate, args, work)
+        stages.run("start_frames", start_frames, args, assets)
+        stages.run("vae", vae_stage, args, work)
+        stages.run("world_model", world_model_stage, args, work, assets)
+        stages.run("reward_model", reward_model_stage, args, work, assets)
+        stages.run("package", package, args, assets, out)
+        if args.deadline_s - stages.elapsed() >= args.eval_reserve_s:
+            stages.run("evaluate", evaluate_stage, args, work, assets, out)
+        else:
+            stages.results["stages"]["evaluate"] = {"skipped": f"less than {args.eval_reserve_s} s left"}
+    finally:
+        for source, name in ((work / "vae" / "train_log.jsonl", "vae_log.jsonl"),
+                             (work / "world_model" / "log.jsonl", "world_model_log.jsonl")):
+            if source.is_file():
+                shutil.copyfile(source, out / name)
+        stages.results["total_seconds"] = round(stages.elapsed(), 2)
+        write_results(stages.results, "train_pusht.json", str(out))
+    return stages.results
+
+
+if __name__ == "__main__":
+    main()

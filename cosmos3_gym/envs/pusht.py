@@ -1,0 +1,206 @@
+"""``cosmos3_gym/PushT-v0``: the built-in world model of the PushT task, ready to use offline.
+
+The package ships (in ``cosmos3_gym/assets/pusht/``) a small Cosmos3 model trained by this project on the PushT
+simulator (gym-pusht), a reward model and a few dozen start frames held out from training::
+
+    assets/pusht/
+      checkpoint/           diffusers layout written by cosmos3_gym.training.train_world_model, plus
+        meta.json           domain, raw_action_dim, fps, chunk, resolution_tier, image_size and the env defaults
+                            task, num_steps, guidance_scale, success_threshold, max_episode_steps
+        action_stats.json   the dataset's action statistics (raw actions are table pixels in [0, 512])
+      reward_model/         a ClassifierRewardModel trained on the simulator's coverage of the target (soft labels),
+                            so its score estimates coverage
+      initial_states.npz    frames uint8 [N, H, W, 3], task (0-d str), sim_seeds int64 [N] (gym-pusht reset seeds
+                            that give each frame)
+
+``gym.make("cosmos3_gym/PushT-v0")`` needs nothing else: no gym-pusht, no GPU, no network. Every argument of
+``WorldModelEnv`` can still be given and wins over the shipped defaults. ``assets_dir=`` (or the environment variable
+``COSMOS3_GYM_PUSHT_ASSETS``) points to another folder of that layout, e.g. one written by
+``benchmarks/train_pusht.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gymnasium
+import numpy as np
+
+from ..errors import CheckpointError
+from .vector_env import WorldModelVectorEnv
+from .world_model_env import WorldModelEnv
+
+__all__ = [
+    "ASSETS_ENV_VAR",
+    "PUSHT_ENV_ID",
+    "PushTAssets",
+    "builtin_checkpoint_dir",
+    "default_assets_dir",
+    "load_pusht_assets",
+    "make_pusht_env",
+    "make_pusht_vector_env",
+    "pusht_env_arguments",
+    "pusht_env_defaults",
+    "register_pusht_env",
+]
+
+PUSHT_ENV_ID = "cosmos3_gym/PushT-v0"
+ASSETS_ENV_VAR = "COSMOS3_GYM_PUSHT_ASSETS"
+CHECKPOINT_DIR = "checkpoint"
+REWARD_MODEL_DIR = "reward_model"
+INITIAL_STATES_FILE = "initial_states.npz"
+META_FILE = "meta.json"
+ACTION_STATS_FILE = "action_stats.json"
+
+# Used where the checkpoint's meta.json leaves a setting out.
+FALLBACK_SETTINGS = {
+    "domain": "pusht",
+    "resolution_tier": 256,
+    "fps": 10.0,  # gym-pusht's control rate
+    "num_steps": 4,
+    "guidance_scale": 1.0,
+    "success_threshold": 0.95,  # gym-pusht's success: 95 % of the target covered
+}
+# meta.json key -> WorldModelEnv argument, for the settings the env takes from the checkpoint.
+_META_TO_ENV = {
+    "domain": "domain",
+    "raw_action_dim": "raw_action_dim",
+    "chunk": "chunk",
+    "resolution_tier": "resolution_tier",
+    "fps": "fps",
+    "num_steps": "num_steps",
+    "guidance_scale": "guidance_scale",
+    "task": "task",
+    "success_threshold": "success_threshold",
+    "max_episode_steps": "max_episode_steps",
+}
+
+
+def default_assets_dir() -> Path:
+    """``$COSMOS3_GYM_PUSHT_ASSETS`` if set, else the package's ``assets/pusht`` folder."""
+    override = os.environ.get(ASSETS_ENV_VAR)
+    return Path(override).expanduser() if override else Path(__file__).resolve().parent.parent / "assets" / "pusht"
+
+
+@dataclass(frozen=True)
+class PushTAssets:
+    """The files of a PushT world model folder (see the module docstring), checked to exist."""
+
+    root: Path
+    checkpoint: Path
+    reward_model: Path
+    initial_states: Path
+    meta: dict[str, Any]  # checkpoint/meta.json
+
+
+def load_pusht_assets(assets_dir: str | os.PathLike | None = None) -> PushTAssets:
+    """The PushT world model files in ``assets_dir`` (default ``default_assets_dir()``).
+
+    ``CheckpointError`` saying what is missing and how to get it when the folder is not a complete PushT model
+    (the case of a package built before the model was trained).
+    """
+    root = Path(assets_dir).expanduser() if assets_dir is not None else default_assets_dir()
+    checkpoint = root / CHECKPOINT_DIR
+    expected = [checkpoint / META_FILE, checkpoint / "model_index.json", root / REWARD_MODEL_DIR / "config.json",
+                root / INITIAL_STATES_FILE]
+    missing = [str(path.relative_to(root)) for path in expected if not path.is_file()]
+    if missing:
+        where = f"assets_dir={str(root)!r}" if assets_dir is not None else (
+            f"${ASSETS_ENV_VAR}={str(root)!r}" if os.environ.get(ASSETS_ENV_VAR) else f"the package folder {root}"
+        )
+        raise CheckpointError(
+            f"{PUSHT_ENV_ID}: the built-in PushT world model is not installed ({where} lacks {', '.join(missing)}). "
+            f"Train one with `python benchmarks/train_pusht.py --out DIR` and pass assets_dir='DIR/assets/pusht' "
+            f"or set {ASSETS_ENV_VAR}, or use cosmos3_gym/WorldModel-v0 with checkpoint=."
+        )
+    meta = _read_json(checkpoint / META_FILE)
+    return PushTAssets(root, checkpoint, root / REWARD_MODEL_DIR, root / INITIAL_STATES_FILE, meta)
+
+
+def builtin_checkpoint_dir() -> Path | None:
+    """The built-in PushT checkpoint folder if it is installed, else None (for defaults elsewhere)."""
+    try:
+        return load_pusht_assets().checkpoint
+    except CheckpointError:
+        return None
+
+
+def pusht_env_defaults(assets: PushTAssets) -> dict[str, Any]:
+    """The ``WorldModelEnv`` arguments of the PushT env: the checkpoint, reward model, start frames and the
+    settings of its meta.json (``FALLBACK_SETTINGS`` where it has none)."""
+    settings = {**FALLBACK_SETTINGS, **assets.meta}
+    defaults = {argument: settings[key] for key, argument in _META_TO_ENV.items() if key in settings}
+    defaults["checkpoint"] = str(assets.checkpoint)
+    defaults["reward_model"] = f"classifier:{assets.reward_model}"
+    defaults["initial_states"] = read_initial_states(assets.initial_states)
+    stats = assets.checkpoint / ACTION_STATS_FILE
+    if stats.is_file():
+        defaults["action_stats"] = str(stats)
+    return defaults
+
+
+def read_initial_states(path: Path) -> list[dict[str, Any]]:
+    """``initial_states.npz`` as the list of ``{"frames", "task"}`` items ``WorldModelEnv`` takes (one per frame:
+    an .npz file given to the env directly would be one start state)."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            frames = archive["frames"]
+            task = str(archive["task"]) if "task" in archive.files else None
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{PUSHT_ENV_ID}: cannot read the start frames {path} ({error}).") from error
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not len(frames):
+        raise CheckpointError(
+            f"{PUSHT_ENV_ID}: {path} 'frames' must be uint8 [N, H, W, 3] with N >= 1, got {frames.dtype} "
+            f"{list(frames.shape)}."
+        )
+    return [{"frames": frame, "task": task} for frame in frames]
+
+
+def make_pusht_env(assets_dir: str | os.PathLike | None = None, **kwargs: Any) -> WorldModelEnv:
+    """``WorldModelEnv`` with the PushT model's defaults; any ``WorldModelEnv`` argument in ``kwargs`` wins.
+
+    ``engine=`` (a shared ``Cosmos3Engine``) replaces the shipped checkpoint.
+    """
+    return WorldModelEnv(**pusht_env_arguments(assets_dir, **kwargs))
+
+
+def make_pusht_vector_env(
+    num_envs: int = 1, assets_dir: str | os.PathLike | None = None, **kwargs: Any
+) -> WorldModelVectorEnv:
+    """``WorldModelVectorEnv`` with the PushT model's defaults (the ``vector_entry_point`` of ``gym.make_vec``)."""
+    return WorldModelVectorEnv(num_envs, **pusht_env_arguments(assets_dir, **kwargs))
+
+
+def pusht_env_arguments(assets_dir: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
+    """The ``WorldModelEnv`` arguments ``make_pusht_env`` uses: the defaults of ``assets_dir`` updated with
+    ``overrides`` (an ``engine`` override drops the default checkpoint)."""
+    arguments = {**pusht_env_defaults(load_pusht_assets(assets_dir)), **overrides}
+    if arguments.get("engine") is not None and "checkpoint" not in overrides:
+        del arguments["checkpoint"]
+    return arguments
+
+
+def register_pusht_env() -> None:
+    """Register ``cosmos3_gym/PushT-v0`` (idempotent). The assets are looked for when an env is made."""
+    if PUSHT_ENV_ID in gymnasium.registry:
+        return
+    gymnasium.register(
+        id=PUSHT_ENV_ID,
+        entry_point="cosmos3_gym.envs.pusht:make_pusht_env",
+        vector_entry_point="cosmos3_gym.envs.pusht:make_pusht_vector_env",
+        order_enforce=False,
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{PUSHT_ENV_ID}: cannot read {path} as JSON ({error}).") from error
+    if not isinstance(document, dict):
+        raise CheckpointError(f"{PUSHT_ENV_ID}: {path} must hold a JSON object.")
+    return document

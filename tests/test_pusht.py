@@ -1,0 +1,320 @@
+"""The PushT pieces: T geometry and scripted pusher, dataset files, the PushT-v0 factory on a tiny stand-in model,
+and (where gym-pusht is installed) data generation and the side-by-side video against the real simulator."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+import cosmos3_gym  # noqa: F401  (registers the env ids)
+from cosmos3_gym.envs import pusht as pusht_env
+from cosmos3_gym.errors import CheckpointError, InputError
+from cosmos3_gym.processor import ActionStats
+from cosmos3_gym.rewards import ClassifierRewardModel
+from cosmos3_gym.sim import pusht
+
+FRAME = 64  # tiny stand-in frames: 64 x 64 stays 64 x 64 at tier 256 (4 x 4 latents)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Geometry and policies (no simulator)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_tee_outline_is_the_union_of_gym_pushts_two_rectangles():
+    # Shoelace area of the counter-clockwise outline: bar 120 x 30 plus stem 30 x 90, positive (counter-clockwise).
+    x, y = pusht.TEE_OUTLINE.T
+    assert 0.5 * np.sum(x * np.roll(y, -1) - np.roll(x, -1) * y) == pytest.approx(120 * 30 + 30 * 90)
+    pose = np.array([100.0, 200.0, 0.7])
+    outline = pusht.tee_outline(pose)
+    rotated = pusht.rotation(0.7) @ np.array([60.0, 30.0]) + pose[:2]
+    np.testing.assert_allclose(outline[2], rotated)
+    np.testing.assert_allclose(pusht.tee_center(pose), pose[:2] + pusht.rotation(0.7) @ [0.0, 45.0])
+
+
+def test_contact_candidates_lie_on_the_outline_with_outward_normals():
+    pose = np.array([250.0, 180.0, -2.1])
+    points, normals = pusht.contact_candidates(pose)
+    outline = pusht.tee_outline(pose)
+    np.testing.assert_allclose(pusht.distance_to_outline(points, outline), 0.0, atol=1e-9)
+    np.testing.assert_allclose(np.linalg.norm(normals, axis=1), 1.0)
+    assert (pusht.distance_to_outline(points + 3.0 * normals, outline) > 2.9).all()  # outside
+    assert (pusht.distance_to_outline(points - 3.0 * normals, outline) < 0.0).all()  # inside
+    # The same count at any pose, so an index names the same place on the T.
+    assert len(pusht.contact_candidates(np.array([0.0, 0.0, 1.234]))[0]) == len(points)
+
+
+def test_signed_distance_is_negative_inside_and_exact_outside():
+    pose = np.array([0.0, 0.0, 0.0])
+    outline = pusht.tee_outline(pose)
+    distances = pusht.distance_to_outline(np.array([[0.0, 15.0], [0.0, 100.0], [0.0, -10.0], [40.0, 60.0]]), outline)
+    np.testing.assert_allclose(distances, [-15.0, -15.0, 10.0, 25.0])
+
+
+def test_scripted_pusher_pushes_from_the_side_facing_away_from_the_goal():
+    pusher = pusht.ScriptedPusher(np.random.default_rng(0), max_step=1e6)
+    block = pusht.GOAL_POSE + np.array([-150.0, 0.0, 0.0])  # goal orientation, 150 px left of the goal
+    agent = pusht.tee_center(block) + np.array([-100.0, 0.0])  # left of the T: the contact side is reachable
+    target = pusher(agent, block)
+    points, normals = pusht.contact_candidates(block)
+    contact, normal = points[pusher._contact], normals[pusher._contact]
+    assert normal[0] < -0.5  # a contact on the T's left side: pushing it moves the block right, to the goal
+    # The agent walks to the contact's approach point on the outside, not through the T.
+    assert pusht.distance_to_outline(target[None].astype(float), pusht.tee_outline(block))[0] > pusht.AGENT_RADIUS
+    assert np.dot(target - contact, normal) > 0
+
+
+def test_scripted_pusher_walks_round_the_t_instead_of_through_it():
+    pusher = pusht.ScriptedPusher(np.random.default_rng(0), max_step=1e6)
+    block = pusht.GOAL_POSE + np.array([-150.0, 0.0, 0.0])
+    center = pusht.tee_center(block)
+    agent = center + np.array([110.0, 0.0])  # on the goal side: the contact is on the far side
+    target = pusher(agent, block)
+    outline = pusht.tee_outline(block)
+    path = agent + np.linspace(0, 1, 50)[:, None] * (target - agent)
+    assert (pusht.distance_to_outline(path, outline) > pusht.AGENT_RADIUS).all()
+    assert np.linalg.norm(target - center) == pytest.approx(pusher.ORBIT_RADIUS)
+
+
+def test_scripted_pusher_stands_still_at_the_goal_and_limits_steps():
+    agent = np.array([100.0, 100.0])
+    pusher = pusht.ScriptedPusher(np.random.default_rng(0))
+    np.testing.assert_allclose(pusher(agent, pusht.GOAL_POSE), agent)
+    far = pusht.ScriptedPusher(np.random.default_rng(0), max_step=7.0)(agent, pusht.GOAL_POSE + [150.0, 0.0, 0.0])
+    assert np.linalg.norm(far - agent) == pytest.approx(7.0, abs=1e-4)
+    assert far.dtype == np.float32
+
+
+def test_random_waypoints_and_replay_stay_on_the_table():
+    rng = np.random.default_rng(1)
+    policy = pusht.RandomWaypoints(rng)
+    replay = pusht.Replay(np.array([[0.0, 0.0], [512.0, 512.0]], np.float32), rng, noise=50.0)
+    agent = np.array([256.0, 256.0])
+    for _ in range(50):
+        for action in (policy(agent, pusht.GOAL_POSE), replay(agent, pusht.GOAL_POSE)):
+            assert action.shape == (2,) and (0 <= action).all() and (action <= 512).all()
+        agent = policy(agent, pusht.GOAL_POSE).astype(float)
+
+
+def test_episode_policies_depend_only_on_seed_and_index():
+    mix = pusht._check_policy_mix(None)
+    draws = [pusht.episode_policy(3, index, mix)[:2] for index in range(200)]
+    assert draws == [pusht.episode_policy(3, index, mix)[:2] for index in range(200)]
+    families = [family for family, _ in draws]
+    assert set(families) == set(pusht.POLICIES)
+    assert {noise for family, noise in draws if family == "scripted"} == set(pusht.SCRIPTED_NOISE_LEVELS)
+    with pytest.raises(InputError, match="policy_mix"):
+        pusht._check_policy_mix({"teleport": 1.0})
+    with pytest.raises(InputError, match="policy_mix"):
+        pusht._check_policy_mix({"random": 0.0})
+
+
+def test_dataset_statistics_files_are_what_action_stats_reads(tmp_path):
+    actions = np.array([[0.0, 10.0], [512.0, 30.0], [256.0, 20.0]], np.float32)
+    pusht.write_dataset_files(tmp_path, {"domain": "pusht", "action_normalization": "minmax"}, actions)
+    stats = json.loads((tmp_path / "stats.json").read_text())["action"]
+    assert stats["min"] == [0.0, 10.0] and stats["max"] == [512.0, 30.0]
+    np.testing.assert_allclose(stats["mean"], [256.0, 20.0])
+    np.testing.assert_allclose(stats["std"], actions.std(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(stats["q01"], np.quantile(actions, 0.01, axis=0), rtol=1e-6)
+    action_stats = ActionStats.from_json(tmp_path / "stats.json", mode="minmax")
+    np.testing.assert_allclose(action_stats.normalize(actions[:2]), [[-1.0, -1.0], [1.0, 1.0]], atol=1e-6)
+    assert json.loads((tmp_path / "meta.json").read_text())["domain"] == "pusht"
+    with pytest.raises(InputError, match="actions"):
+        pusht.action_statistics(np.zeros((0, 2)))
+
+
+def test_psnr():
+    a = np.zeros((2, 4, 4, 3), np.uint8)
+    b = a.copy()
+    assert pusht.psnr(a, b) == math.inf
+    b[..., 0] = 255  # a third of the values off by the full range: MSE 1/3
+    assert pusht.psnr(a, b) == pytest.approx(10 * math.log10(3))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cosmos3_gym/PushT-v0 on a tiny stand-in model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_tiny_pusht_assets(root: Path, tiny_checkpoint: Path) -> Path:
+    """A folder in the layout of cosmos3_gym/assets/pusht with the tiny random checkpoint and reward model."""
+    shutil.copytree(tiny_checkpoint, root / "checkpoint")
+    meta = {"domain": "pusht", "raw_action_dim": 2, "fps": 10.0, "chunk": 4, "resolution_tier": 256,
+            "image_size": [FRAME, FRAME], "num_steps": 2, "guidance_scale": 1.0, "task": pusht.TASK,
+            "success_threshold": 0.95, "max_episode_steps": 3}
+    (root / "checkpoint" / "meta.json").write_text(json.dumps(meta))
+    stats = {"action": {"min": [10.0, 20.0], "max": [500.0, 490.0]}}
+    (root / "checkpoint" / "action_stats.json").write_text(json.dumps(stats))
+    torch.manual_seed(0)
+    ClassifierRewardModel(input_size=16, channels=(4, 8)).save(root / "reward_model")
+    frames = np.random.default_rng(0).integers(0, 256, size=(3, FRAME, FRAME, 3), dtype=np.uint8)
+    np.savez(root / "initial_states.npz", frames=frames, task=np.asarray(pusht.TASK), sim_seeds=np.arange(3))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory, tiny_checkpoint) -> Path:
+    return build_tiny_pusht_assets(tmp_path_factory.mktemp("pusht_assets"), tiny_checkpoint)
+
+
+def test_make_without_the_builtin_model_says_it_is_not_installed(tmp_path, monkeypatch):
+    monkeypatch.setenv(pusht_env.ASSETS_ENV_VAR, str(tmp_path / "nowhere"))
+    with pytest.raises(CheckpointError, match="built-in PushT world model is not installed.*train_pusht.py"):
+        gym.make("cosmos3_gym/PushT-v0")
+    assert pusht_env.builtin_checkpoint_dir() is None
+    (tmp_path / "partial" / "checkpoint").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="lacks checkpoint/meta.json.*reward_model/config.json"):
+        gym.make("cosmos3_gym/PushT-v0", assets_dir=tmp_path / "partial")
+
+
+def test_make_builds_the_env_from_the_assets_defaults(tiny_assets):
+    env = gym.make("cosmos3_gym/PushT-v0", assets_dir=tiny_assets)
+    try:
+        core = env.unwrapped._core
+        assert (core.domain, core.raw_action_dim, core.chunk, core.resolution_tier) == ("pusht", 2, 4, 256)
+        assert (core.num_steps, core.guidance_scale, core.fps, core.max_episode_steps) == (2, 1.0, 10.0, 3)
+        assert core.success_threshold == 0.95 and len(env.unwrapped.initial_states) == 3
+        assert env.action_space.shape == (4, 2) and env.observation_space["image"].shape == (FRAME, FRAME, 3)
+        observation, info = env.reset(seed=0)
+        assert info["task"] == pusht.TASK and observation["image"].shape == (FRAME, FRAME, 3)
+        observation, reward, terminated, truncated, info = env.step(env.action_space.sample())
+        assert 0.0 <= reward <= 1.0 and info["score"] == reward  # the classifier's probability
+        np.testing.assert_array_less(info["raw_action"], 500.0 + 1e-3)  # denormalised with action_stats.json
+        assert observation["image"].dtype == np.uint8
+    finally:
+        env.close()
+
+
+def test_env_var_arguments_and_vector_env(tiny_assets, monkeypatch):
+    monkeypatch.setenv(pusht_env.ASSETS_ENV_VAR, str(tiny_assets))
+    assert pusht_env.builtin_checkpoint_dir() == tiny_assets / "checkpoint"
+    envs = gym.make_vec("cosmos3_gym/PushT-v0", num_envs=2, num_steps=1, task="push it")
+    try:
+        assert envs.num_envs == 2 and envs.unwrapped._core.num_steps == 1
+        _, infos = envs.reset(seed=0)
+        assert list(infos["task"]) == ["push it", "push it"]
+        _, rewards, _, _, _ = envs.step(envs.action_space.sample())
+        assert rewards.shape == (2,)
+    finally:
+        envs.close()
+
+
+def test_broken_initial_states_file_is_a_checkpoint_error(tiny_assets, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_assets, broken)
+    np.savez(broken / "initial_states.npz", frames=np.zeros((2, 8, 8), np.uint8))
+    with pytest.raises(CheckpointError, match="initial_states.npz 'frames' must be uint8"):
+        pusht_env.make_pusht_env(assets_dir=broken)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# With the real simulator (gym-pusht is optional: CI skips these)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_geometry_matches_the_simulator():
+    pytest.importorskip("gym_pusht")
+    sim = pusht.PushTSim((64, 64))
+    try:
+        sim.reset(5)
+        assert sim.fps == pusht.SIM_FPS
+        env = sim.env
+        keypoints = np.array([env.block.local_to_world(tuple(v)) for v in pusht.TEE_OUTLINE])
+        np.testing.assert_allclose(pusht.tee_outline(sim.block_pose), keypoints, atol=1e-6)
+        center = env.block.local_to_world(env.block.center_of_gravity)
+        np.testing.assert_allclose(pusht.tee_center(sim.block_pose), center, atol=1e-6)
+        np.testing.assert_allclose(pusht.GOAL_POSE, env.goal_pose)
+        assert env.success_threshold == pusht.SUCCESS_COVERAGE
+    finally:
+        sim.close()
+
+
+def test_scripted_pusher_solves_some_episodes_in_the_simulator():
+    pytest.importorskip("gym_pusht")
+    sim = pusht.PushTSim((32, 32))
+    try:
+        coverage = [
+            pusht.rollout_episode(sim, pusht.ScriptedPusher(np.random.default_rng(seed)), seed, 128)["coverage"]
+            for seed in range(4)
+        ]
+    finally:
+        sim.close()
+    final = np.array([c[-1] for c in coverage])
+    assert final.mean() > 0.6 and (final > 0.9).any()  # random play rarely gets past 0.1
+    assert all(c[-1] > c[0] for c in coverage)
+
+
+def test_generate_dataset_writes_the_documented_layout(tmp_path):
+    pytest.importorskip("gym_pusht")
+    out = pusht.generate_pusht_dataset(
+        tmp_path / "data", 3, steps_per_episode=6, image_size=(32, 48), workers=2, seed=7, progress=False,
+        policy_mix={"random": 1, "scripted": 1, "replay": 1},
+    )
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["domain"] == "pusht" and meta["raw_action_dim"] == 2 and meta["fps"] == 10.0
+    assert meta["image_size"] == [32, 48] and meta["num_episodes"] == 3 and sum(meta["policies"].values()) == 3
+    files = sorted((out / "episodes").iterdir())
+    assert [f.name for f in files] == [f"episode_{i:06d}.npz" for i in range(3)]
+    all_actions = []
+    for path in files:
+        with np.load(path) as episode:
+            assert episode["frames"].shape == (7, 32, 48, 3) and episode["frames"].dtype == np.uint8
+            assert episode["actions"].shape == (6, 2) and episode["actions"].dtype == np.float32
+            assert episode["rewards"].shape == (6,) and episode["coverage"].shape == (7,)
+            assert str(episode["task"]) == pusht.TASK and episode["success"].dtype == bool
+            all_actions.append(episode["actions"])
+            # Frame 0 is the simulator's start for the recorded seed; replaying the actions gives the same frames.
+            sim = pusht.PushTSim((32, 48))
+            frames = [sim.reset(int(episode["sim_seed"]))] + [sim.step(a) for a in episode["actions"]]
+            np.testing.assert_array_equal(np.stack(frames), episode["frames"])
+            sim.close()
+    stats = json.loads((out / "stats.json").read_text())["action"]
+    np.testing.assert_allclose(stats["max"], np.concatenate(all_actions).max(axis=0))
+    # The same seed gives the same data whatever the number of workers.
+    again = pusht.generate_pusht_dataset(
+        tmp_path / "again", 3, steps_per_episode=6, image_size=(32, 48), workers=0, seed=7, progress=False,
+        policy_mix={"random": 1, "scripted": 1, "replay": 1},
+    )
+    with np.load(files[2]) as first, np.load(again / "episodes" / files[2].name) as second:
+        np.testing.assert_array_equal(first["actions"], second["actions"])
+    with pytest.raises(InputError, match="already holds episodes"):
+        pusht.generate_pusht_dataset(out, 1, steps_per_episode=2, workers=0, progress=False)
+
+
+def test_side_by_side_runs_the_simulator_and_the_model_from_the_same_start(tiny_assets, tmp_path):
+    pytest.importorskip("gym_pusht")
+    result = pusht.side_by_side(tmp_path / "demo.mp4", seed=3, num_chunks=2, assets_dir=tiny_assets)
+    assert result["mode"] == "side_by_side" and result["num_frames"] == 1 + 2 * 4
+    assert len(result["psnr_per_chunk"]) == 2 and Path(result["path"]).stat().st_size > 0
+
+
+def test_side_by_side_without_the_simulator_shows_the_model_alone(tiny_assets, tmp_path, monkeypatch):
+    monkeypatch.setattr(pusht, "has_gym_pusht", lambda: False)
+    result = pusht.side_by_side(tmp_path / "demo.gif", seed=1, num_chunks=1, assets_dir=tiny_assets)
+    assert result["mode"] == "world_model_only" and result["num_frames"] == 5
+    assert Path(result["path"]).stat().st_size > 0
+
+
+def test_video_falls_back_to_opencv_without_imageio_ffmpeg(tmp_path, monkeypatch):
+    cv2 = pytest.importorskip("cv2")
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "imageio_ffmpeg" else find_spec(
+        name, *a))
+    frames = np.zeros((5, 32, 48, 3), np.uint8)
+    frames[:, :, :24, 0] = 255  # left half red
+    path = pusht.write_video_any(tmp_path / "clip.mp4", frames, fps=10)
+    capture = cv2.VideoCapture(str(path))
+    ok, first = capture.read()
+    assert path.suffix == ".mp4" and ok and first.shape == (32, 48, 3)
+    assert first[16, 5, 2] > 200 and first[16, 40, 2] < 50  # BGR: red on the left only
+    capture.release()
