@@ -61,7 +61,8 @@ SIM_EPISODE_STEPS = 300
 
 FULL = dict(
     episodes=256, steps_per_episode=128, image_size=256, heldout_episodes=32, initial_states=48,
-    vae_seconds=100.0, vae_max_steps=5000, vae_batch=8, vae_base_dim=12, vae_decoder_dim=20, vae_z_dim=16,
+    vae_seconds=100.0, vae_max_steps=5000, vae_batch=8, vae_lr=1e-3, vae_contrast_weight=10.0, vae_base_dim=12,
+    vae_decoder_dim=20, vae_z_dim=16,
     wm_seconds=140.0, wm_max_steps=8000, wm_batch=32, wm_lr=5e-4, wm_warmup=200, hidden=256, layers=4, heads=8,
     kv_heads=4, head_dim=32, intermediate=768, chunk=8, rm_episodes=128, rm_frames=20000, rm_epochs=4,
     rm_input_size=96, fidelity_episodes=16, fidelity_chunks=4, policy_episodes=32, policy_chunks=16, video_chunks=8,
@@ -160,7 +161,8 @@ def start_frames(args, assets: Path) -> dict:
 def vae_stage(args, work: Path) -> dict:
     config = VAETrainConfig(
         base_dim=args.vae_base_dim, decoder_base_dim=args.vae_decoder_dim, z_dim=args.vae_z_dim,
-        batch_size=args.vae_batch, resolution_tier=256, seed=args.seed, device=args.device,
+        batch_size=args.vae_batch, lr=args.vae_lr, contrast_weight=args.vae_contrast_weight, resolution_tier=256,
+        seed=args.seed, device=args.device,
         stats_clips=min(256, 8 * args.episodes),
         # Putting clips on the canvas is CPU work that would leave a GPU waiting.
         num_workers=min(8, args.workers) if args.device.startswith("cuda") else 0,

@@ -70,6 +70,9 @@ class VAETrainConfig:
     l1_weight: float = 1.0
     l2_weight: float = 1.0
     kl_weight: float = 1e-4
+    # Extra reconstruction weight for pixels that differ from their image's background (per-channel median):
+    # 0 = plain means. Scenes that are mostly empty table (PushT) otherwise settle on painting the background.
+    contrast_weight: float = 0.0
     stats_clips: int = 256  # clips encoded to fit latents_mean / latents_std
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
@@ -99,7 +102,7 @@ class VAETrainConfig:
             fail("frames_per_clip", "1 + 4k frames (1, 5, 9, ...)")
         if self.resolution_tier not in processor.RESOLUTION_TIERS:
             fail("resolution_tier", f"one of {list(processor.RESOLUTION_TIERS)}")
-        for name in ("lr", "weight_decay", "grad_clip", "l1_weight", "l2_weight", "kl_weight"):
+        for name in ("lr", "weight_decay", "grad_clip", "l1_weight", "l2_weight", "kl_weight", "contrast_weight"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 fail(name, "a finite number >= 0")
@@ -163,6 +166,15 @@ def _kl_to_standard_normal(mean: torch.Tensor, logvar: torch.Tensor) -> torch.Te
     return 0.5 * (mean.square() + logvar.exp() - 1.0 - logvar).mean()
 
 
+def reconstruction_weights(target: torch.Tensor, contrast_weight: float) -> torch.Tensor:
+    """[B, 1, T, H, W] per-pixel weights 1 + contrast_weight * |pixel - background| (channel mean), where the
+    background is each image's per-channel median; all ones when ``contrast_weight`` is 0."""
+    if contrast_weight == 0:
+        return torch.ones_like(target[:, :1])
+    background = target.flatten(3).median(dim=-1).values[..., None, None]  # [B, 3, T, 1, 1]
+    return 1.0 + contrast_weight * (target - background).abs().mean(1, keepdim=True)
+
+
 def vae_loss(vae, pixels: torch.Tensor, latent_hw: tuple[int, int], config: VAETrainConfig, noise_seed: int):
     """Encode the canvas, crop the latent to the content, decode, and compare with the content pixels."""
     h, w = latent_hw
@@ -173,8 +185,9 @@ def vae_loss(vae, pixels: torch.Tensor, latent_hw: tuple[int, int], config: VAET
     z = mean + torch.exp(0.5 * logvar) * noise
     recon = vae.decode(z).sample.float()
     target = pixels[..., : h * processor.VAE_SPATIAL_FACTOR, : w * processor.VAE_SPATIAL_FACTOR].float()
-    l1 = (recon - target).abs().mean()
-    l2 = (recon - target).square().mean()
+    weights = reconstruction_weights(target, config.contrast_weight)
+    l1 = ((recon - target).abs() * weights).mean() / weights.mean()
+    l2 = ((recon - target).square() * weights).mean() / weights.mean()
     kl = _kl_to_standard_normal(mean.float(), logvar.float())
     loss = config.l1_weight * l1 + config.l2_weight * l2 + config.kl_weight * kl
     return loss, {"l1": l1.detach(), "l2": l2.detach(), "kl": kl.detach()}
