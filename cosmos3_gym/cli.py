@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a few short episodes of the default env and write their videos")
     demo.add_argument("--checkpoint", default=None,
-                      help="checkpoint directory or hub id (default: a tiny checkpoint with RANDOM weights)")
+                      help="checkpoint directory or hub id (default: the built-in PushT world model)")
     demo.add_argument("--policy", default="random", choices=["random", "agent"],
                       help="uniform random actions, or the checkpoint's own policy (PolicyAgent)")
     demo.add_argument("--episodes", type=int, default=2)
@@ -207,9 +207,13 @@ def run_eval(args: argparse.Namespace) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> None:
+    from .envs.pusht import builtin_checkpoint_dir
     from .evaluation import cached_tiny_checkpoint, run_demo as demo
 
-    if args.checkpoint is None:
+    if args.checkpoint is None and builtin_checkpoint_dir() is not None:
+        print(f"No --checkpoint given: using the built-in PushT world model ({builtin_checkpoint_dir()}), a small "
+              "Cosmos3 trained by this project on the gym-pusht simulator (see README: its fidelity is limited).")
+    elif args.checkpoint is None:
         print(f"No --checkpoint given: using a tiny checkpoint with RANDOM weights ({cached_tiny_checkpoint()}).\n"
               "Its videos show what an untrained model generates, not a world model; pass --checkpoint for a real one.")
     report = demo(args.out, checkpoint=args.checkpoint, policy=args.policy, episodes=args.episodes,

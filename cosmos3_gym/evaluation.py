@@ -746,13 +746,19 @@ def run_demo(
     dtype: str | None = None,
     progress: bool = True,
 ) -> EvalReport:
-    """A few short episodes of the default env (the packaged tabletop image, ``DEMO_TASK``, resolution tier 256,
-    chunk 8, all episodes in one batch) with a ``"random"`` or ``"agent"`` policy; writes ``out_dir/report.json``
-    and one mp4 per episode. Without ``checkpoint`` it uses ``cached_tiny_checkpoint()`` (random weights)."""
+    """A few short episodes with a ``"random"`` or ``"agent"`` policy; writes ``out_dir/report.json`` and one mp4 per
+    episode. Without ``checkpoint``: the built-in PushT world model (its start frames, reward model and settings),
+    plus ``out_dir/side_by_side.mp4`` (the real simulator next to the world model where gym-pusht is installed);
+    if the built-in model is not installed, ``cached_tiny_checkpoint()`` (random weights) on the tabletop image."""
+    from .envs.pusht import builtin_checkpoint_dir
+
     if policy not in ("random", "agent"):
         raise InputError(f"policy: the demo takes 'random' or 'agent', got {policy!r}.")
     if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
         raise InputError(f"episodes: expected an integer >= 1, got {episodes!r}.")
+    if checkpoint is None and builtin_checkpoint_dir() is not None:
+        return _pusht_demo(Path(out_dir), policy, episodes, steps_per_episode, num_steps, seed, device, dtype,
+                           progress)
     random_weights = checkpoint is None
     checkpoint = cached_tiny_checkpoint() if checkpoint is None else checkpoint
     recorded = checkpoint_env_defaults(checkpoint)
@@ -763,3 +769,24 @@ def run_demo(
         device=device, dtype=dtype, seed=seed, max_videos=episodes, progress=progress,
         extra_settings={"random_weights": random_weights},
     )
+
+
+def _pusht_demo(out_dir: Path, policy, episodes, steps_per_episode, num_steps, seed, device, dtype, progress):
+    """The built-in PushT world model: episodes in the vector env, then the side-by-side video on the same engine."""
+    from .envs.pusht import builtin_checkpoint_dir, make_pusht_vector_env
+    from .sim.pusht import side_by_side
+
+    env = make_pusht_vector_env(num_envs=min(episodes, 8), max_episode_steps=steps_per_episode, num_steps=num_steps,
+                                return_frames=True, device=device, dtype=dtype)
+    try:
+        agent = load_policy(policy, env, seed=seed)
+        report = evaluate_policy(env, agent, episodes, seed=seed, video_dir=out_dir, max_videos=episodes,
+                                 progress=progress)
+        video = side_by_side(out_dir / "side_by_side.mp4", seed=seed, num_chunks=steps_per_episode,
+                             engine=env.engine, num_steps=num_steps)
+    finally:
+        env.close()
+    report.settings.update(policy=policy, checkpoint=str(builtin_checkpoint_dir()), random_weights=False,
+                           side_by_side=video)
+    report.to_json(out_dir / "report.json")
+    return report

@@ -411,5 +411,16 @@ def test_registration_is_idempotent():
     register_envs()
     register_envs()
     spec = gym.spec(ENV_ID)
-    assert spec.entry_point == "cosmos3_gym.envs.world_model_env:WorldModelEnv"
-    assert spec.vector_entry_point == "cosmos3_gym.envs.vector_env:WorldModelVectorEnv"
+    assert spec.entry_point == "cosmos3_gym.envs:make_world_model_env"
+    assert spec.vector_entry_point == "cosmos3_gym.envs:make_world_model_vector_env"
+
+
+def test_world_model_env_without_checkpoint_is_the_builtin_pusht_model():
+    env = gym.make(ENV_ID)
+    try:
+        assert env.unwrapped.engine.transformer.config.action_dim == 64
+        assert env.action_space.shape == (8, 2)  # PushT: chunk 8, 2-D actions, from the checkpoint's meta.json
+        obs, _ = env.reset(seed=0)
+        assert obs["image"].shape == (256, 256, 3)
+    finally:
+        env.close()

@@ -299,8 +299,21 @@ def test_eval_takes_env_settings_from_meta_json(tiny_checkpoint, image_path, tmp
     assert not list(out.glob("*.mp4"))
 
 
+def test_demo_command_uses_the_builtin_pusht_model(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--device", "cpu", "--steps-per-episode", "2"]) == 0
+    assert "built-in PushT world model" in capsys.readouterr().out
+    document = json.loads((out / "report.json").read_text())
+    assert document["settings"]["random_weights"] is False
+    assert [e["length"] for e in document["episodes"]] == [2, 2]
+    assert document["settings"]["side_by_side"]["num_frames"] == 1 + 2 * 8
+    assert iio.imread(out / "episode_0000.mp4").shape[0] == 1 + 2 * 8
+    assert (out / "side_by_side.mp4").stat().st_size > 0
+
+
 def test_demo_command_builds_the_cached_tiny_checkpoint_once(tmp_path, monkeypatch, capsys, record_property):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("COSMOS3_GYM_PUSHT_ASSETS", str(tmp_path / "no_builtin_model"))  # the fallback path
     out = tmp_path / "demo"
     start = time.perf_counter()
     assert main(["demo", "--out", str(out), "--device", "cpu"]) == 0

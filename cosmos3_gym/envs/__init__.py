@@ -12,7 +12,7 @@ import gymnasium
 
 from .core import REWARD_MODES, model_frame_size
 from .initial_states import InitialState, InitialStateSource, load_initial_states
-from .pusht import PUSHT_ENV_ID, make_pusht_env, make_pusht_vector_env, register_pusht_env
+from .pusht import PUSHT_ENV_ID, builtin_checkpoint_dir, make_pusht_env, make_pusht_vector_env, register_pusht_env
 from .sb3 import SB3VecEnv
 from .vector_env import WorldModelVectorEnv
 from .world_model_env import WorldModelEnv
@@ -31,6 +31,8 @@ __all__ = [
     "load_initial_states",
     "make_pusht_env",
     "make_pusht_vector_env",
+    "make_world_model_env",
+    "make_world_model_vector_env",
     "model_frame_size",
     "register_envs",
 ]
@@ -49,7 +51,23 @@ def register_envs() -> None:
         return
     gymnasium.register(
         id=ENV_ID,
-        entry_point="cosmos3_gym.envs.world_model_env:WorldModelEnv",
-        vector_entry_point="cosmos3_gym.envs.vector_env:WorldModelVectorEnv",
+        entry_point="cosmos3_gym.envs:make_world_model_env",
+        vector_entry_point="cosmos3_gym.envs:make_world_model_vector_env",
         order_enforce=False,
     )
+
+
+def _uses_builtin_model(kwargs: dict) -> bool:
+    return kwargs.get("checkpoint") is None and kwargs.get("engine") is None and builtin_checkpoint_dir() is not None
+
+
+def make_world_model_env(**kwargs) -> WorldModelEnv:
+    """``WorldModel-v0``: without ``checkpoint`` or ``engine``, the built-in PushT model with its own settings (its
+    domain, chunk and action statistics belong together), else a ``WorldModelEnv`` on the given checkpoint."""
+    return make_pusht_env(**kwargs) if _uses_builtin_model(kwargs) else WorldModelEnv(**kwargs)
+
+
+def make_world_model_vector_env(num_envs: int = 1, **kwargs) -> WorldModelVectorEnv:
+    if _uses_builtin_model(kwargs):
+        return make_pusht_vector_env(num_envs, **kwargs)
+    return WorldModelVectorEnv(num_envs, **kwargs)
