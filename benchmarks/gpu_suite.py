@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import math
 import sys
 import time
 from pathlib import Path
@@ -257,7 +256,6 @@ def main() -> None:
     t0 = time.perf_counter()
     pipe, engine, dtype = make_models(args.tiny, device)
     results["build_s"] = time.perf_counter() - t0
-    cfg = engine.transformer.config
     chunk, steps, guidance, fps = (32, 4, 3.0, 15.0) if not args.tiny else (8, 2, 3.0, 15.0)
     image = scene(480, 832) if not args.tiny else scene(256, 256)
     tier = 480 if not args.tiny else 256

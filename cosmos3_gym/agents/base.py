@@ -24,21 +24,23 @@ class EngineAgent:
 
     mode: str
 
+    default_task: str | None = None  # the task when neither the constructor nor a call gives one
+
     def __init__(
         self,
         engine: Any,
+        task: str | None = None,
         *,
-        task: str | None,
-        domain: str | int,
-        raw_action_dim: int | None,
-        chunk: int,
-        num_steps: int,
-        guidance_scale: float,
-        resolution_tier: int,
-        fps: float,
-        seed: int | None,
-        view_point: str,
-        negative_prompt: str | None,
+        domain: str | int = "droid_lerobot",
+        raw_action_dim: int | None = None,
+        chunk: int = 32,
+        num_steps: int = 4,
+        guidance_scale: float = 3.0,
+        resolution_tier: int = 480,
+        fps: float = 15.0,
+        seed: int | None = None,
+        view_point: str = "ego_view",
+        negative_prompt: str | None = None,
     ):
         if not callable(getattr(engine, "step", None)):
             raise InputError(f"engine: expected a Cosmos3Engine, got {type(engine).__name__}")
@@ -60,7 +62,7 @@ class EngineAgent:
             domain, raw_action_dim, action_dim=engine.transformer.config.action_dim
         )
         self.engine = engine
-        self.task = task
+        self.task = self.default_task if task is None else task
         self.domain = domain
         self.chunk = chunk
         self.num_steps = num_steps

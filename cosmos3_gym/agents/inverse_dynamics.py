@@ -29,28 +29,7 @@ class InverseDynamicsAgent(EngineAgent):
     """
 
     mode = "inverse_dynamics"
-
-    def __init__(
-        self,
-        engine: Any,
-        task: str = "",
-        *,
-        domain: str | int = "droid_lerobot",
-        raw_action_dim: int | None = None,
-        chunk: int = 32,
-        num_steps: int = 4,
-        guidance_scale: float = 3.0,
-        resolution_tier: int = 480,
-        fps: float = 15.0,
-        seed: int | None = None,
-        view_point: str = "ego_view",
-        negative_prompt: str | None = None,
-    ):
-        super().__init__(
-            engine, task=task, domain=domain, raw_action_dim=raw_action_dim, chunk=chunk, num_steps=num_steps,
-            guidance_scale=guidance_scale, resolution_tier=resolution_tier, fps=fps, seed=seed,
-            view_point=view_point, negative_prompt=negative_prompt,
-        )
+    default_task = ""
 
     def infer(self, frames: Any, task: str | Sequence[str] | None = None) -> np.ndarray:
         """Actions between the frames of one video ``[chunk, raw]`` or of each video of a batch ``[N, chunk, raw]``."""

@@ -28,28 +28,6 @@ class PolicyAgent(EngineAgent):
 
     mode = "policy"
 
-    def __init__(
-        self,
-        engine: Any,
-        task: str | None = None,
-        *,
-        domain: str | int = "droid_lerobot",
-        raw_action_dim: int | None = None,
-        chunk: int = 32,
-        num_steps: int = 4,
-        guidance_scale: float = 3.0,
-        resolution_tier: int = 480,
-        fps: float = 15.0,
-        seed: int | None = None,
-        view_point: str = "ego_view",
-        negative_prompt: str | None = None,
-    ):
-        super().__init__(
-            engine, task=task, domain=domain, raw_action_dim=raw_action_dim, chunk=chunk, num_steps=num_steps,
-            guidance_scale=guidance_scale, resolution_tier=resolution_tier, fps=fps, seed=seed,
-            view_point=view_point, negative_prompt=negative_prompt,
-        )
-
     def act(self, observation: Any, task: str | Sequence[str] | None = None) -> np.ndarray:
         """Action chunk(s) for ``observation``; ``task`` (one string or one per observation) overrides the agent's."""
         images, batched = _split_observations(observation)

@@ -35,7 +35,7 @@ from ..engine import Cosmos3Engine, Cosmos3Request
 from ..errors import InputError
 from ..media import to_uint8
 from ..rewards import resolve_reward_model, validate_reward
-from .initial_states import check_task, first_frame, load_initial_states, resize_frame
+from .initial_states import InitialStateSource, check_task, first_frame, load_initial_states, resize_frame
 
 REWARD_MODES = ("per_step", "terminal", "relative")
 # Cosmos3Request fields a user may set through ``request_options``; the env sets the others itself.
@@ -474,3 +474,35 @@ def _check_size(size: Any, field: str) -> tuple[int, int]:
     ):
         raise InputError(f"{field}: expected (height, width) as two positive integers, got {size!r}.")
     return int(size[0]), int(size[1])
+
+
+class WorldModelExtras:
+    """What both envs offer beyond the Gymnasium API, delegated to their ``_core`` (an ``EnvCore``)."""
+
+    _core: "WorldModelCore"
+
+    def offload(self) -> None:
+        """Move the model to CPU memory (e.g. while a policy trains on the GPU); the next step moves it back."""
+        self._core.offload()
+
+    def onload(self) -> None:
+        """Move the model back to its device now rather than at the next step."""
+        self._core.onload()
+
+    @property
+    def engine(self) -> Cosmos3Engine:
+        return self._core.engine
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        """The model frame size ``(H, W)`` (of ``render()`` and ``info["frames"]``)."""
+        return self._core.frame_size
+
+    @property
+    def initial_states(self) -> InitialStateSource | None:
+        return self._core.initial_states
+
+    @property
+    def action_stats(self) -> processor.ActionStats | None:
+        """Dataset statistics to map actions to raw units and back (``.denormalize`` / ``.normalize``)."""
+        return self._core.action_stats

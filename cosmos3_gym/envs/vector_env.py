@@ -32,14 +32,13 @@ from gymnasium.vector.utils import batch_space
 from ..engine import Cosmos3Engine
 from ..errors import InputError
 from ..processor import ActionStats
-from .core import WorldModelCore
-from .initial_states import InitialStateSource
+from .core import WorldModelCore, WorldModelExtras
 from .world_model_env import check_render_mode, check_reset_options
 
 RESET_OPTION_KEYS = ("reset_mask", "frames", "task", "initial_state_index")
 
 
-class WorldModelVectorEnv(VectorEnv):
+class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
     """Batched Cosmos3 forward dynamics; arguments as ``WorldModelEnv`` plus ``num_envs``, ``autoreset_mode`` and
     ``task`` (a string for all slots or a list with one per slot)."""
 
@@ -157,32 +156,7 @@ class WorldModelVectorEnv(VectorEnv):
         """Called once by ``VectorEnv.close``; releases the engine only if the env loaded it."""
         self._core.close()
 
-    # ------------------------------------------------------------------ world-model extras
-
-    def offload(self) -> None:
-        """Move the model to CPU memory (e.g. while a policy trains on the GPU); the next step moves it back."""
-        self._core.offload()
-
-    def onload(self) -> None:
-        """Move the model back to its device now rather than at the next step."""
-        self._core.onload()
-
-    @property
-    def engine(self) -> Cosmos3Engine:
-        return self._core.engine
-
-    @property
-    def image_size(self) -> tuple[int, int]:
-        """The model frame size ``(H, W)`` (of ``render()`` and ``info["frames"]``)."""
-        return self._core.frame_size
-
-    @property
-    def initial_states(self) -> InitialStateSource | None:
-        return self._core.initial_states
-
-    @property
-    def action_stats(self) -> ActionStats | None:
-        return self._core.action_stats
+    # ------------------------------------------------------------------ world-model extras: WorldModelExtras
 
     @property
     def tasks(self) -> list[str]:

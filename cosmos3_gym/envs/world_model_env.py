@@ -25,13 +25,12 @@ import torch
 from ..engine import Cosmos3Engine
 from ..errors import InputError
 from ..processor import ActionStats
-from .core import WorldModelCore
-from .initial_states import InitialStateSource
+from .core import WorldModelCore, WorldModelExtras
 
 RESET_OPTION_KEYS = ("frames", "task", "initial_state_index")
 
 
-class WorldModelEnv(gym.Env):
+class WorldModelEnv(WorldModelExtras, gym.Env):
     """Cosmos3 forward dynamics as a Gymnasium environment.
 
     Args:
@@ -129,33 +128,7 @@ class WorldModelEnv(gym.Env):
         """Idempotent; releases the engine only if the env loaded it from ``checkpoint``."""
         self._core.close()
 
-    # ------------------------------------------------------------------ world-model extras
-
-    def offload(self) -> None:
-        """Move the model to CPU memory (e.g. while a policy trains on the GPU); the next step moves it back."""
-        self._core.offload()
-
-    def onload(self) -> None:
-        """Move the model back to its device now rather than at the next step."""
-        self._core.onload()
-
-    @property
-    def engine(self) -> Cosmos3Engine:
-        return self._core.engine
-
-    @property
-    def image_size(self) -> tuple[int, int]:
-        """The model frame size ``(H, W)`` (of ``render()`` and ``info["frames"]``)."""
-        return self._core.frame_size
-
-    @property
-    def initial_states(self) -> InitialStateSource | None:
-        return self._core.initial_states
-
-    @property
-    def action_stats(self) -> ActionStats | None:
-        """Dataset statistics to map actions to raw units and back (``.denormalize`` / ``.normalize``)."""
-        return self._core.action_stats
+    # ------------------------------------------------------------------ world-model extras: WorldModelExtras
 
     @property
     def task(self) -> str:
