@@ -14,11 +14,13 @@ from pathlib import Path
 
 import torch
 
+from cosmos3_gym.models.vae import WAN22_FIXED_CONFIG
+
 NANO_TRANSFORMER = dict(action_gen=True, action_dim=64)  # every other field at diffusers' (= Nano's) default
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json (the Cosmos3 VAE).
 WAN22_VAE = dict(
     base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-    temperal_downsample=[False, True, True], dropout=0.0, is_residual=True, in_channels=12, out_channels=12,
-    patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+    **WAN22_FIXED_CONFIG,
 )
 SCHEDULER = dict(
     num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0,

@@ -44,7 +44,9 @@ import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402  (benchmarks/common.py)
 from diffusers import AutoencoderKLWan  # noqa: E402
 from PIL import Image  # noqa: E402
 
@@ -59,14 +61,8 @@ from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.parallel.mesh import ParallelConfig, ParallelContext, init_parallel  # noqa: E402
 from cosmos3_gym.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
-# Cosmos3-Nano (Cosmos3OmniTransformer(action_gen=True, action_dim=64)); the config class defaults are Nano's.
-NANO_TRANSFORMER = dict(action_gen=True, action_dim=64)
-# Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json, with identity latent statistics (random weights anyway).
-WAN22_VAE = dict(
-    base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-    temperal_downsample=[False, True, True], dropout=0.0, is_residual=True, in_channels=12, out_channels=12,
-    patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
-)
+# Identity latent statistics: the weights are random anyway.
+WAN22_VAE = dict(common.WAN22_VAE, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
 # The tiny test model, widened to 8 query / 4 KV heads so that --tiny runs tp=4 too.
 TINY_TRANSFORMER = dict(num_attention_heads=8, num_key_value_heads=4, hidden_size=128)
 
@@ -315,7 +311,7 @@ def main() -> None:
             {**TINY_TRANSFORMER_CONFIG, **TINY_TRANSFORMER, "vocab_size": 512})
         vae_config = {**TINY_VAE_CONFIG, "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}
     else:
-        transformer_config = Cosmos3TransformerConfig(**NANO_TRANSFORMER)
+        transformer_config = Cosmos3TransformerConfig(**common.NANO_TRANSFORMER)
         vae_config = WAN22_VAE
     tokenizer = build_tiny_tokenizer()
     vae = build_vae(vae_config, device)

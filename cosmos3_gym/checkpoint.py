@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from cosmos3_gym.errors import CheckpointError, InputError
+from cosmos3_gym.models.vae import WAN22_FIXED_CONFIG
 
 TRANSFORMER_DIR = "transformer"
 VAE_DIR = "vae"
@@ -385,14 +386,7 @@ TINY_VAE_CONFIG: dict[str, Any] = {
     "dim_mult": [1, 2, 4, 4],
     "num_res_blocks": 1,
     "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-    "dropout": 0.0,
-    "is_residual": True,
-    "in_channels": 12,
-    "out_channels": 12,
-    "patch_size": 2,
-    "scale_factor_spatial": 16,
-    "scale_factor_temporal": 4,
+    **WAN22_FIXED_CONFIG,
 }
 
 # The sampler settings of the native policy server (linear flow sigmas, shift 5, order-2 UniPC bh2).

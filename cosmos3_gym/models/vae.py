@@ -26,6 +26,19 @@ from diffusers.image_processor import VaeImageProcessor
 from cosmos3_gym.errors import CheckpointError, InputError
 
 
+# The parts of the Wan2.2 VAE layout that Cosmos3 fixes (16x spatial / 4x temporal compression, the residual
+# variant with a 2x2 pixel patchify); the widths (base_dim, decoder_base_dim, z_dim, ...) vary by model size.
+WAN22_FIXED_CONFIG = {
+    "temperal_downsample": [False, True, True],
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "scale_factor_temporal": 4,
+    "dropout": 0.0,
+}
+
 @dataclass(frozen=True)
 class TileConfig:
     """Spatial tiling of the decode, in latent pixels (one latent pixel is ``spatial_compression`` pixels).

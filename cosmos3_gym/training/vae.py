@@ -31,20 +31,9 @@ from tqdm.auto import tqdm
 
 from .. import processor
 from ..errors import InputError
+from ..models.vae import WAN22_FIXED_CONFIG
 from .data import load_episode, read_dataset
 from .distributed import init_distributed
-
-# Fixed by Cosmos3: the engine assumes 16x spatial (processor.VAE_SPATIAL_FACTOR) and 4x temporal compression.
-_WAN22_FIXED_CONFIG = {
-    "temperal_downsample": [False, True, True],
-    "is_residual": True,
-    "in_channels": 12,
-    "out_channels": 12,
-    "patch_size": 2,
-    "scale_factor_spatial": 16,
-    "scale_factor_temporal": 4,
-    "dropout": 0.0,
-}
 
 
 @dataclass
@@ -111,7 +100,7 @@ class VAETrainConfig:
 
     def autoencoder_config(self) -> dict:
         return {
-            **_WAN22_FIXED_CONFIG,
+            **WAN22_FIXED_CONFIG,
             "base_dim": self.base_dim,
             "decoder_base_dim": self.decoder_base_dim,
             "z_dim": self.z_dim,
