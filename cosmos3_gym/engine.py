@@ -489,6 +489,7 @@ class Cosmos3Engine:
         rows_per_cfg_rank = math.ceil(len(branches) / cfg_size)
         local_branches = branches[cfg_rank * rows_per_cfg_rank : (cfg_rank + 1) * rows_per_cfg_rank]
         rows = [b for b, _ in local_branches]
+        row_index = torch.tensor(rows, dtype=torch.long, device=device)  # built once, not per step
         if rows:
             text = TextKV.stack(
                 [self.text_kv(group[b].uncond_ids if uncond else group[b].cond_ids) for b, uncond in local_branches]
@@ -496,7 +497,8 @@ class Cosmos3Engine:
             fps = [group[b].request.fps for b in rows]
             layout = self.transformer.gen_layout(text.lengths, group[0].latent_thw, chunk, fps)
             domain_ids = torch.tensor([group[b].domain_id for b in rows], device=device)
-            video_noisy, action_noisy = ~video_clean[rows], ~action_clean[rows]
+            video_noisy, action_noisy = ~video_clean[row_index], ~action_clean[row_index]
+        guided_index = torch.tensor(guided, dtype=torch.long, device=device)
         guidance = torch.tensor([group[b].request.guidance_scale for b in guided], device=device)
 
         video_sampler = FlowUniPCSampler([p.schedule for p in group], device)
@@ -507,13 +509,14 @@ class Cosmos3Engine:
             timesteps = video_sampler.timesteps_for_step(i)
             if rows:
                 v_video, v_action = self.transformer(
-                    text, layout, video[rows], video_noisy, timesteps[rows], actions[rows], action_noisy, domain_ids
+                    text, layout, video[row_index], video_noisy, timesteps[row_index], actions[row_index],
+                    action_noisy, domain_ids,
                 )
             else:  # a single unguided request under cfg=2: cfg rank 1 has no row, it only sends padding
                 v_video, v_action = video[:0], actions[:0]
             if cfg_size > 1:
                 v_video, v_action = self._gather_cfg_rows(v_video, v_action, rows_per_cfg_rank, len(branches))
-            v_video, v_action = self._combine(v_video, v_action, batch, guided, guidance)
+            v_video, v_action = self._combine(v_video, v_action, batch, guided_index, guidance)
             v_action = v_action * action_dim_mask
             video = video_sampler.step(i, v_video, video)
             actions = action_sampler.step(i, v_action, actions) * action_dim_mask
@@ -561,14 +564,17 @@ class Cosmos3Engine:
         return decode_tile_parallel(self.vae, video, group, exact=True)
 
     @staticmethod
-    def _combine(v_video, v_action, batch, guided, guidance):
-        """Split the [cond; uncond] rows and apply CFG to the guided requests."""
+    def _combine(v_video, v_action, batch, guided_index, guidance):
+        """Split the [cond; uncond] rows and apply CFG to the guided requests (``guided_index``: their rows)."""
         cond_video, cond_action = v_video[:batch], v_action[:batch]
-        if not guided:
+        if guided_index.numel() == 0:
             return cond_video, cond_action
-        index = torch.tensor(guided, device=v_video.device)
-        video = cond_video.index_copy(0, index, cfg_combine(cond_video[index], v_video[batch:], guidance))
-        action = cond_action.index_copy(0, index, cfg_combine(cond_action[index], v_action[batch:], guidance))
+        video = cond_video.index_copy(
+            0, guided_index, cfg_combine(cond_video[guided_index], v_video[batch:], guidance)
+        )
+        action = cond_action.index_copy(
+            0, guided_index, cfg_combine(cond_action[guided_index], v_action[batch:], guidance)
+        )
         return video, action
 
 
