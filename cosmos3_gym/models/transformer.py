@@ -17,7 +17,6 @@ Differences from diffusers' packed single-sample implementation, all numerically
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -262,10 +261,6 @@ class TextKV:
     keys: list[torch.Tensor]  # per layer [B, KV, L, D]
     values: list[torch.Tensor]  # per layer [B, KV, L, D]
     lengths: list[int]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.lengths)
 
     def select(self, index: int) -> "TextKV":
         """One prompt's cache, trimmed to its real length."""
@@ -631,7 +626,3 @@ def diffusers_to_native_state_dict(sd: dict[str, torch.Tensor], cfg: Cosmos3Tran
     if leftover:
         raise CheckpointError(f"transformer weights: unexpected keys {sorted(leftover)[:8]}")
     return out
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(math.prod(p.shape) for p in model.parameters())
