@@ -75,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_arguments(evaluate)
     evaluate.set_defaults(func=run_eval)
 
+    real = sub.add_parser("eval-real", help="run policies in the PushT world model AND the real simulator (gym-pusht) "
+                          "from the same starts and compare their scores and rankings")
+    real.add_argument("--policies", default="random,scripted:0,scripted:25,agent",
+                      help="comma-separated: random, agent (the checkpoint's policy), scripted:NOISE (px)")
+    real.add_argument("--starts", type=int, default=4, help="simulator start states per policy")
+    real.add_argument("--chunks", type=int, default=4, help="action chunks per episode")
+    real.add_argument("--first-sim-seed", type=int, default=10_000, help="gym-pusht reset seed of the first start")
+    real.add_argument("--assets", default=None, help="PushT model folder (default: the built-in one)")
+    real.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    real.add_argument("--seed", type=int, default=0)
+    real.add_argument("--out", default=None, help="write the comparison as JSON to this file")
+    real.set_defaults(func=run_eval_real)
+
     demo = sub.add_parser("demo", help="run a few short episodes of the default env and write their videos")
     demo.add_argument("--checkpoint", default=None,
                       help="checkpoint directory or hub id (default: the built-in PushT world model)")
@@ -204,6 +217,19 @@ def run_eval(args: argparse.Namespace) -> None:
     report = evaluate_checkpoint(**eval_options(args))
     print(report.table())
     print(f"wrote {Path(args.out) / 'report.json'} and {sum(e.video is not None for e in report.episodes)} videos")
+
+
+def run_eval_real(args: argparse.Namespace) -> None:
+    from .sim.compare import compare_with_simulator, format_comparison
+
+    result = compare_with_simulator(args.policies, num_starts=args.starts, num_chunks=args.chunks,
+                                    first_sim_seed=args.first_sim_seed, assets_dir=args.assets, device=args.device,
+                                    seed=args.seed)
+    print(format_comparison(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
 
 
 def run_demo(args: argparse.Namespace) -> None:

@@ -246,6 +246,15 @@ class Cosmos3Engine:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def action_dim(self) -> int:
+        """The model's padded action width (64 for Cosmos3); raw action widths must not exceed it."""
+        return self.transformer.config.action_dim
+
+    @property
+    def temporal_compression(self) -> int:
+        return self.vae.temporal_compression
+
     def clear_text_cache(self) -> None:
         self._text_cache.clear()
 

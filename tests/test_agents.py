@@ -27,7 +27,7 @@ class RecordingEngine:
     """Stands in for the engine: records each step's requests and returns fixed out-of-range actions."""
 
     def __init__(self, value: float):
-        self.transformer = SimpleNamespace(config=SimpleNamespace(action_dim=64))
+        self.action_dim = 64
         self.value = value
         self.calls = []
 

@@ -154,3 +154,26 @@ def test_interpreter_exit_leaves_no_worker_behind(tiny_checkpoint, tmp_path):
     while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(gone(pid) for pid in pids)
+
+
+def test_gym_make_with_cfg_2_runs_the_env_on_worker_processes(tiny_checkpoint):
+    """gym.make(..., cfg=2) starts the workers itself; its first step equals the in-process env's."""
+    import gymnasium as gym
+
+    import cosmos3_gym  # noqa: F401  (registers the env ids)
+
+    image = np.random.default_rng(3).integers(0, 256, (96, 128, 3), dtype=np.uint8)
+    kwargs = dict(checkpoint=tiny_checkpoint, domain="pusht", task="push", chunk=4, num_steps=2,
+                  guidance_scale=2.0, resolution_tier=256, initial_states=[image], device="cpu")
+    frames = []
+    for parallel in ({}, {"cfg": 2}):
+        env = gym.make("cosmos3_gym/WorldModel-v0", **kwargs, **parallel)
+        try:
+            env.reset(seed=0)
+            obs, *_ = env.step(np.full((4, 2), 0.25, dtype=np.float32))
+            frames.append(obs["image"].astype(int))
+            if parallel:
+                assert type(env.unwrapped.engine).__name__ == "Cosmos3EngineClient"
+        finally:
+            env.close()
+    assert np.abs(frames[0] - frames[1]).max() <= 1  # uint8 frames; fp32 differences below one level

@@ -59,7 +59,7 @@ class EngineAgent:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise InputError(f"seed: expected a non-negative integer or None, got {seed!r}")
         _, self.raw_action_dim = resolve_domain(
-            domain, raw_action_dim, action_dim=engine.transformer.config.action_dim
+            domain, raw_action_dim, action_dim=engine.action_dim
         )
         self.engine = engine
         self.task = self.default_task if task is None else task

@@ -32,6 +32,8 @@ from gymnasium import spaces
 
 from .. import processor
 from ..engine import Cosmos3Engine, Cosmos3Request
+from ..parallel.client import Cosmos3EngineClient
+from ..parallel.mesh import ParallelConfig
 from ..errors import InputError
 from ..media import to_uint8
 from ..rewards import resolve_reward_model, validate_reward
@@ -96,6 +98,9 @@ class WorldModelCore:
         request_options: dict[str, Any] | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
+        tp: int = 1,
+        cfg: int = 1,
+        dp: int = 1,
     ):
         # Everything that does not need the model is checked before a checkpoint is loaded.
         self.num_slots = num_slots
@@ -124,9 +129,9 @@ class WorldModelCore:
         )
 
         self.owns_engine = engine is None
-        self.engine = _resolve_engine(checkpoint, engine, device, dtype)
+        self.engine = _resolve_engine(checkpoint, engine, device, dtype, ParallelConfig(dp=dp, cfg=cfg, tp=tp))
         try:
-            temporal = self.engine.vae.temporal_compression
+            temporal = self.engine.temporal_compression
             if self.chunk % temporal:
                 raise InputError(
                     f"chunk: expected a multiple of the VAE's temporal compression ({temporal}) so that the chunk + 1 "
@@ -134,7 +139,7 @@ class WorldModelCore:
                 )
             self.domain = domain
             _, self.raw_action_dim = processor.resolve_domain(
-                domain, raw_action_dim, action_dim=self.engine.transformer.config.action_dim
+                domain, raw_action_dim, action_dim=self.engine.action_dim
             )
             self.action_stats = _resolve_action_stats(action_stats, self.raw_action_dim)
             self.reward_model = _resolve_reward_model(reward_model, self.engine)
@@ -377,16 +382,18 @@ class WorldModelCore:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _resolve_engine(checkpoint, engine, device, dtype) -> Cosmos3Engine:
+def _resolve_engine(checkpoint, engine, device, dtype, parallel: ParallelConfig):
+    """The env's engine: the one given, or one loaded from ``checkpoint``. With tp/cfg/dp > 1 (outside torchrun)
+    ``from_pretrained`` starts worker processes and returns a client with the same ``step`` API."""
     if engine is not None:
         if checkpoint is not None:
             raise InputError("checkpoint: give either checkpoint= or engine=, not both.")
-        if not isinstance(engine, Cosmos3Engine):
+        if not isinstance(engine, (Cosmos3Engine, Cosmos3EngineClient)):
             raise InputError(f"engine: expected a Cosmos3Engine, got {type(engine).__name__}.")
         return engine
     if checkpoint is None:
         raise InputError("checkpoint: required (a checkpoint directory or hub id), unless engine= is given.")
-    return Cosmos3Engine.from_pretrained(checkpoint, device=device, dtype=dtype, progress=False)
+    return Cosmos3Engine.from_pretrained(checkpoint, device=device, dtype=dtype, progress=False, parallel=parallel)
 
 
 def _resolve_reward_model(spec: Any, engine: Cosmos3Engine):

@@ -56,6 +56,8 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
         request_options: extra ``Cosmos3Request`` fields: flow_shift, use_karras_sigmas, view_point, negative_prompt.
         render_mode: None or "rgb_array" (the current frame).
         device, dtype: where and in which dtype a checkpoint is loaded.
+        tp, cfg, dp: tensor / CFG / data parallel degrees; above 1 the engine runs in worker processes that the
+            env starts (``Cosmos3Engine.from_pretrained(..., tp=, cfg=)``), the env process stays light.
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 15}
@@ -86,6 +88,9 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
         render_mode: str | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
+        tp: int = 1,
+        cfg: int = 1,
+        dp: int = 1,
     ):
         if task is not None and not isinstance(task, str):
             raise InputError(f"task: expected a string, got {type(task).__name__} (a list needs the vector env).")
@@ -96,7 +101,7 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
             reward_model=reward_model, reward_mode=reward_mode, success_threshold=success_threshold,
             max_episode_steps=max_episode_steps, chunk=chunk, num_steps=num_steps, guidance_scale=guidance_scale,
             resolution_tier=resolution_tier, fps=fps, action_stats=action_stats, return_frames=return_frames,
-            request_options=request_options, device=device, dtype=dtype,
+            request_options=request_options, device=device, dtype=dtype, tp=tp, cfg=cfg, dp=dp,
         )
         self.observation_space = self._core.single_observation_space
         self.action_space = self._core.single_action_space

@@ -98,7 +98,14 @@ class Cosmos3EngineClient:
         except BaseException as error:
             self._stop(f"starting the workers failed: {error}")
             raise
-        self._receive_all("startup")
+        facts = self._receive_all("startup")[0]
+        self.action_dim: int = facts["action_dim"]
+        self.temporal_compression: int = facts["temporal_compression"]
+
+    # The model lives in the workers; what the caller sees of it (results come back on the CPU, where a caller's
+    # reward model runs). There is no VAE here: latent-space reward models need an in-process engine.
+    device = torch.device("cpu")
+    vae = None
 
     # ------------------------------------------------------------------ the engine API
 
@@ -112,6 +119,23 @@ class Cosmos3EngineClient:
                 except (OSError, ValueError) as error:
                     self._fail(f"could not send the request to worker rank {rank}: {error}; {self._exit_report()}")
             return self._receive_all("step")[0]
+
+    def offload(self) -> None:
+        """Every worker moves its model shard to host memory (frees the GPUs between rollouts)."""
+        self._command("offload")
+
+    def onload(self) -> None:
+        self._command("onload")
+
+    def _command(self, name: str) -> None:
+        with self._lock:
+            self._check_open()
+            for rank, connection in enumerate(self._connections):
+                try:
+                    connection.send((name,))
+                except (OSError, ValueError) as error:
+                    self._fail(f"could not send {name} to worker rank {rank}: {error}; {self._exit_report()}")
+            self._receive_all(name)
 
     def close(self) -> None:
         """Stop the workers (idempotent): ask them to exit, then terminate and kill any that do not."""
@@ -278,7 +302,8 @@ def _worker_main(rank: int, port: int, path_or_id: str, config: ParallelConfig, 
     except BaseException as error:  # noqa: BLE001 - reported to the client, which raises it
         _reply(connection, _error_reply(error))
         return
-    _reply(connection, ("ready", None))
+    _reply(connection, ("ready", {"action_dim": engine.action_dim,
+                                  "temporal_compression": engine.temporal_compression}))
     try:
         while True:
             try:
@@ -287,6 +312,10 @@ def _worker_main(rank: int, port: int, path_or_id: str, config: ParallelConfig, 
                 return  # the client is gone
             if command[0] == "close":
                 return
+            if command[0] in ("offload", "onload"):
+                getattr(engine, command[0])()
+                _reply(connection, ("ok", None))
+                continue
             _, requests, decode = command
             try:
                 results = engine.step(requests, decode=decode)

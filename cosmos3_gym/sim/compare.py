@@ -1,0 +1,355 @@
+"""Is the PushT world model a faithful simulator? Metrics and the policy comparison against gym-pusht.
+
+* Frame metrics: ``ssim`` (grayscale, Gaussian window) next to ``pusht.psnr``.
+* Agreement of policy rankings: ``pearson``, ``spearman`` (average ranks for ties) and ``mmrv`` (SIMPLER's mean
+  maximum rank violation, Li et al. 2024): for policies ``i, j`` the violation is ``|real_i - real_j|`` when the
+  world model orders them opposite to the real simulator, and MMRV is the mean over ``i`` of the largest violation
+  of ``i``. All in numpy (no SciPy).
+* ``compare_policies``: each policy from the same simulator start states, in gym-pusht and in the world model.
+
+How a policy runs in the world model. Policies that see images (``agent``, the checkpoint's own policy mode) run
+closed loop in both worlds: in the simulator on its frames, in the world model on the model's own frames. The
+simulator's reference policies (``scripted:NOISE``, which reads the true block pose, and ``random``) cannot observe
+the world model's state, so the world model replays, open loop, the action chunks they produced in the simulator
+from the same start: it predicts what those actions do. The world model's score of an episode is the reward
+model's estimate of coverage on its frames; in the simulator it is gym-pusht's true coverage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+from . import pusht
+
+__all__ = [
+    "PolicyRun", "compare_policies", "compare_with_simulator", "format_comparison", "mmrv", "parse_policy_specs",
+    "pearson", "spearman", "ssim",
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------------------------
+
+SSIM_WINDOW = 11  # the Gaussian window of Wang et al. (2004): 11 x 11, sigma 1.5
+SSIM_SIGMA = 1.5
+SSIM_C1, SSIM_C2 = (0.01**2, 0.03**2)  # (K1 L)^2, (K2 L)^2 for the data range L = 1
+
+
+def _grayscale(frames: np.ndarray) -> torch.Tensor:
+    """uint8 ``[..., H, W, 3]`` -> float64 ``[N, 1, H, W]`` luma in [0, 1] (ITU-R BT.601 weights)."""
+    frames = np.asarray(frames)
+    if frames.ndim < 3 or frames.shape[-1] != 3:
+        raise InputError(f"frames: expected [..., H, W, 3], got {list(frames.shape)}")
+    # float64: the variances are differences of close numbers (E[x^2] - E[x]^2), lossy in float32.
+    values = torch.from_numpy(frames.reshape(-1, *frames.shape[-3:]).astype(np.float64))
+    if frames.dtype == np.uint8:
+        values = values / 255.0
+    luma = values @ torch.tensor([0.299, 0.587, 0.114], dtype=torch.float64)
+    return luma[:, None]
+
+
+def ssim(reference: np.ndarray, estimate: np.ndarray) -> float:
+    """Mean SSIM of two stacks of RGB frames ``[..., H, W, 3]`` (uint8, or float in [0, 1]) on their grayscale,
+    with an 11 x 11 Gaussian window (sigma 1.5) over the valid region; 1.0 for identical frames."""
+    if np.shape(reference) != np.shape(estimate):
+        raise InputError(f"frames: shapes differ, {list(np.shape(reference))} vs {list(np.shape(estimate))}")
+    x, y = _grayscale(reference), _grayscale(estimate)
+    if min(x.shape[-2:]) < SSIM_WINDOW:
+        raise InputError(f"frames: SSIM needs frames of at least {SSIM_WINDOW} x {SSIM_WINDOW} pixels")
+    offsets = torch.arange(SSIM_WINDOW, dtype=torch.float64) - (SSIM_WINDOW - 1) / 2
+    profile = torch.exp(-(offsets**2) / (2 * SSIM_SIGMA**2))
+    window = torch.outer(profile, profile)
+    window = (window / window.sum())[None, None]
+
+    def blur(image: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.conv2d(image, window)
+
+    mu_x, mu_y = blur(x), blur(y)
+    var_x = blur(x * x) - mu_x**2
+    var_y = blur(y * y) - mu_y**2
+    cov = blur(x * y) - mu_x * mu_y
+    index = ((2 * mu_x * mu_y + SSIM_C1) * (2 * cov + SSIM_C2)) / (
+        (mu_x**2 + mu_y**2 + SSIM_C1) * (var_x + var_y + SSIM_C2)
+    )
+    return float(index.mean())
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    """Pearson correlation; NaN when either side is constant (no correlation is defined)."""
+    x, y = _pair(x, y)
+    dx, dy = x - x.mean(), y - y.mean()
+    denominator = math.sqrt(float((dx * dx).sum() * (dy * dy).sum()))
+    return float((dx * dy).sum() / denominator) if denominator > 0 else math.nan
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks 1..n, ties sharing their average rank."""
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values))
+    ranks[order] = np.arange(1, len(values) + 1)
+    for value in np.unique(values):
+        tied = values == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman rank correlation: Pearson of the (tie-averaged) ranks."""
+    x, y = _pair(x, y)
+    return pearson(_ranks(x), _ranks(y))
+
+
+def mmrv(predicted: Sequence[float], real: Sequence[float]) -> float:
+    """SIMPLER's mean maximum rank violation of the ``predicted`` scores against the ``real`` ones (0 is perfect)."""
+    predicted, real = _pair(predicted, real)
+    opposite = (predicted[:, None] < predicted[None, :]) != (real[:, None] < real[None, :])
+    violation = opposite * np.abs(real[:, None] - real[None, :])
+    return float(violation.max(axis=1).mean())
+
+
+def _pair(x: Sequence[float], y: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if x.ndim != 1 or x.shape != y.shape or len(x) < 2:
+        raise InputError(f"scores: expected two 1-D sequences of the same length >= 2, got {list(x.shape)} and "
+                         f"{list(y.shape)}")
+    return x, y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Policies in both worlds
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """One policy spec: ``"random"``, ``"scripted:NOISE"`` (``ScriptedPusher`` with NOISE px target noise) or
+    ``"agent"`` (the checkpoint's policy mode)."""
+
+    spec: str
+    kind: str  # random | scripted | agent
+    noise: float = 0.0
+
+    @property
+    def closed_loop_in_world_model(self) -> bool:
+        return self.kind == "agent"
+
+
+def parse_policy_specs(specs: str | Sequence[str]) -> list[PolicyRun]:
+    """``"random,scripted:0,scripted:25,agent"`` (or a list of such items) -> ``PolicyRun``s."""
+    items = [item.strip() for item in (specs.split(",") if isinstance(specs, str) else specs) if item.strip()]
+    if not items:
+        raise InputError("policies: expected a comma-separated list such as 'random,scripted:0,agent', got none")
+    runs = []
+    for item in items:
+        if item in ("random", "agent"):
+            runs.append(PolicyRun(item, item))
+            continue
+        name, _, noise = item.partition(":")
+        try:
+            value = float(noise or 0.0)
+        except ValueError:
+            value = -1.0
+        if name != "scripted" or value < 0:
+            raise InputError(f"policies: {item!r} is not 'random', 'agent' or 'scripted:NOISE' (NOISE px >= 0)")
+        runs.append(PolicyRun(item, "scripted", value))
+    if len({run.spec for run in runs}) != len(runs):
+        raise InputError(f"policies: each policy may appear once, got {items}")
+    return runs
+
+
+def _simulate(run: PolicyRun, sim_seeds: Sequence[int], num_chunks: int, chunk: int, image_size, stats,
+              agent: Any, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``run`` in one gym-pusht simulator per start: start frames ``[N, H, W, 3]``, the normalised action chunks it
+    took ``[N, num_chunks, chunk, 2]`` and the true coverage after every step ``[N, num_chunks * chunk + 1]``."""
+    sims = [pusht.PushTSim(image_size) for _ in sim_seeds]
+    try:
+        frames = np.stack([sim.reset(s) for sim, s in zip(sims, sim_seeds)])
+        starts = frames.copy()
+        coverage = [[sim.coverage] for sim in sims]
+        rng = np.random.default_rng(seed)
+        pushers = [pusht.ScriptedPusher(np.random.default_rng([seed, s]), noise=run.noise) for s in sim_seeds]
+        taken = np.zeros((len(sims), num_chunks, chunk, 2), np.float32)
+        for k in range(num_chunks):
+            if run.kind == "agent":
+                taken[:, k] = np.clip(agent.act(frames), -1.0, 1.0)
+            elif run.kind == "random":
+                taken[:, k] = rng.uniform(-1.0, 1.0, size=taken[:, k].shape)
+            for i, sim in enumerate(sims):
+                for t in range(chunk):
+                    if run.kind == "scripted":  # reads the true state every step
+                        raw = pushers[i](sim.agent_xy, sim.block_pose)
+                        taken[i, k, t] = np.clip(stats.normalize(raw), -1.0, 1.0)
+                    else:
+                        raw = stats.denormalize(taken[i, k, t])
+                    frames[i] = sim.step(np.clip(raw, 0.0, pusht.TABLE_SIZE))
+                    coverage[i].append(sim.coverage)
+    finally:
+        for sim in sims:
+            sim.close()
+    return starts, taken, np.asarray(coverage)
+
+
+def compare_policies(
+    policies: str | Sequence[str],
+    sim_seeds: Sequence[int],
+    *,
+    vector_env: Any,
+    score_frames: Callable[[np.ndarray], np.ndarray],
+    stats: Any,
+    num_chunks: int,
+    make_agent: Callable[[], Any] | None = None,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> dict[str, Any]:
+    """Each policy of ``policies`` from the simulator starts ``sim_seeds``, in gym-pusht and in the world model.
+
+    ``vector_env``: a world-model vector env (``reset(options={"frames": [...]})``, ``step(actions)`` with
+    ``info["frames"] [slots, chunk, H, W, 3]``) with one slot per (policy, start), in policy-major order;
+    ``score_frames``: frames ``[M, H, W, 3]`` uint8 -> predicted coverage ``[M]`` (the reward model);
+    ``stats``: the checkpoint's ``ActionStats``; ``make_agent()``: the ``PolicyAgent`` for ``"agent"``.
+
+    Returns per policy the real and predicted final coverage (mean, Student-t CI) and success (rate, Wilson CI),
+    then Pearson / Spearman / MMRV / mean absolute error between the per-policy mean predicted and real final
+    coverage. Success: coverage > 0.95 at any step (real) or at any chunk's last frame (predicted).
+    """
+    from ..evaluation import mean_interval, wilson_interval
+
+    runs = parse_policy_specs(policies)
+    sim_seeds = [int(s) for s in sim_seeds]
+    slots = len(runs) * len(sim_seeds)
+    if vector_env.num_envs != slots:
+        raise InputError(f"vector_env: expected {slots} slots (policies x starts), got {vector_env.num_envs}")
+    chunk = vector_env.single_action_space.shape[0]
+    image_size = tuple(vector_env.single_observation_space["image"].shape[:2])
+    agent = make_agent() if any(run.kind == "agent" for run in runs) else None
+
+    simulated = [_simulate(run, sim_seeds, num_chunks, chunk, image_size, stats, agent, seed) for run in runs]
+    starts = np.concatenate([frames for frames, _, _ in simulated])
+    replayed = np.concatenate([actions for _, actions, _ in simulated])
+    closed_loop = np.repeat([run.closed_loop_in_world_model for run in runs], len(sim_seeds))
+
+    vector_env.reset(seed=seed, options={"frames": list(starts)})
+    frames = starts
+    predicted = [score_frames(starts)]
+    for k in range(num_chunks):
+        actions = replayed[:, k].copy()
+        if closed_loop.any():
+            actions[closed_loop] = np.clip(agent.act(frames[closed_loop]), -1.0, 1.0)
+        generated = np.asarray(vector_env.step(actions)[-1]["frames"])
+        frames = generated[:, -1]
+        predicted.append(score_frames(frames))
+    predicted = np.stack(predicted, axis=1).reshape(len(runs), len(sim_seeds), num_chunks + 1)
+
+    per_policy = {}
+    for index, (run, (_, _, coverage)) in enumerate(zip(runs, simulated)):
+        per_policy[run.spec] = {
+            "world_model": _scores(predicted[index], confidence, mean_interval, wilson_interval),
+            "simulator": _scores(coverage, confidence, mean_interval, wilson_interval),
+            "evaluated_in_world_model": "closed loop" if run.closed_loop_in_world_model else
+            "open loop: the simulator's action chunks replayed",
+        }
+    real = np.array([entry["simulator"]["final_coverage"] for entry in per_policy.values()])
+    guess = np.array([entry["world_model"]["final_coverage"] for entry in per_policy.values()])
+    return {
+        "policies": per_policy,
+        "num_starts": len(sim_seeds),
+        "num_chunks": num_chunks,
+        "chunk": chunk,
+        "sim_seeds": sim_seeds,
+        "agreement": {
+            "score": "final coverage: the reward model's estimate on world-model frames vs gym-pusht's true value",
+            "pearson": pearson(guess, real) if len(runs) > 1 else math.nan,
+            "spearman": spearman(guess, real) if len(runs) > 1 else math.nan,
+            "mmrv": mmrv(guess, real) if len(runs) > 1 else math.nan,
+            "mean_absolute_error": float(np.abs(guess - real).mean()),
+        },
+    }
+
+
+def _scores(coverage: np.ndarray, confidence: float, mean_interval, wilson_interval) -> dict[str, Any]:
+    """Coverage ``[starts, T]`` -> final coverage (mean, CI) and success (rate, Wilson CI)."""
+    final = coverage[:, -1].astype(float)
+    successes = int((coverage > pusht.SUCCESS_COVERAGE).any(axis=1).sum())
+    return {
+        "final_coverage": float(final.mean()),
+        "final_coverage_interval": mean_interval(list(final), confidence),
+        "success_rate": successes / len(final),
+        "success_rate_interval": wilson_interval(successes, len(final), confidence),
+    }
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    """A plain-text table of ``compare_policies``'s result."""
+    rows = [("policy", "sim coverage", "WM coverage", "sim success", "WM success")]
+    for spec, entry in result["policies"].items():
+        sim, model = entry["simulator"], entry["world_model"]
+        rows.append((spec, f"{sim['final_coverage']:.3f}", f"{model['final_coverage']:.3f}",
+                     f"{sim['success_rate']:.2f}", f"{model['success_rate']:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
+    agreement = result["agreement"]
+    lines.append("pearson {pearson:.3f}  spearman {spearman:.3f}  mmrv {mmrv:.3f}  mae {mean_absolute_error:.3f}"
+                 .format(**agreement))
+    return "\n".join(lines)
+
+
+def compare_with_simulator(
+    policies: str | Sequence[str] = "random,scripted:0,scripted:10,scripted:25,scripted:50,agent",
+    *,
+    num_starts: int = 4,
+    num_chunks: int = 3,
+    first_sim_seed: int = 10_000,
+    assets_dir: Any = None,
+    engine: Any = None,
+    device: str | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """``compare_policies`` for the PushT world model in ``assets_dir`` (default: the built-in one) from the
+    simulator starts ``first_sim_seed .. first_sim_seed + num_starts - 1``; ``engine`` shares a loaded model.
+    Needs gym-pusht."""
+    from ..agents import PolicyAgent
+    from ..envs.pusht import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults
+    from ..processor import ActionStats
+    from ..rewards import ClassifierRewardModel
+
+    runs = parse_policy_specs(policies)
+    pusht.require_gym_pusht()
+    for name, value in (("num_starts", num_starts), ("num_chunks", num_chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name}: expected an integer >= 1, got {value!r}")
+    assets = load_pusht_assets(assets_dir)
+    defaults = pusht_env_defaults(assets)
+    stats = ActionStats.from_json(defaults["action_stats"], mode=assets.meta.get("action_normalization", "minmax"))
+    overrides = {"engine": engine} if engine is not None else {"device": device}
+    env = make_pusht_vector_env(len(runs) * num_starts, assets_dir=assets.root, return_frames=True,
+                                reward_model=None, success_threshold=None, max_episode_steps=None, **overrides)
+    reward_model = ClassifierRewardModel.load(assets.reward_model, device=env.engine.device)
+
+    @torch.no_grad()
+    def score_frames(frames: np.ndarray) -> np.ndarray:
+        images = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float().div(255.0)
+        return reward_model.score_frames(images.to(env.engine.device)).float().cpu().numpy()
+
+    def make_agent() -> PolicyAgent:
+        return PolicyAgent(
+            env.engine, task=defaults["task"], domain=defaults["domain"], raw_action_dim=defaults["raw_action_dim"],
+            chunk=defaults["chunk"], num_steps=defaults["num_steps"], guidance_scale=defaults["guidance_scale"],
+            resolution_tier=defaults["resolution_tier"], fps=defaults["fps"], seed=seed,
+        )
+
+    try:
+        result = compare_policies(
+            [run.spec for run in runs], range(first_sim_seed, first_sim_seed + num_starts), vector_env=env,
+            score_frames=score_frames, stats=stats, num_chunks=num_chunks, make_agent=make_agent, seed=seed,
+        )
+    finally:
+        env.close()
+    result["assets"] = str(assets.root)
+    return result

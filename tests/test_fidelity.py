@@ -1,0 +1,180 @@
+"""Fidelity metrics (SSIM, Pearson, Spearman, MMRV) on hand-computed cases, and the world model vs simulator policy
+comparison (cosmos3_gym.sim.compare) end to end with a stand-in world model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from cosmos3_gym.errors import InputError
+from cosmos3_gym.processor import ActionStats
+from cosmos3_gym.sim.compare import (
+    SSIM_C1,
+    compare_policies,
+    mmrv,
+    parse_policy_specs,
+    pearson,
+    spearman,
+    ssim,
+)
+
+
+def test_ssim_identical_frames_is_one_and_constant_frames_match_the_formula():
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, size=(2, 32, 32, 3), dtype=np.uint8)
+    assert ssim(frames, frames) == pytest.approx(1.0, abs=1e-6)
+    # Constant gray frames a and b: zero variances, so SSIM = (2ab + C1) / (a^2 + b^2 + C1).
+    a, b = 51 / 255, 153 / 255
+    first, second = np.full((16, 16, 3), 51, np.uint8), np.full((16, 16, 3), 153, np.uint8)
+    assert ssim(first, second) == pytest.approx((2 * a * b + SSIM_C1) / (a * a + b * b + SSIM_C1), rel=1e-5)
+    # Structure matters: a frame against its inverse scores far below 1.
+    assert ssim(frames, 255 - frames) < 0.1
+
+
+def test_ssim_rejects_mismatched_or_small_frames():
+    with pytest.raises(InputError, match="shapes differ"):
+        ssim(np.zeros((16, 16, 3), np.uint8), np.zeros((17, 16, 3), np.uint8))
+    with pytest.raises(InputError, match="at least 11"):
+        ssim(np.zeros((8, 8, 3), np.uint8), np.zeros((8, 8, 3), np.uint8))
+
+
+def test_pearson_and_spearman_hand_computed():
+    # x = [1, 2, 3], y = [2, 4, 7]: sum dx dy = 5, sum dx^2 = 2, sum dy^2 = 114 / 9.
+    assert pearson([1, 2, 3], [2, 4, 7]) == pytest.approx(5 / math.sqrt(2 * 114 / 9))
+    assert pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(pearson([1, 1, 1], [1, 2, 3]))
+    # Monotonic but not linear: Spearman 1, Pearson below 1.
+    assert spearman([1, 2, 3], [1, 10, 100]) == pytest.approx(1.0)
+    assert pearson([1, 2, 3], [1, 10, 100]) < 0.99
+    # Ties share their average rank: ranks [1, 2.5, 2.5, 4] vs [1, 3, 2, 4] -> 4.5 / sqrt(4.5 * 5).
+    assert spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / math.sqrt(4.5 * 5))
+    with pytest.raises(InputError, match="same length"):
+        pearson([1, 2], [1, 2, 3])
+
+
+def test_mmrv_hand_computed():
+    real = [0.1, 0.5, 0.9]
+    assert mmrv([0.0, 0.2, 0.3], real) == 0.0  # same order
+    # Policies 0 and 1 swapped by the prediction: both get the violation |0.1 - 0.5|; policy 2 none.
+    assert mmrv([0.2, 0.1, 0.3], real) == pytest.approx((0.4 + 0.4 + 0.0) / 3)
+    # Fully reversed: 0 and 2 violate by 0.8 (their worst pair), 1 by 0.4.
+    assert mmrv([3, 2, 1], real) == pytest.approx((0.8 + 0.4 + 0.8) / 3)
+
+
+def test_parse_policy_specs():
+    runs = parse_policy_specs("random, scripted:0,scripted:12.5,agent")
+    assert [(r.kind, r.noise) for r in runs] == [("random", 0.0), ("scripted", 0.0), ("scripted", 12.5),
+                                                 ("agent", 0.0)]
+    assert [r.closed_loop_in_world_model for r in runs] == [False, False, False, True]
+    for bad in ("", "scripted:-1", "scripted:x", "ppo", "random,random"):
+        with pytest.raises(InputError, match="policies"):
+            parse_policy_specs(bad)
+
+
+class StandInVectorEnv:
+    """A world model that predicts "nothing moves": every chunk repeats the slot's current frame."""
+
+    def __init__(self, num_envs: int, chunk: int, image_size: int):
+        import gymnasium
+
+        self.num_envs = num_envs
+        self.single_action_space = gymnasium.spaces.Box(-1, 1, (chunk, 2), np.float32)
+        self.single_observation_space = gymnasium.spaces.Dict(
+            {"image": gymnasium.spaces.Box(0, 255, (image_size, image_size, 3), np.uint8)}
+        )
+        self.actions = []
+
+    def reset(self, seed=None, options=None):
+        self.frames = np.stack(options["frames"])
+        return {"image": self.frames}, {}
+
+    def step(self, actions):
+        self.actions.append(np.array(actions))
+        chunk = self.single_action_space.shape[0]
+        frames = np.repeat(self.frames[:, None], chunk, axis=1)
+        return {"image": self.frames}, np.zeros(self.num_envs), np.zeros(self.num_envs, bool), \
+            np.zeros(self.num_envs, bool), {"frames": frames}
+
+
+class StandInAgent:
+    def __init__(self, chunk: int):
+        self.chunk, self.calls = chunk, 0
+
+    def act(self, frames):
+        self.calls += 1
+        return np.full((len(frames), self.chunk, 2), 0.25, np.float32)
+
+
+def test_compare_policies_end_to_end_with_a_stand_in_world_model():
+    pytest.importorskip("gym_pusht")
+    from cosmos3_gym.sim import pusht
+
+    chunk, num_chunks, seeds = 4, 2, [3, 4]
+    stats = ActionStats.from_json({"min": [0.0, 0.0], "max": [512.0, 512.0]}, mode="minmax")
+    env = StandInVectorEnv(3 * len(seeds), chunk, 32)
+    agent = StandInAgent(chunk)
+    result = compare_policies(
+        "random,scripted:0,agent", seeds, vector_env=env, score_frames=lambda f: f.mean(axis=(1, 2, 3)) / 255.0,
+        stats=stats, num_chunks=num_chunks, make_agent=lambda: agent,
+    )
+    assert list(result["policies"]) == ["random", "scripted:0", "agent"]
+    assert len(env.actions) == num_chunks and env.actions[0].shape == (6, chunk, 2)
+    # The agent acts on the simulator's frames and, closed loop, on the world model's: once per chunk in each.
+    assert agent.calls == 2 * num_chunks
+    np.testing.assert_allclose(env.actions[0][4:], 0.25)
+    # Open loop: the world model replays the scripted pusher's simulator actions, so its first chunk is the
+    # pusher's first targets from the same start, normalised; the real coverage is the simulator's own.
+    final_coverage = []
+    for index, sim_seed in enumerate(seeds):
+        sim = pusht.PushTSim((32, 32))
+        try:
+            sim.reset(sim_seed)
+            pusher = pusht.ScriptedPusher(np.random.default_rng([0, sim_seed]))
+            targets = []
+            for _ in range(num_chunks * chunk):
+                targets.append(pusher(sim.agent_xy, sim.block_pose))
+                sim.step(targets[-1])
+            final_coverage.append(sim.coverage)
+        finally:
+            sim.close()
+        replayed = np.concatenate([actions[len(seeds) + index] for actions in env.actions])
+        np.testing.assert_allclose(replayed, np.clip(stats.normalize(np.stack(targets)), -1, 1), atol=1e-6)
+    scripted = result["policies"]["scripted:0"]["simulator"]
+    assert scripted["final_coverage"] == pytest.approx(np.mean(final_coverage))
+    # A world model where nothing moves predicts the same score for every policy at every step.
+    model_scores = {spec: entry["world_model"]["final_coverage"] for spec, entry in result["policies"].items()}
+    assert len(set(np.round(list(model_scores.values()), 9))) == 1
+    assert set(result["agreement"]) >= {"pearson", "spearman", "mmrv", "mean_absolute_error"}
+    json.dumps(result)  # serialisable as it is
+
+
+def test_compare_policies_checks_the_slot_count():
+    stats = ActionStats.from_json({"min": [0.0, 0.0], "max": [512.0, 512.0]}, mode="minmax")
+    with pytest.raises(InputError, match="slots"):
+        compare_policies("random,scripted:0", [1, 2], vector_env=StandInVectorEnv(3, 4, 32), score_frames=None,
+                         stats=stats, num_chunks=1)
+
+
+def test_cli_eval_real_rejects_a_bad_policy_spec(capsys):
+    from cosmos3_gym.cli import main
+
+    assert main(["eval-real", "--policies", "ppo"]) == 2
+    assert "policies" in capsys.readouterr().err
+
+
+def test_cli_eval_real_runs_the_builtin_model(tmp_path, capsys):
+    pytest.importorskip("gym_pusht")
+    from cosmos3_gym.cli import main
+    from cosmos3_gym.envs.pusht import builtin_checkpoint_dir
+
+    if builtin_checkpoint_dir() is None:
+        pytest.skip("the built-in PushT world model is not installed")
+    out = tmp_path / "comparison.json"
+    assert main(["eval-real", "--policies", "random,scripted:0", "--starts", "1", "--chunks", "1", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    assert "spearman" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert set(result["policies"]) == {"random", "scripted:0"}
