@@ -99,6 +99,26 @@ def test_input_errors_come_back_unchanged(replicas, tiny_checkpoint, tmp_path):
 
 
 @needs_ray
+def test_vector_env_slots_spread_over_ray_replicas(replicas, tiny_checkpoint):
+    """A vector env whose engine is the replica pool: one step sends half of the slots to each replica and gives
+    the same frames as the in-process engine."""
+    from cosmos3_gym.envs import WorldModelVectorEnv
+
+    frames = [np.asarray(image(i, (96, 128))) for i in range(4)]
+    kwargs = dict(domain="pusht", task="push", chunk=4, num_steps=2, guidance_scale=2.0, resolution_tier=256,
+                  initial_states=frames)
+    observations = []
+    for engine in (replicas, Cosmos3Engine.from_pretrained(tiny_checkpoint, **ENGINE_KWARGS)):
+        env = WorldModelVectorEnv(4, engine=engine, **kwargs)
+        env.reset(seed=0, options={"initial_state_index": [0, 1, 2, 3]})
+        obs, *_ = env.step(np.full((4, 4, 2), 0.25, dtype=np.float32))
+        observations.append(obs["image"].astype(int))
+        env.close()
+    assert replicas.action_dim == 64 and replicas.temporal_compression == 4
+    assert np.abs(observations[0] - observations[1]).max() <= 1
+
+
+@needs_ray
 def test_close_is_idempotent(replicas):
     replicas.close()
     replicas.close()

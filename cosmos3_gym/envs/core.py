@@ -32,7 +32,6 @@ from gymnasium import spaces
 
 from .. import processor
 from ..engine import Cosmos3Engine, Cosmos3Request
-from ..parallel.client import Cosmos3EngineClient
 from ..parallel.mesh import ParallelConfig
 from ..errors import InputError
 from ..media import to_uint8
@@ -388,7 +387,8 @@ def _resolve_engine(checkpoint, engine, device, dtype, parallel: ParallelConfig)
     if engine is not None:
         if checkpoint is not None:
             raise InputError("checkpoint: give either checkpoint= or engine=, not both.")
-        if not isinstance(engine, (Cosmos3Engine, Cosmos3EngineClient)):
+        # A Cosmos3Engine, its client-mode handle, or RayEngineReplicas (the vector env's slots spread over them).
+        if not all(callable(getattr(engine, name, None)) for name in ("step", "close", "offload", "onload")):
             raise InputError(f"engine: expected a Cosmos3Engine, got {type(engine).__name__}.")
         return engine
     if checkpoint is None:

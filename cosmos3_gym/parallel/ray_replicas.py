@@ -37,6 +37,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..engine import Cosmos3Request, resolve_parallel_config
 from ..errors import InputError
 
@@ -54,10 +56,14 @@ class _EngineReplica:
         self._path_or_id, self._engine_kwargs = path_or_id, engine_kwargs
         self._engine = None
 
-    def load(self) -> None:
+    def load(self) -> dict[str, int]:
         from ..engine import Cosmos3Engine  # imported in the actor's process
 
         self._engine = Cosmos3Engine.from_pretrained(self._path_or_id, **self._engine_kwargs)
+        return {"action_dim": self._engine.action_dim, "temporal_compression": self._engine.temporal_compression}
+
+    def call(self, method: str) -> None:
+        getattr(self._engine, method)()
 
     def step(self, requests, decode):
         return self._engine.step(requests, decode=decode)
@@ -102,10 +108,26 @@ class RayEngineReplicas:
         self._replicas = [actor_class.remote(str(path_or_id), engine_kwargs) for _ in range(num_replicas)]
         self._closed = False
         try:
-            self._get([replica.load.remote() for replica in self._replicas], "loading the engine")
+            facts = self._get([replica.load.remote() for replica in self._replicas], "loading the engine")[0]
         except BaseException:
             self.close()
             raise
+        self.action_dim: int = facts["action_dim"]
+        self.temporal_compression: int = facts["temporal_compression"]
+
+    # What an env needs to see of an engine (results come back on the CPU; no VAE in the caller's process).
+    device = torch.device("cpu")
+    vae = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def offload(self) -> None:
+        self._get([replica.call.remote("offload") for replica in self._replicas], "offload")
+
+    def onload(self) -> None:
+        self._get([replica.call.remote("onload") for replica in self._replicas], "onload")
 
     def step(self, requests, *, decode: bool | None = None):
         """Run one request (on the first replica; returns a ``Cosmos3Result``) or a list (split contiguously over
