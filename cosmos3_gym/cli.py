@@ -247,6 +247,11 @@ def run_demo(args: argparse.Namespace) -> None:
     print(report.table())
     videos = [e.video for e in report.episodes if e.video is not None]
     print(f"wrote {Path(args.out) / 'report.json'} and {len(videos)} videos in {args.out}: {', '.join(videos)}")
+    side_by_side = report.settings.get("side_by_side")
+    if side_by_side:
+        what = "the real simulator next to the world model" if side_by_side["mode"] == "side_by_side" else \
+            "the world model driven by its own policy (pip install gym-pusht for the simulator next to it)"
+        print(f"and {side_by_side['path']}: {what}")
 
 
 def _json_object(text: str) -> dict:
