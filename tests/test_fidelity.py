@@ -170,8 +170,7 @@ def test_cli_eval_real_runs_the_builtin_model(tmp_path, capsys):
     from cosmos3_gym.cli import main
     from cosmos3_gym.envs.pusht import builtin_checkpoint_dir
 
-    if builtin_checkpoint_dir() is None:
-        pytest.skip("the built-in PushT world model is not installed")
+    assert builtin_checkpoint_dir() is not None  # it ships inside the package
     out = tmp_path / "comparison.json"
     assert main(["eval-real", "--policies", "random,scripted:0", "--starts", "1", "--chunks", "1", "--device", "cpu",
                  "--out", str(out)]) == 0

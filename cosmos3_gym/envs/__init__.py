@@ -8,11 +8,11 @@ with Gymnasium for ``gym.make`` / ``gym.make_vec``.
 
 from __future__ import annotations
 
-import gymnasium
-
 from .core import REWARD_MODES, model_frame_size
 from .initial_states import InitialState, InitialStateSource, load_initial_states
-from .pusht import PUSHT_ENV_ID, builtin_checkpoint_dir, make_pusht_env, make_pusht_vector_env, register_pusht_env
+from .pusht import (
+    PUSHT_ENV_ID, builtin_checkpoint_dir, make_pusht_env, make_pusht_vector_env, register_env, register_pusht_env,
+)
 from .sb3 import SB3VecEnv
 from .vector_env import WorldModelVectorEnv
 from .world_model_env import WorldModelEnv
@@ -47,14 +47,7 @@ def register_envs() -> None:
     the order of calls itself (``InputError`` for step before reset), so Gymnasium's ``OrderEnforcing`` is off.
     """
     register_pusht_env()
-    if ENV_ID in gymnasium.registry:
-        return
-    gymnasium.register(
-        id=ENV_ID,
-        entry_point="cosmos3_gym.envs:make_world_model_env",
-        vector_entry_point="cosmos3_gym.envs:make_world_model_vector_env",
-        order_enforce=False,
-    )
+    register_env(ENV_ID, "cosmos3_gym.envs:make_world_model_env", "cosmos3_gym.envs:make_world_model_vector_env")
 
 
 def _uses_builtin_model(kwargs: dict) -> bool:

@@ -186,14 +186,15 @@ def pusht_env_arguments(assets_dir: str | os.PathLike | None = None, **overrides
 
 def register_pusht_env() -> None:
     """Register ``cosmos3_gym/PushT-v0`` (idempotent). The assets are looked for when an env is made."""
-    if PUSHT_ENV_ID in gymnasium.registry:
-        return
-    gymnasium.register(
-        id=PUSHT_ENV_ID,
-        entry_point="cosmos3_gym.envs.pusht:make_pusht_env",
-        vector_entry_point="cosmos3_gym.envs.pusht:make_pusht_vector_env",
-        order_enforce=False,
-    )
+    register_env(PUSHT_ENV_ID, "cosmos3_gym.envs.pusht:make_pusht_env", "cosmos3_gym.envs.pusht:make_pusht_vector_env")
+
+
+def register_env(env_id: str, entry_point: str, vector_entry_point: str) -> None:
+    """Register an env id once, for gym.make and gym.make_vec. The envs check the order of calls themselves
+    (``InputError`` for step before reset), so Gymnasium's ``OrderEnforcing`` is off."""
+    if env_id not in gymnasium.registry:
+        gymnasium.register(id=env_id, entry_point=entry_point, vector_entry_point=vector_entry_point,
+                           order_enforce=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
