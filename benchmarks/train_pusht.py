@@ -20,8 +20,13 @@ Needs gym-pusht (the ``sim`` extra). Stages:
 6. evaluate (``fidelity_pusht_chunks.evaluate``: PSNR per chunk against the simulator, policy mode in the simulator
    against random actions) and render a side-by-side video (simulator | world model, same start, same actions).
 
-Stage 6 is skipped when less than ``--eval-reserve-s`` of ``--deadline-s`` is left. Files in ``--out`` (at most 8,
-no folders): train_pusht.json (stages, timings, sizes, configs, last losses, provenance), fidelity_pusht_chunks.json,
+Stage 6 is skipped when less than ``--eval-reserve-s`` of ``--deadline-s`` is left. A run too long for one call
+splits in two, over the same simulated data (episodes depend only on the seed)::
+
+    python benchmarks/train_pusht.py --part first --out $OUT     # stages 1, 2, 4 -> $OUT/first_part.tar.gz
+    python benchmarks/train_pusht.py --part second --first-part first_part.tar.gz --out $OUT   # stages 1, 3, 5, 6
+
+Files in ``--out`` (at most 8, no folders): train_pusht.json (train_pusht_first/_second.json) (stages, timings, sizes, configs, last losses, provenance), fidelity_pusht_chunks.json,
 pusht_assets.tar.gz, side_by_side.mp4, vae_log.jsonl, world_model_log.jsonl. Datasets, latent caches and training
 states stay in ``--work``.
 """
@@ -61,9 +66,10 @@ SIM_EPISODE_STEPS = 300
 
 FULL = dict(
     episodes=256, steps_per_episode=128, image_size=256, heldout_episodes=32, initial_states=48,
-    vae_seconds=100.0, vae_max_steps=5000, vae_batch=8, vae_lr=1e-3, vae_contrast_weight=10.0, vae_base_dim=12,
+    vae_seconds=100.0, vae_max_steps=20000, vae_batch=8, vae_lr=1e-3, vae_contrast_weight=10.0, vae_base_dim=12,
     vae_decoder_dim=20, vae_z_dim=16,
-    wm_seconds=140.0, wm_max_steps=8000, wm_batch=32, wm_lr=5e-4, wm_warmup=200, hidden=256, layers=4, heads=8,
+    wm_seconds=140.0, wm_max_steps=20000, wm_batch=32, wm_lr=5e-4, wm_warmup=200, wm_policy_episodes="successful",
+    hidden=256, layers=4, heads=8,
     kv_heads=4, head_dim=32, intermediate=768, chunk=8, rm_episodes=128, rm_frames=20000, rm_epochs=4,
     rm_input_size=96, fidelity_episodes=16, fidelity_chunks=4, policy_episodes=32, policy_chunks=16, video_chunks=8,
 )
@@ -78,6 +84,7 @@ SMOKE = dict(
 # Training speed is measured with this many steps on a few episodes (the second half of them timed), then the
 # stage gets the steps that fit its time budget, at least MIN_STEPS and at most its --*-max-steps.
 PROBE_STEPS, PROBE_EPISODES, MIN_STEPS = 40, 4, 4
+FIRST_PART_ARCHIVE = "first_part.tar.gz"  # what --part first hands to --part second: vae/ and assets/pusht/
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -94,9 +101,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-size-mb", type=float, default=25.0, help="fail when the assets are larger")
     parser.add_argument("--deadline-s", type=float, default=560.0, help="whole run, for skipping evaluation")
     parser.add_argument("--eval-reserve-s", type=float, default=75.0, help="time evaluation needs")
+    parser.add_argument("--part", choices=("all", "first", "second"), default="all",
+                        help="first: data, VAE and reward model only; second: the rest, from --first-part")
+    parser.add_argument("--first-part", default=None, help="first_part.tar.gz of a --part first run (same seed)")
     for name, value in FULL.items():  # every size and step count, defaulting to FULL (or SMOKE with --smoke)
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     args = parser.parse_args(argv)
+    if (args.part == "second") != (args.first_part is not None):
+        parser.error("--first-part goes with --part second, and --part second needs it")
     for name, value in (SMOKE if args.smoke else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -107,8 +119,8 @@ class Stages:
     """Times each stage and collects what it reports into one results dict, written to ``out`` after every stage
     (so a run cut off by a time limit still tells how far it got)."""
 
-    def __init__(self, out: Path):
-        self.out = out
+    def __init__(self, out: Path, filename: str):
+        self.out, self.filename = out, filename
         self.started = time.perf_counter()
         self.results: dict[str, Any] = {"stages": {}}
 
@@ -122,7 +134,7 @@ class Stages:
         self.results["stages"][name] = {"seconds": round(time.perf_counter() - start, 2), **(report or {})}
         self.results["total_seconds"] = round(self.elapsed(), 2)
         print(f"== {name}: {self.results['stages'][name]['seconds']} s", flush=True)
-        write_results(self.results, "train_pusht.json", str(self.out))
+        write_results(self.results, self.filename, str(self.out))
         return report
 
 
@@ -300,15 +312,24 @@ def main(argv: list[str] | None = None) -> dict:
     if assets.exists():
         shutil.rmtree(assets)
     assets.mkdir(parents=True)
-    stages = Stages(out)
+    stages = Stages(out, "train_pusht.json" if args.part == "all" else f"train_pusht_{args.part}.json")
     stages.results.update(provenance=provenance(), arguments=vars(args), work=str(work))
 
     try:
         stages.run("simulate", simulate, args, work)
-        stages.run("start_frames", start_frames, args, assets)
-        stages.run("vae", vae_stage, args, work)
+        if args.part == "second":
+            with tarfile.open(args.first_part) as tar:
+                tar.extractall(work, filter="data")
+        else:
+            stages.run("start_frames", start_frames, args, assets)
+            stages.run("vae", vae_stage, args, work)
+            stages.run("reward_model", reward_model_stage, args, work, assets)
+        if args.part == "first":
+            with tarfile.open(out / FIRST_PART_ARCHIVE, "w:gz") as tar:
+                tar.add(work / "vae", arcname="vae")
+                tar.add(assets, arcname=str(assets.relative_to(work)))
+            return stages.results
         stages.run("world_model", world_model_stage, args, work, assets)
-        stages.run("reward_model", reward_model_stage, args, work, assets)
         stages.run("package", package, args, assets, out)
         if args.deadline_s - stages.elapsed() >= args.eval_reserve_s:
             stages.run("evaluate", evaluate_stage, args, work, assets, out)
@@ -320,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
             if source.is_file():
                 shutil.copyfile(source, out / name)
         stages.results["total_seconds"] = round(stages.elapsed(), 2)
-        write_results(stages.results, "train_pusht.json", str(out))
+        write_results(stages.results, stages.filename, str(out))
     return stages.results
 
 

@@ -7,6 +7,7 @@ latent cache) so the whole file stays fast.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 
 from cosmos3_gym import cli, processor
 from cosmos3_gym.checkpoint import TINY_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG, load_safetensors_state_dict
-from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
+from cosmos3_gym.engine import MODES, Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.models.transformer import (
     Cosmos3Transformer,
@@ -35,7 +36,9 @@ from cosmos3_gym.training import (
     train_vae,
     train_world_model,
 )
-from cosmos3_gym.training.data import build_training_windows, encode_episode_windows, read_dataset
+from cosmos3_gym.training.data import (
+    TrainingWindows, build_training_windows, encode_episode_windows, read_dataset,
+)
 from cosmos3_gym.training.distributed import init_distributed
 from cosmos3_gym.training.flow_matching import (
     FlowMatchingBatch,
@@ -45,7 +48,8 @@ from cosmos3_gym.training.flow_matching import (
     timesteps_from_sigmas,
 )
 from cosmos3_gym.training.vae import _ClipBatches
-from cosmos3_gym.training.world_model import enable_gradient_checkpointing
+from cosmos3_gym.training.schedule import learning_rate
+from cosmos3_gym.training.world_model import enable_gradient_checkpointing, sample_batch
 
 from dist_utils import run_distributed
 
@@ -415,3 +419,54 @@ def test_bad_inputs_name_the_field(work, dataset, vae_dir, tmp_path):
         read_dataset(broken)
     with pytest.raises(InputError, match="chunk"):
         train_world_model(dataset, tmp_path / "x", world_model_config(work, chunk=64), vae_dir)
+
+
+def _windows(successful: list[bool]) -> TrainingWindows:
+    n = len(successful)
+    return TrainingWindows(
+        latents=torch.zeros(n, 16, 2, 2, 2), actions=torch.zeros(n, CHUNK, 2),
+        prompt_index=torch.zeros(n, dtype=torch.long),
+        prompts=[([1, 2], [3])], episode_index=torch.arange(n), start=torch.zeros(n, dtype=torch.long),
+        successful=torch.tensor(successful), canvas_hw=(32, 32),
+    )
+
+
+@pytest.mark.parametrize("policy_episodes", ["all", "successful"])
+def test_policy_mode_can_be_kept_to_successful_episodes(work, policy_episodes):
+    windows = _windows([True, False, False, False])
+    config = world_model_config(work, batch_size=256, policy_episodes=policy_episodes,
+                                mode_probs={"policy": 0.5, "forward_dynamics": 0.3, "inverse_dynamics": 0.2})
+    policy, forward = MODES.index("policy"), MODES.index("forward_dynamics")
+    seen = {True: [], False: []}
+    for step in range(4):
+        batch = sample_batch(windows, torch.Generator().manual_seed(step), config, domain_id=4, raw_action_dim=2,
+                             action_dim=32, fps=FPS)
+        # sample_batch draws the windows first, so the same seed tells which window each sample is
+        drawn = torch.randint(len(windows), (config.batch_size,), generator=torch.Generator().manual_seed(step))
+        for i, mode in zip(drawn.tolist(), batch.modes.tolist()):
+            seen[bool(windows.successful[i])].append(mode)
+    unsuccessful = torch.tensor(seen[False])
+    assert (torch.tensor(seen[True]) == policy).any()  # successful windows still train the policy
+    if policy_episodes == "all":
+        assert (unsuccessful == policy).float().mean() > 0.35
+    else:
+        assert not (unsuccessful == policy).any()
+        assert (unsuccessful == forward).float().mean() > 0.6  # demoted to forward dynamics, not dropped
+
+
+def test_policy_episodes_successful_needs_a_successful_episode(work, dataset, vae_dir, tmp_path):
+    with pytest.raises(InputError, match="policy_episodes"):
+        world_model_config(work, policy_episodes="best").validate()
+    with pytest.raises(InputError, match="policy_episodes: 'successful', but no episode"):
+        train_world_model(dataset, tmp_path / "x", world_model_config(work, policy_episodes="successful"), vae_dir)
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    config = VAETrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    rates = [learning_rate(config, step) for step in range(100)]
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
+    assert rates[-1] == pytest.approx(1e-4, rel=0.01)
+    assert learning_rate(dataclasses.replace(config, lr_schedule="constant"), 99) == 1e-3
+    with pytest.raises(InputError, match="lr_schedule"):
+        VAETrainConfig(lr_schedule="linear").validate()

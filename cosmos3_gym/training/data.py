@@ -9,7 +9,8 @@ Dataset layout (the contract between data generation and training)::
                    {"action": {"min": [...], "max": [...], "mean": [...], "std": [...], "q01": [...], "q99": [...]}}
       episodes/episode_000000.npz
                    frames uint8 [T+1, H, W, 3]; actions float32 [T, raw_action_dim] (RAW units, not normalised);
-                   task (0-d str array); optional: rewards [T], coverage [T+1], success, policy (ignored here)
+                   task (0-d str array); optional: success (0-d bool; WorldModelTrainConfig.policy_episodes
+                   can keep policy-mode samples to successful episodes), rewards [T], coverage [T+1], policy
 
 Action ``t`` takes frame ``t`` to frame ``t + 1``. A training window starting at frame ``s`` holds frames
 ``s .. s+chunk`` (chunk + 1 frames, the clip the engine generates) and actions ``s .. s+chunk-1``; windows start
@@ -65,6 +66,7 @@ class Episode:
     frames: np.ndarray | None  # uint8 [T+1, H, W, 3]; None when loaded without frames
     actions: np.ndarray  # float32 [T, raw_action_dim], raw units
     task: str
+    success: bool | None = None  # the optional 'success' array; None when the file has none
 
     @property
     def num_actions(self) -> int:
@@ -124,6 +126,7 @@ def load_episode(path: Path, raw_action_dim: int, *, with_frames: bool = True) -
         with np.load(path, allow_pickle=False) as data:
             actions, task = data["actions"], data["task"]
             frames = data["frames"] if with_frames else None
+            success = bool(data["success"]) if "success" in data.files else None
     except KeyError as error:
         raise InputError(f"dataset: {path} lacks the array {error.args[0]!r}") from error
     except (OSError, ValueError) as error:
@@ -142,7 +145,7 @@ def load_episode(path: Path, raw_action_dim: int, *, with_frames: bool = True) -
         raise InputError(f"dataset: {path} 'actions' contains NaN or infinity")
     if task.shape != () or task.dtype.kind not in "US":
         raise InputError(f"dataset: {path} 'task' must be a 0-d string array, got {task.dtype} {task.shape}")
-    return Episode(frames=frames, actions=actions, task=str(task))
+    return Episode(frames=frames, actions=actions, task=str(task), success=success)
 
 
 def window_starts(num_actions: int, chunk: int, stride: int) -> list[int]:
@@ -169,6 +172,7 @@ class TrainingWindows:
     prompts: list[tuple[list[int], list[int]]]
     episode_index: torch.Tensor  # [N] long (into DatasetInfo.episode_paths)
     start: torch.Tensor  # [N] long (first frame of the window)
+    successful: torch.Tensor  # [N] bool: the window's episode has success=True
     canvas_hw: tuple[int, int]
 
     def __len__(self) -> int:
@@ -277,7 +281,7 @@ def build_training_windows(
 
     prompts: list[tuple[list[int], list[int]]] = []
     prompt_of_key: dict[tuple, int] = {}
-    latents, actions, prompt_index, episode_index, window_start = [], [], [], [], []
+    latents, actions, prompt_index, episode_index, window_start, successful = [], [], [], [], [], []
     canvas_hw = latent_shape = None
     for i, (episode, starts) in enumerate(zip(episodes, starts_per_episode)):
         if not starts:
@@ -306,6 +310,7 @@ def build_training_windows(
         prompt_index += [prompt_of_key[key]] * len(starts)
         episode_index += [i] * len(starts)
         window_start += starts
+        successful += [bool(episode.success)] * len(starts)
     return TrainingWindows(
         latents=torch.cat(latents),
         actions=torch.cat(actions),
@@ -313,5 +318,6 @@ def build_training_windows(
         prompts=prompts,
         episode_index=torch.tensor(episode_index),
         start=torch.tensor(window_start),
+        successful=torch.tensor(successful, dtype=torch.bool),
         canvas_hw=canvas_hw,
     )

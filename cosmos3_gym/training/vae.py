@@ -34,6 +34,7 @@ from ..errors import InputError
 from ..models.vae import WAN22_FIXED_CONFIG
 from .data import load_episode, read_dataset
 from .distributed import init_distributed
+from .schedule import LR_SCHEDULES, learning_rate
 
 
 @dataclass
@@ -53,6 +54,8 @@ class VAETrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     warmup_steps: int = 200
+    lr_schedule: str = "cosine"  # after warmup: "constant", or cosine decay to min_lr_ratio * lr at `steps`
+    min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
     frames_per_clip: int = 5  # 1 + 4k
     resolution_tier: int = 256
@@ -97,6 +100,10 @@ class VAETrainConfig:
                 fail(name, "a finite number >= 0")
         if self.lr == 0:
             fail("lr", "a positive number")
+        if self.lr_schedule not in LR_SCHEDULES:
+            fail("lr_schedule", f"one of {list(LR_SCHEDULES)}")
+        if not isinstance(self.min_lr_ratio, (int, float)) or not 0 <= self.min_lr_ratio <= 1:
+            fail("min_lr_ratio", "a number in [0, 1]")
 
     def autoencoder_config(self) -> dict:
         return {
@@ -235,7 +242,7 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
     started = time.perf_counter()
     bar = tqdm(total=config.steps, desc="training VAE", disable=not config.progress)
     for step, (pixels, latent_hw, noise_seed) in enumerate(loader, start=1):
-        lr = config.lr * min(1.0, step / config.warmup_steps) if config.warmup_steps else config.lr
+        lr = learning_rate(config, step - 1)
         for group in optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):

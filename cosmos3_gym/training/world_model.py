@@ -48,6 +48,7 @@ from ..models.vae import Cosmos3VAE
 from .data import TrainingWindows, build_training_windows, read_dataset
 from .distributed import DistributedContext, init_distributed
 from .export import SAVE_DTYPES, export_checkpoint
+from .schedule import LR_SCHEDULES, learning_rate
 from .flow_matching import (
     NATIVE_FLOW_SHIFT_BY_TIER,
     SIGMA_DISTRIBUTIONS,
@@ -75,7 +76,7 @@ DEFAULT_MODEL_CONFIG: dict[str, Any] = {
     "num_embodiment_domains": processor.NUM_EMBODIMENT_DOMAINS,
 }
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LR_SCHEDULES = ("constant", "cosine")
+POLICY_EPISODES = ("all", "successful")
 STATE_FORMAT_VERSION = 1
 
 
@@ -102,6 +103,10 @@ class WorldModelTrainConfig:
     mode_probs: dict = field(
         default_factory=lambda: {"policy": 0.4, "forward_dynamics": 0.4, "inverse_dynamics": 0.2}
     )
+    # "successful": policy-mode samples come only from episodes whose file says success=True (filtered behaviour
+    # cloning: the policy imitates what worked, while both dynamics modes still learn from every episode); a window
+    # of another episode that draws policy mode trains forward dynamics instead.
+    policy_episodes: str = "all"
     uncond_prob: float = 0.1
     flow_shift: float | None = None  # None: native Cosmos3 training's shift for the tier (256: 3, 480: 5, 720: 10)
     sigma_distribution: str = "logit_normal"  # of u before the shift: "logit_normal" (SD3) or "uniform"
@@ -165,6 +170,8 @@ class WorldModelTrainConfig:
             fail("betas", "two numbers in [0, 1)")
         if self.lr_schedule not in LR_SCHEDULES:
             fail("lr_schedule", f"one of {list(LR_SCHEDULES)}")
+        if self.policy_episodes not in POLICY_EPISODES:
+            fail("policy_episodes", f"one of {list(POLICY_EPISODES)}")
         if self.sigma_distribution not in SIGMA_DISTRIBUTIONS:
             fail("sigma_distribution", f"one of {list(SIGMA_DISTRIBUTIONS)}")
         if self.param_dtype not in PARAM_DTYPES:
@@ -348,18 +355,6 @@ def training_step(
     return out, grad_norm
 
 
-def learning_rate(config: WorldModelTrainConfig, step: int) -> float:
-    """Linear warmup over ``warmup_steps``, then constant or cosine decay to ``min_lr_ratio * lr`` at ``steps``."""
-    if config.warmup_steps and step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if config.lr_schedule == "constant":
-        return config.lr
-    span = max(config.steps - config.warmup_steps, 1)
-    progress = min(max(step - config.warmup_steps, 0) / span, 1.0)
-    floor = config.min_lr_ratio * config.lr
-    return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 class EMA:
     """Float32 exponential moving average of the trainable parameters (exported instead of the raw weights)."""
 
@@ -412,6 +407,9 @@ def sample_batch(
     b = config.batch_size
     index = torch.randint(len(windows), (b,), generator=generator)
     modes = torch.multinomial(config.mode_probability_tensor(), b, replacement=True, generator=generator)
+    if config.policy_episodes == "successful":
+        demoted = (modes == MODES.index("policy")) & ~windows.successful[index]
+        modes = torch.where(demoted, MODES.index("forward_dynamics"), modes)
     uncond = (torch.rand(b, generator=generator) < config.uncond_prob).tolist()
     sigmas = sample_sigmas(
         b, generator, shift=config.resolved_flow_shift, distribution=config.sigma_distribution,
@@ -610,6 +608,12 @@ class WorldModelTrainer:
         )
         latent_channels = vae.latent_channels
         del vae
+        if config.policy_episodes == "successful" and config.mode_probs.get("policy", 0) > 0 \
+                and not bool(self.windows.successful.any()):
+            raise InputError(
+                f"policy_episodes: 'successful', but no episode of {self.info.root} has success=True (the optional "
+                f"'success' array of an episode file)"
+            )
         self.windows.latents = self.windows.latents.to(device)
 
         self.transformer_config = resolve_transformer_config(config, len(self.tokenizer), latent_channels)
