@@ -77,7 +77,7 @@ FULL = dict(
 SMOKE = dict(
     FULL, episodes=6, steps_per_episode=20, image_size=64, heldout_episodes=3, initial_states=4,
     vae_seconds=2.0, vae_max_steps=8, vae_batch=2, vae_base_dim=4, vae_decoder_dim=8, wm_seconds=2.0,
-    wm_max_steps=8, wm_batch=2, wm_warmup=2, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+    wm_max_steps=8, wm_batch=2, wm_warmup=2, wm_policy_episodes="all", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
     intermediate=128, chunk=4, rm_frames=64, rm_epochs=1, rm_input_size=32, fidelity_episodes=2, fidelity_chunks=4,
     policy_episodes=2, policy_chunks=2, video_chunks=2,
 )
@@ -189,23 +189,27 @@ def vae_stage(args, work: Path) -> dict:
             "last_log": last_log_line(work / "vae" / "train_log.jsonl")}
 
 
-def world_model_stage(args, work: Path, assets: Path) -> dict:
+def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     model = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
              "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate_size": args.intermediate}
     # The interleaved mRoPE sections (t, h, w) add up to head_dim / 2, split 2:1:1 as in DEFAULT_MODEL_CONFIG.
     quarter = args.head_dim // 8
     model["rope_scaling"] = {"mrope_section": [args.head_dim // 2 - 2 * quarter, quarter, quarter]}
     config = WorldModelTrainConfig(
-        model=model, chunk=args.chunk, resolution_tier=256, batch_size=args.wm_batch, lr=args.wm_lr, seed=args.seed,
-        device=args.device, save_every=0, save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype,
-        encode_batch_size=32,
+        model=model, chunk=args.chunk, resolution_tier=256, batch_size=args.wm_batch, lr=args.wm_lr,
+        policy_episodes=args.wm_policy_episodes, seed=args.seed, device=args.device, save_every=0,
+        save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=32,
+        encode_workers=min(8, args.workers) if args.device.startswith("cuda") else 0,
+        cache_dir=str(work / "latent_cache"),
     )
+    # The probe runs on the whole dataset, so it also encodes (and caches) every window's latents: the budget left
+    # after it is all training.
     probe = dataclasses.replace(config, steps=PROBE_STEPS, warmup_steps=0, log_every=PROBE_STEPS // 2,
                                 work_dir=str(work / "world_model_probe" / "training"))
-    train_world_model(probe_dataset(work), work / "world_model_probe", probe, vae_dir=work / "vae")
+    train_world_model(work / "dataset", work / "world_model_probe", probe, vae_dir=work / "vae")
     log = last_log_line(work / "world_model_probe" / "training" / "log.jsonl")
     steps_per_s = log["samples_per_s"] / config.batch_size
-    steps = steps_for_budget(steps_per_s, args.wm_seconds, args.wm_max_steps)
+    steps = steps_for_budget(steps_per_s, min(args.wm_seconds, seconds_left()), args.wm_max_steps)
     config = dataclasses.replace(config, steps=steps, warmup_steps=min(args.wm_warmup, steps // 5),
                                  work_dir=str(work / "world_model"))
     checkpoint = assets / CHECKPOINT_DIR
@@ -329,7 +333,9 @@ def main(argv: list[str] | None = None) -> dict:
                 tar.add(work / "vae", arcname="vae")
                 tar.add(assets, arcname=str(assets.relative_to(work)))
             return stages.results
-        stages.run("world_model", world_model_stage, args, work, assets)
+        # what is left of --deadline-s after evaluation's reserve and the export (about 30 s)
+        seconds_left = lambda: args.deadline_s - args.eval_reserve_s - 30.0 - stages.elapsed()  # noqa: E731
+        stages.run("world_model", world_model_stage, args, work, assets, seconds_left)
         stages.run("package", package, args, assets, out)
         if args.deadline_s - stages.elapsed() >= args.eval_reserve_s:
             stages.run("evaluate", evaluate_stage, args, work, assets, out)
