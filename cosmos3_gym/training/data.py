@@ -215,18 +215,7 @@ def encode_episode_windows(
 
     Also returns the conditioning of the whole episode (for its canvas and latent sizes).
     """
-    return encode_conditioned_windows(vae, episode_conditioning(frames, resolution_tier), starts, chunk, batch_size)
-
-
-def episode_conditioning(frames: np.ndarray, resolution_tier: int) -> processor.Conditioning:
-    """The whole episode on the tier's canvas (host work, done once per episode)."""
-    return processor.prepare_conditioning(frames, resolution_tier, int(frames.shape[0]))
-
-
-@torch.no_grad()
-def encode_conditioned_windows(
-    vae, cond: processor.Conditioning, starts: list[int], chunk: int, batch_size: int
-) -> tuple[torch.Tensor, processor.Conditioning]:
+    cond = episode_conditioning(frames, resolution_tier)
     h, w = cond.latent_hw
     pixels = cond.pixels  # [1, 3, T+1, H, W] on the host; windows go to the VAE's device batch by batch
     latents = []
@@ -234,6 +223,11 @@ def encode_conditioned_windows(
         clips = torch.cat([pixels[:, :, s : s + chunk + 1] for s in starts[first : first + batch_size]])
         latents.append(vae.encode(clips.to(vae.vae.device))[..., :h, :w].cpu())
     return torch.cat(latents), cond
+
+
+def episode_conditioning(frames: np.ndarray, resolution_tier: int) -> processor.Conditioning:
+    """The whole episode on the tier's canvas (host work, done once per episode)."""
+    return processor.prepare_conditioning(frames, resolution_tier, int(frames.shape[0]))
 
 
 class _EpisodeConditionings(torch.utils.data.Dataset):
@@ -298,13 +292,36 @@ def build_training_windows(
     )
     bar = tqdm(zip(todo, conditionings), total=len(todo), desc="encoding windows",
                disable=not progress or not todo, leave=False)
-    for i, cond in bar:
-        latents, cond = encode_conditioned_windows(vae, cond, starts_per_episode[i], chunk, encode_batch_size)
+
+    def save(i: int, latents: torch.Tensor, cond: processor.Conditioning) -> None:
         target = cache / f"{info.episode_paths[i].stem}.safetensors"
         temporary = target.with_suffix(f".tmp{rank}")
         save_file({"latents": latents.contiguous()}, temporary,
                   metadata={"canvas_hw": json.dumps(list(cond.canvas_hw))})
         os.replace(temporary, target)  # atomic: a crash never leaves a half-written cache file behind
+
+    # The windows of several episodes share a VAE batch: one episode's windows are too few to keep a GPU busy.
+    pending: list[tuple[int, processor.Conditioning]] = []
+
+    def flush() -> None:
+        if pending:
+            clips = [c.pixels[:, :, s : s + chunk + 1] for i, c in pending for s in starts_per_episode[i]]
+            h, w = pending[0][1].latent_hw
+            latents = torch.cat([
+                vae.encode(torch.cat(clips[first : first + encode_batch_size]).to(vae.vae.device))[..., :h, :w].cpu()
+                for first in range(0, len(clips), encode_batch_size)
+            ])
+            for (i, cond), part in zip(pending, latents.split([len(starts_per_episode[i]) for i, _ in pending])):
+                save(i, part, cond)
+            pending.clear()
+
+    for i, cond in bar:
+        if pending and cond.pixels.shape[-2:] != pending[0][1].pixels.shape[-2:]:
+            flush()  # a batch holds one canvas size
+        pending.append((i, cond))
+        if sum(len(starts_per_episode[j]) for j, _ in pending) >= encode_batch_size:
+            flush()
+    flush()
     if world_size > 1:
         dist.barrier()
 
