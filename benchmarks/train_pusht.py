@@ -69,6 +69,7 @@ FULL = dict(
     vae_seconds=100.0, vae_max_steps=20000, vae_batch=8, vae_lr=1e-3, vae_contrast_weight=10.0, vae_base_dim=12,
     vae_decoder_dim=20, vae_z_dim=16,
     wm_seconds=140.0, wm_max_steps=20000, wm_batch=32, wm_lr=5e-4, wm_warmup=200, wm_policy_episodes="successful",
+    wm_cond_noise=0.2,
     hidden=256, layers=4, heads=8,
     kv_heads=4, head_dim=32, intermediate=768, chunk=8, rm_episodes=128, rm_frames=20000, rm_epochs=4,
     rm_input_size=96, fidelity_episodes=16, fidelity_chunks=4, policy_episodes=32, policy_chunks=16, video_chunks=8,
@@ -104,6 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--part", choices=("all", "first", "second"), default="all",
                         help="first: data, VAE and reward model only; second: the rest, from --first-part")
     parser.add_argument("--first-part", default=None, help="first_part.tar.gz of a --part first run (same seed)")
+    parser.add_argument("--wm-init", default=None, help="fine-tune this checkpoint's transformer instead of a new one")
     for name, value in FULL.items():  # every size and step count, defaulting to FULL (or SMOKE with --smoke)
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     args = parser.parse_args(argv)
@@ -196,8 +198,9 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     quarter = args.head_dim // 8
     model["rope_scaling"] = {"mrope_section": [args.head_dim // 2 - 2 * quarter, quarter, quarter]}
     config = WorldModelTrainConfig(
-        model=model, chunk=args.chunk, resolution_tier=256, batch_size=args.wm_batch, lr=args.wm_lr,
-        policy_episodes=args.wm_policy_episodes, seed=args.seed, device=args.device, save_every=0,
+        model={} if args.wm_init else model, init_checkpoint=args.wm_init, chunk=args.chunk, resolution_tier=256,
+        batch_size=args.wm_batch, lr=args.wm_lr, policy_episodes=args.wm_policy_episodes,
+        cond_noise_std=args.wm_cond_noise, seed=args.seed, device=args.device, save_every=0,
         save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=32,
         encode_workers=min(8, args.workers) if args.device.startswith("cuda") else 0,
         cache_dir=str(work / "latent_cache"),
@@ -309,6 +312,7 @@ def last_log_line(path: Path) -> dict | None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    torch.backends.cudnn.benchmark = True  # fixed shapes throughout: the VAE's 3-D convolutions gain the most
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="train_pusht_"))

@@ -470,3 +470,18 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     assert learning_rate(dataclasses.replace(config, lr_schedule="constant"), 99) == 1e-3
     with pytest.raises(InputError, match="lr_schedule"):
         VAETrainConfig(lr_schedule="linear").validate()
+
+
+def test_conditioning_noise_perturbs_only_the_clean_first_frame(work):
+    windows = _windows([True, True])
+    windows.latents = torch.randn(2, 16, 3, 2, 2, generator=torch.Generator().manual_seed(0))
+    kwargs = dict(domain_id=4, raw_action_dim=2, action_dim=32, fps=FPS)
+    plain = sample_batch(windows, torch.Generator().manual_seed(1), world_model_config(work, batch_size=8), **kwargs)
+    noisy = sample_batch(windows, torch.Generator().manual_seed(1),
+                         world_model_config(work, batch_size=8, cond_noise_std=0.5), **kwargs)
+    assert torch.equal(noisy.video[:, :, 1:], plain.video[:, :, 1:])
+    assert torch.equal(noisy.video_noise, plain.video_noise) and torch.equal(noisy.modes, plain.modes)
+    change = (noisy.video[:, :, 0] - plain.video[:, :, 0]).flatten(1).std(1)
+    assert (change > 0).all() and (change < 0.5).all()
+    with pytest.raises(InputError, match="cond_noise_std"):
+        world_model_config(work, cond_noise_std=-1.0).validate()

@@ -108,6 +108,10 @@ class WorldModelTrainConfig:
     # of another episode that draws policy mode trains forward dynamics instead.
     policy_episodes: str = "all"
     uncond_prob: float = 0.1
+    # Noise on the clean conditioning frame (latent frame 0), std drawn per sample from U(0, cond_noise_std): in an
+    # env rollout that frame is the model's own previous output, never a clean encode of a real one, and a model
+    # that only saw clean frames drifts chunk after chunk. 0 disables it. Frame 0 carries no loss in any mode.
+    cond_noise_std: float = 0.0
     flow_shift: float | None = None  # None: native Cosmos3 training's shift for the tier (256: 3, 480: 5, 720: 10)
     sigma_distribution: str = "logit_normal"  # of u before the shift: "logit_normal" (SD3) or "uniform"
     logit_mean: float = 0.0
@@ -155,7 +159,7 @@ class WorldModelTrainConfig:
         ):
             if not is_number(getattr(self, name)) or getattr(self, name) <= 0:
                 fail(name, "a positive number")
-        for name in ("weight_decay", "grad_clip", "video_loss_weight", "action_loss_weight"):
+        for name in ("weight_decay", "grad_clip", "video_loss_weight", "action_loss_weight", "cond_noise_std"):
             if not is_number(getattr(self, name)) or getattr(self, name) < 0:
                 fail(name, "a number >= 0")
         for name in ("min_lr_ratio", "ema_decay", "uncond_prob"):
@@ -422,6 +426,11 @@ def sample_batch(
     actions = torch.zeros(b, config.chunk, action_dim)
     actions[..., :raw_action_dim] = windows.actions[index]
     prompt_ids = [windows.prompts[int(windows.prompt_index[i])][int(drop)] for i, drop in zip(index, uncond)]
+    if config.cond_noise_std > 0:  # drawn last, so that the draws above do not depend on it
+        std = torch.rand(b, generator=generator) * config.cond_noise_std
+        first = video[:, :, :1]
+        video = torch.cat([first + std.view(b, 1, 1, 1, 1).to(first) * torch.randn(first.shape, generator=generator)
+                           .to(first), video[:, :, 1:]], dim=2)
     return FlowMatchingBatch(
         prompt_ids=prompt_ids, fps=[fps] * b, video=video, actions=actions,
         raw_action_dims=torch.full((b,), raw_action_dim), domain_ids=torch.full((b,), domain_id), modes=modes,
