@@ -30,11 +30,15 @@ SCHEDULER = dict(
 
 def provenance(command: list[str] | None = None) -> dict:
     """Card, commit and command: every results JSON carries them."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("COSMOS3_GYM_COMMIT", "unknown")
+    # COSMOS3_GYM_COMMIT names the commit of a source snapshot that has no .git of its own (a git repository around
+    # the snapshot would report its own, unrelated HEAD).
+    commit = os.environ.get("COSMOS3_GYM_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                                    cwd=Path(__file__).parent).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or 'x86'})"
     return {
         "card": card,
