@@ -9,14 +9,17 @@ training seed). Four measurements:
 1. **Action following.** From each held-out start frame the world model (the PushT-v0 vector env, one slot per
    episode) steps through the episode's recorded action chunks, continuing from its own frames; PSNR and SSIM
    (grayscale, Gaussian window) of every chunk against the simulator's frames, next to the floor of repeating the
-   chunk's start frame (``copy_start``; PushT frames are mostly white table, so both metrics flatter any model).
+   chunk's start frame (``copy_start``; PushT frames are mostly white table, so both metrics flatter any model);
+   and at each chunk's last frame the error (table pixels, of 512) of the agent and block positions read off the
+   frames by colour (``cosmos3_gym.sim.readoff``: no learned regressor; checked against the simulator's state),
+   with how often the block is visible at all in the estimate.
 2. **Policy evaluation.** ``cosmos3_gym.sim.compare.compare_with_simulator``: random actions, the scripted pusher at
    four noise levels and the checkpoint's own policy, each in the simulator (true coverage) and in the world model
    (the reward model's coverage estimate) from the same starts, with 95 % CIs, and how well the world model ranks
    them: Pearson, Spearman, MMRV and mean absolute error of the per-policy mean final coverage.
 3. **Inverse dynamics.** ``InverseDynamicsAgent`` on the simulator's chunk + 1 frame windows: MSE of its actions
    against the true ones (normalised space), against predicting the dataset's mean action.
-4. **RL in imagination**: not run (it needs GPU time).
+4. **RL in imagination**: ``benchmarks/rl_imagination_pusht.py`` (its own script: it needs GPU time).
 
 Default sizes (8 held-out episodes x 4 chunks; 6 policies x 8 starts x 4 chunks of 8 steps, one 48-slot vector env)
 keep the run to minutes on 2 CPU cores; 32 steps is too short for the scripted pusher to finish the task (it needs
@@ -49,6 +52,7 @@ from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env, pus
 from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
 from cosmos3_gym.sim.compare import compare_with_simulator, format_comparison, ssim  # noqa: E402
+from cosmos3_gym.sim.readoff import read_positions  # noqa: E402
 
 DEFAULT_POLICIES = "random,scripted:0,scripted:10,scripted:25,scripted:50,agent"
 
@@ -56,7 +60,8 @@ DEFAULT_POLICIES = "random,scripted:0,scripted:10,scripted:25,scripted:50,agent"
 def action_following(engine, assets_dir: Path, episodes: list[dict], stats: ActionStats, num_chunks: int,
                      seed: int = 0) -> dict[str, Any]:
     """PSNR and SSIM per chunk of world-model rollouts against the simulator (same start, same actions), and of
-    repeating each chunk's true start frame."""
+    repeating each chunk's true start frame; and at each chunk's last frame the distance (table pixels) between the
+    agent / block positions read off the estimate and off the simulator's frame (``sim.readoff``)."""
     envs = make_pusht_vector_env(len(episodes), assets_dir=assets_dir, engine=engine, return_frames=True,
                                  reward_model=None, success_threshold=None, max_episode_steps=None)
     try:
@@ -66,7 +71,8 @@ def action_following(engine, assets_dir: Path, episodes: list[dict], stats: Acti
         actions = np.stack([episode["actions"][:needed] for episode in episodes])
         actions = np.clip(stats.normalize(actions.astype(np.float32)), -1.0, 1.0).reshape(len(episodes), num_chunks,
                                                                                           chunk, -1)
-        metrics = {name: {"psnr_db": [], "ssim": []} for name in ("rollout", "copy_start")}
+        metrics = {name: {"psnr_db": [], "ssim": [], "agent_error_px": [], "block_error_px": [], "block_visible": []}
+                   for name in ("rollout", "copy_start")}
         envs.reset(seed=seed, options={"frames": list(true_frames[:, 0])})
         for k in range(num_chunks):
             truth = true_frames[:, 1 + k * chunk : 1 + (k + 1) * chunk]
@@ -75,6 +81,11 @@ def action_following(engine, assets_dir: Path, episodes: list[dict], stats: Acti
             for name, estimate in (("rollout", generated), ("copy_start", copied)):
                 metrics[name]["psnr_db"].append(mean_ci95([pusht.psnr(t, e) for t, e in zip(truth, estimate)]))
                 metrics[name]["ssim"].append(mean_ci95([ssim(t, e) for t, e in zip(truth, estimate)]))
+                for part, true_xy, estimated_xy in zip(("agent", "block"), read_positions(truth[:, -1]),
+                                                       read_positions(estimate[:, -1])):
+                    error = np.linalg.norm(estimated_xy - true_xy, axis=1)
+                    metrics[name][f"{part}_error_px"].append(mean_ci95(error[np.isfinite(error)].tolist()))
+                metrics[name]["block_visible"].append(float(np.isfinite(read_positions(estimate[:, -1])[1][:, 0]).mean()))
     finally:
         envs.close()
     return {"chunk": chunk, "num_episodes": len(episodes), "num_chunks": num_chunks, **metrics}

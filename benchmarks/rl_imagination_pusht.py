@@ -28,7 +28,7 @@ PPO (SB3 ``MultiInputPolicy``: NatureCNN on the image) with the same hyper-param
 trained for ``--timesteps`` env steps (chunks), rounded up to whole PPO rollouts of ``--n-steps`` x ``--num-envs``
 so that each of the ``--eval-points`` segments ends on a rollout boundary; both runs take exactly the same number
 of steps. After every segment (and before training) the policy (deterministic: its mean action; ``--stochastic-eval``
-samples) is evaluated **in the real simulator** by ``compare._simulate`` on ``--eval-episodes`` held-out starts
+samples) is evaluated **in the real simulator** by ``compare.simulate_policy`` on ``--eval-episodes`` held-out starts
 (gym-pusht seeds ``--eval-seed`` ..., none of them a training start) for ``--chunks-per-episode`` chunks, as are
 uniformly random actions. Numbers per curve point:
 
@@ -69,7 +69,7 @@ from fidelity_pusht_chunks import coverage_summary  # noqa: E402
 from cosmos3_gym.envs.initial_states import resize_frame  # noqa: E402
 from cosmos3_gym.evaluation import wilson_interval  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
-from cosmos3_gym.sim.compare import PolicyRun, _simulate  # noqa: E402
+from cosmos3_gym.sim.compare import PolicyRun, simulate_policy  # noqa: E402
 from cosmos3_gym.sim.pusht_env import make_pusht_sim_env, pusht_sim_env_arguments  # noqa: E402
 
 SMOKE = dict(timesteps=16, num_envs=2, n_steps=4, batch_size=8, n_epochs=1, eval_points=2, eval_episodes=2,
@@ -149,7 +149,7 @@ def make_simulator_vec_env(assets_dir: Path, num_envs: int, chunks: int, obs_siz
 
 
 class SB3Agent:
-    """``act(frames [N, H, W, 3]) -> normalised chunks [N, chunk, 2]`` for ``compare._simulate``: the PPO policy on
+    """``act(frames [N, H, W, 3]) -> normalised chunks [N, chunk, 2]`` for ``compare.simulate_policy``: the PPO policy on
     the frames downscaled exactly as in training."""
 
     def __init__(self, model, obs_size: int, deterministic: bool):
@@ -173,7 +173,7 @@ def evaluate_in_simulator(run: PolicyRun, agent, eval_seeds: list[int], chunks: 
                           stats, seed: int) -> tuple[dict[str, Any], float]:
     """``run`` (``agent`` for kind "agent") on the held-out starts, as ``compare.py`` runs policies."""
     started = time.perf_counter()
-    _, _, coverage = _simulate(run, eval_seeds, chunks, chunk, image_size, stats, agent, seed)
+    _, _, coverage = simulate_policy(run, eval_seeds, chunks, chunk, image_size, stats, agent, seed)
     return summarise_coverage(coverage), time.perf_counter() - started
 
 

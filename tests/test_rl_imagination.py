@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_sim_env_matches_the_world_model_spaces_starts_and_compare_rollouts():
     from cosmos3_gym.envs.pusht import load_pusht_assets
-    from cosmos3_gym.sim.compare import PolicyRun, _simulate
+    from cosmos3_gym.sim.compare import PolicyRun, simulate_policy
     from cosmos3_gym.sim.pusht_env import make_pusht_sim_env
 
     assets = load_pusht_assets()
@@ -34,7 +34,7 @@ def test_sim_env_matches_the_world_model_spaces_starts_and_compare_rollouts():
         obs, info = env.reset(seed=1)
         assert info["sim_seed"] in env.start_seeds
 
-        # The same normalised chunks give the same true coverage as compare._simulate (how policies are evaluated).
+        # The same normalised chunks give the same true coverage as compare.simulate_policy (how policies are evaluated).
         chunks = np.random.default_rng(0).uniform(-1.2, 1.2, size=(2, 8, 2)).astype(np.float32)  # clipped alike
         env.reset(options={"sim_seed": 20_000})
         rewards, truncated = [], []
@@ -51,7 +51,7 @@ def test_sim_env_matches_the_world_model_spaces_starts_and_compare_rollouts():
                 self.calls += 1
                 return chunks[self.calls - 1][None]
 
-        _, taken, coverage = _simulate(PolicyRun("x", "agent"), [20_000], 2, 8, env.image_size, env.action_stats,
+        _, taken, coverage = simulate_policy(PolicyRun("x", "agent"), [20_000], 2, 8, env.image_size, env.action_stats,
                                        Replay(), 0)
         np.testing.assert_allclose(coverage[0, [8, 16]], rewards)
         np.testing.assert_allclose(env.raw_actions(chunks[1]), info["raw_action"])

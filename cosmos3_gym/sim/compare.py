@@ -164,7 +164,7 @@ def parse_policy_specs(specs: str | Sequence[str]) -> list[PolicyRun]:
     return runs
 
 
-def _simulate(run: PolicyRun, sim_seeds: Sequence[int], num_chunks: int, chunk: int, image_size, stats,
+def simulate_policy(run: PolicyRun, sim_seeds: Sequence[int], num_chunks: int, chunk: int, image_size, stats,
               agent: Any, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``run`` in one gym-pusht simulator per start: start frames ``[N, H, W, 3]``, the normalised action chunks it
     took ``[N, num_chunks, chunk, 2]`` and the true coverage after every step ``[N, num_chunks * chunk + 1]``."""
@@ -230,7 +230,7 @@ def compare_policies(
     image_size = tuple(vector_env.single_observation_space["image"].shape[:2])
     agent = make_agent() if any(run.kind == "agent" for run in runs) else None
 
-    simulated = [_simulate(run, sim_seeds, num_chunks, chunk, image_size, stats, agent, seed) for run in runs]
+    simulated = [simulate_policy(run, sim_seeds, num_chunks, chunk, image_size, stats, agent, seed) for run in runs]
     starts = np.concatenate([frames for frames, _, _ in simulated])
     replayed = np.concatenate([actions for _, actions, _ in simulated])
     closed_loop = np.repeat([run.closed_loop_in_world_model for run in runs], len(sim_seeds))

@@ -91,7 +91,7 @@ class PushTSimEnv(gym.Env):
         return self._sim.coverage
 
     def raw_actions(self, action: np.ndarray) -> np.ndarray:
-        """Normalised actions ``[..., 2]`` -> table pixels, as ``compare._simulate`` maps a policy's actions."""
+        """Normalised actions ``[..., 2]`` -> table pixels, as ``compare.simulate_policy`` maps a policy's actions."""
         normalised = np.clip(np.asarray(action, dtype=np.float32), -1.0, 1.0)
         return np.clip(self.action_stats.denormalize(normalised), 0.0, pusht.TABLE_SIZE)
 
