@@ -51,7 +51,7 @@ from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults  # noqa: E402
 from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
-from cosmos3_gym.sim.compare import compare_with_simulator, format_comparison, ssim  # noqa: E402
+from cosmos3_gym.sim.compare import compare_with_simulator, format_comparison, replay_actions, ssim  # noqa: E402
 from cosmos3_gym.sim.readoff import read_positions  # noqa: E402
 
 DEFAULT_POLICIES = "random,scripted:0,scripted:10,scripted:25,scripted:50,agent"
@@ -73,12 +73,11 @@ def action_following(engine, assets_dir: Path, episodes: list[dict], stats: Acti
                                                                                           chunk, -1)
         metrics = {name: {"psnr_db": [], "ssim": [], "agent_error_px": [], "block_error_px": [], "block_visible": []}
                    for name in ("rollout", "copy_start")}
-        envs.reset(seed=seed, options={"frames": list(true_frames[:, 0])})
+        rollouts = replay_actions(envs, true_frames[:, 0], actions, seed=seed)
         for k in range(num_chunks):
             truth = true_frames[:, 1 + k * chunk : 1 + (k + 1) * chunk]
-            generated = np.asarray(envs.step(actions[:, k])[-1]["frames"])
             copied = np.repeat(true_frames[:, k * chunk : k * chunk + 1], chunk, axis=1)
-            for name, estimate in (("rollout", generated), ("copy_start", copied)):
+            for name, estimate in (("rollout", rollouts[:, k]), ("copy_start", copied)):
                 metrics[name]["psnr_db"].append(mean_ci95([pusht.psnr(t, e) for t, e in zip(truth, estimate)]))
                 metrics[name]["ssim"].append(mean_ci95([ssim(t, e) for t, e in zip(truth, estimate)]))
                 for part, true_xy, estimated_xy in zip(("agent", "block"), read_positions(truth[:, -1]),

@@ -54,9 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import provenance, write_results  # noqa: E402
 import fidelity_pusht_chunks  # noqa: E402
 
+from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import (  # noqa: E402
-    CHECKPOINT_DIR, INITIAL_STATES_FILE, META_FILE, REWARD_MODEL_DIR, load_pusht_assets,
+    CHECKPOINT_DIR, INITIAL_STATES_FILE, META_FILE, REWARD_MODEL_DIR, load_pusht_assets, make_pusht_vector_env,
+    pusht_env_defaults,
 )
+from cosmos3_gym.processor import ActionStats  # noqa: E402
+from cosmos3_gym.sim.compare import replay_actions  # noqa: E402
 from cosmos3_gym.rewards import train_classifier  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
 from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig, train_vae, train_world_model  # noqa: E402
@@ -72,14 +76,14 @@ FULL = dict(
     wm_cond_noise=0.2,
     hidden=256, layers=4, heads=8,
     kv_heads=4, head_dim=32, intermediate=768, chunk=8, rm_episodes=128, rm_frames=20000, rm_epochs=4,
-    rm_input_size=96, fidelity_episodes=16, fidelity_chunks=4, policy_episodes=32, policy_chunks=16, video_chunks=8,
+    rm_input_size=96, rm_rollout_episodes=128, rm_rollout_chunks=4, fidelity_episodes=16, fidelity_chunks=4, policy_episodes=32, policy_chunks=16, video_chunks=8,
 )
 # The same pipeline on a CPU in minutes: tiny frames, models and budgets (the numbers mean nothing).
 SMOKE = dict(
     FULL, episodes=6, steps_per_episode=20, image_size=64, heldout_episodes=3, initial_states=4,
     vae_seconds=2.0, vae_max_steps=8, vae_batch=2, vae_base_dim=4, vae_decoder_dim=8, wm_seconds=2.0,
     wm_max_steps=8, wm_batch=2, wm_warmup=2, wm_policy_episodes="all", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
-    intermediate=128, chunk=4, rm_frames=64, rm_epochs=1, rm_input_size=32, fidelity_episodes=2, fidelity_chunks=4,
+    intermediate=128, chunk=4, rm_frames=64, rm_epochs=1, rm_input_size=32, rm_rollout_episodes=2, fidelity_episodes=2, fidelity_chunks=4,
     policy_episodes=2, policy_chunks=2, video_chunks=2,
 )
 # Training speed is measured with this many steps on a few episodes (the second half of them timed), then the
@@ -102,8 +106,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-size-mb", type=float, default=25.0, help="fail when the assets are larger")
     parser.add_argument("--deadline-s", type=float, default=560.0, help="whole run, for skipping evaluation")
     parser.add_argument("--eval-reserve-s", type=float, default=75.0, help="time evaluation needs")
-    parser.add_argument("--part", choices=("all", "first", "second"), default="all",
-                        help="first: data, VAE and reward model only; second: the rest, from --first-part")
+    parser.add_argument("--part", choices=("all", "first", "second", "reward-model"), default="all",
+                        help="first: data, VAE and reward model only; second: the rest, from --first-part; "
+                             "reward-model: retrain the reward model of the model in --assets on real and "
+                             "world-model frames")
+    parser.add_argument("--assets", default=None, help="an installed PushT model folder, for --part reward-model")
     parser.add_argument("--first-part", default=None, help="first_part.tar.gz of a --part first run (same seed)")
     parser.add_argument("--wm-init", default=None, help="fine-tune this checkpoint's transformer instead of a new one")
     for name, value in FULL.items():  # every size and step count, defaulting to FULL (or SMOKE with --smoke)
@@ -111,6 +118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.part == "second") != (args.first_part is not None):
         parser.error("--first-part goes with --part second, and --part second needs it")
+    if (args.part == "reward-model") != (args.assets is not None):
+        parser.error("--assets goes with --part reward-model, and --part reward-model needs it")
     for name, value in (SMOKE if args.smoke else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -245,8 +254,13 @@ def steps_for_budget(steps_per_s: float, seconds: float, max_steps: int) -> int:
     return int(min(max_steps, max(MIN_STEPS, steps_per_s * seconds)))
 
 
-def reward_model_stage(args, work: Path, assets: Path) -> dict:
-    """A classifier whose score estimates coverage: trained with BCE on coverage as a soft label."""
+def reward_model_stage(args, work: Path, assets: Path, on_rollouts: bool = False) -> dict:
+    """A classifier whose score estimates coverage: trained with BCE on coverage as a soft label.
+
+    With ``on_rollouts`` it also learns from the world model's own frames (``rollout_frames``), labelled with the
+    simulator's coverage at the same step: trained on real frames alone it reads a faded target as a covered one
+    (coverage hides the green target), and scores every imagined episode high.
+    """
     paths = sorted((work / "dataset" / "episodes").glob("episode_*.npz"))
     paths = paths[:: max(1, len(paths) // args.rm_episodes)]  # reading every episode's frames would take long
     per_episode = max(1, args.rm_frames // len(paths))
@@ -258,13 +272,47 @@ def reward_model_stage(args, work: Path, assets: Path) -> dict:
                                 replace=False)
             frames.append(episode["frames"][picked])
             labels.append(episode["coverage"][picked])
+    report = {"real_frames": int(sum(len(f) for f in frames))}
+    if on_rollouts:
+        generated, generated_labels = rollout_frames(args, work, assets)
+        frames.append(generated)
+        labels.append(generated_labels)
+        report["world_model_frames"] = int(len(generated))
     frames, labels = np.concatenate(frames), np.clip(np.concatenate(labels), 0.0, 1.0)
     model = train_classifier(frames, labels, epochs=args.rm_epochs, batch_size=128, lr=1e-3, seed=args.seed,
                              device=args.device, input_size=args.rm_input_size, channels=(16, 32, 64, 64),
                              reduce="last")
     model.save(assets / REWARD_MODEL_DIR)
-    return {"frames": int(len(frames)), "mean_label": float(labels.mean()),
+    return {**report, "mean_label": float(labels.mean()),
             "success_frames": int((labels > pusht.SUCCESS_COVERAGE).sum())}
+
+
+def rollout_frames(args, work: Path, assets: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The world model in ``assets`` replaying ``--rm-rollout-episodes`` training episodes' actions for
+    ``--rm-rollout-chunks`` chunks, each from a random frame of its episode (so that the labels span the coverage
+    range, not just starts): its frames and the simulator's coverage at each step."""
+    paths = sorted((work / "dataset" / "episodes").glob("episode_*.npz"))[: args.rm_rollout_episodes]
+    episodes = [dict(np.load(path)) for path in paths]
+    model = load_pusht_assets(assets)
+    checkpoint = model.checkpoint
+    stats = ActionStats.from_json(pusht_env_defaults(model)["action_stats"],
+                                  mode=model.meta.get("action_normalization", "minmax"))
+    steps = args.rm_rollout_chunks * args.chunk
+    rng = np.random.default_rng([args.seed, 3])
+    firsts = [int(rng.integers(0, len(e["actions"]) - steps + 1)) for e in episodes]
+    actions = np.stack([e["actions"][f : f + steps] for e, f in zip(episodes, firsts)]).astype(np.float32)
+    actions = np.clip(stats.normalize(actions), -1.0, 1.0).reshape(len(episodes), args.rm_rollout_chunks, args.chunk, -1)
+    starts = np.stack([e["frames"][f] for e, f in zip(episodes, firsts)])
+    engine = Cosmos3Engine.from_pretrained(checkpoint, device=args.device, progress=False)
+    envs = make_pusht_vector_env(len(episodes), assets_dir=assets, engine=engine, return_frames=True,
+                                 reward_model=None, success_threshold=None, max_episode_steps=None)
+    try:
+        generated = replay_actions(envs, starts, actions, seed=args.seed)
+    finally:
+        envs.close()
+        engine.close()
+    labels = np.stack([e["coverage"][f + 1 : f + steps + 1] for e, f in zip(episodes, firsts)])
+    return generated.reshape(-1, *generated.shape[-3:]), labels.reshape(-1)
 
 
 def package(args, assets: Path, out: Path) -> dict:
@@ -325,6 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         stages.run("simulate", simulate, args, work)
+        if args.part == "reward-model":
+            stages.run("reward_model", reward_model_stage, args, work, Path(args.assets), on_rollouts=True)
+            return stages.results
         if args.part == "second":
             with tarfile.open(args.first_part) as tar:
                 tar.extractall(work, filter="data")
@@ -340,6 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
         # what is left of --deadline-s after evaluation's reserve and the export (about 30 s)
         seconds_left = lambda: args.deadline_s - args.eval_reserve_s - 30.0 - stages.elapsed()  # noqa: E731
         stages.run("world_model", world_model_stage, args, work, assets, seconds_left)
+        stages.run("reward_model_on_rollouts", reward_model_stage, args, work, assets, on_rollouts=True)
         stages.run("package", package, args, assets, out)
         if args.deadline_s - stages.elapsed() >= args.eval_reserve_s:
             stages.run("evaluate", evaluate_stage, args, work, assets, out)

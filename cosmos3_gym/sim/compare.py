@@ -196,6 +196,15 @@ def simulate_policy(run: PolicyRun, sim_seeds: Sequence[int], num_chunks: int, c
     return starts, taken, np.asarray(coverage)
 
 
+def replay_actions(vector_env: Any, start_frames: np.ndarray, action_chunks: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Open-loop rollouts in a world-model vector env (one slot per start, ``return_frames=True``): from
+    ``start_frames [N, H, W, 3]`` it steps through ``action_chunks [N, K, chunk, 2]`` (normalised), continuing from
+    its own frames, and returns the generated frames ``[N, K, chunk, H, W, 3]``."""
+    vector_env.reset(seed=seed, options={"frames": list(start_frames)})
+    chunks = [np.asarray(vector_env.step(action_chunks[:, k])[-1]["frames"]) for k in range(action_chunks.shape[1])]
+    return np.stack(chunks, axis=1)
+
+
 def compare_policies(
     policies: str | Sequence[str],
     sim_seeds: Sequence[int],
