@@ -80,11 +80,11 @@ def action_following(engine, assets_dir: Path, episodes: list[dict], stats: Acti
             for name, estimate in (("rollout", rollouts[:, k]), ("copy_start", copied)):
                 metrics[name]["psnr_db"].append(mean_ci95([pusht.psnr(t, e) for t, e in zip(truth, estimate)]))
                 metrics[name]["ssim"].append(mean_ci95([ssim(t, e) for t, e in zip(truth, estimate)]))
-                for part, true_xy, estimated_xy in zip(("agent", "block"), read_positions(truth[:, -1]),
-                                                       read_positions(estimate[:, -1])):
+                estimated = read_positions(estimate[:, -1])
+                for part, true_xy, estimated_xy in zip(("agent", "block"), read_positions(truth[:, -1]), estimated):
                     error = np.linalg.norm(estimated_xy - true_xy, axis=1)
                     metrics[name][f"{part}_error_px"].append(mean_ci95(error[np.isfinite(error)].tolist()))
-                metrics[name]["block_visible"].append(float(np.isfinite(read_positions(estimate[:, -1])[1][:, 0]).mean()))
+                metrics[name]["block_visible"].append(float(np.isfinite(estimated[1][:, 0]).mean()))
     finally:
         envs.close()
     return {"chunk": chunk, "num_episodes": len(episodes), "num_chunks": num_chunks, **metrics}

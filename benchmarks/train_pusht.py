@@ -211,7 +211,6 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
         batch_size=args.wm_batch, lr=args.wm_lr, policy_episodes=args.wm_policy_episodes,
         cond_noise_std=args.wm_cond_noise, seed=args.seed, device=args.device, save_every=0,
         save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=32,
-        encode_workers=min(8, args.workers) if args.device.startswith("cuda") else 0,
         cache_dir=str(work / "latent_cache"),
     )
     # The probe runs on the whole dataset, so it also encodes (and caches) every window's latents: the budget left
@@ -292,27 +291,30 @@ def rollout_frames(args, work: Path, assets: Path) -> tuple[np.ndarray, np.ndarr
     ``--rm-rollout-chunks`` chunks, each from a random frame of its episode (so that the labels span the coverage
     range, not just starts): its frames and the simulator's coverage at each step."""
     paths = sorted((work / "dataset" / "episodes").glob("episode_*.npz"))[: args.rm_rollout_episodes]
-    episodes = [dict(np.load(path)) for path in paths]
     model = load_pusht_assets(assets)
     checkpoint = model.checkpoint
     stats = ActionStats.from_json(pusht_env_defaults(model)["action_stats"],
                                   mode=model.meta.get("action_normalization", "minmax"))
     steps = args.rm_rollout_chunks * args.chunk
     rng = np.random.default_rng([args.seed, 3])
-    firsts = [int(rng.integers(0, len(e["actions"]) - steps + 1)) for e in episodes]
-    actions = np.stack([e["actions"][f : f + steps] for e, f in zip(episodes, firsts)]).astype(np.float32)
-    actions = np.clip(stats.normalize(actions), -1.0, 1.0).reshape(len(episodes), args.rm_rollout_chunks, args.chunk, -1)
-    starts = np.stack([e["frames"][f] for e, f in zip(episodes, firsts)])
+    starts, actions, labels = [], [], []
+    for path in paths:  # only the start frame of each episode is kept in memory, not its whole video
+        with np.load(path) as episode:
+            first = int(rng.integers(0, len(episode["actions"]) - steps + 1))
+            starts.append(episode["frames"][first])
+            actions.append(episode["actions"][first : first + steps])
+            labels.append(episode["coverage"][first + 1 : first + steps + 1])
+    actions = np.clip(stats.normalize(np.stack(actions).astype(np.float32)), -1.0, 1.0)
+    actions = actions.reshape(len(paths), args.rm_rollout_chunks, args.chunk, -1)
     engine = Cosmos3Engine.from_pretrained(checkpoint, device=args.device, progress=False)
-    envs = make_pusht_vector_env(len(episodes), assets_dir=assets, engine=engine, return_frames=True,
+    envs = make_pusht_vector_env(len(paths), assets_dir=assets, engine=engine, return_frames=True,
                                  reward_model=None, success_threshold=None, max_episode_steps=None)
     try:
-        generated = replay_actions(envs, starts, actions, seed=args.seed)
+        generated = replay_actions(envs, np.stack(starts), actions, seed=args.seed)
     finally:
         envs.close()
         engine.close()
-    labels = np.stack([e["coverage"][f + 1 : f + steps + 1] for e, f in zip(episodes, firsts)])
-    return generated.reshape(-1, *generated.shape[-3:]), labels.reshape(-1)
+    return generated.reshape(-1, *generated.shape[-3:]), np.stack(labels).reshape(-1)
 
 
 def package(args, assets: Path, out: Path) -> dict:

@@ -215,7 +215,7 @@ def encode_episode_windows(
 
     Also returns the conditioning of the whole episode (for its canvas and latent sizes).
     """
-    cond = episode_conditioning(frames, resolution_tier)
+    cond = processor.prepare_conditioning(frames, resolution_tier, int(frames.shape[0]))
     h, w = cond.latent_hw
     pixels = cond.pixels  # [1, 3, T+1, H, W] on the host; windows go to the VAE's device batch by batch
     latents = []
@@ -223,24 +223,6 @@ def encode_episode_windows(
         clips = torch.cat([pixels[:, :, s : s + chunk + 1] for s in starts[first : first + batch_size]])
         latents.append(vae.encode(clips.to(vae.vae.device))[..., :h, :w].cpu())
     return torch.cat(latents), cond
-
-
-def episode_conditioning(frames: np.ndarray, resolution_tier: int) -> processor.Conditioning:
-    """The whole episode on the tier's canvas (host work, done once per episode)."""
-    return processor.prepare_conditioning(frames, resolution_tier, int(frames.shape[0]))
-
-
-class _EpisodeConditionings(torch.utils.data.Dataset):
-    """Reads episodes and puts them on the canvas in DataLoader workers, so the GPU encoder is not kept waiting."""
-
-    def __init__(self, paths: list[Path], raw_action_dim: int, resolution_tier: int):
-        self.paths, self.raw_action_dim, self.resolution_tier = paths, raw_action_dim, resolution_tier
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> processor.Conditioning:
-        return episode_conditioning(load_episode(self.paths[i], self.raw_action_dim).frames, self.resolution_tier)
 
 
 def build_training_windows(
@@ -256,13 +238,11 @@ def build_training_windows(
     fps: float,
     cache_dir: str | os.PathLike,
     encode_batch_size: int = 8,
-    encode_workers: int = 0,
     progress: bool = True,
 ) -> TrainingWindows:
     """Load (or encode and cache) every window's latents and gather actions and prompts.
 
-    ``vae`` is a ``models.vae.Cosmos3VAE`` loaded from ``vae_dir``; ``encode_workers`` processes read the episodes
-    and put them on the canvas while it encodes (0: in this process). Under torch.distributed each rank encodes every
+    ``vae`` is a ``models.vae.Cosmos3VAE`` loaded from ``vae_dir``. Under torch.distributed each rank encodes every
     world_size-th missing episode and all ranks then read the whole cache.
     """
     from tqdm.auto import tqdm
@@ -286,42 +266,16 @@ def build_training_windows(
         i for i, starts in enumerate(starts_per_episode)
         if starts and i % world_size == rank and not (cache / f"{info.episode_paths[i].stem}.safetensors").exists()
     ]
-    conditionings = torch.utils.data.DataLoader(
-        _EpisodeConditionings([info.episode_paths[i] for i in todo], info.raw_action_dim, resolution_tier),
-        batch_size=None, num_workers=encode_workers if todo else 0,
-    )
-    bar = tqdm(zip(todo, conditionings), total=len(todo), desc="encoding windows",
-               disable=not progress or not todo, leave=False)
-
-    def save(i: int, latents: torch.Tensor, cond: processor.Conditioning) -> None:
+    for i in tqdm(todo, desc="encoding windows", disable=not progress or not todo, leave=False):
+        frames = load_episode(info.episode_paths[i], info.raw_action_dim).frames
+        latents, cond = encode_episode_windows(
+            vae, frames, starts_per_episode[i], chunk, resolution_tier, encode_batch_size
+        )
         target = cache / f"{info.episode_paths[i].stem}.safetensors"
         temporary = target.with_suffix(f".tmp{rank}")
         save_file({"latents": latents.contiguous()}, temporary,
                   metadata={"canvas_hw": json.dumps(list(cond.canvas_hw))})
         os.replace(temporary, target)  # atomic: a crash never leaves a half-written cache file behind
-
-    # The windows of several episodes share a VAE batch: one episode's windows are too few to keep a GPU busy.
-    pending: list[tuple[int, processor.Conditioning]] = []
-
-    def flush() -> None:
-        if pending:
-            clips = [c.pixels[:, :, s : s + chunk + 1] for i, c in pending for s in starts_per_episode[i]]
-            h, w = pending[0][1].latent_hw
-            latents = torch.cat([
-                vae.encode(torch.cat(clips[first : first + encode_batch_size]).to(vae.vae.device))[..., :h, :w].cpu()
-                for first in range(0, len(clips), encode_batch_size)
-            ])
-            for (i, cond), part in zip(pending, latents.split([len(starts_per_episode[i]) for i, _ in pending])):
-                save(i, part, cond)
-            pending.clear()
-
-    for i, cond in bar:
-        if pending and cond.pixels.shape[-2:] != pending[0][1].pixels.shape[-2:]:
-            flush()  # a batch holds one canvas size
-        pending.append((i, cond))
-        if sum(len(starts_per_episode[j]) for j, _ in pending) >= encode_batch_size:
-            flush()
-    flush()
     if world_size > 1:
         dist.barrier()
 

@@ -135,7 +135,6 @@ class WorldModelTrainConfig:
     work_dir: str | None = None  # None: <out_dir>/training
     cache_dir: str | None = None  # None: <work_dir>/latent_cache
     encode_batch_size: int = 8
-    encode_workers: int = 0  # processes that read and prepare episodes while the VAE encodes them (0: none)
     progress: bool = True
 
     def validate(self) -> None:
@@ -151,7 +150,7 @@ class WorldModelTrainConfig:
         for name in ("chunk", "window_stride", "batch_size", "log_every", "encode_batch_size"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
-        for name in ("steps", "warmup_steps", "save_every", "seed", "encode_workers"):
+        for name in ("steps", "warmup_steps", "save_every", "seed"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 fail(name, "an integer >= 0")
         for name in ("lr", "logit_std") + (("fps",) if self.fps is not None else ()) + (
@@ -614,8 +613,7 @@ class WorldModelTrainer:
         self.windows = build_training_windows(
             self.info, vae, self.vae_dir, self.tokenizer, chunk=config.chunk, stride=config.window_stride,
             resolution_tier=config.resolution_tier, view_point=config.view_point, fps=self.fps, cache_dir=cache_dir,
-            encode_batch_size=config.encode_batch_size, encode_workers=config.encode_workers,
-            progress=config.progress and ctx.is_main,
+            encode_batch_size=config.encode_batch_size, progress=config.progress and ctx.is_main,
         )
         latent_channels = vae.latent_channels
         del vae
