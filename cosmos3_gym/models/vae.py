@@ -9,6 +9,12 @@ The numerics copy ``Cosmos3OmniPipeline`` (diffusers 0.42) line for line:
 * decode is the end of ``__call__``: ``z = latents.to(vae_dtype) / inv_std + mean``, ``vae.decode(z).sample``
   cast back to the latents' dtype, then ``VideoProcessor.postprocess_video``'s denormalisation to [0, 1].
 
+The untiled decode runs diffusers' decoder with its own causal feature cache, but decodes the latent frames after the
+first in chunks of ``decode_chunk_frames`` instead of one at a time (``AutoencoderKLWan._decode``'s loop). The
+decoder is causal in time (every temporal convolution sees the previous two frames through the cache, the mid-block
+attention is per frame), so the result is the same up to float summation order; the chunks turn the small per-frame
+convolutions into large ones, which is what makes the decode fast on a GPU (see ``benchmarks/vae_decode_gpu.py``).
+
 Optional tiled decode uses diffusers' own spatial tiling (``enable_tiling`` / ``tiled_decode``). It is approximate:
 each tile sees neither the pixels outside it through the convolutions nor the rest of the frame through the
 mid-block attention, and overlapping tiles are linearly blended.
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 from diffusers.image_processor import VaeImageProcessor
 
 from cosmos3_gym.errors import CheckpointError, InputError
@@ -64,12 +71,22 @@ class TileConfig:
             )
 
 
-class Cosmos3VAE(torch.nn.Module):
-    """``AutoencoderKLWan`` with Cosmos3's latent normalisation; see the module docstring for the exact math."""
+# Latent frames per decoder pass after the first (None: all of them in one pass). Larger chunks are faster on a GPU
+# up to a point and cost activation memory linearly; see benchmarks/vae_decode_gpu.py for the measurements.
+DEFAULT_DECODE_CHUNK_FRAMES = 4
 
-    def __init__(self, vae: AutoencoderKLWan) -> None:
+
+class Cosmos3VAE(torch.nn.Module):
+    """``AutoencoderKLWan`` with Cosmos3's latent normalisation; see the module docstring for the exact math.
+
+    ``decode_chunk_frames``: latent frames decoded per decoder pass after the first (None: all at once; 1: exactly
+    diffusers' frame-by-frame loop).
+    """
+
+    def __init__(self, vae: AutoencoderKLWan, decode_chunk_frames: int | None = DEFAULT_DECODE_CHUNK_FRAMES) -> None:
         super().__init__()
         self.vae = vae
+        self.decode_chunk_frames = decode_chunk_frames
         _check_latent_stats(vae.config)
         # Built in the VAE dtype straight from the config's Python floats, as the pipeline does: building them in
         # float32 and casting later can round differently in bf16 (and 1/std would be computed in float32).
@@ -92,6 +109,26 @@ class Cosmos3VAE(torch.nn.Module):
         except Exception as error:  # diffusers raises OSError/ValueError/RuntimeError/... depending on the damage
             raise CheckpointError(f"vae: could not load AutoencoderKLWan from {str(path)!r}: {error}") from error
         return cls(vae.eval()).to(device)
+
+    def use_channels_last(self) -> "Cosmos3VAE":
+        """Store the decoder's convolution weights channels-last (NDHWC / NHWC), the layout cuDNN's bf16 tensor-core
+        kernels read natively; activations follow the weights' layout. Same math, different kernels."""
+        for module in self.vae.decoder.modules():
+            if isinstance(module, torch.nn.Conv3d):
+                module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last_3d)
+            elif isinstance(module, torch.nn.Conv2d):
+                module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
+        return self
+
+    @property
+    def decode_chunk_frames(self) -> int | None:
+        return self._decode_chunk_frames
+
+    @decode_chunk_frames.setter
+    def decode_chunk_frames(self, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InputError(f"decode_chunk_frames: expected an int >= 1 or None (all frames at once), got {value!r}")
+        self._decode_chunk_frames = value
 
     @property
     def latent_channels(self) -> int:
@@ -152,7 +189,7 @@ class Cosmos3VAE(torch.nn.Module):
         inv_std = self.latents_inv_std.to(device=latents.device, dtype=vae_dtype).view(1, -1, 1, 1, 1)
         raw_latents = latents.to(vae_dtype) / inv_std + mean
         if tile is None:
-            decoded = self.vae.decode(raw_latents).sample
+            decoded = self._decode_in_chunks(raw_latents)
         else:
             # The tiling knobs are attributes of the VAE; set them for this call only so that encode and untiled
             # decodes stay untiled. diffusers counts them in (unpatchified) pixels.
@@ -168,6 +205,32 @@ class Cosmos3VAE(torch.nn.Module):
             finally:
                 self.vae.disable_tiling()
         return VaeImageProcessor.denormalize(decoded.to(latents.dtype)).float()
+
+    def _decode_in_chunks(self, raw_latents: torch.Tensor) -> torch.Tensor:
+        """``AutoencoderKLWan._decode`` (diffusers 0.42) with the frames after the first in chunks, not one by one.
+
+        The first latent frame goes alone because the decoder treats it specially (``first_chunk``: it is not
+        upsampled in time); every later chunk continues the causal cache exactly as single frames would.
+        """
+        vae = self.vae
+        x = vae.post_quant_conv(raw_latents)
+        num_frames = x.shape[2]
+        step = self.decode_chunk_frames or max(1, num_frames - 1)
+        starts = [0, *range(1, num_frames, step)]
+        ends = [*starts[1:], num_frames]
+        vae.clear_cache()
+        try:
+            pieces = []
+            for start, end in zip(starts, ends):
+                vae._conv_idx = [0]
+                pieces.append(vae.decoder(x[:, :, start:end], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                          first_chunk=start == 0))
+        finally:
+            vae.clear_cache()  # the cache holds activations of the last chunk: free them
+        decoded = torch.cat(pieces, dim=2)
+        if vae.config.patch_size is not None:
+            decoded = unpatchify(decoded, patch_size=vae.config.patch_size)
+        return torch.clamp(decoded, min=-1.0, max=1.0)
 
     def _check_pixel_shape(self, num_frames: int, height: int, width: int, field: str) -> None:
         # The encoder reads frames in chunks of 1, 4, 4, ... and would silently drop a trailing partial chunk.

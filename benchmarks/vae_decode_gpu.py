@@ -1,0 +1,132 @@
+"""Wan2.2 VAE decode speed: diffusers' frame-by-frame loop against chunked decoding, channels-last weights and
+``torch.compile``, on one GPU, in bf16, with the error of each variant against diffusers' own decode.
+
+    python benchmarks/vae_decode_gpu.py --out $OUT          # full Wan2.2 VAE, random weights, one GPU
+    python benchmarks/vae_decode_gpu.py --tiny              # the script itself, tiny VAE on the CPU
+
+Shapes: a 33-frame chunk at tier 480 (480x832, batch 1: a policy request) and at tier 256 (256x256, batch 1 and 16:
+the vector env). Every variant decodes the same normalised latents; ``max_abs`` / ``mean_abs`` compare its pixels in
+[0, 1] with diffusers' ``AutoencoderKLWan.decode`` in the same dtype. ``conv_tflop`` counts the decoder's
+convolutions (2 x MACs, from the layer shapes), so ``conv_tflops_per_s / gemm_peak`` says how far the decode is from
+the card's bf16 matmul ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import build_wan22_vae, gemm_peak_tflops, provenance, timed, write_results  # noqa: E402
+
+from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
+
+SHAPES = {"tier480_b1": (1, 9, 30, 52), "tier256_b1": (1, 9, 16, 16), "tier256_b16": (16, 9, 16, 16)}
+TINY_SHAPES = {"tiny_b1": (1, 5, 4, 6), "tiny_b4": (4, 5, 4, 4)}
+
+
+def conv_flops(vae: Cosmos3VAE, latents: torch.Tensor) -> float:
+    """2 x multiply-accumulates of every decoder convolution for one decode of ``latents``."""
+    total = [0]
+
+    def count(module, _inputs, output):
+        kernel = module.weight[0, 0].numel()
+        total[0] += 2 * output.numel() * module.in_channels // module.groups * kernel
+
+    hooks = [m.register_forward_hook(count) for m in vae.vae.decoder.modules()
+             if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
+    try:
+        vae.decode(latents)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return float(total[0])
+
+
+def diffusers_decode(vae: Cosmos3VAE):
+    """diffusers' own decode loop (one latent frame per decoder call) with our (de)normalisation around it."""
+    reference = Cosmos3VAE(vae.vae, decode_chunk_frames=1)
+
+    def decode(latents):
+        raw = latents.to(vae.vae.dtype) / reference.latents_inv_std.view(1, -1, 1, 1, 1) + \
+            reference.latents_mean.view(1, -1, 1, 1, 1)
+        return (vae.vae.decode(raw).sample.float() / 2 + 0.5).clamp(0, 1)
+
+    return decode
+
+
+def variants(vae: Cosmos3VAE, compile_decoder: bool):
+    """name -> decode function; each variant owns its copy of the weights where it changes them."""
+    table = {"diffusers": diffusers_decode(vae)}
+    for chunk in (1, 2, 4, None):
+        table[f"chunk{chunk or 'all'}"] = Cosmos3VAE(vae.vae, decode_chunk_frames=chunk).decode
+    channels_last = Cosmos3VAE(copy.deepcopy(vae.vae)).use_channels_last()
+    for chunk in (4, None):
+        table[f"chunk{chunk or 'all'}_channels_last"] = Cosmos3VAE(channels_last.vae, decode_chunk_frames=chunk).decode
+    if compile_decoder:
+        compiled = Cosmos3VAE(copy.deepcopy(channels_last.vae), decode_chunk_frames=4)
+        compiled.vae.decoder.forward = torch.compile(compiled.vae.decoder.forward, dynamic=False)
+        table["chunk4_channels_last_compiled"] = compiled.decode
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny VAE on the CPU (checks the script)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    results: dict = {"provenance": provenance()}
+    if args.tiny:
+        sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+        from test_vae import build_tiny_wan22_vae
+
+        vae = Cosmos3VAE(build_tiny_wan22_vae().eval())
+        shapes, peak = TINY_SHAPES, None
+    else:
+        torch.backends.cudnn.benchmark = True
+        vae = Cosmos3VAE(build_wan22_vae(device, dtype=torch.bfloat16))
+        shapes, peak = SHAPES, gemm_peak_tflops()
+        results["gemm_bf16_tflops"] = peak
+    results["dtype"] = str(vae.vae.dtype)
+    table = variants(vae, compile_decoder=not args.no_compile and not args.tiny)
+    generator = torch.Generator().manual_seed(0)
+    for shape_name, (batch, t, h, w) in shapes.items():
+        latents = torch.randn(batch, vae.latent_channels, t, h, w, generator=generator).to(device)
+        flops = conv_flops(Cosmos3VAE(vae.vae, decode_chunk_frames=1), latents)
+        entry: dict = {"latent_shape": [batch, vae.latent_channels, t, h, w], "conv_tflop": flops / 1e12}
+        reference = None
+        for name, decode in table.items():
+            try:
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                with torch.no_grad():
+                    pixels = decode(latents)  # also the warm-up (and the compile, for the compiled variant)
+                    seconds, _ = timed(lambda: decode(latents), repeats=args.repeats, warmup=0)
+                if reference is None:
+                    reference = pixels
+                error = (pixels - reference).abs()
+                entry[name] = {
+                    "seconds": seconds, "max_abs": float(error.max()), "mean_abs": float(error.mean()),
+                    "conv_tflops_per_s": flops / seconds / 1e12,
+                    "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+                }
+                if peak:
+                    entry[name]["fraction_of_gemm_peak"] = flops / seconds / 1e12 / peak
+                    entry[name]["speedup_vs_diffusers"] = entry["diffusers"]["seconds"] / seconds
+            except Exception as error:  # noqa: BLE001 - an OOM or compile failure is a result, not the end
+                entry[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
+            print(shape_name, name, entry[name], flush=True)
+        results[shape_name] = entry
+    write_results(results, "vae_decode_tiny_cpu.json" if args.tiny else "vae_decode_gpu.json", args.out)
+
+
+if __name__ == "__main__":
+    main()
