@@ -124,10 +124,15 @@ def build_wan22_vae(device: str = "cuda", dtype=torch.float32):
     return AutoencoderKLWan(**WAN22_VAE, **stats).to(device=device, dtype=dtype).eval()
 
 
-def write_results(results: dict, name: str, out_dir: str | None = None) -> Path:
+def results_dir(out_dir: str | None = None) -> Path:
+    """The folder results are written to: ``out_dir``, else ``$OUT``, else benchmarks/results (created)."""
     out = Path(out_dir or os.environ.get("OUT") or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
-    path = out / name
+    return out
+
+
+def write_results(results: dict, name: str, out_dir: str | None = None) -> Path:
+    path = results_dir(out_dir) / name
     path.write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {path}")
     return path

@@ -16,7 +16,10 @@ training seed). Four measurements:
 2. **Policy evaluation.** ``cosmos3_gym.sim.compare.compare_with_simulator``: random actions, the scripted pusher at
    four noise levels and the checkpoint's own policy, each in the simulator (true coverage) and in the world model
    (the reward model's coverage estimate) from the same starts, with 95 % CIs, and how well the world model ranks
-   them: Pearson, Spearman, MMRV and mean absolute error of the per-policy mean final coverage.
+   them: Pearson, Spearman, MMRV and mean absolute error of the per-policy mean final coverage. PPO policies saved
+   by ``rl_imagination_pusht.py`` join the ranking as ``ppo:PATH`` items of ``--policies``, e.g.
+   ``--policies random,scripted:0,agent,ppo:benchmarks/results/rl_imagination_pusht_cpu_world_model_policy.safetensors``
+   (one line); like ``agent`` they run closed loop in both worlds.
 3. **Inverse dynamics.** ``InverseDynamicsAgent`` on the simulator's chunk + 1 frame windows: MSE of its actions
    against the true ones (normalised space), against predicting the dataset's mean action.
 4. **RL in imagination**: ``benchmarks/rl_imagination_pusht.py`` (its own script: it needs GPU time).
@@ -120,7 +123,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--episodes", type=int, default=8, help="held-out episodes for action following / inverse "
                         "dynamics")
     parser.add_argument("--chunks", type=int, default=4, help="chunks of action following")
-    parser.add_argument("--policies", default=DEFAULT_POLICIES)
+    parser.add_argument("--policies", default=DEFAULT_POLICIES,
+                        help="comma-separated: random, scripted:NOISE (px), agent (the checkpoint's policy), "
+                        "ppo:PATH (an SB3 PPO policy .safetensors of save_sb3_policy, e.g. "
+                        "rl_imagination_pusht_<card>_world_model_policy.safetensors)")
     parser.add_argument("--policy-starts", type=int, default=8, help="simulator starts per policy")
     parser.add_argument("--policy-chunks", type=int, default=4, help="chunks per policy episode")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

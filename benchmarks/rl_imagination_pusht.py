@@ -6,10 +6,16 @@ random actions and against PPO trained in the real simulator for the same number
     python benchmarks/rl_imagination_pusht.py --timesteps 16384 --num-envs 64 --n-steps 16 --eval-points 8 \\
         --eval-episodes 64 --device cuda                             # GPU
 
-Needs gym-pusht (the ``sim`` extra). Writes ``rl_imagination_pusht_<cpu|gpu>.json`` (e.g. ``..._h100.json``) and,
-where matplotlib is installed, ``rl_imagination_pusht_<card>.png`` (the learning curves) to ``--out`` (default
+Needs gym-pusht (the ``sim`` extra). Writes ``rl_imagination_pusht_<cpu|gpu>.json`` (e.g. ``..._h100.json``),
+the two trained policies next to it (``<results stem>_world_model_policy.safetensors`` and
+``<results stem>_simulator_policy.safetensors``; their names are in the JSON under ``agents.<world>.policy_file``)
+and, where matplotlib is installed, ``rl_imagination_pusht_<card>.png`` (the learning curves) to ``--out`` (default
 ``$OUT`` or benchmarks/results/). matplotlib is not a dependency of the project: without it the plot is skipped
 (the JSON says so) and the curves are in the JSON.
+
+The policy files are safetensors (``cosmos3_gym.agents.save_sb3_policy``; SB3's own .zip would pickle): load one with
+``cosmos3_gym.agents.SB3PolicyAgent.from_file`` or rank it against the other policies in the world model and the
+simulator with ``benchmarks/fidelity_pusht.py --policies ...,ppo:PATH`` / ``cosmos3-gym eval-real``.
 
 **The two training worlds share one interface.** Both agents see the PushT world-model env's spaces: observation
 ``{"image": uint8 [s, s, 3]}`` (the 256 x 256 frame downscaled to ``--obs-size`` with the env's ``resize_frame``)
@@ -63,10 +69,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, write_results  # noqa: E402
+from common import provenance, results_dir, write_results  # noqa: E402
 from fidelity_pusht_chunks import coverage_summary  # noqa: E402
 
-from cosmos3_gym.envs.initial_states import resize_frame  # noqa: E402
+from cosmos3_gym.agents import SB3PolicyAgent, save_sb3_policy  # noqa: E402
 from cosmos3_gym.evaluation import wilson_interval  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
 from cosmos3_gym.sim.compare import PolicyRun, simulate_policy  # noqa: E402
@@ -148,19 +154,6 @@ def make_simulator_vec_env(assets_dir: Path, num_envs: int, chunks: int, obs_siz
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class SB3Agent:
-    """``act(frames [N, H, W, 3]) -> normalised chunks [N, chunk, 2]`` for ``compare.simulate_policy``: the PPO policy on
-    the frames downscaled exactly as in training."""
-
-    def __init__(self, model, obs_size: int, deterministic: bool):
-        self.model, self.obs_size, self.deterministic = model, obs_size, deterministic
-
-    def act(self, frames: np.ndarray) -> np.ndarray:
-        images = np.stack([resize_frame(frame, (self.obs_size, self.obs_size)) for frame in frames])
-        actions, _ = self.model.predict({"image": images}, deterministic=self.deterministic)
-        return np.clip(actions, -1.0, 1.0)
-
-
 def summarise_coverage(coverage: np.ndarray) -> dict[str, Any]:
     """Coverage ``[episodes, steps + 1]`` -> final / max coverage and success, with 95 % CIs."""
     summary = coverage_summary(coverage)
@@ -171,7 +164,7 @@ def summarise_coverage(coverage: np.ndarray) -> dict[str, Any]:
 
 def evaluate_in_simulator(run: PolicyRun, agent, eval_seeds: list[int], chunks: int, chunk: int, image_size,
                           stats, seed: int) -> tuple[dict[str, Any], float]:
-    """``run`` (``agent`` for kind "agent") on the held-out starts, as ``compare.py`` runs policies."""
+    """``run`` (acting with ``agent`` for kind "ppo") on the held-out starts, as ``compare.py`` runs policies."""
     started = time.perf_counter()
     _, _, coverage = simulate_policy(run, eval_seeds, chunks, chunk, image_size, stats, agent, seed)
     return summarise_coverage(coverage), time.perf_counter() - started
@@ -182,9 +175,10 @@ def evaluate_in_simulator(run: PolicyRun, agent, eval_seeds: list[int], chunks: 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def train_and_evaluate(world: str, vec_env, args, segments: int, steps_per_segment: int, evaluate) -> dict:
+def train_and_evaluate(world: str, vec_env, args, segments: int, steps_per_segment: int, evaluate,
+                       policy_path: Path) -> dict:
     """PPO in ``vec_env`` for ``segments`` x ``steps_per_segment`` env steps, evaluated in the simulator before
-    training and after each segment."""
+    training and after each segment; the trained policy is saved to ``policy_path``."""
     from stable_baselines3 import PPO
     from tqdm.auto import tqdm
 
@@ -232,7 +226,11 @@ def train_and_evaluate(world: str, vec_env, args, segments: int, steps_per_segme
     finally:
         bar.close()
         env.close()
+    save_sb3_policy(model, policy_path, world=world, env_steps=int(model.num_timesteps), seed=args.seed,
+                    trained_by="benchmarks/rl_imagination_pusht.py")
+    print(f"wrote {policy_path}", flush=True)
     return {
+        "policy_file": policy_path.name,
         "curve": curve,
         "num_timesteps": int(model.num_timesteps),
         "train_s": total["train_s"],
@@ -357,11 +355,18 @@ def main(argv: list[str] | None = None) -> dict:
     })
     timings: dict[str, float] = {}
     random_run = PolicyRun("random", "random")
-    agent_run = PolicyRun("ppo", "agent")
+    ppo_run = PolicyRun("ppo", "ppo")  # the policy in training, acting through an SB3PolicyAgent, not a file
+
+    card = card_name(args.device)
+    name = args.results_name or f"rl_imagination_pusht_{card}.json"
+    out = results_dir(args.out)
+
+    def policy_path(world: str) -> Path:
+        return out / f"{Path(name).stem}_{world}_policy.safetensors"
 
     def evaluate(model) -> dict[str, Any]:
-        agent = SB3Agent(model, args.obs_size, deterministic=not args.stochastic_eval)
-        summary, seconds = evaluate_in_simulator(agent_run, agent, eval_seeds, args.chunks_per_episode, chunk,
+        agent = SB3PolicyAgent(model, deterministic=not args.stochastic_eval)
+        summary, seconds = evaluate_in_simulator(ppo_run, agent, eval_seeds, args.chunks_per_episode, chunk,
                                                  image_size, stats, args.seed)
         return {**summary, "eval_s": seconds}
 
@@ -378,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                    args.obs_size)
         spaces = {"observation": str(world_model_env.observation_space), "action": str(world_model_env.action_space)}
         agents["world_model"] = train_and_evaluate("world_model", world_model_env, args, args.eval_points,
-                                                   steps_per_segment, evaluate)
+                                                   steps_per_segment, evaluate, policy_path("world_model"))
     finally:
         engine.close()
     sim_env = make_simulator_vec_env(assets.root, args.num_envs, args.chunks_per_episode, args.obs_size, args.subproc)
@@ -386,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise RuntimeError(f"the simulator's spaces {sim_env.observation_space} / {sim_env.action_space} differ from "
                            f"the world model's {spaces}")
     agents["simulator"] = train_and_evaluate("simulator", sim_env, args, args.eval_points, steps_per_segment,
-                                             evaluate)
+                                             evaluate, policy_path("simulator"))
     first, second = (agents[world].pop("initial_weights") for world in WORLDS)
     same_start = first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     timings["total_s"] = time.perf_counter() - started_all
@@ -407,13 +412,11 @@ def main(argv: list[str] | None = None) -> dict:
         "agents": agents,
         "timings": timings,
     }
-    card = card_name(args.device)
-    name = args.results_name or f"rl_imagination_pusht_{card}.json"
     results = {"provenance": provenance(["benchmarks/rl_imagination_pusht.py",
                                          *(sys.argv[1:] if argv is None else argv)]), **results}
-    path = write_results(results, name, args.out)
+    path = write_results(results, name, str(out))
     results["plot"] = plot_curves(results, path.with_suffix(".png"))
-    write_results(results, name, args.out)
+    write_results(results, name, str(out))
     print_summary(results)
     return results
 

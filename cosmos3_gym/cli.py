@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     real = sub.add_parser("eval-real", help="run policies in the PushT world model AND the real simulator (gym-pusht) "
                           "from the same starts and compare their scores and rankings")
     real.add_argument("--policies", default="random,scripted:0,scripted:25,agent",
-                      help="comma-separated: random, agent (the checkpoint's policy), scripted:NOISE (px)")
+                      help="comma-separated: random, agent (the checkpoint's policy), scripted:NOISE (px), "
+                      "ppo:PATH (an SB3 PPO policy .safetensors of save_sb3_policy, e.g. written by "
+                      "benchmarks/rl_imagination_pusht.py)")
     real.add_argument("--starts", type=int, default=4, help="simulator start states per policy")
     real.add_argument("--chunks", type=int, default=4, help="action chunks per episode")
     real.add_argument("--first-sim-seed", type=int, default=10_000, help="gym-pusht reset seed of the first start")

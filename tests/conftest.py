@@ -18,3 +18,26 @@ torch.set_num_threads(1)
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Path of a tiny random checkpoint (seed 0) in diffusers' layout. Shared by all tests: do not modify it."""
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint"), seed=0)
+
+
+@pytest.fixture
+def tiny_ppo_model():
+    """An untrained SB3 ``PPO("MultiInputPolicy")`` on the PushT envs' spaces (a 48 x 48 image, [8, 2] action chunks)
+    at small widths, its weights moved off SB3's initialisation so that a policy rebuilt and left unloaded differs."""
+    import gymnasium
+    import numpy as np
+    from stable_baselines3 import PPO
+
+    class PushTSpaces(gymnasium.Env):
+        observation_space = gymnasium.spaces.Dict(
+            {"image": gymnasium.spaces.Box(0, 255, (48, 48, 3), np.uint8)}
+        )
+        action_space = gymnasium.spaces.Box(-1.0, 1.0, (8, 2), np.float32)
+
+    model = PPO("MultiInputPolicy", PushTSpaces(), n_steps=8, batch_size=8, seed=0, device="cpu",
+                policy_kwargs=dict(net_arch=[16], features_extractor_kwargs=dict(cnn_output_dim=16)))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.policy.parameters():
+            parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    return model

@@ -17,6 +17,7 @@ from cosmos3_gym.sim.compare import (
     mmrv,
     parse_policy_specs,
     pearson,
+    simulate_policy,
     spearman,
     ssim,
 )
@@ -151,6 +152,38 @@ def test_compare_policies_end_to_end_with_a_stand_in_world_model():
     json.dumps(result)  # serialisable as it is
 
 
+def test_compare_policies_runs_a_saved_ppo_policy_closed_loop_in_both_worlds(tiny_ppo_model, tmp_path):
+    pytest.importorskip("gym_pusht")
+    from cosmos3_gym.agents import SB3PolicyAgent, save_sb3_policy
+
+    path = save_sb3_policy(tiny_ppo_model, tmp_path / "ppo.safetensors")
+    spec, seeds, num_chunks = f"ppo:{path}", [3, 4], 2
+    stats = ActionStats.from_json({"min": [0.0, 0.0], "max": [512.0, 512.0]}, mode="minmax")
+    env = StandInVectorEnv(2 * len(seeds), 8, 32)  # the policy's chunks are [8, 2]
+    result = compare_policies(f"random,{spec}", seeds, vector_env=env,
+                              score_frames=lambda f: f.mean(axis=(1, 2, 3)) / 255.0, stats=stats, num_chunks=num_chunks)
+    assert list(result["policies"]) == ["random", spec]
+    entry = result["policies"][spec]
+    assert entry["evaluated_in_world_model"] == "closed loop"
+    for world in ("simulator", "world_model"):
+        assert 0.0 <= entry[world]["final_coverage"] <= 1.0
+    # Closed loop on the world model's frames, which the stand-in never changes: every chunk is the policy's
+    # deterministic action on the start frames (the simulator's 32 x 32 frames, resized to the policy's 48 x 48).
+    agent = SB3PolicyAgent(tiny_ppo_model)
+    expected = agent.act(env.frames[len(seeds):])
+    for actions in env.actions:
+        np.testing.assert_array_equal(actions[len(seeds):], expected)
+    # Closed loop in the simulator too: the same policy on the simulator's frames scores the same true coverage.
+    _, taken, coverage = simulate_policy(parse_policy_specs(spec)[0], seeds, num_chunks, 8, (32, 32), stats, agent, 0)
+    np.testing.assert_array_equal(taken[:, 0], expected)
+    assert entry["simulator"]["final_coverage"] == pytest.approx(coverage[:, -1].mean())
+
+    short_chunks = StandInVectorEnv(2 * len(seeds), 4, 32)
+    with pytest.raises(InputError, match=r"acts in chunks of shape \[8, 2\]"):
+        compare_policies(f"random,{spec}", seeds, vector_env=short_chunks, score_frames=None, stats=stats,
+                         num_chunks=1)
+
+
 def test_compare_policies_checks_the_slot_count():
     stats = ActionStats.from_json({"min": [0.0, 0.0], "max": [512.0, 512.0]}, mode="minmax")
     with pytest.raises(InputError, match="slots"):
@@ -163,17 +196,22 @@ def test_cli_eval_real_rejects_a_bad_policy_spec(capsys):
 
     assert main(["eval-real", "--policies", "ppo"]) == 2
     assert "policies" in capsys.readouterr().err
+    assert main(["eval-real", "--policies", "random,ppo:/missing.safetensors"]) == 2
+    assert "'ppo:/missing.safetensors'" in capsys.readouterr().err
 
 
-def test_cli_eval_real_runs_the_builtin_model(tmp_path, capsys):
+def test_cli_eval_real_runs_the_builtin_model(tmp_path, capsys, tiny_ppo_model):
     pytest.importorskip("gym_pusht")
+    from cosmos3_gym.agents import save_sb3_policy
     from cosmos3_gym.cli import main
     from cosmos3_gym.envs.pusht import builtin_checkpoint_dir
 
     assert builtin_checkpoint_dir() is not None  # it ships inside the package
+    ppo = f"ppo:{save_sb3_policy(tiny_ppo_model, tmp_path / 'ppo.safetensors')}"
     out = tmp_path / "comparison.json"
-    assert main(["eval-real", "--policies", "random,scripted:0", "--starts", "1", "--chunks", "1", "--device", "cpu",
-                 "--out", str(out)]) == 0
+    assert main(["eval-real", "--policies", f"random,scripted:0,{ppo}", "--starts", "1", "--chunks", "1",
+                 "--device", "cpu", "--out", str(out)]) == 0
     assert "spearman" in capsys.readouterr().out
     result = json.loads(out.read_text())
-    assert set(result["policies"]) == {"random", "scripted:0"}
+    assert set(result["policies"]) == {"random", "scripted:0", ppo}
+    assert result["policies"][ppo]["evaluated_in_world_model"] == "closed loop"

@@ -121,3 +121,21 @@ def test_smoke_run_writes_learning_curves(tmp_path):
     assert timings["world_model_train_s"] > 0 and timings["simulator_train_s"] > 0
     plot = results["plot"]
     assert plot.startswith("skipped") or Path(plot).is_file()
+
+    # Both trained policies are saved next to the JSON; loaded back, each scores exactly its last curve point.
+    from cosmos3_gym.agents import SB3PolicyAgent, read_sb3_policy_metadata
+    from cosmos3_gym.sim.compare import parse_policy_specs, simulate_policy
+    from cosmos3_gym.sim.pusht_env import pusht_sim_env_arguments
+
+    sim = pusht_sim_env_arguments(results["assets"])
+    for world in ("world_model", "simulator"):
+        policy_file = tmp_path / results["agents"][world]["policy_file"]
+        assert policy_file.name == f"rl_imagination_pusht_cpu_{world}_policy.safetensors"
+        assert policy_file.stat().st_size < 1_000_000
+        metadata = read_sb3_policy_metadata(policy_file)
+        assert metadata["world"] == world and metadata["env_steps"] == total
+        run = parse_policy_specs(f"ppo:{policy_file}")[0]
+        _, _, coverage = simulate_policy(run, results["starts"]["eval_sim_seeds"], settings["chunks_per_episode"],
+                                         sim["chunk"], sim["image_size"], sim["action_stats"],
+                                         SB3PolicyAgent.from_file(policy_file), settings["seed"])
+        assert coverage[:, -1].mean() == pytest.approx(results["agents"][world]["curve"][-1]["final_coverage"]["mean"])

@@ -7,8 +7,13 @@
   of ``i``. All in numpy (no SciPy).
 * ``compare_policies``: each policy from the same simulator start states, in gym-pusht and in the world model.
 
-How a policy runs in the world model. Policies that see images (``agent``, the checkpoint's own policy mode) run
-closed loop in both worlds: in the simulator on its frames, in the world model on the model's own frames. The
+Policy specs (``parse_policy_specs``), comma-separated: ``random`` (uniform random actions), ``scripted:NOISE`` (the
+scripted pusher with NOISE px of target noise), ``agent`` (the checkpoint's own policy mode) and ``ppo:PATH`` (a
+Stable-Baselines3 PPO policy saved by ``cosmos3_gym.agents.save_sb3_policy``, e.g. one trained in the world model by
+benchmarks/rl_imagination_pusht.py; it acts deterministically, its mean action).
+
+How a policy runs in the world model. Policies that see images (``agent`` and ``ppo:PATH``) run closed loop in both
+worlds: in the simulator on its frames, in the world model on the model's own frames. The
 simulator's reference policies (``scripted:NOISE``, which reads the true block pose, and ``random``) cannot observe
 the world model's state, so the world model replays, open loop, the action chunks they produced in the simulator
 from the same start: it predicts what those actions do. The world model's score of an episode is the reward
@@ -24,6 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..agents.sb3_policy import SB3PolicyAgent, read_sb3_policy_metadata
 from ..errors import InputError
 from . import pusht
 
@@ -127,22 +133,29 @@ def _pair(x: Sequence[float], y: Sequence[float]) -> tuple[np.ndarray, np.ndarra
 # ---------------------------------------------------------------------------------------------------------------
 
 
+FRAME_POLICY_KINDS = ("agent", "ppo")  # policies that act on the frames they see (an agent's act(frames))
+
+
 @dataclass(frozen=True)
 class PolicyRun:
-    """One policy spec: ``"random"``, ``"scripted:NOISE"`` (``ScriptedPusher`` with NOISE px target noise) or
-    ``"agent"`` (the checkpoint's policy mode)."""
+    """One policy spec: ``"random"``, ``"scripted:NOISE"`` (``ScriptedPusher`` with NOISE px target noise),
+    ``"agent"`` (the checkpoint's policy mode) or ``"ppo:PATH"`` (an SB3 PPO policy file of ``save_sb3_policy``)."""
 
     spec: str
-    kind: str  # random | scripted | agent
+    kind: str  # random | scripted | agent | ppo
     noise: float = 0.0
+    path: str | None = None  # the policy file of kind "ppo"
 
     @property
     def closed_loop_in_world_model(self) -> bool:
-        return self.kind == "agent"
+        return self.kind in FRAME_POLICY_KINDS
 
 
 def parse_policy_specs(specs: str | Sequence[str]) -> list[PolicyRun]:
-    """``"random,scripted:0,scripted:25,agent"`` (or a list of such items) -> ``PolicyRun``s."""
+    """``"random,scripted:0,scripted:25,agent,ppo:PATH"`` (or a list of such items) -> ``PolicyRun``s.
+
+    A ``ppo:PATH`` file must exist and carry ``save_sb3_policy``'s metadata (its header is read, not its weights),
+    so a bad file is reported before any model is loaded."""
     items = [item.strip() for item in (specs.split(",") if isinstance(specs, str) else specs) if item.strip()]
     if not items:
         raise InputError("policies: expected a comma-separated list such as 'random,scripted:0,agent', got none")
@@ -151,13 +164,21 @@ def parse_policy_specs(specs: str | Sequence[str]) -> list[PolicyRun]:
         if item in ("random", "agent"):
             runs.append(PolicyRun(item, item))
             continue
-        name, _, noise = item.partition(":")
+        name, _, argument = item.partition(":")
+        if name == "ppo" and argument:
+            try:
+                read_sb3_policy_metadata(argument)
+            except InputError as error:
+                raise InputError(f"policies: {item!r}: {error}") from error
+            runs.append(PolicyRun(item, "ppo", path=argument))
+            continue
         try:
-            value = float(noise or 0.0)
+            value = float(argument or 0.0)
         except ValueError:
             value = -1.0
         if name != "scripted" or value < 0:
-            raise InputError(f"policies: {item!r} is not 'random', 'agent' or 'scripted:NOISE' (NOISE px >= 0)")
+            raise InputError(f"policies: {item!r} is not 'random', 'agent', 'scripted:NOISE' (NOISE px >= 0) or "
+                             f"'ppo:PATH' (a policy file of save_sb3_policy)")
         runs.append(PolicyRun(item, "scripted", value))
     if len({run.spec for run in runs}) != len(runs):
         raise InputError(f"policies: each policy may appear once, got {items}")
@@ -167,7 +188,9 @@ def parse_policy_specs(specs: str | Sequence[str]) -> list[PolicyRun]:
 def simulate_policy(run: PolicyRun, sim_seeds: Sequence[int], num_chunks: int, chunk: int, image_size, stats,
               agent: Any, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``run`` in one gym-pusht simulator per start: start frames ``[N, H, W, 3]``, the normalised action chunks it
-    took ``[N, num_chunks, chunk, 2]`` and the true coverage after every step ``[N, num_chunks * chunk + 1]``."""
+    took ``[N, num_chunks, chunk, 2]`` and the true coverage after every step ``[N, num_chunks * chunk + 1]``.
+    ``agent``: for the kinds that act on frames ("agent", "ppo"), ``act(frames [N, H, W, 3]) -> [N, chunk, 2]``,
+    called once per chunk on the current frames."""
     sims = [pusht.PushTSim(image_size) for _ in sim_seeds]
     try:
         frames = np.stack([sim.reset(s) for sim, s in zip(sims, sim_seeds)])
@@ -177,7 +200,7 @@ def simulate_policy(run: PolicyRun, sim_seeds: Sequence[int], num_chunks: int, c
         pushers = [pusht.ScriptedPusher(np.random.default_rng([seed, s]), noise=run.noise) for s in sim_seeds]
         taken = np.zeros((len(sims), num_chunks, chunk, 2), np.float32)
         for k in range(num_chunks):
-            if run.kind == "agent":
+            if run.kind in FRAME_POLICY_KINDS:
                 taken[:, k] = np.clip(agent.act(frames), -1.0, 1.0)
             elif run.kind == "random":
                 taken[:, k] = rng.uniform(-1.0, 1.0, size=taken[:, k].shape)
@@ -222,7 +245,8 @@ def compare_policies(
     ``vector_env``: a world-model vector env (``reset(options={"frames": [...]})``, ``step(actions)`` with
     ``info["frames"] [slots, chunk, H, W, 3]``) with one slot per (policy, start), in policy-major order;
     ``score_frames``: frames ``[M, H, W, 3]`` uint8 -> predicted coverage ``[M]`` (the reward model);
-    ``stats``: the checkpoint's ``ActionStats``; ``make_agent()``: the ``PolicyAgent`` for ``"agent"``.
+    ``stats``: the checkpoint's ``ActionStats``; ``make_agent()``: the ``PolicyAgent`` for ``"agent"``. A
+    ``"ppo:PATH"`` policy is loaded from its file (``SB3PolicyAgent``, deterministic, on the CPU).
 
     Returns per policy the real and predicted final coverage (mean, Student-t CI) and success (rate, Wilson CI),
     then Pearson / Spearman / MMRV / mean absolute error between the per-policy mean predicted and real final
@@ -237,20 +261,23 @@ def compare_policies(
         raise InputError(f"vector_env: expected {slots} slots (policies x starts), got {vector_env.num_envs}")
     chunk = vector_env.single_action_space.shape[0]
     image_size = tuple(vector_env.single_observation_space["image"].shape[:2])
-    agent = make_agent() if any(run.kind == "agent" for run in runs) else None
+    agents = [_frame_policy_agent(run, make_agent, chunk) if run.closed_loop_in_world_model else None
+              for run in runs]
 
-    simulated = [simulate_policy(run, sim_seeds, num_chunks, chunk, image_size, stats, agent, seed) for run in runs]
+    simulated = [simulate_policy(run, sim_seeds, num_chunks, chunk, image_size, stats, agent, seed)
+                 for run, agent in zip(runs, agents)]
     starts = np.concatenate([frames for frames, _, _ in simulated])
     replayed = np.concatenate([actions for _, actions, _ in simulated])
-    closed_loop = np.repeat([run.closed_loop_in_world_model for run in runs], len(sim_seeds))
 
     vector_env.reset(seed=seed, options={"frames": list(starts)})
     frames = starts
     predicted = [score_frames(starts)]
     for k in range(num_chunks):
         actions = replayed[:, k].copy()
-        if closed_loop.any():
-            actions[closed_loop] = np.clip(agent.act(frames[closed_loop]), -1.0, 1.0)
+        for index, agent in enumerate(agents):
+            if agent is not None:  # closed loop: it acts on the world model's own frames of its slots
+                slots = slice(index * len(sim_seeds), (index + 1) * len(sim_seeds))
+                actions[slots] = np.clip(agent.act(frames[slots]), -1.0, 1.0)
         generated = np.asarray(vector_env.step(actions)[-1]["frames"])
         frames = generated[:, -1]
         predicted.append(score_frames(frames))
@@ -280,6 +307,23 @@ def compare_policies(
             "mean_absolute_error": float(np.abs(guess - real).mean()),
         },
     }
+
+
+def _frame_policy_agent(run: PolicyRun, make_agent: Callable[[], Any] | None, chunk: int) -> Any:
+    """The agent of a policy that acts on frames: ``make_agent()`` for "agent", the policy file for "ppo" (which
+    must act in chunks of the world model's length)."""
+    if run.kind == "ppo":
+        try:
+            agent = SB3PolicyAgent.from_file(run.path)
+        except InputError as error:
+            raise InputError(f"policies: {run.spec!r}: {error}") from error
+        if agent.action_shape != (chunk, 2):
+            raise InputError(f"policies: {run.spec!r} acts in chunks of shape {list(agent.action_shape)}; the world "
+                             f"model takes [{chunk}, 2]")
+        return agent
+    if make_agent is None:
+        raise InputError("make_agent: the 'agent' policy needs make_agent() -> the checkpoint's PolicyAgent")
+    return make_agent()
 
 
 def _scores(coverage: np.ndarray, confidence: float, mean_interval, wilson_interval) -> dict[str, Any]:
