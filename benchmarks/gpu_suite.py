@@ -132,8 +132,7 @@ def latency_breakdown(engine, request) -> dict:
 
     def text():
         engine._text_cache.clear()
-        engine.text_kv(prepared.cond_ids)
-        engine.text_kv(prepared.uncond_ids)
+        engine.text_kvs([prepared.cond_ids, prepared.uncond_ids])
 
     t_text, _ = timed(text, repeats=3)
     t_step, _ = timed(lambda: engine.step(request, decode=False), repeats=3)  # text cache warm
@@ -201,7 +200,7 @@ def gen_forward_table(model, chunk, fps, latent_shape_480, peak, device, batches
 
 
 def optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, steps, guidance, fps, fd_actions,
-                      latent_shape, peak, device) -> dict:
+                      latent_shape, peak, device, gen_tables: bool = True) -> dict:
     """The same measurements with regional torch.compile of the decoder blocks and the fastest bf16 VAE decode."""
     device = engine.device
     torch.backends.cudnn.benchmark = True
@@ -217,7 +216,9 @@ def optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, ste
     candidates = {"bf16_chunk1": Cosmos3VAE(bf16_weights, decode_chunk_frames=1),
                   "bf16_chunk4": Cosmos3VAE(bf16_weights, decode_chunk_frames=4),
                   "bf16_chunk4_channels_last": Cosmos3VAE(channels_last_weights, decode_chunk_frames=4),
-                  "bf16_chunkall_channels_last": Cosmos3VAE(channels_last_weights, decode_chunk_frames=None)}
+                  "bf16_chunkall_channels_last": Cosmos3VAE(channels_last_weights, decode_chunk_frames=None),
+                  "bf16_chunk4_fused_norms": Cosmos3VAE(copy.deepcopy(bf16_weights),
+                                                        decode_chunk_frames=4).fuse_decoder_norms()}
     for name, candidate in candidates.items():
         seconds, _ = timed(lambda: candidate.decode(lat), repeats=2)
         err = (candidate.decode(lat) - reference).abs()
@@ -244,8 +245,9 @@ def optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, ste
     # Fewer shapes than the eager tables: every new shape costs a compile.
     optimised["fd_env_throughput_tier256"] = env_throughput(engine, [1, 16], d_env, chunk, steps, guidance, fps,
                                                             fd_actions)
-    optimised["gen_forward"] = gen_forward_table(engine.transformer, chunk, fps, latent_shape, peak, device,
-                                                 batches=(1, 16))
+    if gen_tables:
+        optimised["gen_forward"] = gen_forward_table(engine.transformer, chunk, fps, latent_shape, peak, device,
+                                                     batches=(1, 4, 16))
     optimised["vae_decode_tier480"] = vae_result
     return optimised
 
@@ -255,6 +257,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU dry run with tiny models")
     parser.add_argument("--out", default=None)
     parser.add_argument("--env-counts", default="1,4,16,64")
+    parser.add_argument("--quick", action="store_true",
+                        help="request latencies and env throughput only: no GEN-forward tables, no bf16 check")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -311,14 +315,16 @@ def main() -> None:
     counts = [int(x) for x in args.env_counts.split(",")]
     results["fd_env_throughput_tier256"] = env_throughput(engine, counts, d_env, chunk, steps, guidance, fps,
                                                           fd_actions)
-    results["gen_forward"] = gen_forward_table(engine.transformer, chunk, fps, latent_shape, peak, device)
+    if not args.quick:
+        results["gen_forward"] = gen_forward_table(engine.transformer, chunk, fps, latent_shape, peak, device)
 
     # ---- optimised variant: compiled decoder blocks + the fastest bf16 VAE decode ----
     if not args.tiny:
         write_results(results, "gpu_suite.json", args.out)  # keep what we have if the optimised run fails
         try:
             results["optimised"] = optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, steps,
-                                                     guidance, fps, fd_actions, latent_shape, peak, device)
+                                                     guidance, fps, fd_actions, latent_shape, peak, device,
+                                                     gen_tables=not args.quick)
         except Exception as error:  # noqa: BLE001 - recorded in the results, the rest of the suite still runs
             results["optimised"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
@@ -328,7 +334,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     # ---- bf16 vs fp32: our bf16 GEN forward against diffusers fp32 on a Nano-width, 4-layer model ----
-    if not args.tiny:
+    if not args.tiny and not args.quick:
         results["bf16_vs_fp32_nano_width_4_layers"] = bf16_versus_fp32(device, chunk, fps)
     write_results(results, "gpu_suite.json" if not args.tiny else "gpu_suite_tiny.json", args.out)
 

@@ -285,16 +285,24 @@ class Cosmos3Engine:
     def text_kv(self, input_ids: list[int]) -> TextKV:
         """The UND K/V of one prompt, from the cache or computed now (and cached). Under tensor parallel it is this
         rank's KV-head shard, and every rank of the tp group must call this with the same prompts in order."""
-        key = tuple(input_ids)
-        cached = self._text_cache.get(key)
-        if cached is not None:
+        return self.text_kvs([input_ids])[0]
+
+    def text_kvs(self, prompts: list[list[int]]) -> list[TextKV]:
+        """``text_kv`` of several prompts; the ones not cached go through the UND tower together in one padded
+        batch (a request's conditional and unconditional prompts: one forward instead of two)."""
+        keys = [tuple(ids) for ids in prompts]
+        missing = list(dict.fromkeys(key for key in keys if key not in self._text_cache))
+        if missing:
+            batch = self.transformer.encode_text([list(key) for key in missing])
+            for index, key in enumerate(missing):
+                self._text_cache[key] = batch.select(index) if len(missing) > 1 else batch
+        found = []
+        for key in keys:
             self._text_cache.move_to_end(key)
-            return cached
-        kv = self.transformer.encode_text([list(input_ids)])
-        self._text_cache[key] = kv
-        if len(self._text_cache) > self._text_cache_size:
+            found.append(self._text_cache[key])
+        while len(self._text_cache) > self._text_cache_size:
             self._text_cache.popitem(last=False)
-        return kv
+        return found
 
     # ------------------------------------------------------------------ preprocessing
 
@@ -501,7 +509,7 @@ class Cosmos3Engine:
         row_index = torch.tensor(rows, dtype=torch.long, device=device)  # built once, not per step
         if rows:
             text = TextKV.stack(
-                [self.text_kv(group[b].uncond_ids if uncond else group[b].cond_ids) for b, uncond in local_branches]
+                self.text_kvs([group[b].uncond_ids if uncond else group[b].cond_ids for b, uncond in local_branches])
             )
             fps = [group[b].request.fps for b in rows]
             layout = self.transformer.gen_layout(text.lengths, group[0].latent_thw, chunk, fps)

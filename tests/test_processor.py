@@ -143,6 +143,7 @@ PIL_CASES = [
     (540, 640, 480, 2, "DROID frame on the 544x736 canvas"),
     (200, 300, 704, 1, "tier 704, replicate pad"),
     (250, 450, 720, 1, "tier 720, snap and replicate pad"),
+    (480, 832, 480, 2, "the 480x832 canvas itself: no snap, no resize, no pad"),
 ]
 
 
@@ -192,6 +193,13 @@ def test_float_tensor_image_matches_pipeline():
     image = torch.rand(3, 100, 150, generator=torch.Generator().manual_seed(0))
     assert_matches_pipeline(image, [image], 256, 2)
     assert_matches_pipeline(image.permute(1, 2, 0), [image], 256, 1)  # HWC tensor
+
+
+def test_float_tensor_multiple_of_16_matches_pipeline():
+    # Sizes that need no snap skip diffusers' per-frame preprocessing (a direct 2x - 1): still the pipeline's bits.
+    video = torch.rand(3, 3, 160, 224, generator=torch.Generator().manual_seed(4))
+    assert_matches_pipeline(video, video, 256, 3)
+    assert_matches_pipeline(video[0], [video[0]], 256, 1)
 
 
 def test_float_tensor_video_matches_pipeline():

@@ -1,10 +1,12 @@
 """Cosmos3VAE against the numerics of diffusers' Cosmos3OmniPipeline, on a tiny random Wan2.2-shaped VAE."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock, WanRMS_norm
 from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import Cosmos3OmniPipeline
 from diffusers.video_processor import VideoProcessor
 
@@ -287,3 +289,125 @@ def test_bad_input_is_rejected_naming_the_field(vae, vae_dir, tmp_path):
         Cosmos3VAE.from_pretrained(broken)
     with pytest.raises(CheckpointError, match="latents_std"):
         Cosmos3VAE(AutoencoderKLWan(base_dim=8, z_dim=4, latents_mean=[0.0] * 4, latents_std=[1.0, 1.0, 0.0, 1.0]))
+
+
+# ---- fuse_decoder_norms: one compiled kernel per RMS norm (+ the SiLU after it) in the decoder ------------------------
+
+
+def fused_and_plain(wrapper: Cosmos3VAE, chunk_frames: int | None = 4, channels_last: bool = False):
+    """A fused-norm copy of the (shared, module-scoped) VAE and an unfused copy with the same layout."""
+    plain = Cosmos3VAE(copy.deepcopy(wrapper.vae), decode_chunk_frames=chunk_frames)
+    if channels_last:
+        plain.use_channels_last()
+    fused = Cosmos3VAE(copy.deepcopy(plain.vae), decode_chunk_frames=chunk_frames).fuse_decoder_norms()
+    return fused, plain
+
+
+def multi_frame_latents(batch: int = 2, frames: int = 6, seed: int = 4) -> torch.Tensor:
+    return torch.randn(batch, Z_DIM, frames, 4, 6, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("chunk_frames, channels_last", [(1, False), (4, False), (None, False), (4, True)])
+def test_fused_decoder_norms_equal_unfused_decode(vae, chunk_frames, channels_last):
+    fused, plain = fused_and_plain(vae, chunk_frames, channels_last)
+    latents = multi_frame_latents()
+    pixels, reference = fused.decode(latents), plain.decode(latents)
+    assert pixels.shape == reference.shape == (2, 3, 21, 64, 96)
+    error = (pixels - reference).abs().max()
+    print(f"fused norms, float32, chunk {chunk_frames}, channels_last {channels_last}: max abs {error:.2e}")
+    assert error < 1e-5  # measured <= 2.1e-6 on CPU (torch 2.13): float32 summation order only
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fused_decoder_norms_bf16_within_rounding(vae, vae_bf16, channels_last):
+    fused, plain = fused_and_plain(vae_bf16, 4, channels_last)
+    latents = multi_frame_latents()
+    pixels, reference = fused.decode(latents), plain.decode(latents)
+    error = (pixels - reference).abs()
+    print(f"fused norms, bfloat16, channels_last {channels_last}: max abs {error.max():.4f} mean {error.mean():.1e}")
+    if not channels_last:
+        # Measured on CPU (torch 2.13): 0, bit-exact, thanks to emulate_precision_casts (without it: max 0.03).
+        assert error.max() < 2e-2
+    else:
+        # Measured: max 0.024, mean 1.0e-3. The float32 channel sum runs in another order than eager's channels-last
+        # reduction and flips a few bf16 roundings, which the decoder then carries on; eager bf16 channels-last vs
+        # contiguous differs as much on these inputs (max 0.020, mean 1.6e-3).
+        assert error.max() < 4e-2 and error.mean() < 3e-3
+    # Either way the fused bf16 decode is as close to the float32 decode as diffusers' own bf16 decode is
+    # (mean abs 2.8e-3 for both).
+    exact = vae.decode(latents)
+    assert (pixels - exact).abs().mean() < 1.2 * (reference - exact).abs().mean()
+
+
+def test_fused_decode_has_every_silu_once(vae):
+    """Each norm -> SiLU site of the decoder is fused once; and on these inputs a dropped or doubled SiLU shows, so
+    the equality tests above would catch one."""
+    fused, plain = fused_and_plain(vae)
+    decoder = fused.vae.decoder
+    residual_blocks = [m for m in decoder.modules() if isinstance(m, WanResidualBlock)]
+    assert not any(isinstance(m, torch.nn.SiLU) for m in decoder.modules())
+    assert isinstance(decoder.nonlinearity, torch.nn.Identity)
+    assert all(isinstance(block.nonlinearity, torch.nn.Identity) for block in residual_blocks)
+    norms = [m for m in decoder.modules() if isinstance(m, WanRMS_norm)]
+    assert len(norms) == 2 * len(residual_blocks) + 2 and all("forward" in vars(norm) for norm in norms)
+
+    latents = multi_frame_latents(batch=1, frames=3)
+    reference = plain.decode(latents)
+    assert (fused.decode(latents) - reference).abs().max() < 1e-5
+    block = residual_blocks[len(residual_blocks) // 2]
+    block.nonlinearity = torch.nn.SiLU()  # SiLU twice after this block's norms
+    assert (fused.decode(latents) - reference).abs().max() > 0.02
+    block.nonlinearity = torch.nn.Identity()
+    decoder.nonlinearity = torch.nn.SiLU()  # twice in the head
+    assert (fused.decode(latents) - reference).abs().max() > 0.02
+    plain.vae.decoder.nonlinearity = torch.nn.Identity()  # dropped in the head
+    assert (plain.decode(latents) - reference).abs().max() > 0.02
+
+
+def test_fuse_decoder_norms_twice_is_harmless_and_leaves_the_encoder(vae):
+    wrapper = Cosmos3VAE(copy.deepcopy(vae.vae))
+    pixels, latents = random_pixels(), multi_frame_latents(batch=1, frames=2)
+    encoded = wrapper.encode(pixels)
+    state = {key: value.clone() for key, value in wrapper.vae.state_dict().items()}
+    assert wrapper.fuse_decoder_norms() is wrapper
+    norm_forwards = [m.forward for m in wrapper.vae.decoder.modules() if isinstance(m, WanRMS_norm)]
+    once = wrapper.decode(latents)
+    assert wrapper.fuse_decoder_norms() is wrapper
+    assert norm_forwards == [m.forward for m in wrapper.vae.decoder.modules() if isinstance(m, WanRMS_norm)]
+    assert torch.equal(wrapper.decode(latents), once)
+    # A deep copy keeps the fusion bound to its own modules (the benchmark copies VAEs).
+    assert torch.equal(Cosmos3VAE(copy.deepcopy(wrapper.vae)).decode(latents), once)
+    # The encoder and the weights are untouched.
+    assert torch.equal(wrapper.encode(pixels), encoded)
+    for module in wrapper.vae.encoder.modules():
+        assert "forward" not in vars(module)
+        if isinstance(module, WanResidualBlock):
+            assert type(module.nonlinearity) is torch.nn.SiLU
+    assert type(wrapper.vae.encoder.nonlinearity) is torch.nn.SiLU
+    new_state = wrapper.vae.state_dict()
+    assert new_state.keys() == state.keys() and all(torch.equal(new_state[k], v) for k, v in state.items())
+
+
+def test_fused_norms_share_graphs_across_shapes(vae, vae_bf16):
+    """Widths, frame counts, batch sizes and chunk sizes must not blow dynamo's recompile limit (defaults)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def decode_many(wrapper, shapes):
+        for batch, frames, chunk in shapes:
+            wrapper.decode_chunk_frames = chunk
+            wrapper.decode(torch.randn(batch, Z_DIM, frames, 2, 3, generator=torch.Generator().manual_seed(batch)))
+
+    shapes = [(1, 1, 4), (1, 3, 1), (3, 6, 4), (2, 2, None)]
+    for wrapper, channels_last in ((vae, False), (vae, True), (vae_bf16, False)):
+        decode_many(fused_and_plain(wrapper, channels_last=channels_last)[0], shapes)
+    graphs = counters["stats"]["unique_graphs"]
+    print(f"fused norms: {graphs} graphs compiled for float32 (contiguous and channels-last) and bfloat16")
+    # Measured 11 (torch 2.13 CPU): at most, per dtype and function one graph for each size-1 pattern of [outer, C, inner]:
+    # outer == 1 (batch 1), neither, inner == 1 (channels-last).
+    assert 0 < graphs <= 12
+    decode_many(fused_and_plain(vae)[0], [(5, 7, 2), (1, 9, 3)])  # new shapes reuse the graphs
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert not [key for key in counters["unimplemented"] if "recompile" in key.lower()]

@@ -15,6 +15,9 @@ decoder is causal in time (every temporal convolution sees the previous two fram
 attention is per frame), so the result is the same up to float summation order; the chunks turn the small per-frame
 convolutions into large ones, which is what makes the decode fast on a GPU (see ``benchmarks/vae_decode_gpu.py``).
 
+``Cosmos3VAE.fuse_decoder_norms()`` (opt-in) computes each decoder RMS norm and the SiLU after it in one compiled
+kernel with diffusers' exact math (see ``_fuse_decoder_norms``).
+
 Optional tiled decode uses diffusers' own spatial tiling (``enable_tiling`` / ``tiled_decode``). It is approximate:
 each tile sees neither the pixels outside it through the convolutions nor the rest of the frame through the
 mid-block attention, and overlapping tiles are linearly blended.
@@ -22,12 +25,24 @@ mid-block attention, and overlapping tiles are linearly blended.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 import os
+import re
+import types
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
-from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+from diffusers.models.autoencoders.autoencoder_kl_wan import (
+    WanAttentionBlock,
+    WanDecoder3d,
+    WanResidualBlock,
+    WanRMS_norm,
+    unpatchify,
+)
 from diffusers.image_processor import VaeImageProcessor
 
 from cosmos3_gym.errors import CheckpointError, InputError
@@ -118,6 +133,15 @@ class Cosmos3VAE(torch.nn.Module):
                 module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last_3d)
             elif isinstance(module, torch.nn.Conv2d):
                 module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
+        return self
+
+    def fuse_decoder_norms(self) -> "Cosmos3VAE":
+        """Compute every decoder ``WanRMS_norm`` together with the SiLU that follows it in one ``torch.compile``d
+        kernel (the mid-block attention's norm, which has no SiLU after it, alone). Same math and casts as diffusers;
+        the encoder and the weights are untouched; works with ``use_channels_last``, any ``decode_chunk_frames`` and
+        tiling. For inference: with autograd on, the norms run diffusers' eager math. Calling it again does nothing.
+        See ``_fuse_decoder_norms``."""
+        _fuse_decoder_norms(self.vae.decoder)
         return self
 
     @property
@@ -243,6 +267,142 @@ class Cosmos3VAE(torch.nn.Module):
                 f"{field}: expected height and width that are positive multiples of {self.spatial_compression}, "
                 f"got {height}x{width}"
             )
+
+
+# ---- fused RMS norm + SiLU in the decoder -------------------------------------------------------------------------
+#
+# Why: memory traffic. diffusers' WanRMS_norm.forward runs ~6 separate kernels, each a full pass over the activation,
+# several of them in float32 (upcast, the norm reduction and the divide of F.normalize, the cast back, * scale,
+# * gamma, + bias, which is the Python float 0.0 here), and the SiLU after it is one more pass; the activations are
+# large (up to ~0.8 GB each for a 4-latent-frame chunk at 480x832 in bf16). Compiled together they are one pass
+# (read x, write the result). The speed-up is measured on a GPU in benchmarks/vae_decode_gpu.py (variant
+# "chunk4_fused_norms" against "chunk4").
+#
+# How: a plan applied to the plain diffusers model, no forked classes. On the decoder's module instances only, each
+# WanRMS_norm that is followed by the SiLU (norm1 and norm2 of every WanResidualBlock -- one SiLU module serves
+# both, so both are fused and it becomes an identity -- and WanDecoder3d.norm_out) gets a forward that computes
+# silu(norm(x)), and the owner's `nonlinearity` becomes nn.Identity; the mid-block WanAttentionBlock's norm gets the
+# compiled norm alone. In diffusers 0.42.1 those are the only SiLU call sites of the decoder: WanMidBlock,
+# WanResidualUpBlock (the Wan2.2 is_residual layout), WanResample and DupUp3D apply none of their own. The plan checks
+# diffusers' forward code for exactly that norm -> SiLU pattern first, and that it covers every norm of the decoder,
+# so a diffusers release that uses the SiLU elsewhere is refused instead of silently dropping or doubling a SiLU.
+#
+# Recompiles: the compiled functions always see one contiguous [outer, C, inner] view of the activation (no copy:
+# the dims before the channels in memory, the channels, the dims after them), whatever its layout (contiguous
+# NCDHW, channels-last, or the [B, T, C, H, W] memory order that WanResample leaves behind), and are compiled with
+# dynamic shapes; the scale sqrt(C) goes in as an unspecialised float and gamma as a plain tensor (parameters would
+# get static shapes). So widths, frame counts and batch sizes share graphs: one per dtype and per size-1 pattern of
+# outer / inner (outer == 1 at batch 1, inner == 1 for channels-last), at most 3 per dtype and function.
+
+
+def _wan_rms_norm(x: torch.Tensor, gamma: torch.Tensor, bias, scale: float) -> torch.Tensor:
+    """``WanRMS_norm.forward`` (diffusers 0.42.1, ``channel_first``) on ``x [outer, C, inner]``: the same ops, casts
+    and order (normalise in float32 for reduced-precision x, cast back to x's dtype, then the affine)."""
+    needs_fp32_normalize = x.dtype in (torch.float16, torch.bfloat16) or any(
+        t in str(x.dtype) for t in ("float4_", "float8_")
+    )
+    normalized = F.normalize(x.float() if needs_fp32_normalize else x, dim=1).to(x.dtype)
+    return normalized * scale * gamma + bias
+
+
+def _wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias, scale: float) -> torch.Tensor:
+    return F.silu(_wan_rms_norm(x, gamma, bias, scale))
+
+
+@functools.cache
+def _compiled(fn):
+    # emulate_precision_casts: round every bf16/fp16 intermediate as eager PyTorch does (Inductor otherwise keeps
+    # them in float32 inside the fused kernel), so the fused norm matches diffusers' rounding, not just its formula.
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+
+
+def _as_outer_channels_inner(x: torch.Tensor):
+    """``x`` (channels at dim 1) as a contiguous ``[outer, C, inner]`` view, and the function that puts a result of
+    that shape back in x's shape and strides; None when x's memory is not dense in any dim order."""
+    order = sorted(range(x.ndim), key=lambda dim: (-x.stride(dim), dim))  # outermost in memory first
+    permuted = x.permute(order)
+    if not permuted.is_contiguous():
+        return None
+    channels_at = order.index(1)
+    outer = math.prod(permuted.shape[:channels_at])
+    inner = math.prod(permuted.shape[channels_at + 1 :])
+    inverse = [order.index(dim) for dim in range(x.ndim)]
+    # detach(): an alias that is not a view, so that dynamo does not also guard on the strides of x.
+    rows = permuted.view(outer, x.shape[1], inner).detach()
+    return rows, lambda result: result.view(permuted.shape).permute(inverse)
+
+
+def _fused_norm_forward(norm: WanRMS_norm, x: torch.Tensor, silu: bool) -> torch.Tensor:
+    # The fused path is for inference (Cosmos3VAE.decode runs under no_grad): it passes gamma detached. With autograd
+    # on, and for a layout the decoder never produces, it is diffusers' eager math, unfused.
+    rows = None if torch.is_grad_enabled() else _as_outer_channels_inner(x)
+    if rows is None:
+        out = WanRMS_norm.forward(norm, x)
+        return F.silu(out) if silu else out
+    rows, restore = rows
+    channels = x.shape[1]
+    gamma = norm.gamma.detach().view(channels, 1)
+    bias = norm.bias.detach().view(channels, 1) if isinstance(norm.bias, torch.Tensor) else norm.bias
+    fn = _compiled(_wan_rms_norm_silu if silu else _wan_rms_norm)
+    return restore(fn(rows, gamma, bias, norm.scale))
+
+
+def _fused_silu_norm_method(self: WanRMS_norm, x: torch.Tensor) -> torch.Tensor:
+    return _fused_norm_forward(self, x, silu=True)
+
+
+def _fused_norm_method(self: WanRMS_norm, x: torch.Tensor) -> torch.Tensor:
+    return _fused_norm_forward(self, x, silu=False)
+
+
+def _norms_before_silu(cls) -> tuple[list[str], int]:
+    """The norms whose output goes straight into ``self.nonlinearity`` in ``cls.forward``, and how many times that
+    forward calls ``self.nonlinearity`` in all."""
+    source = inspect.getsource(cls.forward)
+    pairs = re.findall(r"x = self\.(\w+)\(x\)\s*\n\s*x = self\.nonlinearity\(x\)", source)
+    return pairs, source.count("self.nonlinearity(")
+
+
+def _fuse_decoder_norms(decoder: WanDecoder3d) -> None:
+    if getattr(decoder, "_cosmos3_fused_norms", False):
+        return
+    # The layout this plan is written for (diffusers 0.42.1): the SiLU follows norm1 and norm2 in every residual
+    # block and norm_out in the decoder head, and nowhere else in those forwards; the attention block has none.
+    expected = {WanResidualBlock: (["norm1", "norm2"], 2), WanDecoder3d: (["norm_out"], 1), WanAttentionBlock: ([], 0)}
+    for cls, pattern in expected.items():
+        if _norms_before_silu(cls) != pattern:
+            raise NotImplementedError(
+                f"fuse_decoder_norms: diffusers' {cls.__name__}.forward no longer applies the SiLU exactly after "
+                f"{pattern[0] or 'no norm'} (found {_norms_before_silu(cls)}); the fusion plan needs updating"
+            )
+    silu_norms, plain_norms, silu_owners = [], [], []
+    for module in decoder.modules():
+        if isinstance(module, (WanResidualBlock, WanDecoder3d)):
+            names = ["norm1", "norm2"] if isinstance(module, WanResidualBlock) else ["norm_out"]
+            if type(module.nonlinearity) is not torch.nn.SiLU or "forward" in vars(module):
+                raise NotImplementedError(
+                    f"fuse_decoder_norms: expected {type(module).__name__} with diffusers' own forward and an "
+                    f"nn.SiLU nonlinearity, got nonlinearity {type(module.nonlinearity).__name__}"
+                    + (" and a replaced forward" if "forward" in vars(module) else "")
+                )
+            silu_norms += [getattr(module, name) for name in names]
+            silu_owners.append(module)
+        elif isinstance(module, WanAttentionBlock):
+            plain_norms.append(module.norm)
+    planned = {id(norm) for norm in silu_norms + plain_norms}
+    all_norms = [module for module in decoder.modules() if isinstance(module, WanRMS_norm)]
+    if len(planned) != len(silu_norms) + len(plain_norms) or planned != {id(norm) for norm in all_norms}:
+        raise NotImplementedError("fuse_decoder_norms: the decoder has RMS norms outside the known Wan layout")
+    for norm in all_norms:
+        if not norm.channel_first or "forward" in vars(norm):
+            raise NotImplementedError("fuse_decoder_norms: expected diffusers' channel-first WanRMS_norm")
+    for norm in silu_norms:
+        norm.forward = types.MethodType(_fused_silu_norm_method, norm)
+    for norm in plain_norms:
+        norm.forward = types.MethodType(_fused_norm_method, norm)
+    for owner in silu_owners:
+        owner.nonlinearity = torch.nn.Identity()  # its SiLU is now inside the fused norm(s) before it
+    decoder._cosmos3_fused_norms = True
 
 
 def _check_latent_stats(config) -> None:
