@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--save-arrays", action="store_true", help="also write PREFIX_video.npy [T,H,W,3] in [0,1]")
     infer.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     infer.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
+    infer.add_argument("--vae-dtype", default=None, help="fp32 | bf16 | fp16 (default: fp32)")
+    infer.add_argument("--optimize", action="store_true",
+                       help="torch.compile the transformer blocks and fuse the VAE norms (GPU; the first step compiles)")
     infer.add_argument("--out", required=True, help="output prefix")
     parallel = infer.add_argument_group(
         "parallel", "under torchrun --nproc_per_node=dp*cfg*tp every rank runs this command and rank 0 writes the "
@@ -132,8 +135,8 @@ def run_infer(args: argparse.Namespace) -> None:
         negative_prompt=args.negative_prompt,
     )
     engine = Cosmos3Engine.from_pretrained(
-        args.checkpoint, device=args.device, dtype=args.dtype, decode_video=not args.no_decode,
-        tp=args.tp, cfg=args.cfg, dp=args.dp,
+        args.checkpoint, device=args.device, dtype=args.dtype, vae_dtype=args.vae_dtype,
+        decode_video=not args.no_decode, tp=args.tp, cfg=args.cfg, dp=args.dp, optimize=args.optimize,
     )
     try:
         if isinstance(engine, Cosmos3Engine):

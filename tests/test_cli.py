@@ -52,6 +52,17 @@ def test_infer_writes_actions_video_and_arrays_equal_to_pipeline(tiny_checkpoint
     assert np.allclose(np.array(action["data"]), ref.action[0].numpy(), atol=1e-4)
 
 
+def test_optimize_and_vae_dtype_flags(tiny_checkpoint, image_path, tmp_path):
+    args = ["--image", str(image_path), "--prompt", "push the block", "--seed", "3", "--save-arrays"]
+    assert infer(tiny_checkpoint, tmp_path / "eager", *args) == 0
+    assert infer(tiny_checkpoint, tmp_path / "fast", *args, "--optimize") == 0
+    assert infer(tiny_checkpoint, tmp_path / "bf16", *args, "--vae-dtype", "bf16") == 0
+    eager, fast, bf16 = (np.load(tmp_path / f"{name}_video.npy") for name in ("eager", "fast", "bf16"))
+    assert np.abs(fast - eager).max() < 1e-4  # compiled and fused: the same numbers
+    assert 1e-4 < np.abs(bf16 - eager).max() < 0.1  # a bf16 VAE: visibly the same video, not the same bits
+    assert infer(tiny_checkpoint, tmp_path / "bad", *args, "--vae-dtype", "fp8") == 2
+
+
 def test_forward_dynamics_with_both_action_file_formats(tiny_checkpoint, image_path, tmp_path):
     data = np.random.default_rng(1).uniform(-1, 1, (4, 2)).round(4).tolist()
     (tmp_path / "a.json").write_text(json.dumps({"shape": [4, 2], "dtype": "float32", "data": data}))

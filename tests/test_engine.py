@@ -94,6 +94,16 @@ def test_decoded_video_matches_pipeline(pipeline, engine):
     assert np.abs(frames - ref.video).max() < 1e-4
 
 
+def test_optimized_engine_matches_the_pipeline(pipeline, tiny_checkpoint):
+    """``optimize=True`` (compiled transformer blocks, fused VAE norms) keeps the pipeline's numbers, decode included."""
+    optimized = Cosmos3Engine.from_pretrained(tiny_checkpoint, progress=False, optimize=True)
+    ref = run_pipeline(pipeline, "policy", 4, 3, 2.0, image(2), output_type="np")
+    ours = optimized.step(request("policy", 4, 3, 2.0, image(2)), decode=True)
+    assert np.abs(ours.pixels.permute(1, 2, 3, 0).numpy() - ref.video).max() < 1e-4
+    latents = run_pipeline(pipeline, "policy", 4, 3, 2.0, image(2))
+    assert relative_error(ours.action, latents.action[0]) < 1e-4
+
+
 def test_batched_step_equals_single_requests(engine):
     """Mixed modes, prompts and guidance in one batched pass give each request's solo result."""
     acts = np.random.default_rng(1).uniform(-1, 1, (4, 2)).astype(np.float32)

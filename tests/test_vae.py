@@ -174,7 +174,7 @@ def test_decode_equals_pipeline_decode_bf16_vae(vae_bf16, latent_dtype):
     assert torch.equal(vae_bf16.decode(latents), pipeline_decode(vae_bf16.vae, latents))
 
 
-@pytest.mark.parametrize("chunk_frames", [1, 2, 3, None])
+@pytest.mark.parametrize("chunk_frames", [1, 2, 3, None, "auto"])
 def test_chunked_decode_equals_pipeline_frame_by_frame_decode(vae, chunk_frames):
     """Decoding several latent frames per pass continues diffusers' causal cache exactly (6 latent frames: chunks of
     2 and 3 leave a partial last chunk, None decodes frames 1-5 in one pass)."""
@@ -195,8 +195,21 @@ def test_chunked_decode_equals_pipeline_frame_by_frame_decode(vae, chunk_frames)
         assert (pixels - reference).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("batch,passes", [(1, 3), (2, 4), (4, 6)])
+def test_auto_chunks_hold_four_latent_frames_per_pass_over_the_batch(vae, batch, passes):
+    # 6 latent frames: the first alone, then 4 // batch frames per pass (batch 1: 1 + 4 + 1 frames; 4: one by one).
+    calls = []
+    hook = vae.vae.decoder.register_forward_pre_hook(lambda module, args, kwargs: calls.append(args[0].shape[2]),
+                                                     with_kwargs=True)
+    try:
+        vae.decode(torch.randn(batch, Z_DIM, 6, 1, 1))
+    finally:
+        hook.remove()
+    assert vae.decode_chunk_frames == "auto" and len(calls) == passes and sum(calls) == 6
+
+
 def test_decode_chunk_frames_is_validated(vae):
-    for bad in (0, -1, 2.0, True, "4"):
+    for bad in (0, -1, 2.0, True, "4", "all"):
         with pytest.raises(InputError, match="decode_chunk_frames"):
             vae.decode_chunk_frames = bad
 
