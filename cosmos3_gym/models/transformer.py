@@ -570,6 +570,43 @@ class Cosmos3Transformer(nn.Module):
 _IGNORED_DIFFUSERS_KEYS = ("lm_head.weight", "norm.weight")  # the text tower's LM head / final norm: never used
 
 
+def module_name_map(cfg: Cosmos3TransformerConfig) -> list[tuple[str, list[tuple[str, int]]]]:
+    """Every weight-bearing module of this model and the ``Cosmos3OmniTransformer`` modules it is made of, as
+    ``(native name, [(diffusers name, output rows), ...])``: several parts are concatenated along the rows (fused
+    q/k/v and gate/up). The one table that both conversion directions read."""
+    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    ffn = cfg.intermediate_size
+    gated = cfg.hidden_act == "silu"
+    table: list[tuple[str, list[tuple[str, int]]]] = []
+    for i in range(cfg.num_hidden_layers):
+        src = f"layers.{i}"
+        for tower, q, k, v, o, qn, kn, mlp, suffix in (
+            ("text_layers", "to_q", "to_k", "to_v", "to_out", "norm_q", "norm_k", "mlp", ""),
+            ("gen_layers", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "norm_added_q", "norm_added_k",
+             "mlp_moe_gen", "_moe_gen"),
+        ):
+            dst, attn = f"{tower}.{i}", f"{src}.self_attn"
+            gate_up = [(f"{src}.{mlp}.gate_proj", ffn), (f"{src}.{mlp}.up_proj", ffn)] if gated else \
+                [(f"{src}.{mlp}.up_proj", ffn)]
+            table += [
+                (f"{dst}.attn.qkv", [(f"{attn}.{q}", q_size), (f"{attn}.{k}", kv_size), (f"{attn}.{v}", kv_size)]),
+                (f"{dst}.attn.out", [(f"{attn}.{o}", 0)]),
+                (f"{dst}.attn.q_norm", [(f"{attn}.{qn}", 0)]),
+                (f"{dst}.attn.k_norm", [(f"{attn}.{kn}", 0)]),
+                (f"{dst}.mlp.gate_up", gate_up),
+                (f"{dst}.mlp.down", [(f"{src}.{mlp}.down_proj", 0)]),
+                (f"{dst}.input_norm", [(f"{src}.input_layernorm{suffix}", 0)]),
+                (f"{dst}.post_attn_norm", [(f"{src}.post_attention_layernorm{suffix}", 0)]),
+            ]
+        table.append((f"text_layers.{i}.attn.k_norm_for_gen", [(f"{src}.self_attn.k_norm_und_for_gen", 0)]))
+    names = ["embed_tokens", "proj_in", "proj_out", "time_embedder.linear_1", "time_embedder.linear_2"]
+    if cfg.action_gen:
+        names += ["action_proj_in.fc", "action_proj_in.bias", "action_proj_out.fc", "action_proj_out.bias"]
+    table += [(name, [(name, 0)]) for name in names]
+    table.append(("gen_norm", [("norm_moe_gen", 0)]))
+    return table
+
+
 def diffusers_to_native_state_dict(sd: dict[str, torch.Tensor], cfg: Cosmos3TransformerConfig) -> dict:
     """Map ``Cosmos3OmniTransformer`` keys to this module's, fusing q/k/v and gate/up (concatenated along rows)."""
     out: dict[str, torch.Tensor] = {}
@@ -596,31 +633,12 @@ def diffusers_to_native_state_dict(sd: dict[str, torch.Tensor], cfg: Cosmos3Tran
             if value is not None:
                 out[f"{dst}.{suffix}"] = value
 
-    gated = cfg.hidden_act == "silu"
-    for i in range(cfg.num_hidden_layers):
-        src = f"layers.{i}"
-        for tower, q, k, v, o, qn, kn, mlp, suffix in (
-            ("text_layers", "to_q", "to_k", "to_v", "to_out", "norm_q", "norm_k", "mlp", ""),
-            ("gen_layers", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "norm_added_q", "norm_added_k",
-             "mlp_moe_gen", "_moe_gen"),
-        ):
-            dst = f"{tower}.{i}"
-            fuse(f"{dst}.attn.qkv", [f"{src}.self_attn.{q}", f"{src}.self_attn.{k}", f"{src}.self_attn.{v}"])
-            copy(f"{dst}.attn.out", f"{src}.self_attn.{o}")
-            copy(f"{dst}.attn.q_norm", f"{src}.self_attn.{qn}")
-            copy(f"{dst}.attn.k_norm", f"{src}.self_attn.{kn}")
-            gate_up = [f"{src}.{mlp}.gate_proj", f"{src}.{mlp}.up_proj"] if gated else [f"{src}.{mlp}.up_proj"]
-            fuse(f"{dst}.mlp.gate_up", gate_up)
-            copy(f"{dst}.mlp.down", f"{src}.{mlp}.down_proj")
-            copy(f"{dst}.input_norm", f"{src}.input_layernorm{suffix}")
-            copy(f"{dst}.post_attn_norm", f"{src}.post_attention_layernorm{suffix}")
-        copy(f"text_layers.{i}.attn.k_norm_for_gen", f"{src}.self_attn.k_norm_und_for_gen")
-    for name in ("embed_tokens", "proj_in", "proj_out", "time_embedder.linear_1", "time_embedder.linear_2"):
-        copy(name, name)
-    copy("gen_norm", "norm_moe_gen")
+    for native, parts in module_name_map(cfg):
+        if len(parts) == 1:
+            copy(native, parts[0][0])
+        else:
+            fuse(native, [name for name, _ in parts])
     if cfg.action_gen:
-        for name in ("action_proj_in.fc", "action_proj_in.bias", "action_proj_out.fc", "action_proj_out.bias"):
-            copy(name, name)
         out["action_modality_embed"] = take("action_modality_embed")
     leftover = set(sd) - used
     if leftover:

@@ -21,7 +21,7 @@ import torch
 
 from ..checkpoint import TINY_SCHEDULER_CONFIG, validate_checkpoint
 from ..errors import InputError
-from ..models.transformer import Cosmos3TransformerConfig
+from ..models.transformer import Cosmos3TransformerConfig, module_name_map
 
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ACTION_STATS_FILE = "action_stats.json"
@@ -57,36 +57,12 @@ def native_to_diffusers_state_dict(
             if f"{src}.{suffix}" in state_dict:
                 out[f"{dst}.{suffix}"] = take(f"{src}.{suffix}")
 
-    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    gated = cfg.hidden_act == "silu"
-    for i in range(cfg.num_hidden_layers):
-        dst = f"layers.{i}"
-        for tower, q, k, v, o, qn, kn, mlp, suffix in (
-            ("text_layers", "to_q", "to_k", "to_v", "to_out", "norm_q", "norm_k", "mlp", ""),
-            ("gen_layers", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "norm_added_q", "norm_added_k",
-             "mlp_moe_gen", "_moe_gen"),
-        ):
-            src = f"{tower}.{i}"
-            attn = f"{dst}.self_attn"
-            split(f"{src}.attn.qkv", [f"{attn}.{q}", f"{attn}.{k}", f"{attn}.{v}"], [q_size, kv_size, kv_size])
-            copy(f"{attn}.{o}", f"{src}.attn.out")
-            copy(f"{attn}.{qn}", f"{src}.attn.q_norm")
-            copy(f"{attn}.{kn}", f"{src}.attn.k_norm")
-            if gated:
-                gate_up = [f"{dst}.{mlp}.gate_proj", f"{dst}.{mlp}.up_proj"]
-                split(f"{src}.mlp.gate_up", gate_up, [cfg.intermediate_size] * 2)
-            else:
-                copy(f"{dst}.{mlp}.up_proj", f"{src}.mlp.gate_up")
-            copy(f"{dst}.{mlp}.down_proj", f"{src}.mlp.down")
-            copy(f"{dst}.input_layernorm{suffix}", f"{src}.input_norm")
-            copy(f"{dst}.post_attention_layernorm{suffix}", f"{src}.post_attn_norm")
-        copy(f"{dst}.self_attn.k_norm_und_for_gen", f"text_layers.{i}.attn.k_norm_for_gen")
-    for name in ("embed_tokens", "proj_in", "proj_out", "time_embedder.linear_1", "time_embedder.linear_2"):
-        copy(name, name)
-    copy("norm_moe_gen", "gen_norm")
+    for native, parts in module_name_map(cfg):
+        if len(parts) == 1:
+            copy(parts[0][0], native)
+        else:
+            split(native, [name for name, _ in parts], [rows for _, rows in parts])
     if cfg.action_gen:
-        for name in ("action_proj_in.fc", "action_proj_in.bias", "action_proj_out.fc", "action_proj_out.bias"):
-            copy(name, name)
         out["action_modality_embed"] = take("action_modality_embed")
     leftover = set(state_dict) - used
     if leftover:
