@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"inverse dynamics: {timings['inverse_dynamics_s']:.0f} s", flush=True)
     finally:
         engine.close()
-    results["rl_in_imagination"] = "not run (needs GPU time)"
+    results["rl_in_imagination"] = "benchmarks/rl_imagination_pusht.py (its own results: rl_imagination_pusht_<card>.json)"
     results["timings"] = timings
     card = "cpu" if args.device == "cpu" else "cuda"
     results = {"provenance": provenance(["benchmarks/fidelity_pusht.py", *(argv or sys.argv[1:])]), **results}
