@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import WAN22_VAE, provenance  # noqa: E402
-from parallel_gpu import build_vae, synchronize, timed  # noqa: E402
+from common import provenance  # noqa: E402
+from parallel_gpu import WAN22_VAE, build_vae, synchronize, timed  # noqa: E402
 
 from cosmos3_gym.checkpoint import TINY_VAE_CONFIG  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
