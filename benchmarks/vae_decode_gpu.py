@@ -51,14 +51,13 @@ def conv_flops(vae: Cosmos3VAE, latents: torch.Tensor) -> float:
 
 def diffusers_decode(vae: Cosmos3VAE):
     """diffusers' own decode loop (one latent frame per decoder call) with our (de)normalisation around it."""
-    reference = Cosmos3VAE(vae.vae, decode_chunk_frames=1)  # its statistics buffers are built on the CPU
 
     def decode(latents):
         dtype = vae.vae.dtype
-        inv_std = reference.latents_inv_std.to(device=latents.device, dtype=dtype).view(1, -1, 1, 1, 1)
-        mean = reference.latents_mean.to(device=latents.device, dtype=dtype).view(1, -1, 1, 1, 1)
-        raw = latents.to(dtype) / inv_std + mean
-        return (vae.vae.decode(raw).sample.float() / 2 + 0.5).clamp(0, 1)
+        # The wrapper's statistics buffers stay where they were built (the CPU): moved per call, as decode() does.
+        inv_std = vae.latents_inv_std.to(device=latents.device, dtype=dtype).view(1, -1, 1, 1, 1)
+        mean = vae.latents_mean.to(device=latents.device, dtype=dtype).view(1, -1, 1, 1, 1)
+        return (vae.vae.decode(latents.to(dtype) / inv_std + mean).sample.float() / 2 + 0.5).clamp(0, 1)
 
     return decode
 
@@ -73,7 +72,7 @@ def variants(vae: Cosmos3VAE):
         table[f"chunk{chunk or 'all'}_channels_last"] = Cosmos3VAE(channels_last.vae, decode_chunk_frames=chunk).decode
     # Fused norm + SiLU kernels on the default (contiguous) weights: channels-last measured slower than chunk4.
     table["chunk4_fused_norms"] = Cosmos3VAE(copy.deepcopy(vae.vae), decode_chunk_frames=4).fuse_decoder_norms().decode
-    # torch.compile of the whole decoder was tried (H200, this commit's parent): dynamo hit its recompile limit on the
+    # torch.compile of the whole decoder was tried on an H200 (commit a93506e): dynamo hit its recompile limit on the
     # cache-passing block forwards (one graph per width x frame count) and fell back to eager.
     return table
 

@@ -308,7 +308,7 @@ class Cosmos3Engine:
         if missing:
             batch = self.transformer.encode_text([list(key) for key in missing])
             for index, key in enumerate(missing):
-                self._text_cache[key] = batch.select(index) if len(missing) > 1 else batch
+                self._text_cache[key] = batch.select(index)
         found = []
         for key in keys:
             self._text_cache.move_to_end(key)
