@@ -63,6 +63,7 @@ from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.sim.compare import replay_actions  # noqa: E402
 from cosmos3_gym.rewards import train_classifier  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
+from cosmos3_gym.training.export import ACTION_STATS_FILE  # noqa: E402
 from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig, train_vae, train_world_model  # noqa: E402
 
 # gym-pusht's episode limit: 300 control steps (30 s).
@@ -73,7 +74,7 @@ FULL = dict(
     vae_seconds=100.0, vae_max_steps=20000, vae_batch=8, vae_lr=1e-3, vae_contrast_weight=10.0, vae_base_dim=12,
     vae_decoder_dim=20, vae_z_dim=16,
     wm_seconds=140.0, wm_max_steps=20000, wm_batch=32, wm_lr=5e-4, wm_warmup=200, wm_policy_episodes="successful",
-    wm_cond_noise=0.2,
+    wm_cond_noise=0.2, wm_rollout_prob=0.0, wm_rollout_chunks=3,
     hidden=256, layers=4, heads=8,
     kv_heads=4, head_dim=32, intermediate=768, chunk=8, rm_episodes=128, rm_frames=20000, rm_epochs=4,
     rm_input_size=96, rm_rollout_episodes=128, rm_rollout_chunks=4, fidelity_episodes=16, fidelity_chunks=4, policy_episodes=32, policy_chunks=16, video_chunks=8,
@@ -209,12 +210,15 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     config = WorldModelTrainConfig(
         model={} if args.wm_init else model, init_checkpoint=args.wm_init, chunk=args.chunk, resolution_tier=256,
         batch_size=args.wm_batch, lr=args.wm_lr, policy_episodes=args.wm_policy_episodes,
-        cond_noise_std=args.wm_cond_noise, seed=args.seed, device=args.device, save_every=0,
+        cond_noise_std=args.wm_cond_noise, rollout_prob=args.wm_rollout_prob, rollout_max_chunks=args.wm_rollout_chunks,
+        rollout_num_steps=args.num_steps, seed=args.seed, device=args.device, save_every=0,
         save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=32,
         cache_dir=str(work / "latent_cache"),
     )
     # The probe runs on the whole dataset, so it also encodes (and caches) every window's latents: the budget left
     # after it is all training.
+    if args.wm_init:  # fine-tuning keeps the checkpoint's action normalisation (same domain, same simulator)
+        shutil.copyfile(Path(args.wm_init) / ACTION_STATS_FILE, work / "dataset" / "stats.json")
     probe = dataclasses.replace(config, steps=PROBE_STEPS, warmup_steps=0, log_every=PROBE_STEPS // 2,
                                 work_dir=str(work / "world_model_probe" / "training"))
     train_world_model(work / "dataset", work / "world_model_probe", probe, vae_dir=work / "vae")

@@ -21,6 +21,7 @@ from cosmos3_gym import cli, processor
 from cosmos3_gym.checkpoint import TINY_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG, load_safetensors_state_dict
 from cosmos3_gym.engine import MODES, Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
+from cosmos3_gym.media import to_uint8
 from cosmos3_gym.models.transformer import (
     Cosmos3Transformer,
     Cosmos3TransformerConfig,
@@ -47,6 +48,7 @@ from cosmos3_gym.training.flow_matching import (
     shift_sigmas,
     timesteps_from_sigmas,
 )
+from cosmos3_gym.training.rollout import RolloutConditioner, generate_forward_dynamics, reencode_last_frame
 from cosmos3_gym.training.vae import _ClipBatches
 from cosmos3_gym.training.schedule import learning_rate
 from cosmos3_gym.training.world_model import enable_gradient_checkpointing, sample_batch
@@ -485,3 +487,107 @@ def test_conditioning_noise_perturbs_only_the_clean_first_frame(work):
     assert (change > 0).all() and (change < 0.5).all()
     with pytest.raises(InputError, match="cond_noise_std"):
         world_model_config(work, cond_noise_std=-1.0).validate()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rollout conditioning
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _rollout_conditioner(engine, dataset, vae_dir, work, **overrides) -> RolloutConditioner:
+    info = read_dataset(dataset)
+    windows = build_training_windows(
+        info, engine.vae, vae_dir, engine.tokenizer, chunk=CHUNK, stride=CHUNK, resolution_tier=TIER,
+        view_point="ego_view", fps=FPS, cache_dir=work / "latent_cache", progress=False,
+    )
+    settings = dict(chunk=CHUNK, prob=1.0, max_chunks=3, resolution_tier=TIER, fps=FPS, domain_id=4,
+                    action_dim=engine.action_dim)
+    settings.update(overrides)
+    return RolloutConditioner(windows, engine.vae, make_schedule(4, engine.scheduler_config), **settings)
+
+
+def test_rollout_frame_is_what_the_env_hands_to_the_next_chunk(engine, trained, dataset, vae_dir, work):
+    """Depth 1: the engine's forward-dynamics chunk from the previous window's real frame, its last frame as uint8,
+    encoded as the next request's frame 0 -- with the same noise, the same latents as the env's path."""
+    rollout = _rollout_conditioner(engine, dataset, vae_dir, work)
+    windows = rollout.windows
+    target = int(torch.nonzero((windows.episode_index == 1) & (windows.start == CHUNK))[0])
+    previous = int(rollout.predecessor[target])
+    assert int(windows.start[previous]) == 0 and int(windows.episode_index[previous]) == 1
+    frames = np.load(read_dataset(dataset).episode_paths[1])["frames"]
+    result = engine.step(Cosmos3Request(
+        mode="forward_dynamics", observation=frames[0], actions=windows.actions[previous].numpy(), task=TASK,
+        domain="pusht", chunk=CHUNK, num_steps=4, guidance_scale=1.0, resolution_tier=TIER, fps=FPS, seed=7,
+    ))
+    handed_over = to_uint8(result.pixels[:, -1].permute(1, 2, 0).numpy())
+    expected = engine.prepare(Cosmos3Request(
+        mode="forward_dynamics", observation=handed_over, actions=np.zeros((CHUNK, 2), np.float32), task=TASK,
+        domain="pusht", chunk=CHUNK, resolution_tier=TIER, fps=FPS,
+    )).x0_video
+    # The rollout draws its noise first from the generator, as the engine draws a request's noise from its seed.
+    first = rollout.first_frames(engine.transformer, FlowMatchingObjective(engine.transformer).encode_prompts,
+                                 torch.tensor([target]), torch.tensor([1]), torch.Generator().manual_seed(7),
+                                 autocast=False)
+    torch.testing.assert_close(first, expected, atol=1e-4, rtol=0)
+    real = windows.latents[target, :, :1]
+    assert (first[0] - real).abs().max() > 1e-2  # the model's frame, not the real one
+
+
+def test_rollout_chains_and_depths(engine, trained, dataset, vae_dir, work):
+    rollout = _rollout_conditioner(engine, dataset, vae_dir, work, prob=0.5)
+    windows = rollout.windows
+    for i in range(len(windows)):
+        start, episode = int(windows.start[i]), int(windows.episode_index[i])
+        for k in range(3):
+            j = int(rollout.chains[i, k])
+            if start - (k + 1) * CHUNK < 0:
+                assert j == -1
+            else:
+                assert (int(windows.start[j]), int(windows.episode_index[j])) == (start - (k + 1) * CHUNK, episode)
+    index = torch.arange(len(windows)).repeat(50)
+    eligible = torch.arange(len(index)) % 3 != 0
+    depth = rollout.draw(index, eligible, torch.Generator().manual_seed(0))
+    assert (depth[~eligible] == 0).all() and (depth <= rollout.available[index]).all()
+    assert set(depth[eligible & (rollout.available[index] == 3)].tolist()) == {0, 1, 2, 3}
+    assert 0.4 < (depth[eligible & (rollout.available[index] > 0)] > 0).float().mean() < 0.6
+    # A depth-2 chain is two hand-overs: the first from the real frame two windows back with that window's actions.
+    target = int(torch.nonzero(rollout.available == 3)[0])
+    encode = FlowMatchingObjective(engine.transformer).encode_prompts
+    chained = rollout.first_frames(engine.transformer, encode, torch.tensor([target]), torch.tensor([2]),
+                                   torch.Generator().manual_seed(3), autocast=False)
+    generator = torch.Generator().manual_seed(3)
+    first = windows.latents[rollout.chains[target, 1], :, :1][None]
+    for window in (rollout.chains[target, 1], rollout.chains[target, 0]):
+        noise = torch.randn((1, *windows.latents.shape[1:]), generator=generator)
+        actions = torch.zeros(1, CHUNK, engine.action_dim)
+        actions[..., :2] = windows.actions[window]
+        latents = generate_forward_dynamics(
+            engine.transformer, encode([windows.prompts[0][0]]), first, actions, torch.tensor([4]), noise,
+            rollout.schedule, FPS,
+        )
+        first = reencode_last_frame(engine.vae, latents, TIER)
+    torch.testing.assert_close(chained, first, atol=0, rtol=0)
+
+
+def test_training_with_rollouts_replaces_only_frame_zero_of_conditioned_samples(work, dataset, vae_dir, trained):
+    config = world_model_config(work, window_stride=CHUNK, rollout_prob=1.0, rollout_max_chunks=2, steps=2,
+                                batch_size=8, init_checkpoint=str(trained), model={})
+    ctx = init_distributed("cpu")
+    try:
+        trainer = WorldModelTrainer(dataset, work / "rollout_run", config, vae_dir, ctx)
+        batch = sample_batch(trainer.windows, torch.Generator().manual_seed(0), config, domain_id=4,
+                             raw_action_dim=2, action_dim=trainer.transformer.config.action_dim, fps=FPS)
+        conditioned = trainer.condition_on_rollouts(batch, autocast=False)
+        changed = (conditioned.video[:, :, 0] - batch.video[:, :, 0]).flatten(1).abs().amax(1) > 0
+        has_predecessor = trainer.rollout.available[batch.window_index] > 0
+        expected = (batch.modes != MODES.index("inverse_dynamics")) & has_predecessor
+        assert expected.any() and torch.equal(changed, expected)
+        assert torch.equal(conditioned.video[:, :, 1:], batch.video[:, :, 1:])
+        trainer.train()
+        assert trainer.step == 2 and np.isfinite(read_log(trainer.log_path)[-1]["loss"])
+    finally:
+        ctx.close()
+    with pytest.raises(InputError, match="window_stride"):
+        world_model_config(work, rollout_prob=0.5, window_stride=3).validate()
+    with pytest.raises(InputError, match="rollout_prob"):
+        world_model_config(work, rollout_prob=1.5).validate()

@@ -99,6 +99,7 @@ class FlowMatchingBatch:
     sigmas: torch.Tensor  # [B] float32
     video_noise: torch.Tensor  # [B, C, t, h, w]
     action_noise: torch.Tensor  # [B, chunk, action_dim]
+    window_index: torch.Tensor | None = None  # [B] long: the training windows drawn (the objective ignores it)
 
     def to(self, device: torch.device | str) -> "FlowMatchingBatch":
         values = {}

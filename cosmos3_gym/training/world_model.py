@@ -47,9 +47,12 @@ from ..models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, D
 from ..models.vae import Cosmos3VAE
 from .data import TrainingWindows, build_training_windows, read_dataset
 from .distributed import DistributedContext, init_distributed
-from .export import SAVE_DTYPES, export_checkpoint
+from .export import SAVE_DTYPES, export_checkpoint, scheduler_config
 from .schedule import LR_SCHEDULES, learning_rate
+from ..sampling import make_schedule
+from .rollout import RolloutConditioner
 from .flow_matching import (
+    INVERSE_DYNAMICS,
     NATIVE_FLOW_SHIFT_BY_TIER,
     SIGMA_DISTRIBUTIONS,
     FlowMatchingBatch,
@@ -112,6 +115,12 @@ class WorldModelTrainConfig:
     # env rollout that frame is the model's own previous output, never a clean encode of a real one, and a model
     # that only saw clean frames drifts chunk after chunk. 0 disables it. Frame 0 carries no loss in any mode.
     cond_noise_std: float = 0.0
+    # Rollout conditioning (rollout.py): the chance that a policy / forward-dynamics sample's frame 0 is what the
+    # model itself generates for it from a real frame 1..rollout_max_chunks chunks earlier, through the env's path
+    # with rollout_num_steps sampler steps. 0 disables it. Needs window_stride to divide chunk.
+    rollout_prob: float = 0.0
+    rollout_max_chunks: int = 1
+    rollout_num_steps: int = 4
     flow_shift: float | None = None  # None: native Cosmos3 training's shift for the tier (256: 3, 480: 5, 720: 10)
     sigma_distribution: str = "logit_normal"  # of u before the shift: "logit_normal" (SD3) or "uniform"
     logit_mean: float = 0.0
@@ -147,7 +156,8 @@ class WorldModelTrainConfig:
         def is_number(value) -> bool:
             return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
-        for name in ("chunk", "window_stride", "batch_size", "log_every", "encode_batch_size"):
+        for name in ("chunk", "window_stride", "batch_size", "log_every", "encode_batch_size", "rollout_max_chunks",
+                     "rollout_num_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
         for name in ("steps", "warmup_steps", "save_every", "seed"):
@@ -161,7 +171,7 @@ class WorldModelTrainConfig:
         for name in ("weight_decay", "grad_clip", "video_loss_weight", "action_loss_weight", "cond_noise_std"):
             if not is_number(getattr(self, name)) or getattr(self, name) < 0:
                 fail(name, "a number >= 0")
-        for name in ("min_lr_ratio", "ema_decay", "uncond_prob"):
+        for name in ("min_lr_ratio", "ema_decay", "uncond_prob", "rollout_prob"):
             if not is_number(getattr(self, name)) or not 0 <= getattr(self, name) <= 1:
                 fail(name, "a number in [0, 1]")
         if not is_number(self.logit_mean):
@@ -190,6 +200,8 @@ class WorldModelTrainConfig:
             fail("mode_probs", "non-negative weights with a positive sum")
         if not isinstance(self.model, dict):
             fail("model", "a dict of Cosmos3OmniTransformer config overrides")
+        if self.rollout_prob > 0 and self.chunk % self.window_stride:
+            fail("window_stride", f"a divisor of chunk={self.chunk} with rollout_prob > 0 (windows a chunk apart)")
         if self.init_checkpoint is not None and self.model:
             fail("model", "{} with init_checkpoint (the architecture is the checkpoint's)")
 
@@ -391,9 +403,10 @@ class EMA:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
-    """The generator of one step on one rank (see the module docstring: stateless, hence exactly resumable)."""
-    digest = hashlib.sha256(f"cosmos3_gym.train/{seed}/{step}/{rank}".encode()).digest()
+def step_generator(seed: int, step: int, rank: int, stream: str = "") -> torch.Generator:
+    """The generator of one step on one rank (see the module docstring: stateless, hence exactly resumable);
+    ``stream`` names an independent stream of the same step (the batch's draws use the unnamed one)."""
+    digest = hashlib.sha256(f"cosmos3_gym.train/{seed}/{step}/{rank}{'/' + stream if stream else ''}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
@@ -433,7 +446,7 @@ def sample_batch(
     return FlowMatchingBatch(
         prompt_ids=prompt_ids, fps=[fps] * b, video=video, actions=actions,
         raw_action_dims=torch.full((b,), raw_action_dim), domain_ids=torch.full((b,), domain_id), modes=modes,
-        sigmas=sigmas, video_noise=video_noise, action_noise=action_noise,
+        sigmas=sigmas, video_noise=video_noise, action_noise=action_noise, window_index=index,
     )
 
 
@@ -616,7 +629,6 @@ class WorldModelTrainer:
             encode_batch_size=config.encode_batch_size, progress=config.progress and ctx.is_main,
         )
         latent_channels = vae.latent_channels
-        del vae
         if config.policy_episodes == "successful" and config.mode_probs.get("policy", 0) > 0 \
                 and not bool(self.windows.successful.any()):
             raise InputError(
@@ -643,6 +655,15 @@ class WorldModelTrainer:
             self.transformer, video_loss_weight=config.video_loss_weight,
             action_loss_weight=config.action_loss_weight, freeze_text_tower=config.freeze_text_tower,
         )
+        self.rollout = None
+        if config.rollout_prob > 0:
+            schedule = make_schedule(config.rollout_num_steps, scheduler_config(config.resolved_flow_shift))
+            self.rollout = RolloutConditioner(
+                self.windows, vae, schedule, chunk=config.chunk, prob=config.rollout_prob,
+                max_chunks=config.rollout_max_chunks, resolution_tier=config.resolution_tier, fps=self.fps,
+                domain_id=self.domain_id, action_dim=model_config.action_dim,
+            )
+        del vae
         self.optimizer = build_optimizer(self.transformer, config)
         self.ema = EMA(self.transformer, trainable, config.ema_decay) if config.ema_decay > 0 else None
         self.step = 0
@@ -680,6 +701,8 @@ class WorldModelTrainer:
                 self.windows, step_generator(config.seed, self.step, ctx.rank), config, domain_id=self.domain_id,
                 raw_action_dim=self.raw_action_dim, action_dim=self.transformer.config.action_dim, fps=self.fps,
             ).to(device)
+            if self.rollout is not None:
+                batch = self.condition_on_rollouts(batch, autocast)
             out, grad_norm = training_step(
                 self.model, batch, self.optimizer, trainable_params, config.grad_clip, autocast
             )
@@ -707,6 +730,20 @@ class WorldModelTrainer:
                 self.save_state()
         bar.close()
         self.save_state()
+
+    def condition_on_rollouts(self, batch: FlowMatchingBatch, autocast: bool) -> FlowMatchingBatch:
+        """``batch`` with frame 0 of the samples that draw a rollout replaced by the model's own (rollout.py)."""
+        generator = step_generator(self.config.seed, self.step, self.ctx.rank, stream="rollout")
+        window_index = batch.window_index.cpu()
+        depth = self.rollout.draw(window_index, (batch.modes != INVERSE_DYNAMICS).cpu(), generator)
+        if not bool(depth.any()):
+            return batch
+        first = self.rollout.first_frames(
+            self.transformer, self.objective.encode_prompts, window_index, depth, generator, autocast
+        )
+        video = batch.video.clone()
+        video[torch.nonzero(depth > 0).flatten().to(video.device), :, :1] = first.to(video.dtype)
+        return dataclasses.replace(batch, video=video)
 
     def export(self) -> Path:
         """Write the checkpoint (EMA weights unless ``export_ema`` is False or there is no EMA) on the main rank."""
