@@ -77,8 +77,8 @@ def reencode_last_frame(vae: Cosmos3VAE, latents: torch.Tensor, resolution_tier:
 class RolloutConditioner:
     """Replaces frame 0 of some samples of a batch with the model's own rollout of it (see the module docstring).
 
-    ``prob`` is the chance that an eligible sample (policy or forward-dynamics mode, with a predecessor window) gets
-    it; its depth (chunks generated) is uniform in 1..min(``max_chunks``, predecessors available).
+    ``prob`` is the fraction of each batch that gets it (among the samples in policy or forward-dynamics mode with
+    enough predecessor windows); the depth (chunks generated) is drawn per step, uniform in 1..``max_chunks``.
     """
 
     def __init__(
@@ -108,11 +108,19 @@ class RolloutConditioner:
         self.available = (self.chains >= 0).sum(1)
 
     def draw(self, window_index: torch.Tensor, eligible: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """[B] long depth per sample (0: keep the real frame 0)."""
-        available = self.available[window_index].clamp_max(self.max_chunks)
-        chosen = (torch.rand(len(window_index), generator=generator) < self.prob) & eligible & (available > 0)
-        depth = 1 + (torch.rand(len(window_index), generator=generator) * available.clamp_min(1)).long()
-        return torch.where(chosen, depth.clamp_max(available), 0)
+        """[B] long depth per sample (0: keep the real frame 0). One depth per step, uniform in 1..max_chunks, given
+        to round(prob * B) samples drawn among the eligible ones that have that many predecessors (fewer when there
+        are not enough). A fixed count and one depth per step keep the generation's shapes fixed: with
+        cudnn.benchmark every new batch size of the VAE's 3-D convolutions is autotuned again, which made varying
+        sub-batches 7x slower than the training step itself on an H200."""
+        batch = len(window_index)
+        depth = 1 + int(torch.randint(self.max_chunks, (1,), generator=generator))
+        candidates = eligible & (self.available[window_index] >= depth)
+        order = torch.randperm(batch, generator=generator)
+        picked = order[candidates[order]][: round(self.prob * batch)]
+        depths = torch.zeros(batch, dtype=torch.long)
+        depths[picked] = depth
+        return depths
 
     @torch.no_grad()
     def first_frames(
