@@ -63,7 +63,7 @@ from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.sim.compare import replay_actions  # noqa: E402
 from cosmos3_gym.rewards import train_classifier  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
-from cosmos3_gym.training.export import ACTION_STATS_FILE  # noqa: E402
+from cosmos3_gym.training.export import ACTION_STATS_FILE, resolve_save_dtype  # noqa: E402
 from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig, train_vae, train_world_model  # noqa: E402
 
 # gym-pusht's episode limit: 300 control steps (30 s).
@@ -107,11 +107,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-size-mb", type=float, default=25.0, help="fail when the assets are larger")
     parser.add_argument("--deadline-s", type=float, default=560.0, help="whole run, for skipping evaluation")
     parser.add_argument("--eval-reserve-s", type=float, default=75.0, help="time evaluation needs")
-    parser.add_argument("--part", choices=("all", "first", "second", "reward-model"), default="all",
+    parser.add_argument("--part", choices=("all", "first", "second", "reward-model", "decoder"), default="all",
                         help="first: data, VAE and reward model only; second: the rest, from --first-part; "
                              "reward-model: retrain the reward model of the model in --assets on real and "
-                             "world-model frames")
-    parser.add_argument("--assets", default=None, help="an installed PushT model folder, for --part reward-model")
+                             "world-model frames; decoder: fine-tune the VAE decoder of the model in --assets on "
+                             "chunk + 1 frame clips, then retrain its reward model on its rollouts, package and "
+                             "evaluate")
+    parser.add_argument("--assets", default=None,
+                        help="an installed PushT model folder, for --part reward-model and --part decoder")
     parser.add_argument("--first-part", default=None, help="first_part.tar.gz of a --part first run (same seed)")
     parser.add_argument("--wm-init", default=None, help="fine-tune this checkpoint's transformer instead of a new one")
     for name, value in FULL.items():  # every size and step count, defaulting to FULL (or SMOKE with --smoke)
@@ -119,8 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.part == "second") != (args.first_part is not None):
         parser.error("--first-part goes with --part second, and --part second needs it")
-    if (args.part == "reward-model") != (args.assets is not None):
-        parser.error("--assets goes with --part reward-model, and --part reward-model needs it")
+    if (args.part in ("reward-model", "decoder")) != (args.assets is not None):
+        parser.error("--assets goes with --part reward-model or decoder, and those need it")
     for name, value in (SMOKE if args.smoke else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -182,12 +185,16 @@ def start_frames(args, assets: Path) -> dict:
     return {"count": len(frames)}
 
 
-def vae_stage(args, work: Path) -> dict:
+def vae_stage(args, work: Path, init_vae: Path | None = None) -> dict:
+    """Train the VAE into ``work/vae``; with ``init_vae``, fine-tune only that VAE's decoder (its encoder and latent
+    statistics stay, so a world model trained on its latents stays valid)."""
     config = VAETrainConfig(
         base_dim=args.vae_base_dim, decoder_base_dim=args.vae_decoder_dim, z_dim=args.vae_z_dim,
         batch_size=args.vae_batch, lr=args.vae_lr, contrast_weight=args.vae_contrast_weight, resolution_tier=256,
-        seed=args.seed, device=args.device,
+        # Clips as long as the world model's chunk: the causal decoder only learns the latent frames it is shown.
+        frames_per_clip=args.chunk + 1, seed=args.seed, device=args.device,
         stats_clips=min(256, 8 * args.episodes),
+        init_vae=None if init_vae is None else str(init_vae), train_encoder=init_vae is None,
         # Putting clips on the canvas is CPU work that would leave a GPU waiting.
         num_workers=min(8, args.workers) if args.device.startswith("cuda") else 0,
     )
@@ -199,6 +206,18 @@ def vae_stage(args, work: Path) -> dict:
     train_vae(work / "dataset", work / "vae", config)
     return {"probe_steps_per_s": steps_per_s, "config": dataclasses.asdict(config),
             "last_log": last_log_line(work / "vae" / "train_log.jsonl")}
+
+
+def decoder_stage(args, work: Path, assets: Path) -> dict:
+    """Fine-tune the decoder of the model in ``assets`` and store it there in ``--save-dtype``."""
+    from diffusers import AutoencoderKLWan
+
+    shipped = assets / CHECKPOINT_DIR / "vae"
+    report = vae_stage(args, work, init_vae=shipped)
+    vae = AutoencoderKLWan.from_pretrained(str(work / "vae"), torch_dtype=resolve_save_dtype(args.save_dtype))
+    shutil.rmtree(shipped)
+    vae.save_pretrained(shipped, safe_serialization=True)
+    return report
 
 
 def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
@@ -382,7 +401,10 @@ def main(argv: list[str] | None = None) -> dict:
         if args.part == "reward-model":
             stages.run("reward_model", reward_model_stage, args, work, Path(args.assets), on_rollouts=True)
             return stages.results
-        if args.part == "second":
+        if args.part == "decoder":
+            shutil.copytree(args.assets, assets, dirs_exist_ok=True)
+            stages.run("vae_decoder", decoder_stage, args, work, assets)
+        elif args.part == "second":
             with tarfile.open(args.first_part) as tar:
                 tar.extractall(work, filter="data")
         else:
@@ -394,9 +416,10 @@ def main(argv: list[str] | None = None) -> dict:
                 tar.add(work / "vae", arcname="vae")
                 tar.add(assets, arcname=str(assets.relative_to(work)))
             return stages.results
-        # what is left of --deadline-s after evaluation's reserve and the export (about 30 s)
-        seconds_left = lambda: args.deadline_s - args.eval_reserve_s - 30.0 - stages.elapsed()  # noqa: E731
-        stages.run("world_model", world_model_stage, args, work, assets, seconds_left)
+        if args.part != "decoder":
+            # what is left of --deadline-s after evaluation's reserve and the export (about 30 s)
+            seconds_left = lambda: args.deadline_s - args.eval_reserve_s - 30.0 - stages.elapsed()  # noqa: E731
+            stages.run("world_model", world_model_stage, args, work, assets, seconds_left)
         stages.run("reward_model_on_rollouts", reward_model_stage, args, work, assets, on_rollouts=True)
         stages.run("package", package, args, assets, out)
         if args.deadline_s - stages.elapsed() >= args.eval_reserve_s:

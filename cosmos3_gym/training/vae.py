@@ -57,7 +57,10 @@ class VAETrainConfig:
     lr_schedule: str = "cosine"  # after warmup: "constant", or cosine decay to min_lr_ratio * lr at `steps`
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
-    frames_per_clip: int = 5  # 1 + 4k
+    # 1 + 4k. Make it at least the world model's chunk + 1: the causal decoder only learns to decode as many latent
+    # frames as its clips have (trained on 5-frame clips, the PushT VAE faded the third latent frame of a 9-frame
+    # chunk, frames 5-8, to 30-33 dB from 39-43 dB, and env rollouts lost the target within two chunks).
+    frames_per_clip: int = 5
     resolution_tier: int = 256
     l1_weight: float = 1.0
     l2_weight: float = 1.0
@@ -66,6 +69,10 @@ class VAETrainConfig:
     # 0 = plain means. Scenes that are mostly empty table (PushT) otherwise settle on painting the background.
     contrast_weight: float = 0.0
     stats_clips: int = 256  # clips encoded to fit latents_mean / latents_std
+    init_vae: str | None = None  # fine-tune this AutoencoderKLWan folder (its architecture; the widths are ignored)
+    # False (needs init_vae): train the decoder only; the encoder and the latent statistics stay, so the latent space
+    # and every world model trained on it stay valid.
+    train_encoder: bool = True
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
     bf16: bool = True  # bf16 autocast on CUDA; ignored on CPU
@@ -104,6 +111,8 @@ class VAETrainConfig:
             fail("lr_schedule", f"one of {list(LR_SCHEDULES)}")
         if not isinstance(self.min_lr_ratio, (int, float)) or not 0 <= self.min_lr_ratio <= 1:
             fail("min_lr_ratio", "a number in [0, 1]")
+        if not self.train_encoder and self.init_vae is None:
+            fail("train_encoder", "True unless init_vae names the VAE whose decoder to fine-tune")
 
     def autoencoder_config(self) -> dict:
         return {
@@ -224,11 +233,18 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
     episodes = [load_episode(path, info.raw_action_dim).frames for path in info.episode_paths]
     clips = _ClipBatches(episodes, config)
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        vae = AutoencoderKLWan(**config.autoencoder_config())
+    if config.init_vae is not None:
+        vae = AutoencoderKLWan.from_pretrained(config.init_vae, torch_dtype=torch.float32)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            vae = AutoencoderKLWan(**config.autoencoder_config())
     vae = vae.to(device).train()
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=config.lr, betas=tuple(config.betas),
+    if not config.train_encoder:
+        for module in (vae.encoder, vae.quant_conv):
+            module.requires_grad_(False)
+    trainable = [p for p in vae.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas),
                                   weight_decay=config.weight_decay)
     autocast = device.type == "cuda" and config.bf16
     loader = torch.utils.data.DataLoader(
@@ -249,7 +265,7 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
             loss, parts = vae_loss(vae, pixels.to(device, non_blocking=True), tuple(latent_hw), config, noise_seed)
         loss.backward()
         if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(vae.parameters(), config.grad_clip)
+            torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sums += torch.stack([loss.detach(), parts["l1"], parts["l2"], parts["kl"]]).double()
@@ -267,10 +283,11 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
     bar.close()
 
     vae = vae.float().eval()
-    latents_mean, latents_std = fit_latent_statistics(
-        vae, _ClipBatches(episodes, config, salt="latent_statistics"), config.stats_clips, device
-    )
-    vae.register_to_config(latents_mean=latents_mean, latents_std=latents_std)
+    if config.train_encoder:  # a decoder-only fine-tune keeps the latent space, statistics included
+        latents_mean, latents_std = fit_latent_statistics(
+            vae, _ClipBatches(episodes, config, salt="latent_statistics"), config.stats_clips, device
+        )
+        vae.register_to_config(latents_mean=latents_mean, latents_std=latents_std)
     vae.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "train_config.json").write_text(json.dumps(
         {"config": dataclasses.asdict(config), "dataset": str(info.root), "steps": config.steps}, indent=2
