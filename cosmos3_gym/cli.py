@@ -282,9 +282,13 @@ def add_training_commands(sub) -> None:
         ("--frames-per-clip", int, "1 + 4k frames"), ("--resolution-tier", int, "canvas tier (256, 480, ...)"),
         ("--kl-weight", float, "weight of the KL term"), ("--stats-clips", int, "clips for latents_mean/std"),
         ("--num-workers", int, "DataLoader workers"), ("--log-every", int, "steps per log line"),
-        ("--seed", int, "seed"),
+        ("--seed", int, "seed"), ("--warmup-steps", int, "linear warmup steps"),
+        ("--contrast-weight", float, "extra loss weight on pixels unlike the background (0: plain means)"),
+        ("--init-vae", str, "fine-tune this AutoencoderKLWan folder"),
     ):
         vae.add_argument(flag, type=kind, default=None, help=text)
+    vae.add_argument("--decoder-only", action="store_true",
+                     help="with --init-vae: train the decoder only (the latent space, and world models on it, stay)")
     vae.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     vae.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
     vae.set_defaults(func=run_train_vae)
@@ -310,6 +314,9 @@ def add_training_commands(sub) -> None:
         ("--param-dtype", str, "float32 | bfloat16 (training weights)"),
         ("--work-dir", str, "training state, log and latent cache (default OUT/training)"),
         ("--init-checkpoint", str, "fine-tune this checkpoint's transformer"),
+        ("--cond-noise-std", float, "noise on the clean conditioning frame against rollout drift"),
+        ("--rollout-prob", float, "fraction of each batch conditioned on the model's own frames"),
+        ("--rollout-max-chunks", int, "chunks generated before such a frame (1..N per step)"),
         ("--tokenizer-dir", str, "tokenizer (default: the tiny in-process tokenizer)"),
     ):
         train.add_argument(flag, type=kind, default=None, help=text)
@@ -332,8 +339,8 @@ def run_train_vae(args: argparse.Namespace) -> None:
 
     fields = ["steps", "batch_size", "lr", "base_dim", "decoder_base_dim", "z_dim", "num_res_blocks",
               "frames_per_clip", "resolution_tier", "kl_weight", "stats_clips", "num_workers", "log_every", "seed",
-              "device"]
-    config = VAETrainConfig(**_flag_overrides(args, fields), bf16=not args.no_bf16)
+              "device", "warmup_steps", "contrast_weight", "init_vae"]
+    config = VAETrainConfig(**_flag_overrides(args, fields), bf16=not args.no_bf16, train_encoder=not args.decoder_only)
     path = train_vae(args.dataset, args.out, config)
     print(f"wrote the VAE to {path}")
 
@@ -350,7 +357,7 @@ def run_train(args: argparse.Namespace) -> None:
         raise InputError(f"--config: unknown WorldModelTrainConfig fields {unknown}")
     fields = ["steps", "batch_size", "lr", "warmup_steps", "chunk", "resolution_tier", "window_stride", "flow_shift",
               "uncond_prob", "ema_decay", "save_every", "log_every", "seed", "save_dtype", "vae_save_dtype",
-              "param_dtype", "work_dir",
+              "param_dtype", "work_dir", "cond_noise_std", "rollout_prob", "rollout_max_chunks",
               "init_checkpoint", "tokenizer_dir", "model", "mode_probs", "device"]
     values = {**args.config, **_flag_overrides(args, fields)}
     for flag in ("gradient_checkpointing", "freeze_text_tower", "resume"):

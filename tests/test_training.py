@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,9 @@ from cosmos3_gym.training.flow_matching import (
 from cosmos3_gym.training.rollout import RolloutConditioner, generate_forward_dynamics, reencode_last_frame
 from cosmos3_gym.training.vae import _ClipBatches
 from cosmos3_gym.training.schedule import learning_rate
-from cosmos3_gym.training.world_model import enable_gradient_checkpointing, sample_batch, step_generator
+from cosmos3_gym.training.world_model import (
+    enable_gradient_checkpointing, sample_batch, step_generator, warn_if_vae_clips_are_short,
+)
 
 from dist_utils import run_distributed
 
@@ -393,12 +396,20 @@ def test_cli_train_vae_and_train(work, dataset, tmp_path):
         "--device", "cpu",
     ]) == 0
     assert json.loads((vae_out / "config.json").read_text())["base_dim"] == 4
+    decoder_out = tmp_path / "cli_decoder"
+    assert cli.main([
+        "train-vae", "--dataset", str(dataset), "--out", str(decoder_out), "--init-vae", str(vae_out),
+        "--decoder-only", "--frames-per-clip", "9", "--steps", "1", "--batch-size", "1", "--device", "cpu",
+    ]) == 0
+    encoder = {k: v for k, v in load_safetensors_state_dict(vae_out).items() if k.startswith("encoder.")}
+    assert all(torch.equal(v, load_safetensors_state_dict(decoder_out)[k]) for k, v in encoder.items())
+    assert cli.main(["train-vae", "--dataset", str(dataset), "--out", str(tmp_path / "x"), "--decoder-only"]) == 2
     checkpoint = tmp_path / "cli_checkpoint"
     config = {"progress": False, "cache_dir": str(work / "latent_cache"), "save_every": 0}
     assert cli.main([
         "train", "--dataset", str(dataset), "--vae", str(vae_out), "--out", str(checkpoint), "--steps", "2",
         "--batch-size", "2", "--chunk", str(CHUNK), "--model", json.dumps(TINY_MODEL), "--config", json.dumps(config),
-        "--save-dtype", "bfloat16", "--vae-save-dtype", "float16", "--device", "cpu",
+        "--save-dtype", "bfloat16", "--vae-save-dtype", "float16", "--device", "cpu", "--rollout-prob", "0.5",
     ]) == 0
     weights = load_safetensors_state_dict(checkpoint / "transformer")
     assert weights["proj_in.weight"].dtype == torch.bfloat16
@@ -597,3 +608,30 @@ def test_training_with_rollouts_replaces_only_frame_zero_of_conditioned_samples(
         world_model_config(work, rollout_prob=0.5, window_stride=3).validate()
     with pytest.raises(InputError, match="rollout_prob"):
         world_model_config(work, rollout_prob=1.5).validate()
+
+
+def test_decoder_only_fine_tune_keeps_the_latent_space(work, dataset, vae_dir):
+    """init_vae + train_encoder=False: encoder, quant conv and latent statistics stay bit-identical (so a world model
+    trained on the latents stays valid); only the decoder learns, here on clips longer than the VAE has seen."""
+    out = train_vae(dataset, work / "vae_decoder", VAETrainConfig(
+        **{**TINY_VAE, "frames_per_clip": 9}, init_vae=str(vae_dir), train_encoder=False, steps=3, batch_size=2,
+        lr=1e-3, warmup_steps=0, log_every=1, progress=False, device="cpu",
+    ))
+    before, after = (load_file(next(Path(d).glob("*.safetensors"))) for d in (vae_dir, out))
+    assert before.keys() == after.keys()
+    for name in before:
+        same = torch.equal(before[name], after[name])
+        assert same == name.startswith(("encoder.", "quant_conv.")), name
+    config_before, config_after = (json.loads((Path(d) / "config.json").read_text()) for d in (vae_dir, out))
+    for key in ("latents_mean", "latents_std", "z_dim", "base_dim"):
+        assert config_after[key] == config_before[key]
+    with pytest.raises(InputError, match="train_encoder"):
+        VAETrainConfig(train_encoder=False).validate()
+
+
+def test_world_model_training_warns_when_the_vae_saw_shorter_clips(vae_dir):
+    with pytest.warns(UserWarning, match="5-frame clips but chunk=8 generates 9 frames"):
+        warn_if_vae_clips_are_short(vae_dir, chunk=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_vae_clips_are_short(vae_dir, chunk=CHUNK)  # 5-frame clips cover chunk 4

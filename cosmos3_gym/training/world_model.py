@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,10 @@ from ..engine import MODES
 from ..errors import InputError
 from ..models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, DomainAwareLinear
 from ..models.vae import Cosmos3VAE
+from ..sampling import make_schedule
 from .data import TrainingWindows, build_training_windows, read_dataset
 from .distributed import DistributedContext, init_distributed
 from .export import SAVE_DTYPES, export_checkpoint, scheduler_config
-from .schedule import LR_SCHEDULES, learning_rate
-from ..sampling import make_schedule
-from .rollout import RolloutConditioner
 from .flow_matching import (
     INVERSE_DYNAMICS,
     NATIVE_FLOW_SHIFT_BY_TIER,
@@ -59,6 +58,8 @@ from .flow_matching import (
     FlowMatchingObjective,
     sample_sigmas,
 )
+from .rollout import RolloutConditioner
+from .schedule import LR_SCHEDULES, learning_rate
 
 # A small Cosmos3 (11 M parameters, 22 MB in float16, with the tiny tokenizer): the Nano structure (GQA, qk-norm,
 # interleaved mRoPE, domain-aware action heads) at PushT scale. rope_theta is small because the latent grids are
@@ -622,6 +623,7 @@ class WorldModelTrainer:
             self.work_dir.mkdir(parents=True, exist_ok=True)
         ctx.barrier()
 
+        warn_if_vae_clips_are_short(self.vae_dir, config.chunk)
         vae = Cosmos3VAE.from_pretrained(self.vae_dir, device=device, dtype=torch.float32)
         self.windows = build_training_windows(
             self.info, vae, self.vae_dir, self.tokenizer, chunk=config.chunk, stride=config.window_stride,
@@ -770,6 +772,22 @@ class WorldModelTrainer:
             )
         self.ctx.barrier()
         return self.out_dir
+
+
+def warn_if_vae_clips_are_short(vae_dir: Path, chunk: int) -> None:
+    """Warn when ``train_vae`` (its train_config.json) saw shorter clips than the chunk + 1 frames the world model
+    generates: the causal decoder then decodes the last latent frames badly and env rollouts drift."""
+    path = Path(vae_dir) / "train_config.json"
+    if not path.is_file():
+        return
+    frames = json.loads(path.read_text()).get("config", {}).get("frames_per_clip")
+    if isinstance(frames, int) and frames < chunk + 1:
+        warnings.warn(
+            f"the VAE in {vae_dir} was trained on {frames}-frame clips but chunk={chunk} generates {chunk + 1} frames;"
+            f" its decoder has not learnt the last latent frames (retrain or fine-tune it with VAETrainConfig("
+            f"frames_per_clip={chunk + 1}, init_vae=..., train_encoder=False))",
+            stacklevel=3,
+        )
 
 
 def train_world_model(
