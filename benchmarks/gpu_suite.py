@@ -259,6 +259,9 @@ def main() -> None:
     parser.add_argument("--env-counts", default="1,4,16,64")
     parser.add_argument("--quick", action="store_true",
                         help="request latencies and env throughput only: no GEN-forward tables, no bf16 check")
+    parser.add_argument("--compiled-gen-forward", default=None, metavar="BATCHES",
+                        help="only the compiled GEN-forward table at these batch sizes (e.g. 4): no diffusers "
+                             "pipeline, no requests (gpu_suite_gen_forward.json)")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -267,6 +270,13 @@ def main() -> None:
         results["gemm_bf16_tflops"] = gemm_peak_tflops()
         print("GEMM peak", results["gemm_bf16_tflops"])
     peak = results.get("gemm_bf16_tflops", 1.0)
+
+    if args.compiled_gen_forward:
+        batches = tuple(int(b) for b in args.compiled_gen_forward.split(","))
+        results["compiled_gen_forward"] = compiled_gen_forward(args.tiny, device, batches, peak)
+        write_results(results, "gpu_suite_gen_forward.json" if not args.tiny else "gpu_suite_gen_forward_tiny.json",
+                      args.out)
+        return
 
     t0 = time.perf_counter()
     pipe, engine, dtype = make_models(args.tiny, device)
@@ -337,6 +347,24 @@ def main() -> None:
     if not args.tiny and not args.quick:
         results["bf16_vs_fp32_nano_width_4_layers"] = bf16_versus_fp32(device, chunk, fps)
     write_results(results, "gpu_suite.json" if not args.tiny else "gpu_suite_tiny.json", args.out)
+
+
+def compiled_gen_forward(tiny: bool, device: str, batches: tuple[int, ...], peak: float) -> dict:
+    """The GEN-forward table with regionally compiled blocks, without building diffusers' pipeline."""
+    from cosmos3_gym import processor
+
+    pipe, engine, _ = make_models(tiny, device)
+    del pipe
+    gc.collect()
+    chunk, fps, tier = (32, 15.0, 480) if not tiny else (8, 15.0, 256)
+    height, width = (480, 832) if not tiny else (256, 256)
+    latent_hw = processor.prepare_conditioning(np.zeros((height, width, 3), np.uint8), tier, 1).latent_hw
+    engine.transformer.compile_blocks()
+    t0 = time.perf_counter()
+    table = gen_forward_table(engine.transformer, chunk, fps, (chunk // 4 + 1, *latent_hw), peak, device,
+                              batches=batches)
+    return {"compile_note": "regional torch.compile of the blocks (Cosmos3Engine.optimize)",
+            "seconds_with_compiles": time.perf_counter() - t0, **table}
 
 
 def bf16_versus_fp32(device, chunk, fps) -> dict:
