@@ -57,10 +57,10 @@ class VAETrainConfig:
     lr_schedule: str = "cosine"  # after warmup: "constant", or cosine decay to min_lr_ratio * lr at `steps`
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
-    # 1 + 4k. Make it at least the world model's chunk + 1: the causal decoder only learns to decode as many latent
-    # frames as its clips have (trained on 5-frame clips, the PushT VAE faded the third latent frame of a 9-frame
-    # chunk, frames 5-8, to 30-33 dB from 39-43 dB, and env rollouts lost the target within two chunks).
-    frames_per_clip: int = 5
+    # 1 + 4k, at least the world model's chunk + 1 (17 for WorldModelTrainConfig's default chunk 16): the causal
+    # decoder only learns to decode as many latent frames as its clips have (trained on 5-frame clips, the PushT VAE
+    # faded frames 5-8 of a 9-frame chunk to 29-34 dB from 38-40 dB, and env rollouts lost the target in two chunks).
+    frames_per_clip: int = 17
     resolution_tier: int = 256
     l1_weight: float = 1.0
     l2_weight: float = 1.0
