@@ -26,7 +26,12 @@ splits in two, over the same simulated data (episodes depend only on the seed)::
     python benchmarks/train_pusht.py --part first --out $OUT     # stages 1, 2, 4 -> $OUT/first_part.tar.gz
     python benchmarks/train_pusht.py --part second --first-part first_part.tar.gz --out $OUT   # stages 1, 3, 5, 6
 
-Files in ``--out`` (at most 8, no folders): train_pusht.json (train_pusht_first/_second.json) (stages, timings, sizes, configs, last losses, provenance), fidelity_pusht_chunks.json,
+Two parts improve an installed model (``--assets``): ``--part decoder`` fine-tunes its VAE decoder on chunk + 1 frame
+clips (encoder, latent space and world model unchanged), retrains its reward model on its rollouts, packs and
+evaluates it; ``--part reward-model`` only retrains the reward model. ``--wm-init`` with ``--part second`` fine-tunes
+an installed world model (``--wm-rollout-prob`` conditions part of each batch on its own frames, ``training/rollout.py``).
+
+Files in ``--out`` (at most 8, no folders): train_pusht.json (train_pusht_<part>.json) (stages, timings, sizes, configs, last losses, provenance), fidelity_pusht_chunks.json,
 pusht_assets.tar.gz, side_by_side.mp4, vae_log.jsonl, world_model_log.jsonl. Datasets, latent caches and training
 states stay in ``--work``.
 """
