@@ -20,6 +20,9 @@ speed; performance.md §8). The VAE is the Wan2.2 VAE with random weights, the t
   on one GPU with another attention kernel (bf16 rounding, amplified by guidance 3 over 4 steps): request errors
   of that size are bf16 noise, not a parallelism bug.
 
+``--compile`` measures every layout, the tp=1 reference included, with regionally compiled blocks (what
+``Cosmos3Engine.optimize`` compiles), each compiled after its tensor-parallel plan is applied.
+
 Rank 0 writes the JSON to ``--out`` (default ``$OUT/parallel_gpu_world{W}.json``). ``--tiny`` runs the same code
 on the tiny test configuration (CPU + gloo unless CUDA is there) to check the script itself.
 """
@@ -78,6 +81,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--guidance", type=float, default=3.0)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10, help="timed GEN forwards (requests: half as many)")
+    parser.add_argument("--compile", action="store_true",
+                        help="regional torch.compile of the blocks (Cosmos3Engine.optimize) in every layout, the tp=1 "
+                             "reference included; compiled after tensor parallelism is applied")
     parser.add_argument("--tolerance", type=float, default=2e-2, help="max relative error vs the tp=1 reference")
     parser.add_argument("--out", default=None, help="JSON path (default $OUT/parallel_gpu_world{W}.json)")
     return parser.parse_args()
@@ -326,6 +332,8 @@ def main() -> None:
     reference = None
     request_noise_floor = None
     if rank == 0:  # the unsharded model on one GPU; the other ranks wait
+        if args.compile:
+            model.compile_blocks()
         reference_engine = engine_for(model, single)
         reference = measure(reference_engine, args, device, all_ranks=False)
         # bf16 noise floor of the request: the same request on one GPU with another attention kernel (SDPA's math
@@ -347,6 +355,7 @@ def main() -> None:
         cards=gather_from_ranks(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
         dtype=str(dtype), tiny=args.tiny, model_build_s=round(build_s, 2),
         setup=dict(height=args.height, width=args.width, chunk=args.chunk, steps=args.steps, guidance=args.guidance,
+                   compile=args.compile,
                    warmup=args.warmup, repeats=args.repeats, tolerance=args.tolerance,
                    parameters=sum(p.numel() for p in model.parameters())),
         notes="random weights; prompt K/V cached across requests (the first request fills the cache, warm-up)",
@@ -357,7 +366,7 @@ def main() -> None:
         report["request_noise_floor_tp1"] = request_noise_floor
 
     for index, (name, config) in enumerate(configs.items()):
-        if index > 0:  # the previous layout resliced the model in place: rebuild the full one
+        if index > 0 or args.compile:  # resliced in place by the previous layout, or compiled: rebuild it
             del model
             gc.collect()
             if device.type == "cuda":
@@ -366,6 +375,8 @@ def main() -> None:
         context = init_parallel(config, device)
         if config.tp > 1:
             apply_tensor_parallel(model, context.group("tp"))
+        if args.compile:
+            model.compile_blocks()
         numbers = measure(engine_for(model, context), args, device, all_ranks=True)
         outputs = numbers.pop("outputs")
         per_rank = gather_from_ranks(dict(gen_forward_ms=numbers["gen_forward_ms"], request_ms=numbers["request_ms"],

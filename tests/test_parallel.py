@@ -162,6 +162,10 @@ def world2_program(checkpoint: str, variant_checkpoint: str) -> dict:
         engine = load(checkpoint, **parallel)
         out[name] = run_batches(engine)
         engine.close()
+    # Regionally compiled blocks on sharded layers (the all-reduces inside the compiled graphs).
+    engine = load(checkpoint, tp=2, optimize=True)
+    out["tp2_optimized"] = run_batches(engine, ["modes"])
+    engine.close()
     out["mismatch"] = error_of(lambda: load(checkpoint, tp=2, cfg=2))
     return out
 
@@ -245,7 +249,7 @@ def check_layout(checkpoint, ranks: list[dict], layout: str) -> None:
                 assert relative_error(got["pixels"], want["pixels"]) < TOL, where
 
 
-@pytest.mark.parametrize("layout", ["tp2", "cfg2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "cfg2", "dp2", "tp2_optimized"])
 def test_two_rank_layouts_match_single_process(tiny_checkpoint, world2, layout):
     check_layout(tiny_checkpoint, world2, layout)
 
