@@ -130,6 +130,27 @@ def test_killed_worker_fails_the_next_step_quickly(tiny_checkpoint):
     client.close()
 
 
+class _BrokenPipe:
+    """A connection whose worker end is gone: what ``send`` sees when it beats the worker's exit being reaped."""
+
+    def send(self, message):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def close(self):
+        pass
+
+
+def test_a_broken_pipe_to_a_dead_worker_names_how_it_ended(tiny_checkpoint):
+    client = start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **FAST_START, **ENGINE_KWARGS)
+    pids = client.worker_pids
+    os.kill(pids[1], signal.SIGKILL)
+    client._connections[1] = _BrokenPipe()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL .*could not send"):
+        client.step(requests()[0])
+    assert all(gone(pid) for pid in pids)
+    client.close()
+
+
 EXIT_SCRIPT = """
 import json, sys
 from cosmos3_gym.parallel.client import start_engine_client

@@ -117,7 +117,7 @@ class Cosmos3EngineClient:
                 try:
                     connection.send(("step", requests, decode))
                 except (OSError, ValueError) as error:
-                    self._fail(f"could not send the request to worker rank {rank}: {error}; {self._exit_report()}")
+                    self._send_failed(rank, "the request", error)
             return self._receive_all("step")[0]
 
     def offload(self) -> None:
@@ -134,7 +134,7 @@ class Cosmos3EngineClient:
                 try:
                     connection.send((name,))
                 except (OSError, ValueError) as error:
-                    self._fail(f"could not send {name} to worker rank {rank}: {error}; {self._exit_report()}")
+                    self._send_failed(rank, name, error)
             self._receive_all(name)
 
     def close(self) -> None:
@@ -238,6 +238,16 @@ class Cosmos3EngineClient:
         if self._finalizer.detach() is not None:
             self._failure = reason
             _shutdown(self._processes, self._connections, graceful=False)
+
+    def _send_failed(self, rank: int, what: str, error: Exception):
+        """A send fails once the worker's end of the pipe is gone, which can be before its exit is reaped: wait for
+        that a moment, so that the error says how the worker ended."""
+        process = self._processes[rank]
+        process.join(timeout=_PEER_DEATH_WAIT_S)
+        if process.exitcode is not None:
+            self._fail(f"worker rank {rank} (pid {process.pid}) {_describe_exit(process.exitcode)} "
+                       f"(could not send {what}: {error})")
+        self._fail(f"could not send {what} to worker rank {rank}: {error}; {self._exit_report()}")
 
     def _exit_report(self) -> str:
         exits = {rank: p.exitcode for rank, p in enumerate(self._processes) if p.exitcode is not None}
