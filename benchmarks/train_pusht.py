@@ -239,10 +239,10 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
         save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=32,
         cache_dir=str(work / "latent_cache"),
     )
-    # The probe runs on the whole dataset, so it also encodes (and caches) every window's latents: the budget left
-    # after it is all training.
     if args.wm_init:  # fine-tuning keeps the checkpoint's action normalisation (same domain, same simulator)
         shutil.copyfile(Path(args.wm_init) / ACTION_STATS_FILE, work / "dataset" / "stats.json")
+    # The probe runs on the whole dataset, so it also encodes (and caches) every window's latents: the budget left
+    # after it is all training.
     probe = dataclasses.replace(config, steps=PROBE_STEPS, warmup_steps=0, log_every=PROBE_STEPS // 2,
                                 work_dir=str(work / "world_model_probe" / "training"))
     train_world_model(work / "dataset", work / "world_model_probe", probe, vae_dir=work / "vae")

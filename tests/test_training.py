@@ -523,7 +523,7 @@ def test_rollout_frame_is_what_the_env_hands_to_the_next_chunk(engine, trained, 
     rollout = _rollout_conditioner(engine, dataset, vae_dir, work)
     windows = rollout.windows
     target = int(torch.nonzero((windows.episode_index == 1) & (windows.start == CHUNK))[0])
-    previous = int(rollout.predecessor[target])
+    previous = int(rollout.chains[target, 0])
     assert int(windows.start[previous]) == 0 and int(windows.episode_index[previous]) == 1
     frames = np.load(read_dataset(dataset).episode_paths[1])["frames"]
     result = engine.step(Cosmos3Request(

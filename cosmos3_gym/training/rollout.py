@@ -98,12 +98,12 @@ class RolloutConditioner:
         self.windows, self.vae, self.schedule = windows, vae, schedule
         self.prob, self.max_chunks = prob, max_chunks
         self.resolution_tier, self.fps, self.domain_id, self.action_dim = resolution_tier, fps, domain_id, action_dim
-        self.predecessor = predecessor_windows(windows, chunk)
+        predecessor = predecessor_windows(windows, chunk)
         # chains[i, k]: the window k + 1 chunks before window i (-1: none); available[i]: how many there are
-        chains = [self.predecessor]
+        chains = [predecessor]
         for _ in range(max_chunks - 1):
             previous = chains[-1]
-            chains.append(torch.where(previous >= 0, self.predecessor[previous.clamp_min(0)], -1))
+            chains.append(torch.where(previous >= 0, predecessor[previous.clamp_min(0)], -1))
         self.chains = torch.stack(chains, dim=1)
         self.available = (self.chains >= 0).sum(1)
 

@@ -116,9 +116,10 @@ class WorldModelTrainConfig:
     # env rollout that frame is the model's own previous output, never a clean encode of a real one, and a model
     # that only saw clean frames drifts chunk after chunk. 0 disables it. Frame 0 carries no loss in any mode.
     cond_noise_std: float = 0.0
-    # Rollout conditioning (rollout.py): the chance that a policy / forward-dynamics sample's frame 0 is what the
-    # model itself generates for it from a real frame 1..rollout_max_chunks chunks earlier, through the env's path
-    # with rollout_num_steps sampler steps. 0 disables it. Needs window_stride to divide chunk.
+    # Rollout conditioning (rollout.py): the fraction of each batch (policy / forward-dynamics samples) whose frame 0
+    # is what the model itself generates for it from a real frame 1..rollout_max_chunks chunks earlier (one depth per
+    # step), through the env's path with rollout_num_steps sampler steps. 0 disables it. Needs window_stride to
+    # divide chunk.
     rollout_prob: float = 0.0
     rollout_max_chunks: int = 1
     rollout_num_steps: int = 4
