@@ -29,7 +29,12 @@ splits in two, over the same simulated data (episodes depend only on the seed)::
 Two parts improve an installed model (``--assets``): ``--part decoder`` fine-tunes its VAE decoder on chunk + 1 frame
 clips (encoder, latent space and world model unchanged), retrains its reward model on its rollouts, packs and
 evaluates it; ``--part reward-model`` only retrains the reward model. ``--wm-init`` with ``--part second`` fine-tunes
-an installed world model (``--wm-rollout-prob`` conditions part of each batch on its own frames, ``training/rollout.py``).
+an installed world model; ``--first-part`` then can be the installed model folder itself (its VAE and start frames)::
+
+    python benchmarks/train_pusht.py --part second --first-part cosmos3_gym/assets/pusht \
+        --wm-init cosmos3_gym/assets/pusht/checkpoint --wm-cond-noise 0.3 --wm-lr 2e-4 --out $OUT
+
+(``--wm-rollout-prob`` conditions part of each batch on the model's own frames, ``training/rollout.py``.)
 
 Files in ``--out`` (at most 8, no folders): train_pusht.json (train_pusht_<part>.json) (stages, timings, sizes, configs, last losses, provenance), fidelity_pusht_chunks.json,
 pusht_assets.tar.gz, side_by_side.mp4, vae_log.jsonl, world_model_log.jsonl. Datasets, latent caches and training
@@ -120,7 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "evaluate")
     parser.add_argument("--assets", default=None,
                         help="an installed PushT model folder, for --part reward-model and --part decoder")
-    parser.add_argument("--first-part", default=None, help="first_part.tar.gz of a --part first run (same seed)")
+    parser.add_argument("--first-part", default=None,
+                        help="first_part.tar.gz of a --part first run (same seed), or an installed model folder")
     parser.add_argument("--wm-init", default=None, help="fine-tune this checkpoint's transformer instead of a new one")
     for name, value in FULL.items():  # every size and step count, defaulting to FULL (or SMOKE with --smoke)
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
@@ -263,6 +269,20 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     (checkpoint / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return {"probe_steps_per_s": steps_per_s, "config": dataclasses.asdict(config),
             "last_log": last_log_line(work / "world_model" / "log.jsonl")}
+
+
+def unpack_first_part(source: Path, work: Path) -> None:
+    """Put what ``--part second`` starts from into ``work``: ``vae/`` and ``assets/pusht/`` (start frames, reward
+    model), from a ``first_part.tar.gz`` or from an installed model folder (its VAE and everything but its
+    checkpoint), so that an installed model can be fine-tuned without its first part."""
+    if not source.is_dir():
+        with tarfile.open(source) as tar:
+            tar.extractall(work, filter="data")
+        return
+    shutil.rmtree(work / "vae", ignore_errors=True)
+    shutil.copytree(source / CHECKPOINT_DIR / "vae", work / "vae")
+    shutil.copytree(source, work / "assets" / "pusht", ignore=shutil.ignore_patterns(CHECKPOINT_DIR),
+                    dirs_exist_ok=True)
 
 
 def probe_dataset(work: Path) -> Path:
@@ -410,8 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
             shutil.copytree(args.assets, assets, dirs_exist_ok=True)
             stages.run("vae_decoder", decoder_stage, args, work, assets)
         elif args.part == "second":
-            with tarfile.open(args.first_part) as tar:
-                tar.extractall(work, filter="data")
+            unpack_first_part(Path(args.first_part), work)
         else:
             stages.run("start_frames", start_frames, args, assets)
             stages.run("vae", vae_stage, args, work)

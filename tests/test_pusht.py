@@ -318,3 +318,26 @@ def test_video_falls_back_to_opencv_without_imageio_ffmpeg(tmp_path, monkeypatch
     assert path.suffix == ".mp4" and ok and first.shape == (32, 48, 3)
     assert first[16, 5, 2] > 200 and first[16, 40, 2] < 50  # BGR: red on the left only
     capture.release()
+
+
+def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_assets, tmp_path):
+    import sys
+
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        import train_pusht
+    finally:
+        sys.path.remove(benchmarks)
+    work = tmp_path / "work"
+    (work / "assets" / "pusht").mkdir(parents=True)  # main() creates it before unpacking
+    (work / "vae").mkdir()  # a stale VAE from an earlier run in the same --work is replaced
+    (work / "vae" / "stale.json").write_text("{}")
+
+    train_pusht.unpack_first_part(tiny_assets, work)
+
+    vae_files = sorted(p.name for p in (work / "vae").iterdir())
+    assert vae_files == sorted(p.name for p in (tiny_assets / "checkpoint" / "vae").iterdir())
+    assert not (work / "assets" / "pusht" / "checkpoint").exists()  # the world model stage writes its own
+    for name in (pusht_env.INITIAL_STATES_FILE, f"{pusht_env.REWARD_MODEL_DIR}/config.json"):
+        assert (work / "assets" / "pusht" / name).read_bytes() == (tiny_assets / name).read_bytes()

@@ -602,8 +602,12 @@ def test_training_with_rollouts_replaces_only_frame_zero_of_conditioned_samples(
         assert torch.equal(conditioned.video[:, :, 1:], batch.video[:, :, 1:])
         trainer.train()
         assert trainer.step == 2 and np.isfinite(read_log(trainer.log_path)[-1]["loss"])
+        meta = json.loads((trainer.export() / "meta.json").read_text())
     finally:
         ctx.close()
+    init_meta = json.loads((trained / "meta.json").read_text())
+    assert init_meta["total_train_steps"] == init_meta["train_steps"] > 0  # trained from scratch
+    assert (meta["train_steps"], meta["total_train_steps"]) == (2, init_meta["train_steps"] + 2)
     with pytest.raises(InputError, match="window_stride"):
         world_model_config(work, rollout_prob=0.5, window_stride=3).validate()
     with pytest.raises(InputError, match="rollout_prob"):

@@ -542,6 +542,16 @@ def load_training_state(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def init_train_steps(init_checkpoint: str | None) -> int:
+    """Steps the weights of ``init_checkpoint`` had seen (its meta.json), so that fine-tunes of fine-tunes report
+    every step in ``total_train_steps``; 0 for a fresh model or a checkpoint that does not say."""
+    if init_checkpoint is None:
+        return 0
+    path = Path(init_checkpoint) / "meta.json"
+    meta = json.loads(path.read_text()) if path.is_file() else {}
+    return int(meta.get("total_train_steps", meta.get("train_steps", 0)))
+
+
 def load_tokenizer(config: WorldModelTrainConfig):
     from transformers import AutoTokenizer
 
@@ -762,7 +772,8 @@ class WorldModelTrainer:
                 "image_size": self.info.meta.get("image_size"), "canvas_hw": list(self.windows.canvas_hw),
                 "latent_thw": list(self.windows.latent_thw), "view_point": config.view_point,
                 "action_normalization": self.info.action_normalization, "flow_shift": config.resolved_flow_shift,
-                "train_steps": self.step, "weights": "ema" if use_ema else "model", "dataset": str(self.info.root),
+                "train_steps": self.step, "total_train_steps": self.step + init_train_steps(config.init_checkpoint),
+                "weights": "ema" if use_ema else "model", "dataset": str(self.info.root),
                 "source": self.info.meta.get("source"),
             }
             export_checkpoint(
