@@ -168,31 +168,40 @@ def env_throughput(engine, counts, diffusers_step_s, chunk, steps, guidance, fps
     return table
 
 
+GEN_PROMPT = list(range(3, 153))  # 150 tokens, about the length of Nano's action prompt
+
+
+def gen_forward_inputs(model, thw, batch: int, chunk: int, fps: float, device) -> tuple:
+    """Arguments of one policy-mode GEN forward (frame 0 clean, the rest and the actions noisy) at latent ``thw``."""
+    cfg = model.config
+    text = model.encode_text([GEN_PROMPT] * batch)
+    layout = model.gen_layout(text.lengths, thw, chunk, fps)
+    video = torch.randn(batch, cfg.latent_channel, *thw, device=device)
+    acts = torch.randn(batch, chunk, cfg.action_dim, device=device)
+    noisy_v = torch.ones(batch, thw[0], dtype=torch.bool, device=device)
+    noisy_v[:, 0] = False
+    noisy_a = torch.ones(batch, chunk, dtype=torch.bool, device=device)
+    ts = torch.full((batch,), 900, device=device)
+    dom = torch.full((batch,), 8, device=device)
+    return text, layout, video, noisy_v, ts, acts, noisy_a, dom
+
+
 def gen_forward_table(model, chunk, fps, latent_shape_480, peak, device, batches=(1, 4, 16)) -> dict:
     """GEN forward time and MFU at the given batch sizes for tiers 256 (256x256 canvas) and 480 (480x832)."""
     cfg = model.config
     table = {}
     for tier, thw in (("256", (chunk // 4 + 1, 16, 16)), ("480", latent_shape_480)):
         for batch in batches:
-            prompt = list(range(3, 153))
-            text = model.encode_text([prompt] * batch)
-            layout = model.gen_layout(text.lengths, thw, chunk, fps)
-            video = torch.randn(batch, cfg.latent_channel, *thw, device=device)
-            acts = torch.randn(batch, chunk, cfg.action_dim, device=device)
-            noisy_v = torch.ones(batch, thw[0], dtype=torch.bool, device=device)
-            noisy_v[:, 0] = False
-            noisy_a = torch.ones(batch, chunk, dtype=torch.bool, device=device)
-            ts = torch.full((batch,), 900, device=device)
-            dom = torch.full((batch,), 8, device=device)
+            inputs = gen_forward_inputs(model, thw, batch, chunk, fps, device)
             try:
                 with torch.inference_mode():
-                    t, _ = timed(lambda: model(text, layout, video, noisy_v, ts, acts, noisy_a, dom), repeats=5)
+                    t, _ = timed(lambda: model(*inputs), repeats=5)
             except torch.OutOfMemoryError:
                 table[f"tier{tier}_b{batch}"] = {"error": "OOM"}
                 torch.cuda.empty_cache()
                 continue
-            tokens = layout.num_video_tokens + chunk
-            flops = batch * gen_forward_flops(cfg, tokens, len(prompt))
+            tokens = inputs[1].num_video_tokens + chunk
+            flops = batch * gen_forward_flops(cfg, tokens, len(GEN_PROMPT))
             table[f"tier{tier}_b{batch}"] = {"forward_s": t, "gen_tokens": tokens, "tflops": flops / t / 1e12,
                                              "mfu_vs_gemm_peak": flops / t / 1e12 / peak}
             print("gen", tier, batch, table[f"tier{tier}_b{batch}"])
