@@ -271,6 +271,8 @@ def main() -> None:
     parser.add_argument("--compiled-gen-forward", default=None, metavar="BATCHES",
                         help="only the compiled GEN-forward table at these batch sizes (e.g. 4): no diffusers "
                              "pipeline, no requests (gpu_suite_gen_forward.json)")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode of that table's blocks, e.g. reduce-overhead (CUDA graphs per block)")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -282,7 +284,7 @@ def main() -> None:
 
     if args.compiled_gen_forward:
         batches = tuple(int(b) for b in args.compiled_gen_forward.split(","))
-        results["compiled_gen_forward"] = compiled_gen_forward(args.tiny, device, batches, peak)
+        results["compiled_gen_forward"] = compiled_gen_forward(args.tiny, device, batches, peak, args.compile_mode)
         write_results(results, "gpu_suite_gen_forward.json" if not args.tiny else "gpu_suite_gen_forward_tiny.json",
                       args.out)
         return
@@ -358,8 +360,9 @@ def main() -> None:
     write_results(results, "gpu_suite.json" if not args.tiny else "gpu_suite_tiny.json", args.out)
 
 
-def compiled_gen_forward(tiny: bool, device: str, batches: tuple[int, ...], peak: float) -> dict:
-    """The GEN-forward table with regionally compiled blocks, without building diffusers' pipeline."""
+def compiled_gen_forward(tiny: bool, device: str, batches: tuple[int, ...], peak: float,
+                         mode: str | None = None) -> dict:
+    """The GEN-forward table with regionally compiled blocks (torch.compile ``mode``), without diffusers' pipeline."""
     from cosmos3_gym import processor
 
     pipe, engine, _ = make_models(tiny, device)
@@ -368,11 +371,11 @@ def compiled_gen_forward(tiny: bool, device: str, batches: tuple[int, ...], peak
     chunk, fps, tier = (32, 15.0, 480) if not tiny else (8, 15.0, 256)
     height, width = (480, 832) if not tiny else (256, 256)
     latent_hw = processor.prepare_conditioning(np.zeros((height, width, 3), np.uint8), tier, 1).latent_hw
-    engine.transformer.compile_blocks()
+    engine.transformer.compile_blocks(mode=mode)
     t0 = time.perf_counter()
     table = gen_forward_table(engine.transformer, chunk, fps, (chunk // 4 + 1, *latent_hw), peak, device,
                               batches=batches)
-    return {"compile_note": "regional torch.compile of the blocks (Cosmos3Engine.optimize)",
+    return {"compile_note": f"regional torch.compile of the blocks (Cosmos3Engine.optimize), mode {mode}",
             "seconds_with_compiles": time.perf_counter() - t0, **table}
 
 
