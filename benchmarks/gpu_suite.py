@@ -193,6 +193,7 @@ def gen_forward_table(model, chunk, fps, latent_shape_480, peak, device, batches
     for tier, thw in (("256", (chunk // 4 + 1, 16, 16)), ("480", latent_shape_480)):
         for batch in batches:
             inputs = gen_forward_inputs(model, thw, batch, chunk, fps, device)
+            _, layout, *_ = inputs
             try:
                 with torch.inference_mode():
                     t, _ = timed(lambda: model(*inputs), repeats=5)
@@ -200,7 +201,7 @@ def gen_forward_table(model, chunk, fps, latent_shape_480, peak, device, batches
                 table[f"tier{tier}_b{batch}"] = {"error": "OOM"}
                 torch.cuda.empty_cache()
                 continue
-            tokens = inputs[1].num_video_tokens + chunk
+            tokens = layout.num_video_tokens + chunk
             flops = batch * gen_forward_flops(cfg, tokens, len(GEN_PROMPT))
             table[f"tier{tier}_b{batch}"] = {"forward_s": t, "gen_tokens": tokens, "tflops": flops / t / 1e12,
                                              "mfu_vs_gemm_peak": flops / t / 1e12 / peak}

@@ -127,9 +127,7 @@ def main() -> None:
     pipe, engine, _ = make_models(args.tiny, device)
     del pipe  # only our engine is profiled; diffusers' weights would double the memory
     gc.collect()
-    # Cosmos3Engine.optimize(), with the blocks compiled in --compile-mode
-    engine.transformer.compile_blocks(mode=args.compile_mode)
-    engine.vae.fuse_decoder_norms()
+    engine.optimize(mode=args.compile_mode)
     chunk, steps, guidance, fps = (32, 4, 3.0, 15.0) if not args.tiny else (8, 2, 3.0, 15.0)
     image, tier = (scene(480, 832), 480) if not args.tiny else (scene(256, 256), 256)
     request = our_request("policy", image, chunk, steps, guidance, fps, tier)

@@ -210,11 +210,12 @@ class Cosmos3Engine:
         )
         return engine.optimize() if optimize else engine
 
-    def optimize(self) -> "Cosmos3Engine":
+    def optimize(self, **compile_kwargs) -> "Cosmos3Engine":
         """The fast path measured in benchmarks/gpu_suite.py: regional ``torch.compile`` of the transformer blocks
         and the VAE decoder's fused RMS-norm + SiLU. The same math up to float rounding; each new input shape pays a
-        compile on its first step (about 5-11 s at the full Nano size on an H200)."""
-        self.transformer.compile_blocks()
+        compile on its first step (about 5-11 s at the full Nano size on an H200). ``compile_kwargs`` go to
+        ``torch.compile`` (benchmarks/profile_gpu.py compares ``mode="reduce-overhead"``)."""
+        self.transformer.compile_blocks(**compile_kwargs)
         self.vae.fuse_decoder_norms()
         return self
 

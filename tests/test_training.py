@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -53,7 +54,7 @@ from cosmos3_gym.training.rollout import RolloutConditioner, generate_forward_dy
 from cosmos3_gym.training.vae import _ClipBatches
 from cosmos3_gym.training.schedule import learning_rate
 from cosmos3_gym.training.world_model import (
-    enable_gradient_checkpointing, sample_batch, step_generator, warn_if_vae_clips_are_short,
+    enable_gradient_checkpointing, init_train_steps, sample_batch, step_generator, warn_if_vae_clips_are_short,
 )
 
 from dist_utils import run_distributed
@@ -608,6 +609,11 @@ def test_training_with_rollouts_replaces_only_frame_zero_of_conditioned_samples(
     init_meta = json.loads((trained / "meta.json").read_text())
     assert init_meta["total_train_steps"] == init_meta["train_steps"] > 0  # trained from scratch
     assert (meta["train_steps"], meta["total_train_steps"]) == (2, init_meta["train_steps"] + 2)
+    broken = work / "broken_meta"
+    shutil.copytree(trained, broken)
+    (broken / "meta.json").write_text("{not json")
+    with pytest.raises(InputError, match="init_checkpoint: cannot read the training steps"):
+        init_train_steps(str(broken))
     with pytest.raises(InputError, match="window_stride"):
         world_model_config(work, rollout_prob=0.5, window_stride=3).validate()
     with pytest.raises(InputError, match="rollout_prob"):

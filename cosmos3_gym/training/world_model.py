@@ -49,7 +49,7 @@ from ..models.vae import Cosmos3VAE
 from ..sampling import make_schedule
 from .data import TrainingWindows, build_training_windows, read_dataset
 from .distributed import DistributedContext, init_distributed
-from .export import SAVE_DTYPES, export_checkpoint, scheduler_config
+from .export import META_FILE, SAVE_DTYPES, export_checkpoint, scheduler_config
 from .flow_matching import (
     INVERSE_DYNAMICS,
     NATIVE_FLOW_SHIFT_BY_TIER,
@@ -547,9 +547,14 @@ def init_train_steps(init_checkpoint: str | None) -> int:
     every step in ``total_train_steps``; 0 for a fresh model or a checkpoint that does not say."""
     if init_checkpoint is None:
         return 0
-    path = Path(init_checkpoint) / "meta.json"
-    meta = json.loads(path.read_text()) if path.is_file() else {}
-    return int(meta.get("total_train_steps", meta.get("train_steps", 0)))
+    path = validate_checkpoint(init_checkpoint).root / META_FILE
+    if not path.is_file():
+        return 0
+    try:
+        meta = json.loads(path.read_text())
+        return int(meta.get("total_train_steps", meta.get("train_steps", 0)))
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        raise InputError(f"init_checkpoint: cannot read the training steps from {path}: {error}") from error
 
 
 def load_tokenizer(config: WorldModelTrainConfig):
@@ -629,6 +634,7 @@ class WorldModelTrainer:
 
         self.info = read_dataset(dataset_dir)
         self.fps = float(config.fps if config.fps is not None else self.info.fps)
+        self.init_train_steps = init_train_steps(config.init_checkpoint)  # read now: export comes hours later
         self.tokenizer = load_tokenizer(config)
         if ctx.is_main:
             self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -772,7 +778,7 @@ class WorldModelTrainer:
                 "image_size": self.info.meta.get("image_size"), "canvas_hw": list(self.windows.canvas_hw),
                 "latent_thw": list(self.windows.latent_thw), "view_point": config.view_point,
                 "action_normalization": self.info.action_normalization, "flow_shift": config.resolved_flow_shift,
-                "train_steps": self.step, "total_train_steps": self.step + init_train_steps(config.init_checkpoint),
+                "train_steps": self.step, "total_train_steps": self.step + self.init_train_steps,
                 "weights": "ema" if use_ema else "model", "dataset": str(self.info.root),
                 "source": self.info.meta.get("source"),
             }
