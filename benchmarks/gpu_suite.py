@@ -186,9 +186,12 @@ def gen_forward_inputs(model, thw, batch: int, chunk: int, fps: float, device) -
     return text, layout, video, noisy_v, ts, acts, noisy_a, dom
 
 
-def gen_forward_table(model, chunk, fps, latent_shape_480, peak, device, batches=(1, 4, 16)) -> dict:
-    """GEN forward time and MFU at the given batch sizes for tiers 256 (256x256 canvas) and 480 (480x832)."""
+def gen_forward_table(model, chunk, fps, latent_shape_480, peak, device, batches=(1, 4, 16), forward=None) -> dict:
+    """GEN forward time and MFU at the given batch sizes for tiers 256 (256x256 canvas) and 480 (480x832).
+
+    ``forward`` runs the pass (default ``model`` itself; e.g. a ``GraphedGenForward`` of it)."""
     cfg = model.config
+    forward = forward or model
     table = {}
     for tier, thw in (("256", (chunk // 4 + 1, 16, 16)), ("480", latent_shape_480)):
         for batch in batches:
@@ -196,7 +199,7 @@ def gen_forward_table(model, chunk, fps, latent_shape_480, peak, device, batches
             _, layout, *_ = inputs
             try:
                 with torch.inference_mode():
-                    t, _ = timed(lambda: model(*inputs), repeats=5)
+                    t, _ = timed(lambda: forward(*inputs), repeats=5)
             except torch.OutOfMemoryError:
                 table[f"tier{tier}_b{batch}"] = {"error": "OOM"}
                 torch.cuda.empty_cache()
@@ -238,9 +241,10 @@ def optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, ste
     vae_result["used"] = fastest
     print("vae", vae_result)
     t0 = time.perf_counter()
-    engine.transformer.compile_blocks()
+    engine.optimize()
     engine.vae = candidates[fastest]
-    optimised = {"compile_note": f"regional torch.compile of decoder blocks; VAE decode {fastest}"}
+    optimised = {"compile_note": f"Cosmos3Engine.optimize(): regional torch.compile of decoder blocks, CUDA-graphed "
+                                 f"GEN forward ({engine.gen_forward is not engine.transformer}); VAE decode {fastest}"}
     request = our_request("policy", image, chunk, steps, guidance, fps, 480)
     engine.step(request, decode=False)  # compile warm-up
     optimised["first_call_with_compile_s"] = time.perf_counter() - t0
@@ -257,7 +261,7 @@ def optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, ste
                                                             fd_actions)
     if gen_tables:
         optimised["gen_forward"] = gen_forward_table(engine.transformer, chunk, fps, latent_shape, peak, device,
-                                                     batches=(1, 4, 16))
+                                                     batches=(1, 4, 16), forward=engine.gen_forward)
     optimised["vae_decode_tier480"] = vae_result
     return optimised
 
@@ -272,8 +276,6 @@ def main() -> None:
     parser.add_argument("--compiled-gen-forward", default=None, metavar="BATCHES",
                         help="only the compiled GEN-forward table at these batch sizes (e.g. 4): no diffusers "
                              "pipeline, no requests (gpu_suite_gen_forward.json)")
-    parser.add_argument("--compile-mode", default=None,
-                        help="torch.compile mode of that table's blocks, e.g. reduce-overhead (CUDA graphs per block)")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -285,7 +287,7 @@ def main() -> None:
 
     if args.compiled_gen_forward:
         batches = tuple(int(b) for b in args.compiled_gen_forward.split(","))
-        results["compiled_gen_forward"] = compiled_gen_forward(args.tiny, device, batches, peak, args.compile_mode)
+        results["compiled_gen_forward"] = compiled_gen_forward(args.tiny, device, batches, peak)
         write_results(results, "gpu_suite_gen_forward.json" if not args.tiny else "gpu_suite_gen_forward_tiny.json",
                       args.out)
         return
@@ -361,10 +363,11 @@ def main() -> None:
     write_results(results, "gpu_suite.json" if not args.tiny else "gpu_suite_tiny.json", args.out)
 
 
-def compiled_gen_forward(tiny: bool, device: str, batches: tuple[int, ...], peak: float,
-                         mode: str | None = None) -> dict:
-    """The GEN-forward table with regionally compiled blocks (torch.compile ``mode``), without diffusers' pipeline."""
+def compiled_gen_forward(tiny: bool, device: str, batches: tuple[int, ...], peak: float) -> dict:
+    """The GEN-forward table with regionally compiled blocks, then the same with the compiled forward replayed as a
+    CUDA graph (both as ``Cosmos3Engine.optimize`` runs them), without diffusers' pipeline."""
     from cosmos3_gym import processor
+    from cosmos3_gym.cuda_graphs import GraphedGenForward
 
     pipe, engine, _ = make_models(tiny, device)
     del pipe
@@ -372,12 +375,32 @@ def compiled_gen_forward(tiny: bool, device: str, batches: tuple[int, ...], peak
     chunk, fps, tier = (32, 15.0, 480) if not tiny else (8, 15.0, 256)
     height, width = (480, 832) if not tiny else (256, 256)
     latent_hw = processor.prepare_conditioning(np.zeros((height, width, 3), np.uint8), tier, 1).latent_hw
-    engine.transformer.compile_blocks(mode=mode)
+    engine.transformer.compile_blocks()
+    shape_480 = (chunk // 4 + 1, *latent_hw)
     t0 = time.perf_counter()
-    table = gen_forward_table(engine.transformer, chunk, fps, (chunk // 4 + 1, *latent_hw), peak, device,
-                              batches=batches)
-    return {"compile_note": f"regional torch.compile of the blocks (Cosmos3Engine.optimize), mode {mode}",
-            "seconds_with_compiles": time.perf_counter() - t0, **table}
+    results = {"compile_note": "regional torch.compile of the blocks (Cosmos3Engine.optimize)",
+               "compiled": gen_forward_table(engine.transformer, chunk, fps, shape_480, peak, device, batches)}
+    results["seconds_with_compiles"] = time.perf_counter() - t0
+    if device == "cuda":
+        graphed = GraphedGenForward(engine.transformer, max_graphs=1)  # one shape at a time: frees each graph's memory
+        results["compiled_cuda_graph"] = gen_forward_table(engine.transformer, chunk, fps, shape_480, peak, device,
+                                                           batches, forward=graphed)
+        results["compiled_cuda_graph_vs_compiled_max_abs"] = graph_parity(engine.transformer, graphed, chunk, fps,
+                                                                          device)
+    return results
+
+
+def graph_parity(model, graphed, chunk, fps, device) -> float:
+    """Max abs difference of the graphed forward against the plain call on fresh inputs of an already-captured
+    shape: the replay must read the new inputs, not the ones it was captured with."""
+    first = gen_forward_inputs(model, (chunk // 4 + 1, 16, 16), 1, chunk, fps, device)
+    with torch.inference_mode():
+        graphed(*first)
+        torch.manual_seed(1)
+        second = gen_forward_inputs(model, (chunk // 4 + 1, 16, 16), 1, chunk, fps, device)
+        v_graph, a_graph = graphed(*second)
+        v_eager, a_eager = model(*second)
+    return max(float((v_graph - v_eager).abs().max()), float((a_graph - a_eager).abs().max()))
 
 
 def bf16_versus_fp32(device, chunk, fps) -> dict:

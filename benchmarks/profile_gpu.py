@@ -116,8 +116,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU check with the tiny models")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--compile-mode", default=None,
-                        help="torch.compile mode of the blocks, e.g. reduce-overhead (CUDA graphs per block)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="compiled blocks only, without the CUDA-graphed GEN forward")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,12 +127,12 @@ def main() -> None:
     pipe, engine, _ = make_models(args.tiny, device)
     del pipe  # only our engine is profiled; diffusers' weights would double the memory
     gc.collect()
-    engine.optimize(mode=args.compile_mode)
+    engine.optimize(cuda_graphs=not args.tiny and not args.no_cuda_graphs)
     chunk, steps, guidance, fps = (32, 4, 3.0, 15.0) if not args.tiny else (8, 2, 3.0, 15.0)
     image, tier = (scene(480, 832), 480) if not args.tiny else (scene(256, 256), 256)
     request = our_request("policy", image, chunk, steps, guidance, fps, tier)
     settings = {"tiny": args.tiny, "chunk": chunk, "steps": steps, "guidance": guidance, "optimize": True,
-                "compile_mode": args.compile_mode, "decode": False}
+                "cuda_graphs": engine.gen_forward is not engine.transformer, "decode": False}
     results = {"provenance": provenance(), "settings": settings}
     results["policy_request_tier480"] = profiled(lambda: engine.step(request, decode=False),
                                                  "policy_request_tier480", out)
@@ -140,7 +140,7 @@ def main() -> None:
 
     def forward():
         with torch.inference_mode():
-            engine.transformer(*inputs)
+            engine.gen_forward(*inputs)
 
     results["gen_forward_tier256_b1"] = profiled(forward, "gen_forward_tier256_b1", out)
     write_results(results, "profile_gpu.json" if not args.tiny else "profile_gpu_tiny.json", str(out))

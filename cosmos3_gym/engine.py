@@ -136,6 +136,7 @@ class Cosmos3Engine:
         self._text_cache_size = text_cache_size
         self._closed = False
         self._home_device: torch.device | None = None  # set while offloaded
+        self._graphed_forward = None  # a cuda_graphs.GraphedGenForward once optimize() turns CUDA graphs on
 
     @classmethod
     def from_pretrained(
@@ -210,18 +211,33 @@ class Cosmos3Engine:
         )
         return engine.optimize() if optimize else engine
 
-    def optimize(self, **compile_kwargs) -> "Cosmos3Engine":
-        """The fast path measured in benchmarks/gpu_suite.py: regional ``torch.compile`` of the transformer blocks
-        and the VAE decoder's fused RMS-norm + SiLU. The same math up to float rounding; each new input shape pays a
-        compile on its first step (about 5-11 s at the full Nano size on an H200). ``compile_kwargs`` go to
-        ``torch.compile`` (benchmarks/profile_gpu.py compares ``mode="reduce-overhead"``)."""
-        self.transformer.compile_blocks(**compile_kwargs)
+    def optimize(self, *, cuda_graphs: bool | None = None) -> "Cosmos3Engine":
+        """The fast path measured in benchmarks/gpu_suite.py: regional ``torch.compile`` of the transformer blocks,
+        the VAE decoder's fused RMS-norm + SiLU and, on a CUDA device, the GEN forward replayed as CUDA graphs
+        (``cuda_graphs``; default: on when this engine runs on a GPU without tensor parallelism, whose all-reduces
+        are not captured). The same math up to float rounding; each new input shape pays a compile and a capture
+        on its first step (about 5-11 s at the full Nano size on an H200)."""
+        use_graphs = self.device.type == "cuda" and self.parallel.config.tp == 1 if cuda_graphs is None else cuda_graphs
+        if use_graphs and self.device.type != "cuda":
+            raise InputError(f"cuda_graphs: needs a CUDA device; this engine runs on {self.device}")
+        if use_graphs and self.parallel.config.tp > 1:
+            raise InputError(f"cuda_graphs: not available with tensor parallelism (tp={self.parallel.config.tp})")
+        self.transformer.compile_blocks()
         self.vae.fuse_decoder_norms()
+        if use_graphs:
+            from .cuda_graphs import GraphedGenForward
+
+            self._graphed_forward = GraphedGenForward(self.transformer)
         return self
 
     @property
     def device(self) -> torch.device:
         return self.transformer.device
+
+    @property
+    def gen_forward(self):
+        """What the denoising loop calls for one GEN forward: the transformer, or its CUDA-graphed replay."""
+        return self._graphed_forward or self.transformer
 
     @property
     def is_output_rank(self) -> bool:
@@ -278,6 +294,8 @@ class Cosmos3Engine:
             self._home_device = self.device
         self.transformer.to("cpu")
         self.vae.to("cpu")
+        if self._graphed_forward is not None:
+            self._graphed_forward.reset()  # its graphs read the weights at their device addresses, which are gone
         self._text_cache.clear()  # cached K/V live on the device; they are recomputed on demand
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -535,11 +553,12 @@ class Cosmos3Engine:
         video_sampler = FlowUniPCSampler([p.schedule for p in group], device)
         action_sampler = FlowUniPCSampler([p.schedule for p in group], device)
         steps = group[0].request.num_steps
+        gen_forward = self.gen_forward
         show_progress = self.progress and self.is_output_rank
         for i in tqdm(range(steps), desc="denoising", disable=not show_progress, leave=False):
             timesteps = video_sampler.timesteps_for_step(i)
             if rows:
-                v_video, v_action = self.transformer(
+                v_video, v_action = gen_forward(
                     text, layout, video[row_index], video_noisy, timesteps[row_index], actions[row_index],
                     action_noisy, domain_ids,
                 )

@@ -418,13 +418,13 @@ class Cosmos3Transformer(nn.Module):
         self.load_state_dict(ours, assign=True)
         self.rotary = Cosmos3RotaryEmbedding(self.config).to(device)
 
-    def compile_blocks(self, **compile_kwargs) -> None:
+    def compile_blocks(self) -> None:
         """Regional ``torch.compile`` of the decoder blocks (diffusers' ``compile_repeated_blocks`` idea): inductor
         fuses the fp32 RMSNorms, RoPE and the gated MLP's elementwise ops around the GEMMs. All blocks share one
         code object, so the graph compiles once per input shape, not once per layer."""
         for block in [*self.text_layers, *self.gen_layers]:
-            block.text_forward = torch.compile(block.text_forward, **compile_kwargs)
-            block.gen_forward = torch.compile(block.gen_forward, **compile_kwargs)
+            block.text_forward = torch.compile(block.text_forward)
+            block.gen_forward = torch.compile(block.gen_forward)
 
     # ------------------------------------------------------------------ text tower
 

@@ -1,0 +1,106 @@
+"""The GEN forward replayed as one CUDA graph per input signature.
+
+At batch 1 and tier 256 the Nano GEN forward keeps an H200 busy for 14 ms but takes 19 ms: the host cannot launch
+its ~600 kernels (36 compiled blocks) as fast as the GPU runs them (benchmarks/results/profile_gpu_h200.json). A
+CUDA graph launches them all at once. ``torch.compile(mode="reduce-overhead")`` cannot do it for us: it graphs
+each compiled *block*, and since all blocks share one compiled graph, every block's call overwrites the previous
+block's output buffer ("accessing tensor output of CUDAGraphs that has been overwritten"). So this module captures
+the whole forward - compiled blocks included - with ``torch.cuda.CUDAGraph``.
+
+A graph bakes in device addresses and Python-level structure, so one graph is kept per *signature*: the shapes and
+dtypes of every input tensor plus the text lengths (which decide how attention is split by prompt length, see
+``GenLayout.length_groups``). Each call copies its inputs into the graph's static buffers, replays, and returns
+copies of the outputs (the next replay overwrites the static ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+import torch
+
+from .errors import InputError
+from .models.transformer import Cosmos3Transformer, GenLayout, TextKV
+
+
+@dataclasses.dataclass(eq=False)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor | None]  # static buffers, in the order of ``_flat_inputs``
+    outputs: tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _flat_inputs(text: TextKV, layout: GenLayout, *tensors) -> list[torch.Tensor | None]:
+    return [*text.keys, *text.values, layout.cos, layout.sin, *tensors]
+
+
+def _signature(text: TextKV, flat: list[torch.Tensor | None]) -> tuple:
+    return (tuple(text.lengths), tuple(None if t is None else (tuple(t.shape), t.dtype) for t in flat))
+
+
+class GraphedGenForward:
+    """Drop-in for ``Cosmos3Transformer.__call__`` (the GEN forward) on one CUDA device.
+
+    The first call of a signature runs the forward once on a side stream (compiles, cuDNN / cuBLAS set-up), captures
+    it, then replays; later calls only copy inputs and replay. At most ``max_graphs`` signatures are kept (least
+    recently used dropped first): each graph holds its own activation memory. Call ``reset()`` whenever the
+    transformer's weights move (``Cosmos3Engine.offload``), since the graphs read them at their old addresses.
+    """
+
+    def __init__(self, transformer: Cosmos3Transformer, max_graphs: int = 8):
+        if transformer.device.type != "cuda":
+            raise InputError(f"cuda_graphs: needs the transformer on a CUDA device, it is on {transformer.device}")
+        self.transformer = transformer
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+
+    def reset(self) -> None:
+        self._graphs.clear()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def __call__(self, text: TextKV, layout: GenLayout, video, video_noisy, timesteps, actions=None,
+                 action_noisy=None, domain_ids=None):
+        tensors = (video, video_noisy, timesteps, actions, action_noisy, domain_ids)
+        flat = _flat_inputs(text, layout, *tensors)
+        key = _signature(text, flat)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(text, layout, flat)
+            self._graphs[key] = entry
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+            for static, value in zip(entry.inputs, flat):
+                if static is not None:
+                    static.copy_(value)
+        entry.graph.replay()
+        video_velocity, action_velocity = entry.outputs
+        return video_velocity.clone(), None if action_velocity is None else action_velocity.clone()
+
+    def _capture(self, text: TextKV, layout: GenLayout, flat: list) -> _Graph:
+        static = [None if t is None else t.clone() for t in flat]
+        num_layers = len(text.keys)
+        static_text = TextKV(static[:num_layers], static[num_layers : 2 * num_layers], list(text.lengths))
+        cos, sin, *tensors = static[2 * num_layers :]
+        # length_groups' row indexes follow from text.lengths, which are part of the signature: kept as they are.
+        static_layout = dataclasses.replace(layout, cos=cos, sin=sin)
+
+        def forward():
+            return self.transformer(static_text, static_layout, *tensors)
+
+        # Warm-up outside the capture, on a side stream as torch.cuda.graph expects: compiles the blocks for these
+        # shapes and lets cuBLAS / cuDNN allocate their workspaces before the capture records any address.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = forward()
+        return _Graph(graph, static, outputs)
