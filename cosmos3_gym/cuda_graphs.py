@@ -29,6 +29,9 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor | None]  # static buffers, in the order of ``_flat_inputs``
     outputs: tuple[torch.Tensor, torch.Tensor | None]
+    # Holds the layout's row-index tensors of length_groups, which the graph reads but no static buffer owns: once
+    # freed, their memory would be reused and the replay would index with garbage.
+    layout: GenLayout
 
 
 def _flat_inputs(text: TextKV, layout: GenLayout, *tensors) -> list[torch.Tensor | None]:
@@ -103,4 +106,4 @@ class GraphedGenForward:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outputs = forward()
-        return _Graph(graph, static, outputs)
+        return _Graph(graph, static, outputs, static_layout)
