@@ -62,9 +62,11 @@ DEFAULT_POLICIES = "random,scripted:0,scripted:10,scripted:25,scripted:50,agent"
 
 def action_following(engine, assets_dir: Path, episodes: list[dict], stats: ActionStats, num_chunks: int,
                      seed: int = 0) -> dict[str, Any]:
-    """PSNR and SSIM per chunk of world-model rollouts against the simulator (same start, same actions), and of
-    repeating each chunk's true start frame; and at each chunk's last frame the distance (table pixels) between the
-    agent / block positions read off the estimate and off the simulator's frame (``sim.readoff``)."""
+    """PSNR and SSIM per chunk of world-model rollouts against the simulator (same start, same actions), and of two
+    no-motion floors: ``hold_first`` repeats the episode's first frame (all the rollout is given: a model that does
+    not follow the simulator scores about this), ``copy_start`` repeats each chunk's *true* start frame (an oracle
+    reset the rollout never gets). At each chunk's last frame also the distance (table pixels) between the agent /
+    block positions read off the estimate and off the simulator's frame (``sim.readoff``)."""
     envs = make_pusht_vector_env(len(episodes), assets_dir=assets_dir, engine=engine, return_frames=True,
                                  reward_model=None, success_threshold=None, max_episode_steps=None)
     try:
@@ -75,12 +77,13 @@ def action_following(engine, assets_dir: Path, episodes: list[dict], stats: Acti
         actions = np.clip(stats.normalize(actions.astype(np.float32)), -1.0, 1.0).reshape(len(episodes), num_chunks,
                                                                                           chunk, -1)
         metrics = {name: {"psnr_db": [], "ssim": [], "agent_error_px": [], "block_error_px": [], "block_visible": []}
-                   for name in ("rollout", "copy_start")}
+                   for name in ("rollout", "hold_first", "copy_start")}
         rollouts = replay_actions(envs, true_frames[:, 0], actions, seed=seed)
         for k in range(num_chunks):
             truth = true_frames[:, 1 + k * chunk : 1 + (k + 1) * chunk]
             copied = np.repeat(true_frames[:, k * chunk : k * chunk + 1], chunk, axis=1)
-            for name, estimate in (("rollout", rollouts[:, k]), ("copy_start", copied)):
+            held = np.repeat(true_frames[:, :1], chunk, axis=1)
+            for name, estimate in (("rollout", rollouts[:, k]), ("hold_first", held), ("copy_start", copied)):
                 metrics[name]["psnr_db"].append(mean_ci95([pusht.psnr(t, e) for t, e in zip(truth, estimate)]))
                 metrics[name]["ssim"].append(mean_ci95([ssim(t, e) for t, e in zip(truth, estimate)]))
                 estimated = read_positions(estimate[:, -1])

@@ -7,9 +7,11 @@ Needs gym-pusht (the ``sim`` extra). Three measurements, on start states held ou
 * **Forward dynamics, chunk by chunk.** From the simulator's start frame, the world model (the PushT-v0 vector env,
   one slot per episode) steps through the episode's recorded actions chunk after chunk, continuing from its own
   frames; PSNR of each chunk's frames against the simulator's (``rollout``). ``one_chunk`` restarts every chunk
-  from the simulator's true frame, so it shows the error of one step without the accumulated drift;
-  ``copy_start`` is the PSNR of just repeating the chunk's start frame (PushT frames are mostly white table, so
-  PSNR alone flatters any model: compare with this floor).
+  from the simulator's true frame, so it shows the error of one step without the accumulated drift. PushT frames are
+  mostly white table, so PSNR alone flatters any model; two no-motion floors go with them: ``copy_start`` repeats
+  the chunk's *true* start frame (the floor of ``one_chunk``, which is given that frame), ``hold_first`` repeats the
+  episode's first frame (the floor of ``rollout``, which is given only that frame: a model that did not follow the
+  simulator at all would score about this).
 * **Policy mode in the real simulator.** ``PolicyAgent`` (the checkpoint's policy: frame + task -> action chunk)
   drives gym-pusht; coverage of the target (final and best) and success (coverage > 0.95) against uniformly random
   actions and the noise-free scripted pusher from the same start states, with 95 % confidence intervals and the
@@ -82,12 +84,14 @@ def forward_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
                                                                                          chunk, -1)
         actions = np.clip(stats.normalize(actions.astype(np.float32)), -1.0, 1.0)
 
-        rollout, one_chunk, copy_start = [], [], []
+        rollout, one_chunk, copy_start, hold_first = [], [], [], []
         envs.reset(seed=seed, options={"frames": list(true_frames[:, 0])})
         for k in range(num_chunks):
             truth = true_frames[:, 1 + k * chunk : 1 + (k + 1) * chunk]
             infos = envs.step(actions[:, k])[-1]
             rollout.append([pusht.psnr(truth[i], infos["frames"][i]) for i in range(len(episodes))])
+            hold_first.append([pusht.psnr(truth[i], np.repeat(true_frames[i, :1], chunk, axis=0))
+                               for i in range(len(episodes))])
         for k in range(num_chunks):  # each chunk from the simulator's frame
             truth = true_frames[:, 1 + k * chunk : 1 + (k + 1) * chunk]
             envs.reset(seed=seed + 1 + k, options={"frames": list(true_frames[:, k * chunk])})
@@ -102,7 +106,8 @@ def forward_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
         "num_episodes": len(episodes),
         "psnr_db": {
             name: [mean_ci95(values) for values in per_chunk]
-            for name, per_chunk in (("rollout", rollout), ("one_chunk", one_chunk), ("copy_start", copy_start))
+            for name, per_chunk in (("rollout", rollout), ("hold_first", hold_first), ("one_chunk", one_chunk),
+                                    ("copy_start", copy_start))
         },
     }
 

@@ -393,6 +393,7 @@ def evaluate_stage(args, work: Path, assets: Path, out: Path) -> dict:
                                assets_dir=assets, device=args.device)
     return {
         "psnr_rollout_db": [round(c["mean"], 2) for c in results["forward_dynamics"]["psnr_db"]["rollout"]],
+        "psnr_hold_first_db": [round(c["mean"], 2) for c in results["forward_dynamics"]["psnr_db"]["hold_first"]],
         "psnr_copy_start_db": [round(c["mean"], 2) for c in results["forward_dynamics"]["psnr_db"]["copy_start"]],
         "policy_final_coverage": results["policy_in_simulator"]["policy"]["final_coverage"],
         "random_final_coverage": results["policy_in_simulator"]["random"]["final_coverage"],

@@ -42,7 +42,7 @@ from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, Te
 from .models.vae import Cosmos3VAE
 from .parallel.mesh import ParallelConfig, ParallelContext, init_parallel
 from .parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
-from .sampling import FlowUniPCSampler, cfg_combine, make_schedule
+from .sampling import FlowUniPCSampler, Schedule, cfg_combine, make_schedule
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 
@@ -137,6 +137,7 @@ class Cosmos3Engine:
         self._closed = False
         self._home_device: torch.device | None = None  # set while offloaded
         self._graphed_forward = None  # a cuda_graphs.GraphedGenForward once optimize() turns CUDA graphs on
+        self._schedules: dict[tuple, Schedule] = {}  # read-only, shared by every request of one setting
 
     @classmethod
     def from_pretrained(
@@ -389,9 +390,7 @@ class Cosmos3Engine:
             height=canvas_h,
             width=canvas_w,
         )
-        schedule = make_schedule(
-            r.num_steps, self.scheduler_config, flow_shift=r.flow_shift, use_karras_sigmas=r.use_karras_sigmas
-        )
+        schedule = self._schedule(r.num_steps, r.flow_shift, r.use_karras_sigmas)
         seed = r.seed if r.seed is not None else secrets.randbelow(2**63)
         prepared = _Prepared(
             r, seed, domain_id, raw_dim, cond_ids, uncond_ids, clean_frames, clean_rows,
@@ -416,6 +415,17 @@ class Cosmos3Engine:
                     _, h, w = p.latent_thw
                     p.x0_video = latent[None, :, :, :h, :w]
                     p.pixels = None
+
+    def _schedule(self, num_steps: int, flow_shift: float | None, use_karras_sigmas: bool | None) -> Schedule:
+        """``make_schedule`` once per setting (it costs ~3 ms of host time, diffusers' config parsing included)."""
+        key = (num_steps, flow_shift, use_karras_sigmas)
+        if key not in self._schedules:
+            if len(self._schedules) >= 64:
+                self._schedules.clear()
+            self._schedules[key] = make_schedule(
+                num_steps, self.scheduler_config, flow_shift=flow_shift, use_karras_sigmas=use_karras_sigmas
+            )
+        return self._schedules[key]
 
     @staticmethod
     def _clean_frames(r: Cosmos3Request, latent_t: int) -> list[int]:
@@ -509,22 +519,24 @@ class Cosmos3Engine:
 
         video_clean = torch.zeros(batch, latent_t, dtype=torch.bool)
         action_clean = torch.zeros(batch, chunk, dtype=torch.bool)
-        x0_video = torch.zeros(batch, self.transformer.config.latent_channel, *group[0].latent_thw)
-        x0_actions = torch.stack([p.x0_actions for p in group])
-        video, actions = torch.empty_like(x0_video), torch.empty_like(x0_actions)
+        video_noise, action_noise = [], []
         for b, p in enumerate(group):
             video_clean[b, p.clean_frames] = True
             action_clean[b, p.clean_rows] = True
-            n = p.x0_video.shape[2]
-            x0_video[b, :, :n] = p.x0_video[0].float().cpu()
-            video_noise, action_noise = self.initial_noise(p)
-            video[b] = video_noise[0]
-            actions[b] = action_noise
-            actions[b, :, p.raw_action_dim :] = 0
-        video = torch.where(video_clean[:, None, :, None, None], x0_video, video).to(device)
-        actions = torch.where(action_clean[..., None], x0_actions, actions).to(device)
-        x0_video, x0_actions = x0_video.to(device), x0_actions.to(device)
-        video_clean, action_clean = video_clean.to(device), action_clean.to(device)
+            noise, a_noise = self.initial_noise(p)
+            a_noise[:, p.raw_action_dim :] = 0
+            video_noise.append(noise)
+            action_noise.append(a_noise)
+        # The host draws the noise while the GPU still encodes the conditioning frames: nothing here waits for the
+        # device (the clean latents are assembled on it, the noise goes up from pinned memory without a sync).
+        video, actions = _to_device(torch.cat(video_noise), device), _to_device(torch.stack(action_noise), device)
+        x0_video = torch.zeros(batch, self.transformer.config.latent_channel, *group[0].latent_thw, device=device)
+        for b, p in enumerate(group):
+            x0_video[b, :, : p.x0_video.shape[2]] = p.x0_video[0]
+        x0_actions = _to_device(torch.stack([p.x0_actions for p in group]), device)
+        video_clean, action_clean = _to_device(video_clean, device), _to_device(action_clean, device)
+        video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
+        actions = torch.where(action_clean[..., None], x0_actions, actions)
         raw_dims = torch.tensor([p.raw_action_dim for p in group], device=device)
         action_dim_mask = torch.arange(actions.shape[-1], device=device)[None, None, :] < raw_dims[:, None, None]
 
@@ -626,6 +638,13 @@ class Cosmos3Engine:
             0, guided_index, cfg_combine(cond_action[guided_index], v_action[batch:], guidance)
         )
         return video, action
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without a host sync on CUDA (a pageable copy waits for the queued kernels)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
