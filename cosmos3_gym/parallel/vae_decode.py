@@ -274,29 +274,41 @@ class _HaloExchange:
         assert x.shape[-2:] == (s * self.local_latent_h, s * self.local_latent_w), "unexpected decoder layout"
         return s
 
-    def pad(self, x: torch.Tensor, p: int) -> torch.Tensor:
-        """``x`` with ``p`` rows and columns on each side: the neighbours' pixels, zeros at the frame border."""
+    def pad(self, x: torch.Tensor, p: int, front: int = 0) -> torch.Tensor:
+        """``x`` with ``p`` rows and columns on each side: the neighbours' pixels, zeros at the frame border; and
+        ``front`` zero frames before dim -3 (a causal convolution's time padding).
+
+        Written into one preallocated, contiguous buffer: padding by concatenation copied each activation three
+        times and handed the convolution a transposed (non-contiguous) input.
+        """
         s = self.scale(x)
-        row, col = self.position if self.position is not None else (None, None)
+        h, w = x.shape[-2:]
+        out = x.new_zeros(*x.shape[:-3], x.shape[-3] + front, h + 2 * p, w + 2 * p)
+        core = out[..., front:, :, :]
+        core[..., p : p + h, p : p + w] = x
         above = below = left = right = None
-        if row is not None:
+        if self.position is not None:
+            row, col = self.position
             above, below = self.plan.rank_at(row - 1, col), self.plan.rank_at(row + 1, col)
             left, right = self.plan.rank_at(row, col - 1), self.plan.rank_at(row, col + 1)
-        x = self._exchange_rows(x, p, above, below, self.plan.rows, self.max_latent_w * s)
-        x = self._exchange_rows(x.transpose(-1, -2), p, left, right, self.plan.cols, self.max_latent_h * s + 2 * p)
-        return x.transpose(-1, -2)
+        if self.plan.rows > 1:  # each rank sends its first and last p rows; a grid of one row skips it everywhere
+            strips = self._gather_edges(torch.cat([x[..., :p, :], x[..., -p:, :]], dim=-2), self.max_latent_w * s)
+            if above is not None:
+                core[..., :p, p : p + w] = strips[above][..., p:, :w]
+            if below is not None:
+                core[..., p + h :, p : p + w] = strips[below][..., :p, :w]
+        if self.plan.cols > 1:  # then columns of the row-extended tile, which carry the diagonal corners along
+            edges = torch.cat([core[..., :, p : 2 * p], core[..., :, w : w + p]], dim=-1)
+            strips = self._gather_edges(edges.transpose(-1, -2), self.max_latent_h * s + 2 * p)
+            if left is not None:
+                core[..., :, :p] = strips[left][..., p:, : h + 2 * p].transpose(-1, -2)
+            if right is not None:
+                core[..., :, p + w :] = strips[right][..., :p, : h + 2 * p].transpose(-1, -2)
+        return out
 
-    def _exchange_rows(self, x, p, before, after, grid_len, max_width):
-        """Add ``p`` rows on top (from rank ``before``) and bottom (from ``after``); zeros where there is none."""
-        if grid_len == 1:  # no neighbours along this axis on any rank: skip the collective everywhere
-            return F.pad(x, (0, 0, p, p))
-        width = x.shape[-1]
-        edges = torch.cat([x[..., :p, :], x[..., -p:, :]], dim=-2)
-        strips = _all_gather(F.pad(edges, (0, max_width - width)), self.group)
-        zeros = x.new_zeros(*x.shape[:-2], p, width)
-        top = strips[before][..., p:, :width] if before is not None else zeros
-        bottom = strips[after][..., :p, :width] if after is not None else zeros
-        return torch.cat([top, x, bottom], dim=-2)
+    def _gather_edges(self, edges: torch.Tensor, max_width: int) -> list[torch.Tensor]:
+        """All-gather every rank's ``[..., 2p, width]`` edge strips, padded to ``max_width`` (the widest tile's)."""
+        return _all_gather(F.pad(edges, (0, max_width - edges.shape[-1])), self.group)
 
     def gather_frame(self, x: torch.Tensor) -> torch.Tensor:
         """The whole frame at ``x``'s resolution, assembled from every rank's tile."""
@@ -344,8 +356,7 @@ class _HaloExchange:
             if cache_x is not None and pad_t > 0:
                 x = torch.cat([cache_x.to(x.device), x], dim=2)
                 time_pad -= cache_x.shape[2]
-            x = F.pad(x, (0, 0, 0, 0, time_pad, 0))
-            return torch.nn.Conv3d.forward(conv, self.pad(x, pad_h))
+            return torch.nn.Conv3d.forward(conv, self.pad(x, pad_h, front=time_pad))
 
         return forward
 
