@@ -90,10 +90,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def parse_layout(name: str) -> ParallelConfig:
-    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?", name)
+    """tp4, cfg2, cfg2tp2, ...; a trailing "sp" turns on sequence parallelism (tp4sp)."""
+    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?(sp)?", name)
     if not name or not match:
-        raise SystemExit(f"--layouts: expected names like tp4, cfg2, cfg2tp2; got {name!r}")
-    return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1))
+        raise SystemExit(f"--layouts: expected names like tp4, tp4sp, cfg2, cfg2tp2; got {name!r}")
+    return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1),
+                          sequence_parallel=bool(match.group(3)))
 
 
 def default_layouts(world: int) -> list[str]:
@@ -228,15 +230,26 @@ def relative_error(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def symmetric_memory_ops(forward) -> dict[str, int]:
+    """How often one forward calls each symmetric-memory op, i.e. whether inductor's micro-pipeline pass fused the
+    sequence-parallel all-gather -> GEMM and GEMM -> reduce-scatter pairs (empty when it did not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward()
+    return {e.key: e.count for e in prof.key_averages() if "symm_mem" in e.key}
+
+
 def measure(engine: Cosmos3Engine, args, device, all_ranks: bool) -> dict:
     request = policy_request(args)
     forward, tokens, text_len = gen_forward(engine, request)
     (video_v, action_v), forward_ms = timed(forward, device, args.warmup, args.repeats, all_ranks)
+    fused = symmetric_memory_ops(forward) if engine.parallel.config.tp > 1 else {}
     result, request_ms = timed(
         lambda: engine.step(request, decode=False), device, 1, max(2, args.repeats // 2), all_ranks
     )
     return dict(
-        gen_tokens=tokens, text_tokens=text_len,
+        gen_tokens=tokens, text_tokens=text_len, symmetric_memory_ops_per_forward=fused,
         gen_forward_ms=statistics.median(forward_ms), gen_forward_ms_all=forward_ms,
         request_ms=statistics.median(request_ms), request_ms_all=request_ms,
         outputs=dict(video_velocity=video_v.float().cpu(), action_velocity=action_v.float().cpu(),
@@ -288,6 +301,14 @@ def git_commit() -> str:
             else os.environ.get("GIT_COMMIT", "unknown")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def write_report(report: dict, args, world: int, rank: int) -> None:
+    if rank == 0:
+        out = Path(args.out or Path(os.environ.get("OUT", "benchmarks/results")) / f"parallel_gpu_world{world}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {out}", flush=True)
 
 
 def main() -> None:
@@ -374,14 +395,15 @@ def main() -> None:
             model = build_transformer(transformer_config, device, dtype)
         context = init_parallel(config, device)
         if config.tp > 1:
-            apply_tensor_parallel(model, context.group("tp"))
+            apply_tensor_parallel(model, context.group("tp"), sequence_parallel=config.sequence_parallel)
         if args.compile:
             model.compile_blocks()
         numbers = measure(engine_for(model, context), args, device, all_ranks=True)
         outputs = numbers.pop("outputs")
         per_rank = gather_from_ranks(dict(gen_forward_ms=numbers["gen_forward_ms"], request_ms=numbers["request_ms"],
                                   action=outputs["action"]))
-        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, **numbers,
+        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, sequence_parallel=config.sequence_parallel,
+                     **numbers,
                      gen_forward_ms_per_rank=[r["gen_forward_ms"] for r in per_rank],
                      request_ms_per_rank=[r["request_ms"] for r in per_rank],
                      identical_across_ranks=all(np.array_equal(r["action"], per_rank[0]["action"]) for r in per_rank))
@@ -399,6 +421,7 @@ def main() -> None:
                   f"max rel error {max(errors.values()):.2e}, identical across ranks {entry['identical_across_ranks']}",
                   flush=True)
         report["layouts"][name] = entry
+        write_report(report, args, world, rank)  # so far: a later layout that fails leaves these behind
     del model
     gc.collect()
     report["decode"] = measure_decode(vae, args, device, rank, world)
@@ -407,11 +430,7 @@ def main() -> None:
     if device.type == "cuda":
         report["peak_memory_gb_per_rank"] = gather_from_ranks(round(torch.cuda.max_memory_allocated(device) / 2**30, 2))
 
-    if rank == 0:
-        out = Path(args.out or Path(os.environ.get("OUT", "benchmarks/results")) / f"parallel_gpu_world{world}.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {out}", flush=True)
+    write_report(report, args, world, rank)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
