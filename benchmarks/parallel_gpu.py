@@ -90,12 +90,24 @@ def parse_args() -> argparse.Namespace:
 
 
 def parse_layout(name: str) -> ParallelConfig:
-    """tp4, cfg2, cfg2tp2, ...; a trailing "sp" turns on sequence parallelism (tp4sp)."""
-    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?(sp)?", name)
+    """tp4, cfg2, cfg2tp2, ...; a trailing "sp" turns on sequence parallelism (tp4sp), "spasync" also inductor's
+    micro-pipeline TP (``async_tp``)."""
+    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?(sp(?:async)?)?", name)
     if not name or not match:
-        raise SystemExit(f"--layouts: expected names like tp4, tp4sp, cfg2, cfg2tp2; got {name!r}")
+        raise SystemExit(f"--layouts: expected names like tp4, tp4sp, tp4spasync, cfg2, cfg2tp2; got {name!r}")
     return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1),
                           sequence_parallel=bool(match.group(3)))
+
+
+def async_tp(group) -> None:
+    """torchtitan's async TP: inductor fuses each all-gather -> GEMM and GEMM -> reduce-scatter of the compiled
+    sequence-parallel blocks into symmetric-memory kernels that overlap the transfers with the GEMM. Measured
+    slower than plain NCCL here (parallel_gpu_world4_async_tp.json), so the engine does not turn it on. Global:
+    every later compile sees the flag."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    enable_symm_mem_for_group(group.group_name)
+    torch._inductor.config._micro_pipeline_tp = True
 
 
 def default_layouts(world: int) -> list[str]:
@@ -396,6 +408,8 @@ def main() -> None:
         context = init_parallel(config, device)
         if config.tp > 1:
             apply_tensor_parallel(model, context.group("tp"), sequence_parallel=config.sequence_parallel)
+        if name.endswith("spasync"):
+            async_tp(context.group("tp"))
         if args.compile:
             model.compile_blocks()
         numbers = measure(engine_for(model, context), args, device, all_ranks=True)

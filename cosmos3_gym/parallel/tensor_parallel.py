@@ -107,12 +107,6 @@ def _apply_sequence_parallel(model: Cosmos3Transformer, group: dist.ProcessGroup
     for block in model.gen_layers:
         block.gen_forward = types.MethodType(_sequence_parallel_gen_forward, block)
     model.run_gen_layers = types.MethodType(_sequence_parallel_gen_layers, model)
-    if dist.get_backend(group) == "nccl":
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-        enable_symm_mem_for_group(group.group_name)
-        # Global, but it only acts on compiled graphs that hold these all-gather / reduce-scatter + GEMM pairs.
-        torch._inductor.config._micro_pipeline_tp = True
 
 
 def _sequence_parallel_gen_layers(self: Cosmos3Transformer, x: torch.Tensor, layout: GenLayout,
