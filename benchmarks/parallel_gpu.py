@@ -90,24 +90,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def parse_layout(name: str) -> ParallelConfig:
-    """tp4, cfg2, cfg2tp2, ...; a trailing "sp" turns on sequence parallelism (tp4sp), "spasync" also inductor's
-    micro-pipeline TP (``async_tp``)."""
-    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?(sp(?:async)?)?", name)
+    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?", name)
     if not name or not match:
-        raise SystemExit(f"--layouts: expected names like tp4, tp4sp, tp4spasync, cfg2, cfg2tp2; got {name!r}")
-    return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1),
-                          sequence_parallel=bool(match.group(3)))
-
-
-def async_tp(group) -> None:
-    """torchtitan's async TP: inductor fuses each all-gather -> GEMM and GEMM -> reduce-scatter of the compiled
-    sequence-parallel blocks into symmetric-memory kernels that overlap the transfers with the GEMM. Measured
-    slower than plain NCCL here (parallel_gpu_world4_async_tp.json), so the engine does not turn it on. Global:
-    every later compile sees the flag."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    enable_symm_mem_for_group(group.group_name)
-    torch._inductor.config._micro_pipeline_tp = True
+        raise SystemExit(f"--layouts: expected names like tp4, cfg2, cfg2tp2; got {name!r}")
+    return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1))
 
 
 def default_layouts(world: int) -> list[str]:
@@ -242,26 +228,15 @@ def relative_error(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def symmetric_memory_ops(forward) -> dict[str, int]:
-    """How often one forward calls each symmetric-memory op, i.e. whether inductor's micro-pipeline pass fused the
-    sequence-parallel all-gather -> GEMM and GEMM -> reduce-scatter pairs (empty when it did not)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        forward()
-    return {e.key: e.count for e in prof.key_averages() if "symm_mem" in e.key}
-
-
 def measure(engine: Cosmos3Engine, args, device, all_ranks: bool) -> dict:
     request = policy_request(args)
     forward, tokens, text_len = gen_forward(engine, request)
     (video_v, action_v), forward_ms = timed(forward, device, args.warmup, args.repeats, all_ranks)
-    fused = symmetric_memory_ops(forward) if engine.parallel.config.tp > 1 else {}
     result, request_ms = timed(
         lambda: engine.step(request, decode=False), device, 1, max(2, args.repeats // 2), all_ranks
     )
     return dict(
-        gen_tokens=tokens, text_tokens=text_len, symmetric_memory_ops_per_forward=fused,
+        gen_tokens=tokens, text_tokens=text_len,
         gen_forward_ms=statistics.median(forward_ms), gen_forward_ms_all=forward_ms,
         request_ms=statistics.median(request_ms), request_ms_all=request_ms,
         outputs=dict(video_velocity=video_v.float().cpu(), action_velocity=action_v.float().cpu(),
@@ -407,17 +382,14 @@ def main() -> None:
             model = build_transformer(transformer_config, device, dtype)
         context = init_parallel(config, device)
         if config.tp > 1:
-            apply_tensor_parallel(model, context.group("tp"), sequence_parallel=config.sequence_parallel)
-        if name.endswith("spasync"):
-            async_tp(context.group("tp"))
+            apply_tensor_parallel(model, context.group("tp"))
         if args.compile:
             model.compile_blocks()
         numbers = measure(engine_for(model, context), args, device, all_ranks=True)
         outputs = numbers.pop("outputs")
         per_rank = gather_from_ranks(dict(gen_forward_ms=numbers["gen_forward_ms"], request_ms=numbers["request_ms"],
                                   action=outputs["action"]))
-        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, sequence_parallel=config.sequence_parallel,
-                     **numbers,
+        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, **numbers,
                      gen_forward_ms_per_rank=[r["gen_forward_ms"] for r in per_rank],
                      request_ms_per_rank=[r["request_ms"] for r in per_rank],
                      identical_across_ranks=all(np.array_equal(r["action"], per_rank[0]["action"]) for r in per_rank))

@@ -203,7 +203,7 @@ class Cosmos3Engine:
         if not transformer.config.action_gen:
             raise InputError(f"checkpoint {path_or_id}: transformer has action_gen=False; not a Cosmos3 policy model")
         if config.tp > 1:
-            apply_tensor_parallel(transformer, context.group("tp"), sequence_parallel=config.sequence_parallel)
+            apply_tensor_parallel(transformer, context.group("tp"))
         vae = Cosmos3VAE.from_pretrained(layout.vae_dir, device=device, dtype=vae_dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(layout.text_tokenizer_dir))
         engine = cls(

@@ -130,15 +130,11 @@ class MLP(nn.Module):
         self.down = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.activation(x))
-
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """The input of ``down``: silu(gate) * up, or relu(h)^2."""
         h = self.gate_up(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return torch.relu(h).square()
+            return self.down(F.silu(gate) * up)
+        return self.down(torch.relu(h).square())
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -170,11 +166,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor):
         """[B, S, hidden] -> q [B, H, S, D], k [B, KV, S, D], v [B, KV, S, D] (normed, before RoPE)."""
         b, s, _ = x.shape
-        return self.split_heads(self.qkv(x), b, s)
-
-    def split_heads(self, qkv: torch.Tensor, b: int, s: int):
-        """The fused projection's output [B, S, q + 2 kv] (or [B*S, ...]) -> q, k, v (normed) and k_for_gen."""
-        q, k, v = qkv.split(
+        q, k, v = self.qkv(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
             dim=-1,
         )
@@ -186,28 +178,6 @@ class Attention(nn.Module):
         if self.k_norm_for_gen is not None:
             k_for_gen = self.k_norm_for_gen(self.k_norm(k_raw)).transpose(1, 2)
         return q, k, v, k_for_gen
-
-
-def gen_attention(q, k, v, text_k, text_v, length_groups) -> torch.Tensor:
-    """GEN tokens attend to their prompt's text K/V followed by all GEN tokens; returns [B, H, S, D]."""
-    if length_groups is None:
-        return F.scaled_dot_product_attention(
-            q, torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), enable_gqa=True
-        )
-    # Prompts of different lengths: attend per group of equal length over the unpadded text K/V. A padding mask would
-    # force SDPA off the flash / cuDNN kernels onto a much slower masked path.
-    outputs = [
-        (rows, F.scaled_dot_product_attention(
-            q[rows], torch.cat([text_k[rows, :, :length], k[rows]], dim=2),
-            torch.cat([text_v[rows, :, :length], v[rows]], dim=2), enable_gqa=True,
-        ))
-        for rows, length in length_groups
-    ]
-    # Allocated from an output, not from q: under autocast SDPA returns bf16 while q may be fp32.
-    o = outputs[0][1].new_empty(q.shape)
-    for rows, out in outputs:
-        o[rows] = out
-    return o
 
 
 class DecoderBlock(nn.Module):
@@ -239,7 +209,24 @@ class DecoderBlock(nn.Module):
     def gen_forward(self, x, cos, sin, text_k, text_v, length_groups):
         q, k, v, _ = self.attn.project(self.input_norm(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = gen_attention(q, k, v, text_k, text_v, length_groups)
+        if length_groups is None:
+            o = F.scaled_dot_product_attention(
+                q, torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), enable_gqa=True
+            )
+        else:
+            # Prompts of different lengths: attend per group of equal length over the unpadded text K/V. A padding
+            # mask would force SDPA off the flash / cuDNN kernels onto a much slower masked path.
+            outputs = [
+                (rows, F.scaled_dot_product_attention(
+                    q[rows], torch.cat([text_k[rows, :, :length], k[rows]], dim=2),
+                    torch.cat([text_v[rows, :, :length], v[rows]], dim=2), enable_gqa=True,
+                ))
+                for rows, length in length_groups
+            ]
+            # Allocated from an output, not from q: under autocast SDPA returns bf16 while q may be fp32.
+            o = outputs[0][1].new_empty(q.shape)
+            for rows, out in outputs:
+                o[rows] = out
         x = x + self.attn.out(o.transpose(1, 2).flatten(2))
         return x + self.mlp(self.post_attn_norm(x))
 
@@ -504,12 +491,6 @@ class Cosmos3Transformer(nn.Module):
             ]
         return GenLayout((t, h, w), (hp, wp), chunk if c.action_gen else 0, cos, sin, length_groups)
 
-    def run_gen_layers(self, x: torch.Tensor, layout: GenLayout, text: TextKV) -> torch.Tensor:
-        """The GEN decoder layers over the token sequence [B, S, hidden] (a parallel plan may replace this)."""
-        for layer, k, v in zip(self.gen_layers, text.keys, text.values):
-            x = layer.gen_forward(x, layout.cos, layout.sin, k, v, layout.length_groups)
-        return x
-
     def patchify(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, C, t, h, w] -> [B, t*hp*wp, p*p*C], zero-padding h, w to the patch size (diffusers' order)."""
         p = self.config.latent_patch_size
@@ -568,7 +549,9 @@ class Cosmos3Transformer(nn.Module):
             tokens.append(torch.where(action_noisy[..., None], action_tokens + temb, action_tokens))
         x = torch.cat(tokens, dim=1) if len(tokens) > 1 else tokens[0]
 
-        x = self.gen_norm(self.run_gen_layers(x, layout, text))
+        for layer, k, v in zip(self.gen_layers, text.keys, text.values):
+            x = layer.gen_forward(x, layout.cos, layout.sin, k, v, layout.length_groups)
+        x = self.gen_norm(x)
 
         n_video = layout.num_video_tokens
         video_velocity = self.unpatchify(self.proj_out(x[:, :n_video]), layout).float()

@@ -20,17 +20,12 @@ class ParallelConfig:
     dp: int = 1
     cfg: int = 1
     tp: int = 1
-    # tp > 1: shard the GEN tower's residual stream by token between the layers (tensor_parallel.py); False keeps
-    # every token on every rank with one all-reduce per row-parallel GEMM.
-    sequence_parallel: bool = True
 
     def __post_init__(self):
         for name in ("dp", "cfg", "tp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name}: expected an integer >= 1, got {value!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise InputError(f"sequence_parallel: expected True or False, got {self.sequence_parallel!r}")
         if self.cfg > 2:
             raise InputError(f"cfg: expected 1 or 2 (one rank group per CFG branch), got {self.cfg}")
 

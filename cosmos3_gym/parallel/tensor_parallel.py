@@ -18,31 +18,17 @@ code would have to cope with DTensor activations (views over heads, SDPA, ``chun
 dispatch on the CPU for every one of the ~10 ops per layer x 72 layers per forward. With plain local tensors the
 model code runs unchanged and the only distributed op is the all-reduce, which torch.compile also traces.
 Autograd is not supported (``dist.all_reduce`` is not differentiable); this is for inference.
-
-**Sequence parallel** (``sequence_parallel=True``, GEN tower; Megatron-SP / torchtitan's async TP): between the
-decoder layers each rank keeps only 1/tp of the tokens of the residual stream. A layer all-gathers the normed
-tokens before each column-parallel GEMM and reduce-scatters the output of each row-parallel GEMM back to the rank's
-tokens: the same bytes as the all-reduce, but the norms and residual adds that every rank used to repeat on all
-tokens run on 1/tp of them, and on CUDA the all-gather -> matmul and matmul -> reduce-scatter pairs are what
-inductor's micro-pipeline pass (``_micro_pipeline_tp``) fuses into symmetric-memory kernels that move the data on the
-copy engines while the GEMM runs. The UND tower, run once per prompt, keeps the all-reduce form.
 """
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import InputError
-from ..models.transformer import (
-    MLP, Attention, Cosmos3Transformer, Cosmos3TransformerConfig, DecoderBlock, GenLayout, TextKV, apply_rope,
-    gen_attention,
-)
+from ..models.transformer import Attention, Cosmos3Transformer, Cosmos3TransformerConfig, MLP
 
 
 class RowParallelLinear(nn.Module):
@@ -79,15 +65,12 @@ def check_tensor_parallel(config: Cosmos3TransformerConfig, tp: int) -> None:
             )
 
 
-def apply_tensor_parallel(
-    model: Cosmos3Transformer, tp_group: dist.ProcessGroup, *, sequence_parallel: bool = False
-) -> Cosmos3Transformer:
+def apply_tensor_parallel(model: Cosmos3Transformer, tp_group: dist.ProcessGroup) -> Cosmos3Transformer:
     """Shard ``model`` (a plain, fully loaded ``Cosmos3Transformer``) in place over ``tp_group`` and return it.
 
     Every rank of the group must call this on identical weights. Afterwards each rank holds 1/tp of the attention
     and MLP weights of both towers; ``encode_text`` and ``forward`` must then be called on every rank of the group
-    with the same inputs, and return the same (replicated) outputs on all of them. ``sequence_parallel`` also
-    shards the GEN tower's residual stream by token (module docstring); apply it before ``compile_blocks``.
+    with the same inputs, and return the same (replicated) outputs on all of them.
     """
     tp = dist.get_world_size(tp_group)
     rank = dist.get_rank(tp_group)
@@ -97,50 +80,7 @@ def apply_tensor_parallel(
     for layer in list(model.text_layers) + list(model.gen_layers):
         _shard_attention(layer.attn, tp, rank, tp_group)
         _shard_mlp(layer.mlp, tp, rank, tp_group)
-    if sequence_parallel:
-        _apply_sequence_parallel(model, tp_group)
     return model
-
-
-def _apply_sequence_parallel(model: Cosmos3Transformer, group: dist.ProcessGroup) -> None:
-    # Bound methods, like the originals, so that compile_blocks' regional compile still shares one graph.
-    for block in model.gen_layers:
-        block.gen_forward = types.MethodType(_sequence_parallel_gen_forward, block)
-    model.run_gen_layers = types.MethodType(_sequence_parallel_gen_layers, model)
-
-
-def _sequence_parallel_gen_layers(self: Cosmos3Transformer, x: torch.Tensor, layout: GenLayout,
-                                  text: TextKV) -> torch.Tensor:
-    """``run_gen_layers`` with the tokens (batch and sequence flattened, zero-padded to a multiple of tp) split into
-    contiguous per-rank slices for the layers, gathered again at the end."""
-    group = self.gen_layers[0].attn.out.group
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    b, s, hidden = x.shape
-    tokens = F.pad(x.reshape(b * s, hidden), (0, 0, 0, (-b * s) % tp))
-    local = tokens.chunk(tp)[rank]
-    for layer, k, v in zip(self.gen_layers, text.keys, text.values):
-        local = layer.gen_forward(local, layout.cos, layout.sin, k, v, layout.length_groups)
-    return funcol.all_gather_tensor(local, 0, group)[: b * s].view(b, s, hidden)
-
-
-def _sequence_parallel_gen_forward(self: DecoderBlock, x, cos, sin, text_k, text_v, length_groups):
-    """``DecoderBlock.gen_forward`` on this rank's tokens ``x`` [T/tp, hidden] (T = B*S padded to a multiple of tp);
-    ``cos`` [B, 1, S, D] gives B and S. Pad rows stay zero-valued through the norms and never reach attention."""
-    group = self.attn.out.group
-    b, s = cos.shape[0], cos.shape[2]
-    normed = funcol.all_gather_tensor(self.input_norm(x), 0, group)  # [T, hidden]
-    q, k, v, _ = self.attn.split_heads(self.attn.qkv(normed)[: b * s], b, s)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o = gen_attention(q, k, v, text_k, text_v, length_groups).transpose(1, 2).reshape(b * s, -1)
-    x = x + _matmul_reduce_scatter(F.pad(o, (0, 0, 0, normed.shape[0] - b * s)), self.attn.out, group)
-    normed = funcol.all_gather_tensor(self.post_attn_norm(x), 0, group)
-    return x + _matmul_reduce_scatter(self.mlp.activation(normed), self.mlp.down, group)
-
-
-def _matmul_reduce_scatter(x: torch.Tensor, row_parallel: "RowParallelLinear", group) -> torch.Tensor:
-    """The row-parallel GEMM's partial sums, reduce-scattered over the token dimension; bias added once after."""
-    y = funcol.reduce_scatter_tensor(F.linear(x, row_parallel.weight), "sum", 0, group)
-    return y + row_parallel.bias if row_parallel.bias is not None else y
 
 
 def _rows(t: torch.Tensor | None, sizes: list[int], tp: int, rank: int) -> torch.Tensor | None:
