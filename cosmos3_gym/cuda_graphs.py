@@ -1,11 +1,12 @@
 """The GEN forward replayed as one CUDA graph per input signature.
 
-At batch 1 and tier 256 the Nano GEN forward keeps an H200 busy for 14 ms but takes 19 ms: the host cannot launch
-its ~600 kernels (36 compiled blocks) as fast as the GPU runs them (benchmarks/results/profile_gpu_h200.json). A
-CUDA graph launches them all at once. ``torch.compile(mode="reduce-overhead")`` cannot do it for us: it graphs
-each compiled *block*, and since all blocks share one compiled graph, every block's call overwrites the previous
-block's output buffer ("accessing tensor output of CUDAGraphs that has been overwritten"). So this module captures
-the whole forward - compiled blocks included - with ``torch.cuda.CUDAGraph``.
+At batch 1 and tier 256 the Nano GEN forward keeps an H200 busy for 14 ms but took 15-19 ms: the host cannot launch
+its ~600 kernels (36 compiled blocks) as fast as the GPU runs them (benchmarks/results/profile_gpu_h200_compiled.json
+against profile_gpu_h200_cuda_graphs.json). A CUDA graph launches them all at once.
+``torch.compile(mode="reduce-overhead")`` cannot do it for us: it graphs each compiled *block*, and since all blocks
+share one compiled graph, every block's call overwrites the previous block's output buffer ("accessing tensor output
+of CUDAGraphs that has been overwritten"). So this module captures the whole forward - compiled blocks included -
+with ``torch.cuda.CUDAGraph``.
 
 A graph bakes in device addresses and Python-level structure, so one graph is kept per *signature*: the shapes and
 dtypes of every input tensor plus the text lengths (which decide how attention is split by prompt length, see
