@@ -84,16 +84,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true",
                         help="regional torch.compile of the blocks (Cosmos3Engine.optimize) in every layout, the tp=1 "
                              "reference included; compiled after tensor parallelism is applied")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one GEN forward per layout on rank 0 (GPU time by kernel class, overlap)")
     parser.add_argument("--tolerance", type=float, default=2e-2, help="max relative error vs the tp=1 reference")
     parser.add_argument("--out", default=None, help="JSON path (default $OUT/parallel_gpu_world{W}.json)")
     return parser.parse_args()
 
 
-def parse_layout(name: str) -> ParallelConfig:
-    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?", name)
+def parse_layout(name: str) -> tuple[ParallelConfig, bool]:
+    """tp4, cfg2, cfg2tp2, ...; a trailing "ov" overlaps the GEN layers' all-reduces (``apply_tensor_parallel``'s
+    ``overlap``). Returns the config and the overlap flag."""
+    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?(ov)?", name)
     if not name or not match:
-        raise SystemExit(f"--layouts: expected names like tp4, cfg2, cfg2tp2; got {name!r}")
-    return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1))
+        raise SystemExit(f"--layouts: expected names like tp4, tp4ov, cfg2, cfg2tp2; got {name!r}")
+    return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1)), bool(match.group(3))
 
 
 def default_layouts(world: int) -> list[str]:
@@ -228,15 +232,41 @@ def relative_error(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def profile_forward(forward, device, rank: int) -> dict | None:
+    """Rank 0's GPU time in one GEN forward: kernels by class (profile_gpu.py's), the union of all kernel intervals
+    (busy) and of the compute kernels alone; ``busy - compute_busy`` is the communication nothing overlapped.
+    Every rank runs the forward (its collectives need them all); None on CPU and on the other ranks."""
+    from profile_gpu import busy_us, kernel_class
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda" or rank != 0:
+        forward()
+        return None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        forward()
+        torch.cuda.synchronize(device)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = [(e.time_range.start, e.time_range.end, kernel_class(e.name)) for e in kernels]
+    by_class: dict[str, float] = {}
+    for start, end, label in spans:
+        by_class[label] = by_class.get(label, 0.0) + (end - start) / 1e3
+    return dict(gpu_busy_ms=busy_us([(a, b) for a, b, _ in spans]) / 1e3,
+                compute_busy_ms=busy_us([(a, b) for a, b, label in spans if label != "nccl"]) / 1e3,
+                gpu_ms_by_class=by_class)
+
+
 def measure(engine: Cosmos3Engine, args, device, all_ranks: bool) -> dict:
     request = policy_request(args)
     forward, tokens, text_len = gen_forward(engine, request)
     (video_v, action_v), forward_ms = timed(forward, device, args.warmup, args.repeats, all_ranks)
+    rank = dist.get_rank() if all_ranks and dist.is_initialized() else 0
+    profile = profile_forward(forward, device, rank) if args.profile else None
     result, request_ms = timed(
         lambda: engine.step(request, decode=False), device, 1, max(2, args.repeats // 2), all_ranks
     )
     return dict(
-        gen_tokens=tokens, text_tokens=text_len,
+        gen_tokens=tokens, text_tokens=text_len, gen_forward_profile=profile,
         gen_forward_ms=statistics.median(forward_ms), gen_forward_ms_all=forward_ms,
         request_ms=statistics.median(request_ms), request_ms_all=request_ms,
         outputs=dict(video_velocity=video_v.float().cpu(), action_velocity=action_v.float().cpu(),
@@ -315,7 +345,9 @@ def main() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dtype = torch.bfloat16
     layouts = (args.layouts.split(",") if args.layouts else default_layouts(world))
-    configs = {name: parse_layout(name) for name in layouts}
+    # Every layout recompiles the shared block code for its shapes and group: more than dynamo's default 8 graphs.
+    torch._dynamo.config.recompile_limit = 64
+    configs = {name: parse_layout(name)[0] for name in layouts}
     for name, config in configs.items():
         if config.world_size != world:
             raise SystemExit(f"--layouts: {name} needs {config.world_size} ranks, torchrun started {world}")
@@ -382,14 +414,14 @@ def main() -> None:
             model = build_transformer(transformer_config, device, dtype)
         context = init_parallel(config, device)
         if config.tp > 1:
-            apply_tensor_parallel(model, context.group("tp"))
+            apply_tensor_parallel(model, context.group("tp"), overlap=parse_layout(name)[1])
         if args.compile:
             model.compile_blocks()
         numbers = measure(engine_for(model, context), args, device, all_ranks=True)
         outputs = numbers.pop("outputs")
         per_rank = gather_from_ranks(dict(gen_forward_ms=numbers["gen_forward_ms"], request_ms=numbers["request_ms"],
                                   action=outputs["action"]))
-        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, **numbers,
+        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, overlap=parse_layout(name)[1], **numbers,
                      gen_forward_ms_per_rank=[r["gen_forward_ms"] for r in per_rank],
                      request_ms_per_rank=[r["request_ms"] for r in per_rank],
                      identical_across_ranks=all(np.array_equal(r["action"], per_rank[0]["action"]) for r in per_rank))
