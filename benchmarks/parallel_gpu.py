@@ -91,13 +91,11 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def parse_layout(name: str) -> tuple[ParallelConfig, bool]:
-    """tp4, cfg2, cfg2tp2, ...; a trailing "ov" overlaps the GEN layers' all-reduces (``apply_tensor_parallel``'s
-    ``overlap``). Returns the config and the overlap flag."""
-    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?(ov)?", name)
+def parse_layout(name: str) -> ParallelConfig:
+    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?", name)
     if not name or not match:
-        raise SystemExit(f"--layouts: expected names like tp4, tp4ov, cfg2, cfg2tp2; got {name!r}")
-    return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1)), bool(match.group(3))
+        raise SystemExit(f"--layouts: expected names like tp4, cfg2, cfg2tp2; got {name!r}")
+    return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1))
 
 
 def default_layouts(world: int) -> list[str]:
@@ -347,7 +345,7 @@ def main() -> None:
     layouts = (args.layouts.split(",") if args.layouts else default_layouts(world))
     # Every layout recompiles the shared block code for its shapes and group: more than dynamo's default 8 graphs.
     torch._dynamo.config.recompile_limit = 64
-    configs = {name: parse_layout(name)[0] for name in layouts}
+    configs = {name: parse_layout(name) for name in layouts}
     for name, config in configs.items():
         if config.world_size != world:
             raise SystemExit(f"--layouts: {name} needs {config.world_size} ranks, torchrun started {world}")
@@ -414,14 +412,14 @@ def main() -> None:
             model = build_transformer(transformer_config, device, dtype)
         context = init_parallel(config, device)
         if config.tp > 1:
-            apply_tensor_parallel(model, context.group("tp"), overlap=parse_layout(name)[1])
+            apply_tensor_parallel(model, context.group("tp"))
         if args.compile:
             model.compile_blocks()
         numbers = measure(engine_for(model, context), args, device, all_ranks=True)
         outputs = numbers.pop("outputs")
         per_rank = gather_from_ranks(dict(gen_forward_ms=numbers["gen_forward_ms"], request_ms=numbers["request_ms"],
                                   action=outputs["action"]))
-        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, overlap=parse_layout(name)[1], **numbers,
+        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, **numbers,
                      gen_forward_ms_per_rank=[r["gen_forward_ms"] for r in per_rank],
                      request_ms_per_rank=[r["request_ms"] for r in per_rank],
                      identical_across_ranks=all(np.array_equal(r["action"], per_rank[0]["action"]) for r in per_rank))

@@ -138,9 +138,6 @@ def transformer_tp_check(checkpoint: str) -> dict:
 
     text_full, (video_full, action_full) = run(full)
     text_tp, (video_tp, action_tp) = run(sharded)
-    overlapped = apply_tensor_parallel(Cosmos3Transformer.from_pretrained(Path(checkpoint) / "transformer"),
-                                       dist.group.WORLD, overlap=True)
-    _, (video_ov, action_ov) = run(overlapped)
     local_kv = c.num_key_value_heads // tp
     heads = slice(rank * local_kv, (rank + 1) * local_kv)
     kv_error = max(max(rel(a, b[:, heads]) for a, b in zip(text_tp.keys, text_full.keys)),
@@ -156,7 +153,6 @@ def transformer_tp_check(checkpoint: str) -> dict:
         local_kv_heads=text_tp.keys[0].shape[1], kv_error=kv_error,
         video_error=rel(video_tp, video_full), action_error=rel(action_tp, action_full),
         across_heads_error=rel(video_tp_x, video_full_x),
-        overlap_error=max(rel(video_ov, video_full), rel(action_ov, action_full)),
     )
 
 
@@ -274,7 +270,6 @@ def test_tensor_parallel_transformer_matches_full_model(world2, checkpoint):
         assert check["local_kv_heads"] == 1  # 2 KV heads over 2 ranks
         assert check["kv_error"] < TOL  # each rank encodes exactly its KV-head shard of the text K/V
         assert check["video_error"] < TOL and check["action_error"] < TOL
-        assert check["overlap_error"] < TOL  # the GEN layers with the token halves' all-reduces overlapped
         # The same check would catch a q/k norm taken across heads (it would need a cross-rank reduction).
         assert check["across_heads_error"] > 1e-3
 

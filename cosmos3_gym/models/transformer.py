@@ -130,15 +130,11 @@ class MLP(nn.Module):
         self.down = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.activation(x))
-
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """The input of ``down``: silu(gate) * up, or relu(h)^2."""
         h = self.gate_up(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return torch.relu(h).square()
+            return self.down(F.silu(gate) * up)
+        return self.down(torch.relu(h).square())
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -213,31 +209,26 @@ class DecoderBlock(nn.Module):
     def gen_forward(self, x, cos, sin, text_k, text_v, length_groups):
         q, k, v, _ = self.attn.project(self.input_norm(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = gen_attention(q, k, v, text_k, text_v, length_groups)
+        if length_groups is None:
+            o = F.scaled_dot_product_attention(
+                q, torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), enable_gqa=True
+            )
+        else:
+            # Prompts of different lengths: attend per group of equal length over the unpadded text K/V. A padding
+            # mask would force SDPA off the flash / cuDNN kernels onto a much slower masked path.
+            outputs = [
+                (rows, F.scaled_dot_product_attention(
+                    q[rows], torch.cat([text_k[rows, :, :length], k[rows]], dim=2),
+                    torch.cat([text_v[rows, :, :length], v[rows]], dim=2), enable_gqa=True,
+                ))
+                for rows, length in length_groups
+            ]
+            # Allocated from an output, not from q: under autocast SDPA returns bf16 while q may be fp32.
+            o = outputs[0][1].new_empty(q.shape)
+            for rows, out in outputs:
+                o[rows] = out
         x = x + self.attn.out(o.transpose(1, 2).flatten(2))
         return x + self.mlp(self.post_attn_norm(x))
-
-
-def gen_attention(q, k, v, text_k, text_v, length_groups) -> torch.Tensor:
-    """GEN tokens attend to their prompt's text K/V followed by all GEN tokens; returns [B, H, S, D]."""
-    if length_groups is None:
-        return F.scaled_dot_product_attention(
-            q, torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), enable_gqa=True
-        )
-    # Prompts of different lengths: attend per group of equal length over the unpadded text K/V. A padding mask would
-    # force SDPA off the flash / cuDNN kernels onto a much slower masked path.
-    outputs = [
-        (rows, F.scaled_dot_product_attention(
-            q[rows], torch.cat([text_k[rows, :, :length], k[rows]], dim=2),
-            torch.cat([text_v[rows, :, :length], v[rows]], dim=2), enable_gqa=True,
-        ))
-        for rows, length in length_groups
-    ]
-    # Allocated from an output, not from q: under autocast SDPA returns bf16 while q may be fp32.
-    o = outputs[0][1].new_empty(q.shape)
-    for rows, out in outputs:
-        o[rows] = out
-    return o
 
 
 class DomainAwareLinear(nn.Module):

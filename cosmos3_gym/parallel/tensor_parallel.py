@@ -18,28 +18,17 @@ code would have to cope with DTensor activations (views over heads, SDPA, ``chun
 dispatch on the CPU for every one of the ~10 ops per layer x 72 layers per forward. With plain local tensors the
 model code runs unchanged and the only distributed op is the all-reduce, which torch.compile also traces.
 Autograd is not supported (``dist.all_reduce`` is not differentiable); this is for inference.
-
-**Overlap** (``overlap=True``, GEN tower): each GEN layer runs its two row-parallel GEMMs and the MLP on two halves
-of the token sequence, so that while one half's all-reduce is in flight the GPU multiplies the other half: the
-attention output of half b while half a's sum travels, half a's MLP while half b's does, and so on; only the last
-all-reduce of a layer waits alone. Attention itself needs every token and runs whole. The all-reduces are
-asynchronous functional collectives, which torch.compile keeps asynchronous up to their first use.
 """
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import InputError
-from ..models.transformer import (
-    MLP, Attention, Cosmos3Transformer, Cosmos3TransformerConfig, DecoderBlock, apply_rope, gen_attention,
-)
+from ..models.transformer import Attention, Cosmos3Transformer, Cosmos3TransformerConfig, MLP
 
 
 class RowParallelLinear(nn.Module):
@@ -55,11 +44,6 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         dist.all_reduce(y, group=self.group)
-        return y + self.bias if self.bias is not None else y
-
-    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` with the all-reduce left in flight (an async functional collective, waited on first use)."""
-        y = funcol.all_reduce(F.linear(x, self.weight), "sum", self.group)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -81,15 +65,12 @@ def check_tensor_parallel(config: Cosmos3TransformerConfig, tp: int) -> None:
             )
 
 
-def apply_tensor_parallel(
-    model: Cosmos3Transformer, tp_group: dist.ProcessGroup, *, overlap: bool = False
-) -> Cosmos3Transformer:
+def apply_tensor_parallel(model: Cosmos3Transformer, tp_group: dist.ProcessGroup) -> Cosmos3Transformer:
     """Shard ``model`` (a plain, fully loaded ``Cosmos3Transformer``) in place over ``tp_group`` and return it.
 
     Every rank of the group must call this on identical weights. Afterwards each rank holds 1/tp of the attention
     and MLP weights of both towers; ``encode_text`` and ``forward`` must then be called on every rank of the group
-    with the same inputs, and return the same (replicated) outputs on all of them. ``overlap`` splits each GEN
-    layer's tokens in two halves to overlap the all-reduces with GEMMs (module docstring); before ``compile_blocks``.
+    with the same inputs, and return the same (replicated) outputs on all of them.
     """
     tp = dist.get_world_size(tp_group)
     rank = dist.get_rank(tp_group)
@@ -99,28 +80,7 @@ def apply_tensor_parallel(
     for layer in list(model.text_layers) + list(model.gen_layers):
         _shard_attention(layer.attn, tp, rank, tp_group)
         _shard_mlp(layer.mlp, tp, rank, tp_group)
-    if overlap:
-        for layer in model.gen_layers:  # a bound method like the original: the regional compile shares one graph
-            layer.gen_forward = types.MethodType(_overlapped_gen_forward, layer)
     return model
-
-
-def _overlapped_gen_forward(self, x, cos, sin, text_k, text_v, length_groups):
-    """``DecoderBlock.gen_forward`` with the tokens after attention in two halves whose all-reduces overlap the other
-    half's GEMMs. The same math: every token goes through the same per-token ops."""
-    half = x.shape[1] // 2
-    if half == 0:  # a single token: nothing to overlap
-        return DecoderBlock.gen_forward(self, x, cos, sin, text_k, text_v, length_groups)
-    q, k, v, _ = self.attn.project(self.input_norm(x))
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o = gen_attention(q, k, v, text_k, text_v, length_groups).transpose(1, 2).flatten(2)
-    attn_a = self.attn.out.partial_sum(o[:, :half])
-    attn_b = self.attn.out.partial_sum(o[:, half:])  # multiplies while attn_a is summed
-    x_a = x[:, :half] + attn_a
-    mlp_a = self.mlp.down.partial_sum(self.mlp.activation(self.post_attn_norm(x_a)))  # while attn_b is summed
-    x_b = x[:, half:] + attn_b
-    mlp_b = self.mlp.down.partial_sum(self.mlp.activation(self.post_attn_norm(x_b)))  # while mlp_a is summed
-    return torch.cat([x_a + mlp_a, x_b + mlp_b], dim=1)
 
 
 def _rows(t: torch.Tensor | None, sizes: list[int], tp: int, rank: int) -> torch.Tensor | None:
