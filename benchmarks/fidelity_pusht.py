@@ -79,10 +79,10 @@ def action_following(engine, assets_dir: Path, episodes: list[dict], stats: Acti
         metrics = {name: {"psnr_db": [], "ssim": [], "agent_error_px": [], "block_error_px": [], "block_visible": []}
                    for name in ("rollout", "hold_first", "copy_start")}
         rollouts = replay_actions(envs, true_frames[:, 0], actions, seed=seed)
+        held = np.repeat(true_frames[:, :1], chunk, axis=1)  # the episode's first frame, the same for every chunk
         for k in range(num_chunks):
             truth = true_frames[:, 1 + k * chunk : 1 + (k + 1) * chunk]
             copied = np.repeat(true_frames[:, k * chunk : k * chunk + 1], chunk, axis=1)
-            held = np.repeat(true_frames[:, :1], chunk, axis=1)
             for name, estimate in (("rollout", rollouts[:, k]), ("hold_first", held), ("copy_start", copied)):
                 metrics[name]["psnr_db"].append(mean_ci95([pusht.psnr(t, e) for t, e in zip(truth, estimate)]))
                 metrics[name]["ssim"].append(mean_ci95([ssim(t, e) for t, e in zip(truth, estimate)]))

@@ -85,13 +85,13 @@ def forward_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
         actions = np.clip(stats.normalize(actions.astype(np.float32)), -1.0, 1.0)
 
         rollout, one_chunk, copy_start, hold_first = [], [], [], []
+        held = np.repeat(true_frames[:, :1], chunk, axis=1)  # the episode's first frame, the same for every chunk
         envs.reset(seed=seed, options={"frames": list(true_frames[:, 0])})
         for k in range(num_chunks):
             truth = true_frames[:, 1 + k * chunk : 1 + (k + 1) * chunk]
             infos = envs.step(actions[:, k])[-1]
             rollout.append([pusht.psnr(truth[i], infos["frames"][i]) for i in range(len(episodes))])
-            hold_first.append([pusht.psnr(truth[i], np.repeat(true_frames[i, :1], chunk, axis=0))
-                               for i in range(len(episodes))])
+            hold_first.append([pusht.psnr(truth[i], held[i]) for i in range(len(episodes))])
         for k in range(num_chunks):  # each chunk from the simulator's frame
             truth = true_frames[:, 1 + k * chunk : 1 + (k + 1) * chunk]
             envs.reset(seed=seed + 1 + k, options={"frames": list(true_frames[:, k * chunk])})

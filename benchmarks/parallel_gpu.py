@@ -231,27 +231,21 @@ def relative_error(a, b) -> float:
 
 
 def profile_forward(forward, device, rank: int) -> dict | None:
-    """Rank 0's GPU time in one GEN forward: kernels by class (profile_gpu.py's), the union of all kernel intervals
-    (busy) and of the compute kernels alone; ``busy - compute_busy`` is the communication nothing overlapped.
-    Every rank runs the forward (its collectives need them all); None on CPU and on the other ranks."""
-    from profile_gpu import busy_us, kernel_class
-    from torch.autograd import DeviceType
+    """Rank 0's profile of one GEN forward (``profile_gpu.summarise``: GPU time by kernel class, busy time with and
+    without the NCCL kernels). Every rank runs the forward (its collectives need them all); None on CPU and on the
+    other ranks."""
+    from profile_gpu import summarise
     from torch.profiler import ProfilerActivity, profile
 
     if device.type != "cuda" or rank != 0:
         forward()
         return None
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         forward()
         torch.cuda.synchronize(device)
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    spans = [(e.time_range.start, e.time_range.end, kernel_class(e.name)) for e in kernels]
-    by_class: dict[str, float] = {}
-    for start, end, label in spans:
-        by_class[label] = by_class.get(label, 0.0) + (end - start) / 1e3
-    return dict(gpu_busy_ms=busy_us([(a, b) for a, b, _ in spans]) / 1e3,
-                compute_busy_ms=busy_us([(a, b) for a, b, label in spans if label != "nccl"]) / 1e3,
-                gpu_ms_by_class=by_class)
+        wall = time.perf_counter() - start
+    return summarise(prof, wall, top=5)
 
 
 def measure(engine: Cosmos3Engine, args, device, all_ranks: bool) -> dict:

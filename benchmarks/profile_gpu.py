@@ -74,11 +74,15 @@ def summarise(prof, wall_s: float, top: int = 15) -> dict:
         by_class[kernel_class(event.name)] = by_class.get(kernel_class(event.name), 0.0) + length
         by_name.setdefault(event.name, []).append(length)
     busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 if kernels else None
+    # Without the NCCL kernels: busy - compute_busy is the communication that no computation overlapped.
+    compute_busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels
+                            if kernel_class(e.name) != "nccl"]) / 1e3 if kernels else None
     cpu_ops = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
                      key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return {
         "wall_ms": wall_s * 1e3,
         "gpu_busy_ms": busy,
+        "compute_busy_ms": compute_busy,
         "gpu_idle_ms": wall_s * 1e3 - busy if kernels else None,  # None: no GPU (the --tiny check)
         "kernel_launches": len(kernels),
         "gpu_ms_by_class": {k: v / 1e3 for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},

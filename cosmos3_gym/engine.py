@@ -218,7 +218,9 @@ class Cosmos3Engine:
         (``cuda_graphs``; default: on when this engine runs on a GPU without tensor parallelism, whose all-reduces
         are not captured). The same math up to float rounding; each new input shape pays a compile and a capture
         on its first step (about 5-11 s at the full Nano size on an H200)."""
-        use_graphs = self.device.type == "cuda" and self.parallel.config.tp == 1 if cuda_graphs is None else cuda_graphs
+        use_graphs = cuda_graphs
+        if use_graphs is None:
+            use_graphs = self.device.type == "cuda" and self.parallel.config.tp == 1
         if use_graphs and self.device.type != "cuda":
             raise InputError(f"cuda_graphs: needs a CUDA device; this engine runs on {self.device}")
         if use_graphs and self.parallel.config.tp > 1:
