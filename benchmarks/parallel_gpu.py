@@ -20,8 +20,11 @@ speed; performance.md §8). The VAE is the Wan2.2 VAE with random weights, the t
   on one GPU with another attention kernel (bf16 rounding, amplified by guidance 3 over 4 steps): request errors
   of that size are bf16 noise, not a parallelism bug.
 
-``--compile`` measures every layout, the tp=1 reference included, with regionally compiled blocks (what
-``Cosmos3Engine.optimize`` compiles), each compiled after its tensor-parallel plan is applied.
+``--compile`` measures every layout, the tp=1 reference included, with regionally compiled blocks
+(``Cosmos3Engine.optimize(cuda_graphs=False)``), each compiled after its tensor-parallel plan is applied. A layout
+name takes options: ``tp4+graphs`` replays its GEN forward as CUDA graphs (``optimize(cuda_graphs=True)``, the
+all-reduces captured too), ``tp4+symm`` runs the tp all-reduces on symmetric memory (``apply_tensor_parallel(...,
+all_reduce="symm_mem")``); ``--reference-cuda-graphs`` adds the graphed tp=1 reference.
 
 Rank 0 writes the JSON to ``--out`` (default ``$OUT/parallel_gpu_world{W}.json``). ``--tiny`` runs the same code
 on the tiny test configuration (CPU + gloo unless CUDA is there) to check the script itself.
@@ -84,6 +87,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true",
                         help="regional torch.compile of the blocks (Cosmos3Engine.optimize) in every layout, the tp=1 "
                              "reference included; compiled after tensor parallelism is applied")
+    parser.add_argument("--reference-cuda-graphs", action="store_true",
+                        help="also measure the tp=1 reference with its GEN forward as CUDA graphs (Cosmos3Engine."
+                             "optimize's default on one GPU); speedups against it are reported as well")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one GEN forward per layout on rank 0 (GPU time by kernel class, overlap)")
     parser.add_argument("--tolerance", type=float, default=2e-2, help="max relative error vs the tp=1 reference")
@@ -91,11 +97,17 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def parse_layout(name: str) -> ParallelConfig:
-    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?", name)
-    if not name or not match:
-        raise SystemExit(f"--layouts: expected names like tp4, cfg2, cfg2tp2; got {name!r}")
-    return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1))
+LAYOUT_OPTIONS = ("symm", "graphs")
+
+
+def parse_layout(name: str) -> tuple[ParallelConfig, set[str]]:
+    """``cfg2tp2``, ``tp4+symm+graphs``, ...: the mesh, and options: ``symm`` = the tp all-reduces on symmetric
+    memory (``apply_tensor_parallel(all_reduce="symm_mem")``), ``graphs`` = the GEN forward as CUDA graphs."""
+    mesh, *options = name.split("+")
+    match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?", mesh)
+    if not mesh or not match or not set(options) <= set(LAYOUT_OPTIONS):
+        raise SystemExit(f"--layouts: expected names like tp4, cfg2, cfg2tp2, tp4+symm+graphs; got {name!r}")
+    return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1)), set(options)
 
 
 def default_layouts(world: int) -> list[str]:
@@ -200,7 +212,7 @@ def policy_request(args) -> Cosmos3Request:
 
 def gen_forward(engine: Cosmos3Engine, request: Cosmos3Request):
     """A closure running one GEN forward on fixed inputs (batch 1, the request's shapes and prompt)."""
-    model = engine.transformer
+    model, forward = engine.transformer, engine.gen_forward
     with torch.inference_mode():
         p = engine.prepare(request)
         text = TextKV.stack([engine.text_kv(p.cond_ids)])
@@ -219,7 +231,7 @@ def gen_forward(engine: Cosmos3Engine, request: Cosmos3Request):
 
     def run():
         with torch.inference_mode():
-            return model(text, layout, video, video_noisy, timesteps, actions, action_noisy, domain_ids)
+            return forward(text, layout, video, video_noisy, timesteps, actions, action_noisy, domain_ids)
 
     return run, tokens, text.lengths[0]
 
@@ -340,7 +352,7 @@ def main() -> None:
     # Every layout recompiles the shared block code for its shapes and group: more than dynamo's default 8 graphs.
     torch._dynamo.config.recompile_limit = 64
     configs = {name: parse_layout(name) for name in layouts}
-    for name, config in configs.items():
+    for name, (config, _) in configs.items():
         if config.world_size != world:
             raise SystemExit(f"--layouts: {name} needs {config.world_size} ranks, torchrun started {world}")
 
@@ -363,10 +375,11 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     reference = None
     request_noise_floor = None
+    reference_graphs = None
     if rank == 0:  # the unsharded model on one GPU; the other ranks wait
-        if args.compile:
-            model.compile_blocks()
         reference_engine = engine_for(model, single)
+        if args.compile:
+            reference_engine.optimize(cuda_graphs=False)
         reference = measure(reference_engine, args, device, all_ranks=False)
         # bf16 noise floor of the request: the same request on one GPU with another attention kernel (SDPA's math
         # backend). Layouts change kernels the same way (cfg=2 runs each branch unpadded and unmasked, which picks
@@ -377,6 +390,9 @@ def main() -> None:
             "action": relative_error(other_kernel.action, reference["outputs"]["action"]),
             "video_latents": relative_error(other_kernel.video_latents, reference["outputs"]["video_latents"]),
         }
+        if args.reference_cuda_graphs:
+            reference_graphs = measure(reference_engine.optimize(cuda_graphs=True), args, device, all_ranks=False)
+            reference_graphs.pop("outputs")
         del reference_engine
     synchronize(device)
 
@@ -396,8 +412,10 @@ def main() -> None:
     if rank == 0:
         report["reference_tp1"] = {k: v for k, v in reference.items() if k != "outputs"}
         report["request_noise_floor_tp1"] = request_noise_floor
+        if reference_graphs:
+            report["reference_tp1_cuda_graphs"] = reference_graphs
 
-    for index, (name, config) in enumerate(configs.items()):
+    for index, (name, (config, options)) in enumerate(configs.items()):
         if index > 0 or args.compile:  # resliced in place by the previous layout, or compiled: rebuild it
             del model
             gc.collect()
@@ -406,14 +424,16 @@ def main() -> None:
             model = build_transformer(transformer_config, device, dtype)
         context = init_parallel(config, device)
         if config.tp > 1:
-            apply_tensor_parallel(model, context.group("tp"))
-        if args.compile:
-            model.compile_blocks()
-        numbers = measure(engine_for(model, context), args, device, all_ranks=True)
+            apply_tensor_parallel(model, context.group("tp"), all_reduce="symm_mem" if "symm" in options else "nccl")
+        engine = engine_for(model, context)
+        if args.compile or "graphs" in options:
+            engine.optimize(cuda_graphs="graphs" in options)
+        numbers = measure(engine, args, device, all_ranks=True)
+        del engine
         outputs = numbers.pop("outputs")
         per_rank = gather_from_ranks(dict(gen_forward_ms=numbers["gen_forward_ms"], request_ms=numbers["request_ms"],
                                   action=outputs["action"]))
-        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, **numbers,
+        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, options=sorted(options), **numbers,
                      gen_forward_ms_per_rank=[r["gen_forward_ms"] for r in per_rank],
                      request_ms_per_rank=[r["request_ms"] for r in per_rank],
                      identical_across_ranks=all(np.array_equal(r["action"], per_rank[0]["action"]) for r in per_rank))
@@ -424,6 +444,10 @@ def main() -> None:
             request_ok = max(errors["action"], errors["video_latents"]) < args.tolerance
             entry.update(errors_vs_tp1=errors, speedup_request_vs_tp1=reference["request_ms"] / numbers["request_ms"],
                          speedup_forward_vs_tp1=reference["gen_forward_ms"] / numbers["gen_forward_ms"],
+                         **({"speedup_forward_vs_tp1_cuda_graphs":
+                             reference_graphs["gen_forward_ms"] / numbers["gen_forward_ms"],
+                             "speedup_request_vs_tp1_cuda_graphs":
+                             reference_graphs["request_ms"] / numbers["request_ms"]} if reference_graphs else {}),
                          forward_within_tolerance=forward_ok, request_within_tolerance=request_ok,
                          passed=entry["identical_across_ranks"] and forward_ok and request_ok)
             print(f"[{name}] forward {numbers['gen_forward_ms']:.1f} ms (tp1 {reference['gen_forward_ms']:.1f}), "

@@ -106,7 +106,9 @@ class GraphedGenForward:
             forward()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: under tensor parallelism the NCCL watchdog thread keeps querying its events during capture,
+        # which the default (global) mode turns into a capture error.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             outputs = forward()
         groups: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(static):

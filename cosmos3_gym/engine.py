@@ -215,16 +215,15 @@ class Cosmos3Engine:
     def optimize(self, *, cuda_graphs: bool | None = None) -> "Cosmos3Engine":
         """The fast path measured in benchmarks/gpu_suite.py: regional ``torch.compile`` of the transformer blocks,
         the VAE decoder's fused RMS-norm + SiLU and, on a CUDA device, the GEN forward replayed as CUDA graphs
-        (``cuda_graphs``; default: on when this engine runs on a GPU without tensor parallelism, whose all-reduces
-        are not captured). The same math up to float rounding; each new input shape pays a compile and a capture
-        on its first step (about 5-11 s at the full Nano size on an H200)."""
+        (``cuda_graphs``; default: on when this engine runs on a GPU). Under tensor parallelism every rank of the tp
+        group captures its forward, all-reduces included, at the same step. The same math up to float rounding;
+        each new input shape pays a compile and a capture on its first step (about 5-11 s at the full Nano size
+        on an H200)."""
         use_graphs = cuda_graphs
         if use_graphs is None:
-            use_graphs = self.device.type == "cuda" and self.parallel.config.tp == 1
+            use_graphs = self.device.type == "cuda"
         if use_graphs and self.device.type != "cuda":
             raise InputError(f"cuda_graphs: needs a CUDA device; this engine runs on {self.device}")
-        if use_graphs and self.parallel.config.tp > 1:
-            raise InputError(f"cuda_graphs: not available with tensor parallelism (tp={self.parallel.config.tp})")
         self.transformer.compile_blocks()
         self.vae.fuse_decoder_norms()
         if use_graphs:

@@ -2,7 +2,8 @@
 
 ``run_distributed(fn, world_size, *args)`` starts the ranks (``fn`` and ``args`` must be picklable, ``fn`` a
 module-level function), sets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR/PORT on a free 127.0.0.1 port), initialises gloo and returns ``[fn(*args) on rank 0, rank 1, ...]``.
+MASTER_ADDR/PORT on a free 127.0.0.1 port), initialises gloo (``backend="nccl"``: NCCL, rank r on GPU r) and returns
+``[fn(*args) on rank 0, rank 1, ...]``.
 A rank that raises fails the call with its traceback at once (the others are killed rather than left waiting in a
 collective); a run that is not done within ``timeout`` seconds fails instead of blocking the test suite.
 """
@@ -32,14 +33,16 @@ def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _worker(fn, args, rank: int, world_size: int, port: int, timeout: float, results) -> None:
+def _worker(fn, args, rank: int, world_size: int, port: int, timeout: float, backend: str, results) -> None:
     try:
         os.environ.update(torchrun_env(rank, world_size, port))
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)  # the ranks share the machine's cores
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         try:
             value = fn(*args)
         finally:
@@ -55,7 +58,7 @@ class DistributedTestError(RuntimeError):
     pass
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> list:
     # forkserver: the ranks are forked from one clean server process that imported fn's module (and with it torch,
     # diffusers, ...) once, instead of each spawned interpreter importing them again (~5 s each); unlike a plain
     # fork of the test process they inherit no threads or process-group state.
@@ -66,7 +69,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_worker, args=(fn, args, rank, world_size, port, timeout, results), daemon=True)
+        context.Process(target=_worker, args=(fn, args, rank, world_size, port, timeout, backend, results), daemon=True)
         for rank in range(world_size)
     ]
     for p in processes:

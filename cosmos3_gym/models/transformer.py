@@ -421,7 +421,10 @@ class Cosmos3Transformer(nn.Module):
     def compile_blocks(self) -> None:
         """Regional ``torch.compile`` of the decoder blocks (diffusers' ``compile_repeated_blocks`` idea): inductor
         fuses the fp32 RMSNorms, RoPE and the gated MLP's elementwise ops around the GEMMs. All blocks share one
-        code object, so the graph compiles once per input shape, not once per layer."""
+        code object, so the graph compiles once per input shape, not once per layer. Calling it again does nothing."""
+        if getattr(self, "_blocks_compiled", False):
+            return
+        self._blocks_compiled = True
         for block in [*self.text_layers, *self.gen_layers]:
             block.text_forward = torch.compile(block.text_forward)
             block.gen_forward = torch.compile(block.gen_forward)

@@ -18,6 +18,10 @@ code would have to cope with DTensor activations (views over heads, SDPA, ``chun
 dispatch on the CPU for every one of the ~10 ops per layer x 72 layers per forward. With plain local tensors the
 model code runs unchanged and the only distributed op is the all-reduce, which torch.compile also traces.
 Autograd is not supported (``dist.all_reduce`` is not differentiable); this is for inference.
+
+``all_reduce="symm_mem"`` swaps NCCL for PyTorch's two-shot symmetric-memory all-reduce on GPUs: the row-parallel
+GEMM writes its partial sum straight into a buffer that every rank of the group has mapped, and one kernel reduces
+and gathers it over NVLink loads and stores (benchmarks/allreduce_gpu.py measures both collectives on their own).
 """
 
 from __future__ import annotations
@@ -31,19 +35,64 @@ from ..errors import InputError
 from ..models.transformer import Attention, Cosmos3Transformer, Cosmos3TransformerConfig, MLP
 
 
+ALL_REDUCES = ("nccl", "symm_mem")
+
+# (group name, numel, dtype, device) -> a symmetric-memory buffer every rank of the group has mapped. One per
+# activation shape (a handful per engine: the GEN tokens per batch size, the prompt lengths); allocating one is a
+# collective, which the ranks reach together since they run the same forwards.
+_SYMM_BUFFERS: dict[tuple, torch.Tensor] = {}
+
+
+def _symm_buffer(group_name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (group_name, numel, dtype, device)
+    if key not in _SYMM_BUFFERS:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(buffer, group_name)
+        _SYMM_BUFFERS[key] = buffer
+    return _SYMM_BUFFERS[key]
+
+
+# An opaque op for torch.compile: inductor cannot trace the buffer lookup, and must not reorder the GEMM's write into
+# the shared buffer away from the collective that reads it.
+@torch.library.custom_op("cosmos3_gym::linear_all_reduce_symm_mem", mutates_args=())
+def linear_all_reduce_symm_mem(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``all_reduce(x @ weight^T)`` over ``group_name`` with the two-shot symmetric-memory kernel."""
+    rows = x.numel() // x.shape[-1]
+    buffer = _symm_buffer(group_name, rows * weight.shape[0], x.dtype, x.device)
+    torch.mm(x.reshape(rows, x.shape[-1]), weight.t(), out=buffer.view(rows, weight.shape[0]))
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    torch.ops.symm_mem.two_shot_all_reduce_out(buffer, "sum", group_name, out.view(-1))
+    return out
+
+
+@linear_all_reduce_symm_mem.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_local @ W_local^T) + b``: the input features are split across the group, the output is
-    the full (replicated) result. The bias is added once, after the sum."""
+    the full (replicated) result. The bias is added once, after the sum. ``all_reduce``: "nccl" (``dist.all_reduce``,
+    any backend) or "symm_mem" (CUDA only, see the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
+                 all_reduce: str = "nccl"):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.group = group
+        self.all_reduce = all_reduce
+        # A plain string for the compiled graphs (dynamo treats it as a constant; the group object is opaque to it).
+        self.group_name = group.group_name if all_reduce == "symm_mem" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y, group=self.group)
+        if self.all_reduce == "symm_mem":
+            y = linear_all_reduce_symm_mem(x, self.weight, self.group_name)
+        else:
+            y = F.linear(x, self.weight)
+            dist.all_reduce(y, group=self.group)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -65,22 +114,31 @@ def check_tensor_parallel(config: Cosmos3TransformerConfig, tp: int) -> None:
             )
 
 
-def apply_tensor_parallel(model: Cosmos3Transformer, tp_group: dist.ProcessGroup) -> Cosmos3Transformer:
+def apply_tensor_parallel(model: Cosmos3Transformer, tp_group: dist.ProcessGroup,
+                          all_reduce: str = "nccl") -> Cosmos3Transformer:
     """Shard ``model`` (a plain, fully loaded ``Cosmos3Transformer``) in place over ``tp_group`` and return it.
 
     Every rank of the group must call this on identical weights. Afterwards each rank holds 1/tp of the attention
     and MLP weights of both towers; ``encode_text`` and ``forward`` must then be called on every rank of the group
     with the same inputs, and return the same (replicated) outputs on all of them.
     """
+    check_all_reduce(all_reduce, model.device)
     tp = dist.get_world_size(tp_group)
     rank = dist.get_rank(tp_group)
     check_tensor_parallel(model.config, tp)
     if tp == 1:
         return model
     for layer in list(model.text_layers) + list(model.gen_layers):
-        _shard_attention(layer.attn, tp, rank, tp_group)
-        _shard_mlp(layer.mlp, tp, rank, tp_group)
+        _shard_attention(layer.attn, tp, rank, tp_group, all_reduce)
+        _shard_mlp(layer.mlp, tp, rank, tp_group, all_reduce)
     return model
+
+
+def check_all_reduce(all_reduce: str, device: torch.device) -> None:
+    if all_reduce not in ALL_REDUCES:
+        raise InputError(f"all_reduce: expected one of {ALL_REDUCES}, got {all_reduce!r}")
+    if all_reduce == "symm_mem" and torch.device(device).type != "cuda":
+        raise InputError(f"all_reduce: 'symm_mem' needs the model on a CUDA device, it is on {device}")
 
 
 def _rows(t: torch.Tensor | None, sizes: list[int], tp: int, rank: int) -> torch.Tensor | None:
@@ -107,7 +165,7 @@ def _replace_linear(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor 
     linear.out_features, linear.in_features = weight.shape
 
 
-def _shard_attention(attn: Attention, tp: int, rank: int, group: dist.ProcessGroup) -> None:
+def _shard_attention(attn: Attention, tp: int, rank: int, group: dist.ProcessGroup, all_reduce: str) -> None:
     # Query head h belongs to rank h // (H/tp) and uses KV head h // (H/KV); since H/tp = (H/KV) * (KV/tp) its KV
     # head is on the same rank, and local query head i uses local KV head i // (H/KV): GQA stays local.
     q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
@@ -115,12 +173,12 @@ def _shard_attention(attn: Attention, tp: int, rank: int, group: dist.ProcessGro
     _replace_linear(attn.qkv, _rows(attn.qkv.weight, sizes, tp, rank), _rows(attn.qkv.bias, sizes, tp, rank))
     attn.num_heads //= tp
     attn.num_kv_heads //= tp
-    attn.out = RowParallelLinear(_columns(attn.out.weight, tp, rank), attn.out.bias, group)
+    attn.out = RowParallelLinear(_columns(attn.out.weight, tp, rank), attn.out.bias, group, all_reduce)
 
 
-def _shard_mlp(mlp: MLP, tp: int, rank: int, group: dist.ProcessGroup) -> None:
+def _shard_mlp(mlp: MLP, tp: int, rank: int, group: dist.ProcessGroup, all_reduce: str) -> None:
     # Fused [gate; up] rows become [gate_r; up_r] so that MLP.forward's chunk(2) still splits gate from up.
     sizes = [mlp.intermediate] * (2 if mlp.gated else 1)
     _replace_linear(mlp.gate_up, _rows(mlp.gate_up.weight, sizes, tp, rank), _rows(mlp.gate_up.bias, sizes, tp, rank))
     mlp.intermediate //= tp
-    mlp.down = RowParallelLinear(_columns(mlp.down.weight, tp, rank), mlp.down.bias, group)
+    mlp.down = RowParallelLinear(_columns(mlp.down.weight, tp, rank), mlp.down.bias, group, all_reduce)

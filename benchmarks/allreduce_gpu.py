@@ -1,0 +1,177 @@
+"""All-reduce of one row-parallel output across the GPUs of one host: NCCL against PyTorch's symmetric-memory kernels.
+
+The tp=4 GEN forward spends ~15 of its 38 ms in 72 exposed all-reduces of one [tokens, hidden] bf16 activation
+(benchmarks/results/parallel_gpu_world4_overlap.json). This measures that one collective on its own, so the
+forward's communication floor is known per implementation:
+
+- ``nccl_eager``: ``dist.all_reduce``, back to back (what the model runs today);
+- ``nccl_graph``: the same, captured in one CUDA graph (no host launch or rank skew between them);
+- ``symm_two_shot``: ``torch.ops.symm_mem.two_shot_all_reduce_out`` (reduce-scatter + all-gather by NVLink loads
+  and stores from a symmetric-memory buffer), eager and graphed; ``symm_one_shot``: every rank reads every peer.
+- ``gemm_with_*``: the down projection's GEMM alone and while the all-reduce runs on a second stream: how much each
+  collective slows the compute it would overlap with.
+
+Every variant's result is checked against the exact sum. NCCL's own knobs (``NCCL_MIN_NCHANNELS``, ``NCCL_PROTO``,
+``NCCL_ALGO``) are read at start-up: run the script once per setting, the JSON records them.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=4 benchmarks/allreduce_gpu.py --out $OUT/ar.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+NCCL_KNOBS = ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_PROTO", "NCCL_ALGO", "NCCL_NVLS_ENABLE",
+              "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="3542,7084", help="comma-separated row counts (3542: Nano 480p chunk 32)")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=12288, help="MLP width (the GEMM's K is this / world)")
+    parser.add_argument("--ops", type=int, default=24, help="collectives per timed launch")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--symm-mem", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", default=None)
+    return parser.parse_args()
+
+
+def time_ms(fn, repeats: int, device) -> list[float]:
+    """Per-call CUDA-event times, every rank aligned by a barrier before each call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def graphed(fn):
+    """``fn`` captured once (after a warm-up on a side stream) and returned as its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the NCCL watchdog thread keeps querying its events while this thread captures.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    return graph.replay
+
+
+def main() -> None:
+    args = parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group_name = dist.group.WORLD.group_name
+    symm_mem = None
+    if args.symm_mem:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend("CUDA")
+    report = dict(common.provenance(), world_size=world, nccl_version=".".join(map(str, torch.cuda.nccl.version())),
+                  env={k: os.environ.get(k) for k in NCCL_KNOBS}, ops_per_launch=args.ops, sizes={})
+    for tokens in map(int, args.tokens.split(",")):
+        numel = tokens * args.hidden
+        expected = float(sum(r + 1 for r in range(world)))
+        entry = dict(tokens=tokens, hidden=args.hidden, megabytes=numel * 2 / 1e6)
+        data = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device)
+        out = torch.empty_like(data)
+
+        def record(name, fn, all_reduced=True, graph=False):
+            """``all_reduced``: ``fn`` leaves the all-reduce of ``data`` in ``out``, checked against the exact sum;
+            ``graph``: time ``fn`` captured in a CUDA graph."""
+            try:
+                fn = graphed(fn) if graph else fn
+                out.zero_()
+                times = time_ms(fn, args.repeats, device)
+                per_op_us = statistics.median(times) / args.ops * 1e3
+                entry[name] = dict(us_per_op=per_op_us, bus_gb_s=numel * 2 * 2 * (world - 1) / world / per_op_us / 1e3,
+                                   times_ms=times)
+                if all_reduced:
+                    entry[name]["correct"] = bool((out.float() == expected).all())
+            except Exception as error:  # noqa: BLE001 - one variant failing must not lose the others
+                entry[name] = dict(error=f"{type(error).__name__}: {error}"[:500])
+            if rank == 0:
+                print(tokens, name, {k: v for k, v in entry[name].items() if k != "times_ms"}, flush=True)
+
+        def nccl_ops():
+            for _ in range(args.ops):
+                out.copy_(data)  # an all-reduce of ``data`` each time, not a growing sum
+                dist.all_reduce(out)
+
+        copy_only = lambda: [out.copy_(data) for _ in range(args.ops)]  # noqa: E731
+        record("copy_only", copy_only, all_reduced=False)
+        record("nccl_eager", nccl_ops)
+        record("nccl_graph", nccl_ops, graph=True)
+        if symm_mem is not None:
+            buffer = symm_mem.empty(numel, dtype=torch.bfloat16, device=device)
+            symm_mem.rendezvous(buffer, group_name)
+
+            def two_shot():
+                for _ in range(args.ops):
+                    buffer.copy_(data)
+                    torch.ops.symm_mem.two_shot_all_reduce_out(buffer, "sum", group_name, out)
+
+            def one_shot():
+                for _ in range(args.ops):
+                    buffer.copy_(data)
+                    torch.ops.symm_mem.one_shot_all_reduce_out(buffer, "sum", group_name, out)
+
+            record("symm_two_shot", two_shot)
+            record("symm_two_shot_graph", two_shot, graph=True)
+            record("symm_one_shot", one_shot)
+
+        # The down projection's GEMM, [tokens, intermediate/world] @ [intermediate/world, hidden], alone and next to
+        # the all-reduce of another buffer on a second stream (what overlapping would look like).
+        a = torch.randn(tokens, args.intermediate // world, dtype=torch.bfloat16, device=device)
+        b = torch.randn(args.intermediate // world, args.hidden, dtype=torch.bfloat16, device=device)
+        gemm_out = torch.empty(tokens, args.hidden, dtype=torch.bfloat16, device=device)
+        gemms = lambda: [torch.mm(a, b, out=gemm_out) for _ in range(args.ops)]  # noqa: E731
+        record("gemm_alone", gemms, all_reduced=False)
+        side = torch.cuda.Stream()
+        collectives = {"nccl": nccl_ops}
+        if symm_mem is not None:
+            collectives["symm_two_shot"] = two_shot
+        for name, collective in collectives.items():
+            def both(collective=collective):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    collective()
+                gemms()
+                torch.cuda.current_stream().wait_stream(side)
+            record(f"gemm_with_{name}", both)
+        report["sizes"][str(tokens)] = entry
+    if rank == 0:
+        path = Path(args.out or Path(os.environ.get("OUT", "benchmarks/results")) / f"allreduce_gpu_world{world}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        print("wrote", path, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Tensor parallelism on several GPUs (NCCL): the symmetric-memory all-reduce and CUDA graphs with captured
+all-reduces, against the unsharded model on one GPU. Skipped without two GPUs (run on the lent machines); the
+CPU/gloo equivalence of every layout is in test_parallel.py. fp32: the sharded forwards only change summation order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_cuda_graphs import forward_inputs
+
+from cosmos3_gym.errors import InputError
+from cosmos3_gym.models.transformer import Cosmos3Transformer
+from cosmos3_gym.parallel.tensor_parallel import apply_tensor_parallel
+
+TOL = 1e-5
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def test_symm_mem_all_reduce_needs_cuda_and_bad_names_are_named(tiny_checkpoint):
+    model = Cosmos3Transformer.from_pretrained(Path(tiny_checkpoint) / "transformer")
+    with pytest.raises(InputError, match="all_reduce: 'symm_mem' needs the model on a CUDA device"):
+        apply_tensor_parallel(model, None, all_reduce="symm_mem")
+    with pytest.raises(InputError, match=r"all_reduce: expected one of \('nccl', 'symm_mem'\), got 'mpi'"):
+        apply_tensor_parallel(model, None, all_reduce="mpi")
+
+
+def tp_cuda_check(checkpoint: str) -> dict:
+    """Per all-reduce: the sharded forward (plain, then compiled and CUDA-graphed: a capture, then a replay with new
+    inputs) against the full model on this rank's GPU, for a batch of two prompt lengths."""
+    import torch.distributed as dist
+
+    from cosmos3_gym.cuda_graphs import GraphedGenForward
+
+    device = torch.device("cuda", dist.get_rank())
+    full = Cosmos3Transformer.from_pretrained(Path(checkpoint) / "transformer").to(device)
+    out = {}
+    for all_reduce in ("nccl", "symm_mem"):
+        sharded = Cosmos3Transformer.from_pretrained(Path(checkpoint) / "transformer").to(device)
+        apply_tensor_parallel(sharded, dist.group.WORLD, all_reduce=all_reduce)
+        sharded.compile_blocks()
+        graphed = GraphedGenForward(sharded)
+        errors = []
+        for seed in (0, 1):
+            with torch.inference_mode():
+                video_want, action_want = full(*forward_inputs(full, [20, 31], seed))
+                inputs = forward_inputs(sharded, [20, 31], seed)
+                for video, action in (sharded(*inputs), graphed(*inputs)):
+                    errors.append(max(((video - video_want).norm() / video_want.norm()).item(),
+                                      ((action - action_want).norm() / action_want.norm()).item()))
+        out[all_reduce] = dict(errors=errors, num_graphs=graphed.num_graphs, video=video.cpu())
+    return out
+
+
+@needs_two_gpus
+def test_tensor_parallel_on_gpus_with_symm_mem_and_cuda_graphs(tiny_checkpoint):
+    ranks = run_distributed(tp_cuda_check, 2, str(tiny_checkpoint), timeout=600, backend="nccl")
+    for all_reduce in ("nccl", "symm_mem"):
+        for rank_out in ranks:
+            check = rank_out[all_reduce]
+            assert len(check["errors"]) == 4 and max(check["errors"]) < TOL, (all_reduce, check["errors"])
+            assert check["num_graphs"] == 1  # the second seed replayed the first capture
+        assert torch.equal(ranks[0][all_reduce]["video"], ranks[1][all_reduce]["video"])  # replicated outputs
