@@ -89,8 +89,6 @@ def main() -> None:
     symm_mem = None
     if args.symm_mem:
         import torch.distributed._symmetric_memory as symm_mem
-
-        symm_mem.set_backend("CUDA")
     report = dict(common.provenance(), world_size=world, nccl_version=".".join(map(str, torch.cuda.nccl.version())),
                   env={k: os.environ.get(k) for k in NCCL_KNOBS}, ops_per_launch=args.ops, sizes={})
     for tokens in map(int, args.tokens.split(",")):

@@ -24,7 +24,8 @@ speed; performance.md §8). The VAE is the Wan2.2 VAE with random weights, the t
 (``Cosmos3Engine.optimize(cuda_graphs=False)``), each compiled after its tensor-parallel plan is applied. A layout
 name takes options: ``tp4+graphs`` replays its GEN forward as CUDA graphs (``optimize(cuda_graphs=True)``, the
 all-reduces captured too), ``tp4+symm`` runs the tp all-reduces on symmetric memory (``apply_tensor_parallel(...,
-all_reduce="symm_mem")``); ``--reference-cuda-graphs`` adds the graphed tp=1 reference.
+all_reduce="symm_mem")``), ``tp4+overlap2`` overlaps the GEN layers' all-reduces with compute over 2 row blocks
+(``overlap_communication``); ``--reference-cuda-graphs`` adds the graphed tp=1 reference.
 
 Rank 0 writes the JSON to ``--out`` (default ``$OUT/parallel_gpu_world{W}.json``). ``--tiny`` runs the same code
 on the tiny test configuration (CPU + gloo unless CUDA is there) to check the script itself.
@@ -65,6 +66,7 @@ from cosmos3_gym.models.transformer import (  # noqa: E402
 )
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.parallel.mesh import ParallelConfig, ParallelContext, init_parallel  # noqa: E402
+from cosmos3_gym.parallel.overlap import overlap_communication  # noqa: E402
 from cosmos3_gym.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
 # Identity latent statistics: the weights are random anyway.
@@ -97,16 +99,14 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-LAYOUT_OPTIONS = ("symm", "graphs")
-
-
 def parse_layout(name: str) -> tuple[ParallelConfig, set[str]]:
     """``cfg2tp2``, ``tp4+symm+graphs``, ...: the mesh, and options: ``symm`` = the tp all-reduces on symmetric
-    memory (``apply_tensor_parallel(all_reduce="symm_mem")``), ``graphs`` = the GEN forward as CUDA graphs."""
+    memory (``apply_tensor_parallel(all_reduce="symm_mem")``), ``graphs`` = the GEN forward as CUDA graphs,
+    ``overlapN`` = the GEN layers' all-reduces overlapped with compute over N row blocks (``overlap_communication``)."""
     mesh, *options = name.split("+")
     match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?", mesh)
-    if not mesh or not match or not set(options) <= set(LAYOUT_OPTIONS):
-        raise SystemExit(f"--layouts: expected names like tp4, cfg2, cfg2tp2, tp4+symm+graphs; got {name!r}")
+    if not mesh or not match or not all(re.fullmatch(r"symm|graphs|overlap\d+", o) for o in options):
+        raise SystemExit(f"--layouts: expected names like tp4, cfg2, cfg2tp2, tp4+symm+graphs+overlap2; got {name!r}")
     return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1)), set(options)
 
 
@@ -425,6 +425,9 @@ def main() -> None:
         context = init_parallel(config, device)
         if config.tp > 1:
             apply_tensor_parallel(model, context.group("tp"), all_reduce="symm_mem" if "symm" in options else "nccl")
+            for option in options:
+                if option.startswith("overlap"):
+                    overlap_communication(model, int(option[len("overlap"):]))
         engine = engine_for(model, context)
         if args.compile or "graphs" in options:
             engine.optimize(cuda_graphs="graphs" in options)

@@ -62,10 +62,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend:
     # forkserver: the ranks are forked from one clean server process that imported fn's module (and with it torch,
     # diffusers, ...) once, instead of each spawned interpreter importing them again (~5 s each); unlike a plain
     # fork of the test process they inherit no threads or process-group state.
-    context = mp.get_context("forkserver")
-    # The server process does not have tests/ on its path, so preloading fn's own module silently fails: preload
-    # the package (the heavy imports) as well.
-    context.set_forkserver_preload(["cosmos3_gym.engine", fn.__module__])
+    # NCCL ranks are spawned: a forkserver that has touched CUDA (some import may) cannot hand it to its children.
+    context = mp.get_context("spawn" if backend == "nccl" else "forkserver")
+    if backend != "nccl":
+        # The server process does not have tests/ on its path, so preloading fn's own module silently fails: preload
+        # the package (the heavy imports) as well.
+        context.set_forkserver_preload(["cosmos3_gym.engine", fn.__module__])
     results = context.Queue()
     port = free_port()
     processes = [

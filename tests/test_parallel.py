@@ -156,8 +156,42 @@ def transformer_tp_check(checkpoint: str) -> dict:
     )
 
 
+def overlap_check(checkpoint: str) -> dict:
+    """The GEN forward with overlapped all-reduces (parallel/overlap.py: 2 and 3 row blocks, eager and with the
+    regions compiled) against the full model, for a batch of two prompt lengths."""
+    import torch.distributed as dist
+    from test_cuda_graphs import forward_inputs
+
+    from cosmos3_gym.models.transformer import Cosmos3Transformer
+    from cosmos3_gym.parallel.overlap import OverlappedGenForward, overlap_communication
+    from cosmos3_gym.parallel.tensor_parallel import apply_tensor_parallel
+
+    def load_model():
+        return Cosmos3Transformer.from_pretrained(Path(checkpoint) / "transformer")
+
+    full = load_model()
+    with torch.inference_mode():
+        video_want, action_want = full(*forward_inputs(full, [20, 31], 0))
+    errors = {}
+    for chunks in (2, 3):
+        model = overlap_communication(apply_tensor_parallel(load_model(), dist.group.WORLD), chunks)
+        assert all(isinstance(layer.gen_forward, OverlappedGenForward) for layer in model.gen_layers)
+        for compiled in (False, True):
+            if compiled:
+                model.compile_blocks()
+            with torch.inference_mode():
+                video, action = model(*forward_inputs(model, [20, 31], 0))
+            errors[f"chunks{chunks}_{'compiled' if compiled else 'eager'}"] = max(
+                ((video - video_want).norm() / video_want.norm()).item(),
+                ((action - action_want).norm() / action_want.norm()).item())
+    errors["unsharded"] = error_of(lambda: overlap_communication(load_model(), 2))
+    errors["one_chunk"] = error_of(lambda: overlap_communication(model, 1))
+    return errors
+
+
 def world2_program(checkpoint: str, variant_checkpoint: str) -> dict:
-    out = {"transformer": transformer_tp_check(checkpoint), "variant": transformer_tp_check(variant_checkpoint)}
+    out = {"transformer": transformer_tp_check(checkpoint), "variant": transformer_tp_check(variant_checkpoint),
+           "overlap": overlap_check(checkpoint), "overlap_variant": overlap_check(variant_checkpoint)}
     for name, parallel in (("tp2", dict(tp=2)), ("cfg2", dict(cfg=2)), ("dp2", dict(dp=2))):
         engine = load(checkpoint, **parallel)
         out[name] = run_batches(engine)
@@ -272,6 +306,17 @@ def test_tensor_parallel_transformer_matches_full_model(world2, checkpoint):
         assert check["video_error"] < TOL and check["action_error"] < TOL
         # The same check would catch a q/k norm taken across heads (it would need a cross-rank reduction).
         assert check["across_heads_error"] > 1e-3
+
+
+@pytest.mark.parametrize("checkpoint", ["overlap", "overlap_variant"])
+def test_overlapped_all_reduces_match_full_model(world2, checkpoint):
+    for rank_out in world2:
+        errors = rank_out[checkpoint]
+        assert len(errors) == 6
+        for name in ("chunks2_eager", "chunks2_compiled", "chunks3_eager", "chunks3_compiled"):
+            assert errors[name] < TOL, (name, errors[name])
+        assert "not tensor-parallel" in errors["unsharded"]
+        assert "overlap chunks: expected an integer >= 2, got 1" in errors["one_chunk"]
 
 
 def test_diffusers_qk_norm_is_per_head(tiny_checkpoint):

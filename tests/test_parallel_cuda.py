@@ -14,6 +14,7 @@ from test_cuda_graphs import forward_inputs
 
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.models.transformer import Cosmos3Transformer
+from cosmos3_gym.parallel.overlap import overlap_communication
 from cosmos3_gym.parallel.tensor_parallel import apply_tensor_parallel
 
 TOL = 1e-5
@@ -29,8 +30,9 @@ def test_symm_mem_all_reduce_needs_cuda_and_bad_names_are_named(tiny_checkpoint)
 
 
 def tp_cuda_check(checkpoint: str) -> dict:
-    """Per all-reduce: the sharded forward (plain, then compiled and CUDA-graphed: a capture, then a replay with new
-    inputs) against the full model on this rank's GPU, for a batch of two prompt lengths."""
+    """Per all-reduce, with and without overlapped all-reduces: the sharded forward (plain, then compiled and
+    CUDA-graphed: a capture, then a replay with new inputs) against the full model on this rank's GPU, for a batch
+    of two prompt lengths."""
     import torch.distributed as dist
 
     from cosmos3_gym.cuda_graphs import GraphedGenForward
@@ -38,9 +40,11 @@ def tp_cuda_check(checkpoint: str) -> dict:
     device = torch.device("cuda", dist.get_rank())
     full = Cosmos3Transformer.from_pretrained(Path(checkpoint) / "transformer").to(device)
     out = {}
-    for all_reduce in ("nccl", "symm_mem"):
+    for all_reduce, overlap in (("nccl", False), ("symm_mem", False), ("nccl", True), ("symm_mem", True)):
         sharded = Cosmos3Transformer.from_pretrained(Path(checkpoint) / "transformer").to(device)
         apply_tensor_parallel(sharded, dist.group.WORLD, all_reduce=all_reduce)
+        if overlap:
+            overlap_communication(sharded, chunks=2)
         sharded.compile_blocks()
         graphed = GraphedGenForward(sharded)
         errors = []
@@ -51,16 +55,17 @@ def tp_cuda_check(checkpoint: str) -> dict:
                 for video, action in (sharded(*inputs), graphed(*inputs)):
                     errors.append(max(((video - video_want).norm() / video_want.norm()).item(),
                                       ((action - action_want).norm() / action_want.norm()).item()))
-        out[all_reduce] = dict(errors=errors, num_graphs=graphed.num_graphs, video=video.cpu())
+        out[all_reduce + ("_overlap" if overlap else "")] = dict(errors=errors, num_graphs=graphed.num_graphs,
+                                                                  video=video.cpu())
     return out
 
 
 @needs_two_gpus
-def test_tensor_parallel_on_gpus_with_symm_mem_and_cuda_graphs(tiny_checkpoint):
+def test_tensor_parallel_on_gpus_with_symm_mem_overlap_and_cuda_graphs(tiny_checkpoint):
     ranks = run_distributed(tp_cuda_check, 2, str(tiny_checkpoint), timeout=600, backend="nccl")
-    for all_reduce in ("nccl", "symm_mem"):
+    for name in ("nccl", "symm_mem", "nccl_overlap", "symm_mem_overlap"):
         for rank_out in ranks:
-            check = rank_out[all_reduce]
-            assert len(check["errors"]) == 4 and max(check["errors"]) < TOL, (all_reduce, check["errors"])
+            check = rank_out[name]
+            assert len(check["errors"]) == 4 and max(check["errors"]) < TOL, (name, check["errors"])
             assert check["num_graphs"] == 1  # the second seed replayed the first capture
-        assert torch.equal(ranks[0][all_reduce]["video"], ranks[1][all_reduce]["video"])  # replicated outputs
+        assert torch.equal(ranks[0][name]["video"], ranks[1][name]["video"])  # replicated outputs

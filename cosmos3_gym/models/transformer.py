@@ -130,11 +130,15 @@ class MLP(nn.Module):
         self.down = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.activation(x))
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of ``down``: silu(gate) * up, or relu(h)^2."""
         h = self.gate_up(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
-        return self.down(torch.relu(h).square())
+            return F.silu(gate) * up
+        return torch.relu(h).square()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -207,6 +211,12 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.post_attn_norm(x)), k_gen, v
 
     def gen_forward(self, x, cos, sin, text_k, text_v, length_groups):
+        x = x + self.attn.out(self.gen_attention(x, cos, sin, text_k, text_v, length_groups))
+        return x + self.mlp(self.post_attn_norm(x))
+
+    def gen_attention(self, x, cos, sin, text_k, text_v, length_groups) -> torch.Tensor:
+        """The GEN tokens' attention over their prompt's text K/V and all GEN tokens: [B, S, heads * head_dim], the
+        input of ``attn.out``."""
         q, k, v, _ = self.attn.project(self.input_norm(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if length_groups is None:
@@ -227,8 +237,7 @@ class DecoderBlock(nn.Module):
             o = outputs[0][1].new_empty(q.shape)
             for rows, out in outputs:
                 o[rows] = out
-        x = x + self.attn.out(o.transpose(1, 2).flatten(2))
-        return x + self.mlp(self.post_attn_norm(x))
+        return o.transpose(1, 2).flatten(2)
 
 
 class DomainAwareLinear(nn.Module):
@@ -427,7 +436,11 @@ class Cosmos3Transformer(nn.Module):
         self._blocks_compiled = True
         for block in [*self.text_layers, *self.gen_layers]:
             block.text_forward = torch.compile(block.text_forward)
-            block.gen_forward = torch.compile(block.gen_forward)
+            # A forward that a parallel plan swapped in may orchestrate streams itself and compile its own regions.
+            if hasattr(block.gen_forward, "compile_regions"):
+                block.gen_forward.compile_regions()
+            else:
+                block.gen_forward = torch.compile(block.gen_forward)
 
     # ------------------------------------------------------------------ text tower
 

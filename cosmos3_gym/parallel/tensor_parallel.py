@@ -37,14 +37,16 @@ from ..models.transformer import Attention, Cosmos3Transformer, Cosmos3Transform
 
 ALL_REDUCES = ("nccl", "symm_mem")
 
-# (group name, numel, dtype, device) -> a symmetric-memory buffer every rank of the group has mapped. One per
-# activation shape (a handful per engine: the GEN tokens per batch size, the prompt lengths); allocating one is a
-# collective, which the ranks reach together since they run the same forwards.
+# (group name, numel, dtype, device, slot) -> a symmetric-memory buffer every rank of the group has mapped. One per
+# activation shape (a handful per engine: the GEN tokens per batch size, the prompt lengths) and slot (all-reduces in
+# flight at once, parallel/overlap.py); allocating one is a collective, which the ranks reach together since they run
+# the same forwards.
 _SYMM_BUFFERS: dict[tuple, torch.Tensor] = {}
+_COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _symm_buffer(group_name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (group_name, numel, dtype, device)
+def _symm_buffer(group_name: str, numel: int, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
+    key = (group_name, numel, dtype, device, slot)
     if key not in _SYMM_BUFFERS:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -60,7 +62,7 @@ def _symm_buffer(group_name: str, numel: int, dtype: torch.dtype, device: torch.
 def linear_all_reduce_symm_mem(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor:
     """``all_reduce(x @ weight^T)`` over ``group_name`` with the two-shot symmetric-memory kernel."""
     rows = x.numel() // x.shape[-1]
-    buffer = _symm_buffer(group_name, rows * weight.shape[0], x.dtype, x.device)
+    buffer = _symm_buffer(group_name, rows * weight.shape[0], x.dtype, x.device, slot=-1)
     torch.mm(x.reshape(rows, x.shape[-1]), weight.t(), out=buffer.view(rows, weight.shape[0]))
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
     torch.ops.symm_mem.two_shot_all_reduce_out(buffer, "sum", group_name, out.view(-1))
@@ -95,8 +97,44 @@ class RowParallelLinear(nn.Module):
             dist.all_reduce(y, group=self.group)
         return y + self.bias if self.bias is not None else y
 
+    def start(self, x: torch.Tensor, slot: int) -> "PendingSum":
+        """``forward`` of the rows ``x`` ([rows, in_features_local]) with the all-reduce left in flight: the caller
+        computes something else and then calls ``wait()``. Up to one pending sum per ``slot`` (symm_mem: the slot's
+        shared buffer must not be rewritten before its sum is waited for). Not for torch.compile'd code."""
+        if self.all_reduce == "symm_mem":
+            buffer = _symm_buffer(self.group_name, x.shape[0] * self.weight.shape[0], x.dtype, x.device, slot)
+            torch.mm(x, self.weight.t(), out=buffer.view(x.shape[0], self.weight.shape[0]))
+            out = torch.empty(x.shape[0], self.weight.shape[0], dtype=x.dtype, device=x.device)
+            main = torch.cuda.current_stream(x.device)
+            if x.device not in _COMM_STREAMS:
+                _COMM_STREAMS[x.device] = torch.cuda.Stream(x.device)
+            comm = _COMM_STREAMS[x.device]
+            comm.wait_stream(main)  # the GEMM above has filled the buffer
+            with torch.cuda.stream(comm):
+                torch.ops.symm_mem.two_shot_all_reduce_out(buffer, "sum", self.group_name, out.view(-1))
+            done = torch.cuda.Event()
+            done.record(comm)
+            return PendingSum(out, self.bias, event=done)
+        y = F.linear(x, self.weight)
+        return PendingSum(y, self.bias, work=dist.all_reduce(y, group=self.group, async_op=True))
+
     def extra_repr(self) -> str:
         return f"in_features_local={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
+
+
+class PendingSum:
+    """An all-reduce in flight (``RowParallelLinear.start``); ``wait()`` orders the current stream after it and
+    returns the sum plus the bias."""
+
+    def __init__(self, tensor: torch.Tensor, bias: torch.Tensor | None, event=None, work=None):
+        self.tensor, self.bias, self.event, self.work = tensor, bias, event, work
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            torch.cuda.current_stream(self.tensor.device).wait_event(self.event)
+        else:
+            self.work.wait()
+        return self.tensor + self.bias if self.bias is not None else self.tensor
 
 
 def check_tensor_parallel(config: Cosmos3TransformerConfig, tp: int) -> None:
