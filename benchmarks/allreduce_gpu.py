@@ -9,7 +9,8 @@ forward's communication floor is known per implementation:
 - ``symm_two_shot``: ``torch.ops.symm_mem.two_shot_all_reduce_out`` (reduce-scatter + all-gather by NVLink loads
   and stores from a symmetric-memory buffer), eager and graphed; ``symm_one_shot``: every rank reads every peer.
 - ``gemm_with_*``: the down projection's GEMM alone and while the all-reduce runs on a second stream: how much each
-  collective slows the compute it would overlap with.
+  collective slows the compute it would overlap with; ``_carveoutN``: with N SMs kept out of the GEMM (cuBLAS' SM
+  count target).
 
 Every variant's result is checked against the exact sum. NCCL's own knobs (``NCCL_MIN_NCHANNELS``, ``NCCL_PROTO``,
 ``NCCL_ALGO``) are read at start-up: run the script once per setting, the JSON records them.
@@ -20,6 +21,7 @@ Every variant's result is checked against the exact sum. NCCL's own knobs (``NCC
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -149,18 +151,20 @@ def main() -> None:
         gemm_out = torch.empty(tokens, args.hidden, dtype=torch.bfloat16, device=device)
         gemms = lambda: [torch.mm(a, b, out=gemm_out) for _ in range(args.ops)]  # noqa: E731
         record("gemm_alone", gemms, all_reduced=False)
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream(priority=-1)
         collectives = {"nccl": nccl_ops}
         if symm_mem is not None:
             collectives["symm_two_shot"] = two_shot
-        for name, collective in collectives.items():
-            def both(collective=collective):
+        for (name, collective), carveout in itertools.product(collectives.items(), (None, 24, 32)):
+            def both(collective=collective, carveout=carveout):
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     collective()
+                torch._C._set_sm_carveout_experimental(carveout)
                 gemms()
+                torch._C._set_sm_carveout_experimental(None)
                 torch.cuda.current_stream().wait_stream(side)
-            record(f"gemm_with_{name}", both)
+            record(f"gemm_with_{name}" + (f"_carveout{carveout}" if carveout else ""), both)
         report["sizes"][str(tokens)] = entry
     if rank == 0:
         path = Path(args.out or Path(os.environ.get("OUT", "benchmarks/results")) / f"allreduce_gpu_world{world}.json")

@@ -107,7 +107,8 @@ class RowParallelLinear(nn.Module):
             out = torch.empty(x.shape[0], self.weight.shape[0], dtype=x.dtype, device=x.device)
             main = torch.cuda.current_stream(x.device)
             if x.device not in _COMM_STREAMS:
-                _COMM_STREAMS[x.device] = torch.cuda.Stream(x.device)
+                # High priority: the collective's blocks are scheduled ahead of the waiting GEMM blocks.
+                _COMM_STREAMS[x.device] = torch.cuda.Stream(x.device, priority=-1)
             comm = _COMM_STREAMS[x.device]
             comm.wait_stream(main)  # the GEMM above has filled the buffer
             with torch.cuda.stream(comm):
