@@ -103,10 +103,11 @@ def parse_layout(name: str) -> tuple[ParallelConfig, set[str]]:
     """``cfg2tp2``, ``tp4+symm+graphs``, ...: the mesh, and options: ``symm`` = the tp all-reduces on symmetric
     memory (``apply_tensor_parallel(all_reduce="symm_mem")``), ``graphs`` = the GEN forward as CUDA graphs,
     ``overlapN`` = the GEN layers' all-reduces overlapped with compute over N row blocks (``overlap_communication``),
-    ``carveN`` = with N SMs left out of the GEMMs beside an all-reduce."""
+    ``carveN`` = with N SMs left out of the GEMMs beside an all-reduce, ``optimize`` = ``Cosmos3Engine.optimize()``
+    with its defaults (on GPUs: CUDA graphs, overlapped symmetric-memory all-reduces)."""
     mesh, *options = name.split("+")
     match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?", mesh)
-    if not mesh or not match or not all(re.fullmatch(r"symm|graphs|overlap\d+|carve\d+", o) for o in options):
+    if not mesh or not match or not all(re.fullmatch(r"symm|graphs|overlap\d+|carve\d+|optimize", o) for o in options):
         raise SystemExit(f"--layouts: expected names like tp4, cfg2, cfg2tp2, tp4+symm+graphs+overlap2; got {name!r}")
     return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1)), set(options)
 
@@ -431,8 +432,10 @@ def main() -> None:
                 if option.startswith("overlap"):
                     overlap_communication(model, int(option[len("overlap"):]), (carveout or [None])[0])
         engine = engine_for(model, context)
-        if args.compile or "graphs" in options:
-            engine.optimize(cuda_graphs="graphs" in options)
+        if "optimize" in options:
+            engine.optimize()  # its defaults for this device and layout
+        elif args.compile or "graphs" in options:
+            engine.optimize(cuda_graphs="graphs" in options, tp_overlap=False)  # the options spell out the rest
         numbers = measure(engine, args, device, all_ranks=True)
         del engine
         outputs = numbers.pop("outputs")

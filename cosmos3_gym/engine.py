@@ -41,7 +41,7 @@ from .errors import InputError
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
 from .models.vae import Cosmos3VAE
 from .parallel.mesh import ParallelConfig, ParallelContext, init_parallel
-from .parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from .parallel.tensor_parallel import RowParallelLinear, apply_tensor_parallel, check_tensor_parallel
 from .sampling import FlowUniPCSampler, Schedule, cfg_combine, make_schedule
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
@@ -212,21 +212,33 @@ class Cosmos3Engine:
         )
         return engine.optimize() if optimize else engine
 
-    def optimize(self, *, cuda_graphs: bool | None = None) -> "Cosmos3Engine":
-        """The fast path measured in benchmarks/gpu_suite.py: regional ``torch.compile`` of the transformer blocks,
-        the VAE decoder's fused RMS-norm + SiLU and, on a CUDA device, the GEN forward replayed as CUDA graphs
-        (``cuda_graphs``; default: on when this engine runs on a GPU). Under tensor parallelism every rank of the tp
-        group captures its forward, all-reduces included, at the same step. The same math up to float rounding;
-        each new input shape pays a compile and a capture on its first step (about 5-11 s at the full Nano size
-        on an H200)."""
+    def optimize(self, *, cuda_graphs: bool | None = None, tp_overlap: bool | None = None) -> "Cosmos3Engine":
+        """The fast path measured in benchmarks/gpu_suite.py and benchmarks/parallel_gpu.py: regional
+        ``torch.compile`` of the transformer blocks, the VAE decoder's fused RMS-norm + SiLU and, on a CUDA device,
+        the GEN forward replayed as CUDA graphs (``cuda_graphs``; default: on when this engine runs on a GPU; under
+        tensor parallelism every rank of the tp group captures its forward, all-reduces included, at the same step).
+
+        ``tp_overlap`` (tp > 1; default: on a GPU): the GEN layers' all-reduces overlap the next row block's compute
+        (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce on a GPU. The same math up to float rounding;
+        each new input shape pays a compile and a capture on its first step (about 5-11 s at the full Nano size on
+        an H200). Calling it again changes nothing."""
         use_graphs = cuda_graphs
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"
         if use_graphs and self.device.type != "cuda":
             raise InputError(f"cuda_graphs: needs a CUDA device; this engine runs on {self.device}")
+        overlap = self.device.type == "cuda" if tp_overlap is None else tp_overlap
+        if overlap and self.parallel.config.tp > 1 and not self.transformer.blocks_compiled:
+            from .parallel.overlap import overlap_communication
+
+            if self.device.type == "cuda":
+                for module in self.transformer.modules():
+                    if isinstance(module, RowParallelLinear):
+                        module.set_all_reduce("symm_mem")
+            overlap_communication(self.transformer)
         self.transformer.compile_blocks()
         self.vae.fuse_decoder_norms()
-        if use_graphs:
+        if use_graphs and self._graphed_forward is None:
             from .cuda_graphs import GraphedGenForward
 
             self._graphed_forward = GraphedGenForward(self.transformer)

@@ -200,6 +200,12 @@ def world2_program(checkpoint: str, variant_checkpoint: str) -> dict:
     engine = load(checkpoint, tp=2, optimize=True)
     out["tp2_optimized"] = run_batches(engine, ["modes"])
     engine.close()
+    # The GEN layers' all-reduces overlapped with compute (parallel/overlap.py; async gloo collectives here).
+    engine = load(checkpoint, tp=2).optimize(tp_overlap=True)
+    out["tp2_overlap"] = run_batches(engine, ["modes", "mixed"])
+    out["tp2_overlap_applied"] = all(type(layer.gen_forward).__name__ == "OverlappedGenForward"
+                                     for layer in engine.transformer.gen_layers)
+    engine.close()
     out["mismatch"] = error_of(lambda: load(checkpoint, tp=2, cfg=2))
     return out
 
@@ -283,9 +289,11 @@ def check_layout(checkpoint, ranks: list[dict], layout: str) -> None:
                 assert relative_error(got["pixels"], want["pixels"]) < TOL, where
 
 
-@pytest.mark.parametrize("layout", ["tp2", "cfg2", "dp2", "tp2_optimized"])
+@pytest.mark.parametrize("layout", ["tp2", "cfg2", "dp2", "tp2_optimized", "tp2_overlap"])
 def test_two_rank_layouts_match_single_process(tiny_checkpoint, world2, layout):
     check_layout(tiny_checkpoint, world2, layout)
+    if layout == "tp2_overlap":
+        assert all(rank_out["tp2_overlap_applied"] for rank_out in world2)
 
 
 @pytest.mark.parametrize("layout", ["tp2cfg2", "dp2tp2"])

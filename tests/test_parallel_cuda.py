@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from dist_utils import run_distributed
@@ -69,3 +70,45 @@ def test_tensor_parallel_on_gpus_with_symm_mem_overlap_and_cuda_graphs(tiny_chec
             assert len(check["errors"]) == 4 and max(check["errors"]) < TOL, (name, check["errors"])
             assert check["num_graphs"] == 1  # the second seed replayed the first capture
         assert torch.equal(ranks[0][name]["video"], ranks[1][name]["video"])  # replicated outputs
+
+
+def engine_cuda_check(checkpoint: str) -> list[dict]:
+    """A tp=2 SPMD engine with ``optimize()``'s defaults on GPUs: CUDA graphs, symmetric-memory all-reduces overlapped
+    with compute. A guided batch of two requests, twice (the second replays the captured graphs)."""
+    from test_parallel import BASE, image
+
+    from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
+    from cosmos3_gym.parallel.overlap import OverlappedGenForward
+    from cosmos3_gym.parallel.tensor_parallel import RowParallelLinear
+
+    engine = Cosmos3Engine.from_pretrained(checkpoint, device="cuda", dtype="fp32", progress=False, tp=2).optimize()
+    layer = engine.transformer.gen_layers[0]
+    assert isinstance(layer.gen_forward, OverlappedGenForward) and engine.gen_forward is not engine.transformer
+    assert all(m.all_reduce == "symm_mem" for m in engine.transformer.modules() if isinstance(m, RowParallelLinear))
+    results = []
+    for seed in (1, 2):
+        requests = [Cosmos3Request("policy", image(seed), "push the T", guidance_scale=2.5, seed=seed, **BASE),
+                    Cosmos3Request("policy", image(seed + 10), "reach", guidance_scale=1.0, seed=seed + 10, **BASE)]
+        results += [dict(action=r.action, latents=r.video_latents.cpu()) for r in engine.step(requests, decode=False)]
+    engine.close()
+    return results
+
+
+@needs_two_gpus
+def test_optimized_tp_engine_on_gpus_matches_one_gpu(tiny_checkpoint):
+    from test_parallel import BASE, image, relative_error
+
+    from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
+
+    ranks = run_distributed(engine_cuda_check, 2, str(tiny_checkpoint), timeout=600, backend="nccl")
+    single = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", dtype="fp32", progress=False)
+    expected = []
+    for seed in (1, 2):
+        requests = [Cosmos3Request("policy", image(seed), "push the T", guidance_scale=2.5, seed=seed, **BASE),
+                    Cosmos3Request("policy", image(seed + 10), "reach", guidance_scale=1.0, seed=seed + 10, **BASE)]
+        expected += single.step(requests, decode=False)
+    assert len(ranks[0]) == len(expected) == 4
+    for got, other, want in zip(ranks[0], ranks[1], expected):
+        assert np.array_equal(got["action"], other["action"]) and torch.equal(got["latents"], other["latents"])
+        assert relative_error(got["action"], want.action) < 1e-4
+        assert relative_error(got["latents"], want.video_latents.cpu()) < 1e-4

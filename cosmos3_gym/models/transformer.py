@@ -370,6 +370,7 @@ class Cosmos3Transformer(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
+        self.blocks_compiled = False  # compile_blocks() has run
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.text_layers = nn.ModuleList(DecoderBlock(c, text_tower=True) for _ in range(c.num_hidden_layers))
@@ -431,9 +432,9 @@ class Cosmos3Transformer(nn.Module):
         """Regional ``torch.compile`` of the decoder blocks (diffusers' ``compile_repeated_blocks`` idea): inductor
         fuses the fp32 RMSNorms, RoPE and the gated MLP's elementwise ops around the GEMMs. All blocks share one
         code object, so the graph compiles once per input shape, not once per layer. Calling it again does nothing."""
-        if getattr(self, "_blocks_compiled", False):
+        if self.blocks_compiled:
             return
-        self._blocks_compiled = True
+        self.blocks_compiled = True
         for block in [*self.text_layers, *self.gen_layers]:
             block.text_forward = torch.compile(block.text_forward)
             # A forward that a parallel plan swapped in may orchestrate streams itself and compile its own regions.

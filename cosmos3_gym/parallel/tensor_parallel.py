@@ -37,23 +37,24 @@ from ..models.transformer import Attention, Cosmos3Transformer, Cosmos3Transform
 
 ALL_REDUCES = ("nccl", "symm_mem")
 
-# (group name, numel, dtype, device, slot) -> a symmetric-memory buffer every rank of the group has mapped. One per
-# activation shape (a handful per engine: the GEN tokens per batch size, the prompt lengths) and slot (all-reduces in
-# flight at once, parallel/overlap.py); allocating one is a collective, which the ranks reach together since they run
-# the same forwards.
-_SYMM_BUFFERS: dict[tuple, torch.Tensor] = {}
+# (group name, dtype, device, slot) -> the symmetric-memory buffers every rank of the group has mapped, largest last.
+# A slot is one all-reduce that may be in flight at a time (parallel/overlap.py has several). A call uses a prefix of
+# the largest buffer; a larger activation allocates a buffer twice the size (a collective, which the ranks reach
+# together since they run the same forwards). Outgrown buffers are kept: CUDA graphs may have captured them.
+_SYMM_BUFFERS: dict[tuple, list[torch.Tensor]] = {}
 _COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _symm_buffer(group_name: str, numel: int, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
-    key = (group_name, numel, dtype, device, slot)
-    if key not in _SYMM_BUFFERS:
+    buffers = _SYMM_BUFFERS.setdefault((group_name, dtype, device, slot), [])
+    if not buffers or buffers[-1].numel() < numel:
         import torch.distributed._symmetric_memory as symm_mem
 
-        buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+        capacity = max(numel, 2 * buffers[-1].numel() if buffers else 0)
+        buffer = symm_mem.empty(capacity, dtype=dtype, device=device)
         symm_mem.rendezvous(buffer, group_name)
-        _SYMM_BUFFERS[key] = buffer
-    return _SYMM_BUFFERS[key]
+        buffers.append(buffer)
+    return buffers[-1][:numel]
 
 
 # An opaque op for torch.compile: inductor cannot trace the buffer lookup, and must not reorder the GEMM's write into
@@ -85,9 +86,14 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.group = group
+        self.set_all_reduce(all_reduce)
+
+    def set_all_reduce(self, all_reduce: str) -> None:
+        """Switch the collective ("nccl" or "symm_mem"); before ``compile_blocks``, which bakes it in."""
+        check_all_reduce(all_reduce, self.weight.device)
         self.all_reduce = all_reduce
         # A plain string for the compiled graphs (dynamo treats it as a constant; the group object is opaque to it).
-        self.group_name = group.group_name if all_reduce == "symm_mem" else None
+        self.group_name = self.group.group_name if all_reduce == "symm_mem" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.all_reduce == "symm_mem":
