@@ -39,7 +39,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -314,18 +313,6 @@ def gather_from_ranks(value):
     return values
 
 
-def git_commit() -> str:
-    """HEAD (+dirty), or $GIT_COMMIT where the copy has no git metadata (device machines)."""
-    try:
-        root = Path(__file__).resolve().parents[1]
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10)
-        return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if commit.returncode == 0 \
-            else os.environ.get("GIT_COMMIT", "unknown")
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get("GIT_COMMIT", "unknown")
-
-
 def write_report(report: dict, args, world: int, rank: int) -> None:
     if rank == 0:
         out = Path(args.out or Path(os.environ.get("OUT", "benchmarks/results")) / f"parallel_gpu_world{world}.json")
@@ -400,7 +387,7 @@ def main() -> None:
 
     report = dict(
         script="benchmarks/parallel_gpu.py", command=" ".join([sys.executable, *sys.argv]),
-        torchrun_world_size=world, git_commit=git_commit(), torch=torch.__version__,
+        torchrun_world_size=world, git_commit=common.provenance()["commit"], torch=torch.__version__,
         card=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         cards=gather_from_ranks(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
         dtype=str(dtype), tiny=args.tiny, model_build_s=round(build_s, 2),
