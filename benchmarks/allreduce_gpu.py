@@ -31,8 +31,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+
+from cosmos3_gym.cuda_graphs import capture  # noqa: E402
 
 NCCL_KNOBS = ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_PROTO", "NCCL_ALGO", "NCCL_NVLS_ENABLE",
               "TORCH_SYMM_MEM_DISABLE_MULTICAST")
@@ -66,20 +69,6 @@ def time_ms(fn, repeats: int, device) -> list[float]:
     return times
 
 
-def graphed(fn):
-    """``fn`` captured once (after a warm-up on a side stream) and returned as its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: the NCCL watchdog thread keeps querying its events while this thread captures.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
-    return graph.replay
-
-
 def main() -> None:
     args = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -104,7 +93,7 @@ def main() -> None:
             """``all_reduced``: ``fn`` leaves the all-reduce of ``data`` in ``out``, checked against the exact sum;
             ``graph``: time ``fn`` captured in a CUDA graph."""
             try:
-                fn = graphed(fn) if graph else fn
+                fn = capture(fn)[0].replay if graph else fn
                 out.zero_()
                 times = time_ms(fn, args.repeats, device)
                 per_op_us = statistics.median(times) / args.ops * 1e3

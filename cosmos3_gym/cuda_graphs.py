@@ -45,6 +45,25 @@ def _signature(text: TextKV, flat: list[torch.Tensor | None]) -> tuple:
     return (tuple(text.lengths), tuple(None if t is None else (tuple(t.shape), t.dtype) for t in flat))
 
 
+def capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` captured as a CUDA graph: (the graph, the captured call's outputs, which every replay overwrites).
+
+    A warm-up call runs first, outside the capture and on a side stream as ``torch.cuda.graph`` expects: it compiles
+    what is compiled for these shapes and lets cuBLAS / cuDNN allocate their workspaces before any address is recorded.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: under tensor parallelism the NCCL watchdog thread keeps querying its events during capture, which
+    # the default (global) mode turns into a capture error.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        outputs = fn()
+    return graph, outputs
+
+
 class GraphedGenForward:
     """Drop-in for ``Cosmos3Transformer.__call__`` (the GEN forward) on one CUDA device.
 
@@ -95,21 +114,7 @@ class GraphedGenForward:
         # length_groups' row indexes follow from text.lengths, which are part of the signature: kept as they are.
         static_layout = dataclasses.replace(layout, cos=cos, sin=sin)
 
-        def forward():
-            return self.transformer(static_text, static_layout, *tensors)
-
-        # Warm-up outside the capture, on a side stream as torch.cuda.graph expects: compiles the blocks for these
-        # shapes and lets cuBLAS / cuDNN allocate their workspaces before the capture records any address.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: under tensor parallelism the NCCL watchdog thread keeps querying its events during capture,
-        # which the default (global) mode turns into a capture error.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = forward()
+        graph, outputs = capture(lambda: self.transformer(static_text, static_layout, *tensors))
         groups: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(static):
             if t is not None:

@@ -219,7 +219,7 @@ class Cosmos3Engine:
         tensor parallelism every rank of the tp group captures its forward, all-reduces included, at the same step).
 
         ``tp_overlap`` (tp > 1; default: on a GPU): the GEN layers' all-reduces overlap the next row block's compute
-        (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce on a GPU. The same math up to float rounding;
+        (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce where the tp group is on one GPU host. The same math up to float rounding;
         each new input shape pays a compile and a capture on its first step (about 5-11 s at the full Nano size on
         an H200). Calling it again changes nothing."""
         use_graphs = cuda_graphs
@@ -231,7 +231,10 @@ class Cosmos3Engine:
         if overlap and self.parallel.config.tp > 1 and not self.transformer.blocks_compiled:
             from .parallel.overlap import overlap_communication
 
-            if self.device.type == "cuda":
+            # Symmetric memory maps the peers' buffers over NVLink: only for a tp group inside one host (tp ranks are
+            # adjacent, so a host's LOCAL_WORLD_SIZE ranks hold whole groups when tp divides it).
+            tp = self.parallel.config.tp
+            if self.device.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", tp)) % tp == 0:
                 for module in self.transformer.modules():
                     if isinstance(module, RowParallelLinear):
                         module.set_all_reduce("symm_mem")
