@@ -102,11 +102,11 @@ def parse_layout(name: str) -> tuple[ParallelConfig, set[str]]:
     """``cfg2tp2``, ``tp4+symm+graphs``, ...: the mesh, and options: ``symm`` = the tp all-reduces on symmetric
     memory (``apply_tensor_parallel(all_reduce="symm_mem")``), ``graphs`` = the GEN forward as CUDA graphs,
     ``overlapN`` = the GEN layers' all-reduces overlapped with compute over N row blocks (``overlap_communication``),
-    ``carveN`` = with N SMs left out of the GEMMs beside an all-reduce, ``optimize`` = ``Cosmos3Engine.optimize()``
+    ``optimize`` = ``Cosmos3Engine.optimize()``
     with its defaults (on GPUs: CUDA graphs, overlapped symmetric-memory all-reduces)."""
     mesh, *options = name.split("+")
     match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?", mesh)
-    if not mesh or not match or not all(re.fullmatch(r"symm|graphs|overlap\d+|carve\d+|optimize", o) for o in options):
+    if not mesh or not match or not all(re.fullmatch(r"symm|graphs|overlap\d+|optimize", o) for o in options):
         raise SystemExit(f"--layouts: expected names like tp4, cfg2, cfg2tp2, tp4+symm+graphs+overlap2; got {name!r}")
     return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1)), set(options)
 
@@ -414,10 +414,9 @@ def main() -> None:
         context = init_parallel(config, device)
         if config.tp > 1:
             apply_tensor_parallel(model, context.group("tp"), all_reduce="symm_mem" if "symm" in options else "nccl")
-            carveout = [int(o[len("carve"):]) for o in options if o.startswith("carve")]
             for option in options:
                 if option.startswith("overlap"):
-                    overlap_communication(model, int(option[len("overlap"):]), (carveout or [None])[0])
+                    overlap_communication(model, int(option[len("overlap"):]))
         engine = engine_for(model, context)
         if "optimize" in options:
             engine.optimize()  # its defaults for this device and layout

@@ -219,9 +219,10 @@ class Cosmos3Engine:
         tensor parallelism every rank of the tp group captures its forward, all-reduces included, at the same step).
 
         ``tp_overlap`` (tp > 1; default: on a GPU): the GEN layers' all-reduces overlap the next row block's compute
-        (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce where the tp group is on one GPU host. The same math up to float rounding;
-        each new input shape pays a compile and a capture on its first step (about 5-11 s at the full Nano size on
-        an H200). Calling it again changes nothing."""
+        (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce where the tp group is on one GPU host.
+
+        The same math up to float rounding; each new input shape pays a compile and a capture on its first step
+        (about 5-11 s at the full Nano size on an H200). Calling it again changes nothing."""
         use_graphs = cuda_graphs
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"

@@ -19,8 +19,6 @@ block): torch.compile would have to trace the stream switches. It is meant to be
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..errors import InputError
@@ -28,34 +26,19 @@ from ..models.transformer import Cosmos3Transformer, DecoderBlock
 from .tensor_parallel import RowParallelLinear
 
 
-def overlap_communication(model: Cosmos3Transformer, chunks: int = 2,
-                          sm_carveout: int | None = None) -> Cosmos3Transformer:
+def overlap_communication(model: Cosmos3Transformer, chunks: int = 2) -> Cosmos3Transformer:
     """Make every tensor-parallel GEN layer of ``model`` overlap its all-reduces with compute over ``chunks`` row
-    blocks (module docstring). ``sm_carveout``: leave that many SMs out of the GEMMs that run beside an all-reduce
-    (cuBLAS' SM count target), so that the collective's blocks find free SMs instead of queueing behind the GEMM's.
-    Call after ``apply_tensor_parallel`` and before ``compile_blocks``."""
+    blocks (module docstring). Call after ``apply_tensor_parallel`` and before ``compile_blocks``.
+
+    Keeping SMs out of the overlapped GEMMs (cuBLAS' SM count target) was measured and did not help (commit 8280af9,
+    benchmarks/results/parallel_gpu_world4_overlap_carveout.json)."""
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 2:
         raise InputError(f"overlap chunks: expected an integer >= 2, got {chunks!r}")
-    if sm_carveout is not None and (not isinstance(sm_carveout, int) or sm_carveout < 0):
-        raise InputError(f"sm_carveout: expected None or an integer >= 0, got {sm_carveout!r}")
     if not all(isinstance(layer.mlp.down, RowParallelLinear) for layer in model.gen_layers):
         raise InputError("overlap: the model is not tensor-parallel; call apply_tensor_parallel(model, group) first")
     for layer in model.gen_layers:
-        layer.gen_forward = OverlappedGenForward(layer, chunks, sm_carveout)
+        layer.gen_forward = OverlappedGenForward(layer, chunks)
     return model
-
-
-@contextlib.contextmanager
-def _sm_carveout(count: int | None):
-    if count is None:
-        yield
-        return
-    previous = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(count)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(previous)
 
 
 def _residual_mlp_input(block: DecoderBlock, x: torch.Tensor, attention: torch.Tensor):
@@ -66,8 +49,8 @@ def _residual_mlp_input(block: DecoderBlock, x: torch.Tensor, attention: torch.T
 class OverlappedGenForward:
     """``DecoderBlock.gen_forward`` of a tensor-parallel layer with its all-reduces overlapped (module docstring)."""
 
-    def __init__(self, block: DecoderBlock, chunks: int, sm_carveout: int | None = None):
-        self.block, self.chunks, self.sm_carveout = block, chunks, sm_carveout
+    def __init__(self, block: DecoderBlock, chunks: int):
+        self.block, self.chunks = block, chunks
         self.attention = block.gen_attention
         self.residual_mlp_input = _residual_mlp_input
 
@@ -83,13 +66,12 @@ class OverlappedGenForward:
         attention = self.attention(x, cos, sin, text_k, text_v, length_groups).reshape(batch * seq, -1)
         total, n = batch * seq, min(self.chunks, batch * seq)
         spans = [(total * i // n, total * (i + 1) // n) for i in range(n)]
-        with _sm_carveout(self.sm_carveout):  # every GEMM from here on runs beside an all-reduce (but the first)
-            attention_sums = [block.attn.out.start(attention[a:b], slot=i) for i, (a, b) in enumerate(spans)]
-            residuals, mlp_sums = [], []
-            for i, ((a, b), pending) in enumerate(zip(spans, attention_sums)):
-                residual, mlp_input = self.residual_mlp_input(block, rows[a:b], pending.wait())
-                residuals.append(residual)
-                mlp_sums.append(block.mlp.down.start(mlp_input, slot=len(spans) + i))
+        attention_sums = [block.attn.out.start(attention[a:b], slot=i) for i, (a, b) in enumerate(spans)]
+        residuals, mlp_sums = [], []
+        for i, ((a, b), pending) in enumerate(zip(spans, attention_sums)):
+            residual, mlp_input = self.residual_mlp_input(block, rows[a:b], pending.wait())
+            residuals.append(residual)
+            mlp_sums.append(block.mlp.down.start(mlp_input, slot=len(spans) + i))
         out = torch.empty_like(rows)
         for (a, b), residual, pending in zip(spans, residuals, mlp_sums):
             torch.add(residual, pending.wait(), out=out[a:b])

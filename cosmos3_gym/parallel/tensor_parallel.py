@@ -57,17 +57,27 @@ def _symm_buffer(group_name: str, numel: int, dtype: torch.dtype, device: torch.
     return buffers[-1][:numel]
 
 
+def _linear_two_shot(x: torch.Tensor, weight: torch.Tensor, group_name: str, slot: int,
+                     stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """``all_reduce(x @ weight^T)`` for the rows ``x`` ([rows, in_features]): the GEMM writes into the slot's
+    symmetric buffer, the two-shot kernel sums it into a new tensor on ``stream`` (default: the current one)."""
+    buffer = _symm_buffer(group_name, x.shape[0] * weight.shape[0], x.dtype, x.device, slot)
+    torch.mm(x, weight.t(), out=buffer.view(x.shape[0], weight.shape[0]))
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(x.device))  # the GEMM above has filled the buffer
+    with torch.cuda.stream(stream):  # (None: the current stream)
+        torch.ops.symm_mem.two_shot_all_reduce_out(buffer, "sum", group_name, out.view(-1))
+    return out
+
+
 # An opaque op for torch.compile: inductor cannot trace the buffer lookup, and must not reorder the GEMM's write into
 # the shared buffer away from the collective that reads it.
 @torch.library.custom_op("cosmos3_gym::linear_all_reduce_symm_mem", mutates_args=())
 def linear_all_reduce_symm_mem(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor:
     """``all_reduce(x @ weight^T)`` over ``group_name`` with the two-shot symmetric-memory kernel."""
-    rows = x.numel() // x.shape[-1]
-    buffer = _symm_buffer(group_name, rows * weight.shape[0], x.dtype, x.device, slot=-1)
-    torch.mm(x.reshape(rows, x.shape[-1]), weight.t(), out=buffer.view(rows, weight.shape[0]))
-    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
-    torch.ops.symm_mem.two_shot_all_reduce_out(buffer, "sum", group_name, out.view(-1))
-    return out
+    out = _linear_two_shot(x.reshape(-1, x.shape[-1]), weight, group_name, slot=-1)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @linear_all_reduce_symm_mem.register_fake
@@ -108,17 +118,11 @@ class RowParallelLinear(nn.Module):
         computes something else and then calls ``wait()``. Up to one pending sum per ``slot`` (symm_mem: the slot's
         shared buffer must not be rewritten before its sum is waited for). Not for torch.compile'd code."""
         if self.all_reduce == "symm_mem":
-            buffer = _symm_buffer(self.group_name, x.shape[0] * self.weight.shape[0], x.dtype, x.device, slot)
-            torch.mm(x, self.weight.t(), out=buffer.view(x.shape[0], self.weight.shape[0]))
-            out = torch.empty(x.shape[0], self.weight.shape[0], dtype=x.dtype, device=x.device)
-            main = torch.cuda.current_stream(x.device)
             if x.device not in _COMM_STREAMS:
                 # High priority: the collective's blocks are scheduled ahead of the waiting GEMM blocks.
                 _COMM_STREAMS[x.device] = torch.cuda.Stream(x.device, priority=-1)
             comm = _COMM_STREAMS[x.device]
-            comm.wait_stream(main)  # the GEMM above has filled the buffer
-            with torch.cuda.stream(comm):
-                torch.ops.symm_mem.two_shot_all_reduce_out(buffer, "sum", self.group_name, out.view(-1))
+            out = _linear_two_shot(x, self.weight, self.group_name, slot, stream=comm)
             done = torch.cuda.Event()
             done.record(comm)
             return PendingSum(out, self.bias, event=done)
