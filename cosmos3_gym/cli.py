@@ -273,7 +273,8 @@ def _json_object(text: str) -> dict:
 def add_training_commands(sub) -> None:
     """``train-vae`` and ``train`` (cosmos3_gym.training); flags left out keep the config dataclass defaults."""
     vae = sub.add_parser("train-vae", help="train a small Wan2.2-layout VAE on an episode dataset")
-    vae.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py)")
+    vae.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py) "
+                     "or lerobot:PATH (a LeRobot v3.0 / v2.1 dataset)")
     vae.add_argument("--out", required=True, help="output folder (AutoencoderKLWan.save_pretrained)")
     for flag, kind, text in (
         ("--steps", int, "optimizer steps"), ("--batch-size", int, "clips per step"), ("--lr", float, "AdamW lr"),
@@ -285,6 +286,7 @@ def add_training_commands(sub) -> None:
         ("--seed", int, "seed"), ("--warmup-steps", int, "linear warmup steps"),
         ("--contrast-weight", float, "extra loss weight on pixels unlike the background (0: plain means)"),
         ("--init-vae", str, "fine-tune this AutoencoderKLWan folder"),
+        ("--camera", str, "LeRobot datasets: the video feature to train on"),
     ):
         vae.add_argument(flag, type=kind, default=None, help=text)
     vae.add_argument("--decoder-only", action="store_true",
@@ -297,7 +299,8 @@ def add_training_commands(sub) -> None:
         "train", help="flow-matching training of a Cosmos3 policy world model; exports a checkpoint "
         "(multi-GPU: torchrun --nproc_per_node=N -m cosmos3_gym.cli train ...)"
     )
-    train.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py)")
+    train.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py) "
+                       "or lerobot:PATH (a LeRobot v3.0 / v2.1 dataset)")
     train.add_argument("--vae", required=True, help="trained VAE folder (train-vae output or a checkpoint's vae/)")
     train.add_argument("--out", required=True, help="checkpoint folder to write (training state in OUT/training)")
     train.add_argument("--config", type=_json_object, default={},
@@ -318,6 +321,10 @@ def add_training_commands(sub) -> None:
         ("--rollout-prob", float, "fraction of each batch conditioned on the model's own frames"),
         ("--rollout-max-chunks", int, "chunks generated before such a frame (1..N per step)"),
         ("--tokenizer-dir", str, "tokenizer (default: the tiny in-process tokenizer)"),
+        ("--camera", str, "LeRobot datasets: the video feature (default: the only one)"),
+        ("--action-key", str, "LeRobot datasets: the action feature (default: action)"),
+        ("--state-key", str, "LeRobot datasets: the state feature (read and checked, not trained on)"),
+        ("--domain", _domain, "embodiment name or id (default: the dataset's meta.json / info.json robot_type)"),
     ):
         train.add_argument(flag, type=kind, default=None, help=text)
     train.add_argument("--model", type=_json_object, default=None, help="transformer config overrides (JSON)")
@@ -339,7 +346,7 @@ def run_train_vae(args: argparse.Namespace) -> None:
 
     fields = ["steps", "batch_size", "lr", "base_dim", "decoder_base_dim", "z_dim", "num_res_blocks",
               "frames_per_clip", "resolution_tier", "kl_weight", "stats_clips", "num_workers", "log_every", "seed",
-              "device", "warmup_steps", "contrast_weight", "init_vae"]
+              "device", "warmup_steps", "contrast_weight", "init_vae", "camera"]
     config = VAETrainConfig(**_flag_overrides(args, fields), bf16=not args.no_bf16, train_encoder=not args.decoder_only)
     path = train_vae(args.dataset, args.out, config)
     print(f"wrote the VAE to {path}")
@@ -358,7 +365,8 @@ def run_train(args: argparse.Namespace) -> None:
     fields = ["steps", "batch_size", "lr", "warmup_steps", "chunk", "resolution_tier", "window_stride", "flow_shift",
               "uncond_prob", "ema_decay", "save_every", "log_every", "seed", "save_dtype", "vae_save_dtype",
               "param_dtype", "work_dir", "cond_noise_std", "rollout_prob", "rollout_max_chunks",
-              "init_checkpoint", "tokenizer_dir", "model", "mode_probs", "device"]
+              "init_checkpoint", "tokenizer_dir", "model", "mode_probs", "device", "camera", "action_key",
+              "state_key", "domain"]
     values = {**args.config, **_flag_overrides(args, fields)}
     for flag in ("gradient_checkpointing", "freeze_text_tower", "resume"):
         if getattr(args, flag):

@@ -111,6 +111,12 @@ class WorldModelTrainConfig:
     # cloning: the policy imitates what worked, while both dynamics modes still learn from every episode); a window
     # of another episode that draws policy mode trains forward dynamics instead.
     policy_episodes: str = "all"
+    # LeRobot datasets (dataset "lerobot:PATH"): the camera (video feature), action and state features, and the
+    # embodiment (default: info.json robot_type). domain also overrides our layout's meta.json domain.
+    camera: str | None = None
+    action_key: str | None = None
+    state_key: str | None = None
+    domain: str | int | None = None
     uncond_prob: float = 0.1
     # Noise on the clean conditioning frame (latent frame 0), std drawn per sample from U(0, cond_noise_std): in an
     # env rollout that frame is the model's own previous output, never a clean encode of a real one, and a model
@@ -632,7 +638,8 @@ class WorldModelTrainer:
         self.log_path = self.work_dir / "log.jsonl"
         device = ctx.device
 
-        self.info = read_dataset(dataset_dir)
+        self.info = read_dataset(dataset_dir, camera=config.camera, action_key=config.action_key,
+                                 state_key=config.state_key, domain=config.domain)
         self.fps = float(config.fps if config.fps is not None else self.info.fps)
         self.init_train_steps = init_train_steps(config.init_checkpoint)  # read now: export comes hours later
         self.tokenizer = load_tokenizer(config)
