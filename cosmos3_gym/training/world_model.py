@@ -50,6 +50,8 @@ from ..sampling import make_schedule
 from .data import TrainingWindows, build_training_windows, read_dataset
 from .distributed import DistributedContext, init_distributed
 from .export import META_FILE, SAVE_DTYPES, export_checkpoint, scheduler_config
+from .fsdp import apply_fsdp, full_ema_state_dict, full_model_state_dict, full_tensor, load_sharded_state
+from .fsdp import save_sharded_state
 from .flow_matching import (
     INVERSE_DYNAMICS,
     NATIVE_FLOW_SHIFT_BY_TIER,
@@ -81,6 +83,7 @@ DEFAULT_MODEL_CONFIG: dict[str, Any] = {
 }
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 POLICY_EPISODES = ("all", "successful")
+DATA_PARALLEL = ("ddp", "fsdp")
 STATE_FORMAT_VERSION = 1
 
 
@@ -136,7 +139,13 @@ class WorldModelTrainConfig:
     video_loss_weight: float = 1.0
     action_loss_weight: float = 1.0
     freeze_text_tower: bool = False  # train only the GEN tower (the UND K/V are then cached per prompt)
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # activation checkpointing per transformer block
+    # Under torchrun: "ddp" replicates the model on every rank; "fsdp" shards weights, gradients and AdamW states
+    # over the ranks (FSDP2, fsdp.py), with bf16 compute / fp32 reduce on CUDA and a sharded
+    # torch.distributed.checkpoint training state.
+    data_parallel: str = "ddp"
+    fsdp_cpu_offload: bool = False  # fsdp: sharded weights, grads and optimizer states on the host (CPU AdamW step)
+    fsdp_reshard_after_forward: bool = True  # fsdp: free gathered blocks after forward (False: more memory, less comm)
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
     bf16: bool = True  # bf16 autocast on CUDA (float32 master weights); ignored on CPU
@@ -212,6 +221,10 @@ class WorldModelTrainConfig:
             fail("window_stride", f"a divisor of chunk={self.chunk} with rollout_prob > 0 (windows a chunk apart)")
         if self.init_checkpoint is not None and self.model:
             fail("model", "{} with init_checkpoint (the architecture is the checkpoint's)")
+        if self.data_parallel not in DATA_PARALLEL:
+            fail("data_parallel", f"one of {list(DATA_PARALLEL)}")
+        if self.data_parallel == "fsdp" and self.rollout_prob > 0:
+            fail("rollout_prob", "0 with data_parallel='fsdp' (rollouts call the transformer outside the sharded step)")
 
     @property
     def resolved_flow_shift(self) -> float:
@@ -374,6 +387,7 @@ def training_step(
         out = model(batch)
     out["loss"].backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable_params, grad_clip if grad_clip > 0 else math.inf)
+    grad_norm = full_tensor(grad_norm)  # FSDP: a replicated DTensor
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return out, grad_norm
@@ -463,7 +477,36 @@ def sample_batch(
 # ----------------------------------------------------------------------------------------------------------------
 
 # Fields that must not change when a run is resumed: they change the model or what its optimizer state means.
-_RESUME_FIXED_FIELDS = ("chunk", "resolution_tier", "freeze_text_tower", "param_dtype", "init_checkpoint")
+_RESUME_FIXED_FIELDS = ("chunk", "resolution_tier", "freeze_text_tower", "param_dtype", "init_checkpoint",
+                        "data_parallel")
+
+
+def state_document(config: WorldModelTrainConfig, transformer_config: dict) -> dict:
+    """What state.json records besides the tensors: the format, the configs (checked on resume)."""
+    return {"format_version": STATE_FORMAT_VERSION, "config": dataclasses.asdict(config),
+            "transformer_config": transformer_config}
+
+
+def check_resumable(state_dir: Path, config: WorldModelTrainConfig, transformer_config: dict) -> dict:
+    """state.json of ``state_dir`` after checking that the run may continue with ``config``; returns it."""
+    document = json.loads((state_dir / "state.json").read_text())
+    if document.get("format_version") != STATE_FORMAT_VERSION:
+        raise InputError(
+            f"resume: {state_dir} has state format {document.get('format_version')}, expected {STATE_FORMAT_VERSION}"
+        )
+    saved = document["config"]
+    defaults = WorldModelTrainConfig()
+    for name in _RESUME_FIXED_FIELDS:
+        if saved.get(name, getattr(defaults, name)) != getattr(config, name):
+            raise InputError(
+                f"WorldModelTrainConfig.{name}: {getattr(config, name)!r} differs from {saved.get(name)!r} of the run "
+                f"saved in {state_dir}; it cannot change on resume"
+            )
+    if json.loads(json.dumps(transformer_config)) != document["transformer_config"]:
+        raise InputError(
+            f"WorldModelTrainConfig.model: the transformer config differs from the run saved in {state_dir}"
+        )
+    return document
 
 
 def save_training_state(
@@ -490,10 +533,8 @@ def save_training_state(
                 scalars[f"{index}.{key}"] = value
     save_file(cpu(tensors), temporary / "optimizer.safetensors")
     document = {
-        "format_version": STATE_FORMAT_VERSION,
+        **state_document(config, transformer_config),
         "step": step,
-        "config": dataclasses.asdict(config),
-        "transformer_config": transformer_config,
         "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars},
     }
     (temporary / "state.json").write_text(json.dumps(document, indent=2))
@@ -510,22 +551,7 @@ def load_training_state(
     config: WorldModelTrainConfig, transformer_config: dict,
 ) -> int:
     """Restore what ``save_training_state`` wrote; returns the step to continue from."""
-    document = json.loads((state_dir / "state.json").read_text())
-    if document.get("format_version") != STATE_FORMAT_VERSION:
-        raise InputError(
-            f"resume: {state_dir} has state format {document.get('format_version')}, expected {STATE_FORMAT_VERSION}"
-        )
-    saved = document["config"]
-    for name in _RESUME_FIXED_FIELDS:
-        if saved.get(name) != getattr(config, name):
-            raise InputError(
-                f"WorldModelTrainConfig.{name}: {getattr(config, name)!r} differs from {saved.get(name)!r} of the run "
-                f"saved in {state_dir}; it cannot change on resume"
-            )
-    if json.loads(json.dumps(transformer_config)) != document["transformer_config"]:
-        raise InputError(
-            f"WorldModelTrainConfig.model: the transformer config differs from the run saved in {state_dir}"
-        )
+    document = check_resumable(state_dir, config, transformer_config)
     device = next(model.parameters()).device
     model.load_state_dict(load_file(state_dir / "model.safetensors", device=str(device)))
     if ema is not None:
@@ -681,6 +707,10 @@ class WorldModelTrainer:
             self.transformer, video_loss_weight=config.video_loss_weight,
             action_loss_weight=config.action_loss_weight, freeze_text_tower=config.freeze_text_tower,
         )
+        self.sharded = config.data_parallel == "fsdp"
+        if self.sharded:
+            apply_fsdp(self.objective, device=device, bf16=config.bf16, cpu_offload=config.fsdp_cpu_offload,
+                       reshard_after_forward=config.fsdp_reshard_after_forward)
         self.rollout = None
         if config.rollout_prob > 0:
             schedule = make_schedule(config.rollout_num_steps, scheduler_config(config.resolved_flow_shift))
@@ -693,18 +723,27 @@ class WorldModelTrainer:
         self.optimizer = build_optimizer(self.transformer, config)
         self.ema = EMA(self.transformer, trainable, config.ema_decay) if config.ema_decay > 0 else None
         self.step = 0
-        if config.resume and (self.state_dir / "state.json").exists():
+        if config.resume and (self.state_dir / "state.json").exists() and self.sharded:
+            self.step = int(check_resumable(self.state_dir, config, self.transformer_config)["step"])
+            load_sharded_state(self.state_dir, objective=self.objective, ema=self.ema, optimizer=self.optimizer)
+        elif config.resume and (self.state_dir / "state.json").exists():
             self.step = load_training_state(
                 self.state_dir, model=self.transformer, ema=self.ema, optimizer=self.optimizer, config=config,
                 transformer_config=self.transformer_config,
             )
         self.model = self.objective
-        if ctx.world_size > 1:
+        if ctx.world_size > 1 and not self.sharded:
             self.model = nn.parallel.DistributedDataParallel(
                 self.objective, device_ids=[device.index] if device.type == "cuda" else None
             )
 
     def save_state(self) -> None:
+        if self.sharded:
+            save_sharded_state(
+                self.state_dir, step=self.step, objective=self.objective, ema=self.ema, optimizer=self.optimizer,
+                document=state_document(self.config, self.transformer_config), is_main=self.ctx.is_main,
+            )
+            return
         if self.ctx.is_main:
             save_training_state(
                 self.state_dir, step=self.step, model=self.transformer, ema=self.ema, optimizer=self.optimizer,
@@ -774,11 +813,15 @@ class WorldModelTrainer:
     def export(self) -> Path:
         """Write the checkpoint (EMA weights unless ``export_ema`` is False or there is no EMA) on the main rank."""
         config = self.config
-        if self.ctx.is_main:
+        use_ema = self.ema is not None and config.export_ema
+        if self.sharded:  # every rank takes part in gathering the full weights onto rank 0
+            weights = full_model_state_dict(self.transformer)
+            ema_weights = full_ema_state_dict(self.ema, self.ctx.is_main) if use_ema else {}
+        elif self.ctx.is_main:
             weights = self.transformer.state_dict()
-            use_ema = self.ema is not None and config.export_ema
-            if use_ema:
-                weights.update(self.ema.state_dict())
+            ema_weights = self.ema.state_dict() if use_ema else {}
+        if self.ctx.is_main:
+            weights.update(ema_weights)
             meta = {
                 "domain": self.info.domain, "raw_action_dim": self.raw_action_dim, "fps": self.fps,
                 "chunk": config.chunk, "resolution_tier": config.resolution_tier,
