@@ -325,6 +325,9 @@ def add_training_commands(sub) -> None:
         ("--action-key", str, "LeRobot datasets: the action feature (default: action)"),
         ("--state-key", str, "LeRobot datasets: the state feature (read and checked, not trained on)"),
         ("--domain", _domain, "embodiment name or id (default: the dataset's meta.json / info.json robot_type)"),
+        ("--data-parallel", str, "ddp | fsdp (under torchrun: replicate, or shard with FSDP2)"),
+        ("--lora-rank", int, "train rank-r LoRA adapters on the GEN tower (0: full fine-tuning)"),
+        ("--lora-alpha", float, "LoRA alpha (default: the rank)"),
     ):
         train.add_argument(flag, type=kind, default=None, help=text)
     train.add_argument("--model", type=_json_object, default=None, help="transformer config overrides (JSON)")
@@ -332,6 +335,7 @@ def add_training_commands(sub) -> None:
     train.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     train.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
     train.add_argument("--gradient-checkpointing", action="store_true")
+    train.add_argument("--fsdp-cpu-offload", action="store_true", help="fsdp: sharded states on the host")
     train.add_argument("--freeze-text-tower", action="store_true")
     train.add_argument("--resume", action="store_true", help="continue from the saved training state")
     train.set_defaults(func=run_train)
@@ -366,9 +370,9 @@ def run_train(args: argparse.Namespace) -> None:
               "uncond_prob", "ema_decay", "save_every", "log_every", "seed", "save_dtype", "vae_save_dtype",
               "param_dtype", "work_dir", "cond_noise_std", "rollout_prob", "rollout_max_chunks",
               "init_checkpoint", "tokenizer_dir", "model", "mode_probs", "device", "camera", "action_key",
-              "state_key", "domain"]
+              "state_key", "domain", "data_parallel", "lora_rank", "lora_alpha"]
     values = {**args.config, **_flag_overrides(args, fields)}
-    for flag in ("gradient_checkpointing", "freeze_text_tower", "resume"):
+    for flag in ("gradient_checkpointing", "freeze_text_tower", "resume", "fsdp_cpu_offload"):
         if getattr(args, flag):
             values[flag] = True
     if args.no_bf16:

@@ -14,6 +14,9 @@ per-mode losses) and ``latent_cache/``. Randomness is stateless: step ``k`` on r
 sigmas, prompt dropout and noise from a generator seeded with ``(seed, k, r)``, so a resumed run continues the
 exact sample stream of an uninterrupted one with no RNG state to save (the model has no dropout).
 
+With ``data_parallel="fsdp"`` the state is a sharded ``torch.distributed.checkpoint`` folder instead (fsdp.py). With
+``lora_rank`` > 0 only PEFT adapters on the GEN tower train and are merged at export (lora.py).
+
 At the end, ``out_dir`` receives a complete diffusers-layout checkpoint (EMA weights by default) that
 ``Cosmos3Engine.from_pretrained`` and ``Cosmos3OmniPipeline.from_pretrained`` load, plus action_stats.json and
 meta.json.
@@ -52,6 +55,7 @@ from .distributed import DistributedContext, init_distributed
 from .export import META_FILE, SAVE_DTYPES, export_checkpoint, scheduler_config
 from .fsdp import apply_fsdp, full_ema_state_dict, full_model_state_dict, full_tensor, load_sharded_state
 from .fsdp import save_sharded_state
+from .lora import apply_lora, merge_lora_state_dict
 from .flow_matching import (
     INVERSE_DYNAMICS,
     NATIVE_FLOW_SHIFT_BY_TIER,
@@ -144,6 +148,10 @@ class WorldModelTrainConfig:
     # over the ranks (FSDP2, fsdp.py), with bf16 compute / fp32 reduce on CUDA and a sharded
     # torch.distributed.checkpoint training state.
     data_parallel: str = "ddp"
+    # LoRA (lora.py): 0 trains the weights themselves; r >= 1 trains rank-r PEFT adapters on the GEN tower's linear
+    # layers only (everything else frozen, the text tower's K/V cached) and merges them into the exported weights.
+    lora_rank: int = 0
+    lora_alpha: float | None = None  # None: lora_rank (scaling 1)
     fsdp_cpu_offload: bool = False  # fsdp: sharded weights, grads and optimizer states on the host (CPU AdamW step)
     fsdp_reshard_after_forward: bool = True  # fsdp: free gathered blocks after forward (False: more memory, less comm)
     seed: int = 0
@@ -177,7 +185,7 @@ class WorldModelTrainConfig:
                      "rollout_num_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
-        for name in ("steps", "warmup_steps", "save_every", "seed"):
+        for name in ("steps", "warmup_steps", "save_every", "seed", "lora_rank"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 fail(name, "an integer >= 0")
         for name in ("lr", "logit_std") + (("fps",) if self.fps is not None else ()) + (
@@ -221,10 +229,16 @@ class WorldModelTrainConfig:
             fail("window_stride", f"a divisor of chunk={self.chunk} with rollout_prob > 0 (windows a chunk apart)")
         if self.init_checkpoint is not None and self.model:
             fail("model", "{} with init_checkpoint (the architecture is the checkpoint's)")
+        if self.lora_alpha is not None and (not is_number(self.lora_alpha) or self.lora_alpha <= 0):
+            fail("lora_alpha", "a positive number or None")
         if self.data_parallel not in DATA_PARALLEL:
             fail("data_parallel", f"one of {list(DATA_PARALLEL)}")
         if self.data_parallel == "fsdp" and self.rollout_prob > 0:
             fail("rollout_prob", "0 with data_parallel='fsdp' (rollouts call the transformer outside the sharded step)")
+
+    @property
+    def lora_scaling(self) -> float:
+        return float(self.lora_alpha if self.lora_alpha is not None else self.lora_rank) / max(self.lora_rank, 1)
 
     @property
     def resolved_flow_shift(self) -> float:
@@ -478,7 +492,7 @@ def sample_batch(
 
 # Fields that must not change when a run is resumed: they change the model or what its optimizer state means.
 _RESUME_FIXED_FIELDS = ("chunk", "resolution_tier", "freeze_text_tower", "param_dtype", "init_checkpoint",
-                        "data_parallel")
+                        "data_parallel", "lora_rank", "lora_alpha")
 
 
 def state_document(config: WorldModelTrainConfig, transformer_config: dict) -> dict:
@@ -700,12 +714,17 @@ class WorldModelTrainer:
                 f"model.num_embodiment_domains: {model_config.num_embodiment_domains} has no row for domain "
                 f"{self.info.domain!r} (id {self.domain_id})"
             )
-        trainable = set_trainable(self.transformer, config.freeze_text_tower)
+        if config.lora_rank:
+            trainable = apply_lora(self.transformer, config.lora_rank, config.lora_alpha or config.lora_rank,
+                                   seed=config.seed)
+        else:
+            trainable = set_trainable(self.transformer, config.freeze_text_tower)
+        text_frozen = config.freeze_text_tower or config.lora_rank > 0
         if config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.transformer, text_tower=not config.freeze_text_tower)
+            enable_gradient_checkpointing(self.transformer, text_tower=not text_frozen)
         self.objective = FlowMatchingObjective(
             self.transformer, video_loss_weight=config.video_loss_weight,
-            action_loss_weight=config.action_loss_weight, freeze_text_tower=config.freeze_text_tower,
+            action_loss_weight=config.action_loss_weight, freeze_text_tower=text_frozen,
         )
         self.sharded = config.data_parallel == "fsdp"
         if self.sharded:
@@ -822,6 +841,8 @@ class WorldModelTrainer:
             ema_weights = self.ema.state_dict() if use_ema else {}
         if self.ctx.is_main:
             weights.update(ema_weights)
+            if config.lora_rank:
+                weights = merge_lora_state_dict(weights, config.lora_scaling)
             meta = {
                 "domain": self.info.domain, "raw_action_dim": self.raw_action_dim, "fps": self.fps,
                 "chunk": config.chunk, "resolution_tier": config.resolution_tier,
@@ -867,8 +888,10 @@ def train_world_model(
     """Train a Cosmos3 policy model on the dataset and export a complete checkpoint to ``out_dir`` (returned).
 
     ``vae_dir`` is the frozen VAE (``train_vae`` output, or an existing checkpoint's ``vae/`` folder). Launched by
-    torchrun with several processes, the ranks train data-parallel (DDP; NCCL on CUDA, gloo on CPU), each drawing
-    ``batch_size`` samples per step; rank 0 writes the state, the log and the checkpoint.
+    torchrun with several processes, the ranks train data-parallel (DDP, or FSDP2 with ``data_parallel="fsdp"``;
+    NCCL on CUDA, gloo on CPU), each drawing ``batch_size`` samples per step; rank 0 writes the log and the
+    checkpoint (the FSDP training state is written by every rank, sharded). ``dataset_dir`` is a folder in our
+    layout or ``"lerobot:PATH"``.
     """
     config = config or WorldModelTrainConfig()
     config.validate()
