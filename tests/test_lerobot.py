@@ -30,7 +30,11 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def source(work) -> Path:
-    return make_dataset(work / "source", num_episodes=3, steps=12, size=32)
+    root = make_dataset(work / "source", num_episodes=3, steps=12, size=32)
+    for i, path in enumerate(sorted((root / "episodes").glob("*.npz"))):  # the optional success flag: 0 and 2 succeed
+        episode = dict(np.load(path))
+        np.savez(path, **episode, success=np.array(i != 1))
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +87,7 @@ def test_episodes_read_back_as_written(version, v3, v21, source):
                                    rtol=1e-6)
     for i in range(3):
         a, b = ours.episodes.load(i), theirs.episodes.load(i)
-        assert b.task == a.task == TASK
+        assert b.task == a.task == TASK and b.success == a.success == (i != 1)
         np.testing.assert_array_equal(b.actions, a.actions)
         assert b.frames.shape == a.frames.shape
         # Lossless 4:4:4 H.264: only the RGB <-> YUV conversion rounds.

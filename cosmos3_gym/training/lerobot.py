@@ -19,6 +19,8 @@ for. It serves the trainers through ``data.read_dataset("lerobot:PATH")`` (its e
 ``data.py``), the envs through ``LeRobotInitialStates`` (the first frame and task of every episode), and users
 through ``clips`` (training windows: frames on the model's tier canvas, raw actions, task, episode boundaries).
 
+An episode's ``success`` (our layout's optional flag) is LeRobot's per-frame ``next.success`` (any frame set).
+
 Conventions. LeRobot stores one action per frame (the action taken at that frame); ``data.py`` has ``T + 1`` frames
 and the ``T`` actions between them. An episode of ``L`` rows therefore becomes ``L`` frames and its first ``L - 1``
 actions (the last row's action leads out of the recording). ``write_lerobot_dataset`` writes the inverse (the last
@@ -346,6 +348,8 @@ class LeRobotDataset:
         columns = ["episode_index", "frame_index", "timestamp", self.action_key]
         columns += [self.state_key] if self.state_key else []
         columns += ["task_index"] if not episode.tasks else []
+        has_success = "next.success" in self.info["features"]
+        columns += ["next.success"] if has_success else []
         table = _read_parquet(episode.data_file, columns, filters=[("episode_index", "=", episode.index)])
         table = table.sort_by("frame_index")
         path = episode.data_file
@@ -371,7 +375,9 @@ class LeRobotDataset:
             task = episode.tasks[0]
         else:
             task = self.task_names.get(int(table.column("task_index")[0].as_py()), "")
-        rows = {"actions": actions, "task": task}
+        rows = {"actions": actions, "task": task,
+                "success": bool(np.any(table.column("next.success").to_numpy(zero_copy_only=False)))
+                if has_success else None}
         if self.state_key:
             rows["states"] = _matrix(table, self.state_key, path)
         return rows
@@ -391,7 +397,7 @@ class LeRobotDataset:
 
         rows = self.read_rows(i)
         frames = self.read_frames(i) if with_frames else None
-        return Episode(frames=frames, actions=rows["actions"][:-1], task=rows["task"])
+        return Episode(frames=frames, actions=rows["actions"][:-1], task=rows["task"], success=rows["success"])
 
     def clips(self, chunk: int, stride: int | None = None, resolution_tier: int | None = None,
               episodes: list[int] | None = None) -> Iterator[LeRobotClip]:
@@ -519,11 +525,16 @@ def _write_video(path: Path, frames: np.ndarray, fps: float, crf: int) -> None:
     writer.close()
 
 
-def _rows_table(episode_index: int, first_index: int, actions: np.ndarray, fps: float, task_index: int):
+def _rows_table(episode_index: int, first_index: int, actions: np.ndarray, fps: float, task_index: int,
+                success: bool | None):
     import pyarrow as pa
 
     rows, dim = actions.shape
+    extra = {}
+    if success is not None:  # LeRobot's per-frame flag: set on the last frame of a successful episode
+        extra["next.success"] = pa.array(np.arange(rows) == rows - 1 if success else np.zeros(rows, bool))
     return pa.table({
+        **extra,
         "action": pa.FixedSizeListArray.from_arrays(pa.array(actions.reshape(-1), pa.float32()), dim),
         "timestamp": pa.array(np.arange(rows) / fps, pa.float32()),
         "frame_index": pa.array(np.arange(rows), pa.int64()),
@@ -564,6 +575,7 @@ def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathL
     episode_rows: list[dict] = []
     episode_stats: list[dict] = []
     image_hw = None
+    with_success = False
     total = 0
     per_file = episodes_per_file if version == "v3.0" else 1
     groups = [list(range(i, min(i + per_file, len(source.episodes)))) for i in range(0, len(source.episodes), per_file)]
@@ -581,7 +593,12 @@ def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathL
             # One action per frame: the last frame repeats the last action (the reader drops it again).
             actions = np.concatenate([episode.actions, episode.actions[-1:]]).astype(np.float32)
             task_index = tasks.setdefault(episode.task, len(tasks))
-            tables.append(_rows_table(i, total, actions, fps, task_index))
+            if i == 0:
+                with_success = episode.success is not None
+            elif (episode.success is not None) != with_success:
+                raise InputError(f"dataset: {source.episode_paths[i]} has {'no ' * (episode.success is None)}"
+                                 f"'success' array unlike episode 0; all episodes must agree")
+            tables.append(_rows_table(i, total, actions, fps, task_index, episode.success))
             length = len(actions)
             row = {"episode_index": i, "tasks": [episode.task], "length": length}
             if version == "v3.0":
@@ -625,6 +642,8 @@ def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathL
         "index": {"dtype": "int64", "shape": [1], "names": None},
         "task_index": {"dtype": "int64", "shape": [1], "names": None},
     }
+    if with_success:
+        features["next.success"] = {"dtype": "bool", "shape": [1], "names": None}
     info = {
         "codebase_version": version, "robot_type": source.domain if isinstance(source.domain, str) else None,
         "total_episodes": len(episode_rows), "total_frames": total, "total_tasks": len(tasks),
