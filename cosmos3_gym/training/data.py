@@ -347,7 +347,8 @@ def build_training_windows(
             canvas_hw, latent_shape = episode_canvas, tuple(episode_latents.shape[1:])
         elif episode_canvas != canvas_hw or tuple(episode_latents.shape[1:]) != latent_shape:
             raise InputError(
-                f"dataset: {info.root} {store.name(i)} gives a {episode_canvas} canvas / latent {episode_latents.shape[1:]}"
+                f"dataset: {info.root} {store.name(i)} gives a {episode_canvas} canvas / latent "
+                f"{episode_latents.shape[1:]}"
                 f" but earlier episodes give {canvas_hw} / {latent_shape}; all frames must have one size"
             )
         key = (episode.task, episode_canvas)

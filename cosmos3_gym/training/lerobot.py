@@ -212,7 +212,9 @@ class LeRobotDataset:
                 )
             camera = videos[0]
         if camera not in videos:
-            raise InputError(f"camera: {camera!r} is not a video feature of {self.info_path} (video features: {videos})")
+            raise InputError(
+                f"camera: {camera!r} is not a video feature of {self.info_path} (video features: {videos})"
+            )
         self.camera = camera
         video_fps = (features[camera].get("info") or {}).get("video.fps")
         if video_fps is not None and abs(float(video_fps) - self.fps) > 1e-3 * self.fps:
@@ -228,7 +230,9 @@ class LeRobotDataset:
         self.action_key, self.state_key = action_key, state_key
         shape = features[action_key].get("shape") or []
         if len(shape) != 1 or not isinstance(shape[0], int) or shape[0] < 1:
-            raise InputError(f"dataset: {self.info_path} field features[{action_key!r}].shape must be [dim], got {shape}")
+            raise InputError(
+                f"dataset: {self.info_path} field features[{action_key!r}].shape must be [dim], got {shape}"
+            )
         self.raw_action_dim = int(shape[0])
         self.robot_type = info.get("robot_type")
         self.task_names = self._read_tasks()

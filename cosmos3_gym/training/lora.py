@@ -1,7 +1,7 @@
 """LoRA fine-tuning (PEFT) of the GEN tower: low-rank adapters on its linear layers, merged into the weights at export.
 
-For users with one GPU and a large checkpoint: the base weights stay frozen (they can be bf16), only the adapters
-``W + (alpha / r) * B @ A`` on every GEN layer's fused q/k/v, attention output, gate/up and down projections train
+For users with one GPU and a large checkpoint: the base weights stay frozen (they can be bf16), only the float32
+adapters ``W + (alpha / r) * B @ A`` on every GEN layer's fused q/k/v, attention output, gate/up and down projections train
 (PEFT's ``LoraLayer``, the implementation diffusers integrates; B starts at zero, so step 0 is the base model). The
 UND (text) tower has no adapters and is frozen, so its K/V are cached per prompt as with ``freeze_text_tower``.
 
@@ -41,6 +41,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0) -> list
         trainable = ".lora_A." in name or ".lora_B." in name
         param.requires_grad_(trainable)
         if trainable:
+            param.data = param.data.float()  # float32 adapters (and AdamW states) even on a bf16 base
             names.append(name)
     if not names:
         raise InputError("lora_rank: the model has no GEN linear layers to adapt")
