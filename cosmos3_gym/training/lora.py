@@ -1,9 +1,9 @@
 """LoRA fine-tuning (PEFT) of the GEN tower: low-rank adapters on its linear layers, merged into the weights at export.
 
 For users with one GPU and a large checkpoint: the base weights stay frozen (they can be bf16), only the float32
-adapters ``W + (alpha / r) * B @ A`` on every GEN layer's fused q/k/v, attention output, gate/up and down projections train
-(PEFT's ``LoraLayer``, the implementation diffusers integrates; B starts at zero, so step 0 is the base model). The
-UND (text) tower has no adapters and is frozen, so its K/V are cached per prompt as with ``freeze_text_tower``.
+adapters ``W + (alpha / r) * B @ A`` on every GEN layer's fused q/k/v, attention output, gate/up and down projections
+train (PEFT's ``LoraLayer``, the implementation diffusers integrates; B starts at zero, so step 0 is the base model).
+The UND (text) tower has no adapters and is frozen, so its K/V are cached per prompt as with ``freeze_text_tower``.
 
 ``merge_lora_state_dict`` folds the adapters into plain weights: the exported checkpoint is an ordinary diffusers
 checkpoint with no PEFT dependency at inference.
