@@ -43,18 +43,21 @@ def _batch(rows: slice) -> FlowMatchingBatch:
                                 for k, v in vars(batch).items()})
 
 
-def _sharded_vs_single(checkpointing: bool):
+def _sharded_vs_single(checkpointing: bool, device: str = "cpu", bf16: bool = False):
+    """Two steps of AdamW on the whole batch in one process and on each rank's half under FSDP; ``bf16``: the
+    sharded model computes in bf16 (MixedPrecisionPolicy, CUDA only) under autocast."""
     rank = torch.distributed.get_rank()
+    device = torch.device(device, rank) if device == "cuda" else torch.device(device)
     cfg = Cosmos3TransformerConfig.from_dict({**TINY_TRANSFORMER_CONFIG, "vocab_size": 64})
     config = WorldModelTrainConfig(lr=1e-2, weight_decay=0.1, warmup_steps=0)
     torch.manual_seed(0)
-    reference = Cosmos3Transformer(cfg)
+    reference = Cosmos3Transformer(cfg).to(device)
     set_trainable(reference, freeze_text_tower=False)
     sharded = copy.deepcopy(reference)
-    initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    initial = {n: p.detach().cpu().clone() for n, p in reference.named_parameters()}
     if checkpointing:
         enable_gradient_checkpointing(sharded)
-    objective = apply_fsdp(FlowMatchingObjective(sharded), device=torch.device("cpu"))
+    objective = apply_fsdp(FlowMatchingObjective(sharded), device=device, bf16=bf16)
     results = {}
     for name, model, wrapper, rows in (("single", reference, FlowMatchingObjective(reference), slice(0, 4)),
                                        ("fsdp", sharded, objective, slice(2 * rank, 2 * rank + 2))):
@@ -64,9 +67,10 @@ def _sharded_vs_single(checkpointing: bool):
         for _ in range(2):
             for group in optimizer.param_groups:
                 group["lr"] = config.lr
-            _, grad_norm = training_step(wrapper, _batch(rows), optimizer, params, 1.0, autocast=False)
+            _, grad_norm = training_step(wrapper, _batch(rows).to(device), optimizer, params, 1.0,
+                                         autocast=bf16 and model is sharded)
             norms.append(float(grad_norm))
-        results[name] = ({n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}, norms)
+        results[name] = ({n: full_tensor(p.detach()).cpu() for n, p in model.named_parameters()}, norms)
     sharded_params = [p for p in sharded.parameters()]
     local_share = sum(p.to_local().numel() for p in sharded_params) / sum(p.numel() for p in sharded_params)
     return results, local_share, initial
@@ -83,6 +87,19 @@ def test_fsdp_step_equals_the_single_process_step(checkpointing):
         for name, value in single.items():
             torch.testing.assert_close(fsdp[name], value, rtol=0, atol=1e-4, msg=name)
         assert sum(not torch.equal(initial[n], v) for n, v in single.items()) > len(single) // 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_fsdp_on_two_gpus_with_nccl():
+    """fp32: the sharded step equals the single-GPU step; bf16 compute / fp32 reduce: the gradient norms stay within
+    bf16 rounding of the fp32 ones."""
+    [(fp32, _, _), _] = run_distributed(_sharded_vs_single, 2, True, "cuda", False, backend="nccl", timeout=120)
+    assert fp32["fsdp"][1] == pytest.approx(fp32["single"][1], rel=1e-3)
+    for name, value in fp32["single"][0].items():
+        torch.testing.assert_close(fp32["fsdp"][0][name], value, rtol=0, atol=1e-4, msg=name)
+    [(mixed, _, _), _] = run_distributed(_sharded_vs_single, 2, True, "cuda", True, backend="nccl", timeout=120)
+    assert mixed["fsdp"][1] == pytest.approx(mixed["single"][1], rel=5e-2)
 
 
 def _train(dataset, vae_dir, out, cache_dir, steps, resume):
