@@ -12,6 +12,8 @@ Dataset layout (the contract between data generation and training)::
                    task (0-d str array); optional: success (0-d bool; WorldModelTrainConfig.policy_episodes
                    can keep policy-mode samples to successful episodes), rewards [T], coverage [T+1], policy
 
+LeRobot v3.0 / v2.1 datasets (``"lerobot:PATH"``) are read through ``lerobot.py`` into the same episodes.
+
 Action ``t`` takes frame ``t`` to frame ``t + 1``. A training window starting at frame ``s`` holds frames
 ``s .. s+chunk`` (chunk + 1 frames, the clip the engine generates) and actions ``s .. s+chunk-1``; windows start
 every ``stride`` frames. Actions are normalised with stats.json in the mode meta.json names (minmax by default).
