@@ -103,9 +103,10 @@ def synthetic_batch(config: Cosmos3TransformerConfig, args, device: torch.device
 
 
 def step_flops(config: Cosmos3TransformerConfig, args, lora: bool) -> tuple[float, int, int]:
-    """(training FLOPs of one rank's batch, GEN tokens, text tokens per sample): 2 FLOPs per multiply-add in every
-    block GEMM and attention product, x3 for forward + backward (x2 + weight-gradients skipped for the frozen text
-    tower under LoRA, whose backward then only runs the GEN tower)."""
+    """(training FLOPs of one rank's batch, GEN tokens, text tokens per sample), 2 FLOPs per multiply-add of every
+    block GEMM and attention product. Full fine-tuning: 3x the forward of both towers (forward, input and weight
+    gradients). LoRA: 2x the GEN tower's forward (forward and input gradients; the frozen weights get no gradient,
+    the adapters' FLOPs are negligible) and no text tower (its K/V are cached per prompt after the first step)."""
     latent_t = args.chunk // config.temporal_compression + 1
     p = config.latent_patch_size
     gen = latent_t * math.ceil(args.latent_h / p) * math.ceil(args.latent_w / p) + args.chunk
@@ -115,8 +116,8 @@ def step_flops(config: Cosmos3TransformerConfig, args, lora: bool) -> tuple[floa
     per_token = 2 * (h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size)  # qkv, out, gated MLP
     layers = config.num_hidden_layers
     gen_fwd = layers * (gen * per_token + 4 * gen * (gen + text) * q)
-    text_fwd = layers * (text * per_token + 4 * text * text * q / 2)
-    total = 3 * gen_fwd + (text_fwd if lora else 3 * text_fwd)
+    text_fwd = layers * (text * per_token + 4 * text * text * q / 2)  # causal: half the score matrix
+    total = 2 * gen_fwd if lora else 3 * (gen_fwd + text_fwd)
     return args.batch_size * total, gen, text
 
 
