@@ -43,9 +43,10 @@ def _batch(rows: slice) -> FlowMatchingBatch:
                                 for k, v in vars(batch).items()})
 
 
-def _sharded_vs_single(checkpointing: bool, device: str = "cpu", bf16: bool = False):
+def _sharded_vs_single(checkpointing: bool, device: str = "cpu", bf16: bool = False, cpu_offload: bool = False):
     """Two steps of AdamW on the whole batch in one process and on each rank's half under FSDP; ``bf16``: the
-    sharded model computes in bf16 (MixedPrecisionPolicy, CUDA only) under autocast."""
+    sharded model computes in bf16 (MixedPrecisionPolicy, CUDA only) under autocast; ``cpu_offload``: the sharded
+    states live on the host (CPUOffloadPolicy)."""
     rank = torch.distributed.get_rank()
     device = torch.device(device, rank) if device == "cuda" else torch.device(device)
     cfg = Cosmos3TransformerConfig.from_dict({**TINY_TRANSFORMER_CONFIG, "vocab_size": 64})
@@ -57,7 +58,7 @@ def _sharded_vs_single(checkpointing: bool, device: str = "cpu", bf16: bool = Fa
     initial = {n: p.detach().cpu().clone() for n, p in reference.named_parameters()}
     if checkpointing:
         enable_gradient_checkpointing(sharded)
-    objective = apply_fsdp(FlowMatchingObjective(sharded), device=device, bf16=bf16)
+    objective = apply_fsdp(FlowMatchingObjective(sharded), device=device, bf16=bf16, cpu_offload=cpu_offload)
     results = {}
     for name, model, wrapper, rows in (("single", reference, FlowMatchingObjective(reference), slice(0, 4)),
                                        ("fsdp", sharded, objective, slice(2 * rank, 2 * rank + 2))):
@@ -76,9 +77,10 @@ def _sharded_vs_single(checkpointing: bool, device: str = "cpu", bf16: bool = Fa
     return results, local_share, initial
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_fsdp_step_equals_the_single_process_step(checkpointing):
-    for results, local_share, initial in run_distributed(_sharded_vs_single, 2, checkpointing, timeout=60):
+@pytest.mark.parametrize("checkpointing, cpu_offload", [(False, False), (True, False), (True, True)])
+def test_fsdp_step_equals_the_single_process_step(checkpointing, cpu_offload):
+    for results, local_share, initial in run_distributed(_sharded_vs_single, 2, checkpointing, "cpu", False,
+                                                         cpu_offload, timeout=60):
         assert 0.4 < local_share < 0.6  # each rank holds about half of every tensor
         (single, single_norms), (fsdp, fsdp_norms) = results["single"], results["fsdp"]
         assert fsdp_norms == pytest.approx(single_norms, rel=1e-4)
