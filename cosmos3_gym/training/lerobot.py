@@ -512,21 +512,36 @@ def lerobot_initial_states(path, camera: str | None = None):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _write_video(path: Path, frames: np.ndarray, fps: float, crf: int) -> None:
-    import imageio_ffmpeg
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    height, width = frames.shape[1:3]
+def _pix_fmt(height: int, width: int, crf: int) -> str:
     # 4:2:0 needs even sizes; crf 0 is lossless in 4:4:4 (the colour conversion still rounds by a unit or two).
-    pix_fmt = "yuv420p" if height % 2 == 0 and width % 2 == 0 and crf > 0 else "yuv444p"
-    writer = imageio_ffmpeg.write_frames(
-        str(path), (width, height), fps=fps, codec="libx264", pix_fmt_out=pix_fmt, quality=None,
-        macro_block_size=1, output_params=["-crf", str(crf), "-g", str(max(int(round(fps)), 1))],
-    )
-    writer.send(None)
-    for frame in frames:
-        writer.send(np.ascontiguousarray(frame))
-    writer.close()
+    return "yuv420p" if height % 2 == 0 and width % 2 == 0 and crf > 0 else "yuv444p"
+
+
+class _VideoWriter:
+    """One H.264 mp4 fed episode by episode (one episode's frames in memory at a time); opened on the first frames."""
+
+    def __init__(self, path: Path, fps: float, crf: int):
+        self.path, self.fps, self.crf, self.writer = path, fps, crf, None
+
+    def write(self, frames: np.ndarray) -> None:
+        import imageio_ffmpeg
+
+        if self.writer is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            height, width = frames.shape[1:3]
+            self.writer = imageio_ffmpeg.write_frames(
+                str(self.path), (width, height), fps=self.fps, codec="libx264",
+                pix_fmt_out=_pix_fmt(height, width, self.crf), quality=None, macro_block_size=1,
+                # a keyframe every second keeps ffmpeg's seek to an episode's start short
+                output_params=["-crf", str(self.crf), "-g", str(max(int(round(self.fps)), 1))],
+            )
+            self.writer.send(None)
+        for frame in frames:
+            self.writer.send(np.ascontiguousarray(frame))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _rows_table(episode_index: int, first_index: int, actions: np.ndarray, fps: float, task_index: int,
@@ -585,7 +600,14 @@ def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathL
     groups = [list(range(i, min(i + per_file, len(source.episodes)))) for i in range(0, len(source.episodes), per_file)]
     bar = tqdm(total=len(source.episodes), desc="writing LeRobot dataset", disable=not progress)
     for file_index, group in enumerate(groups):
-        tables, frames_of_file, offset = [], [], 0
+        if version == "v3.0":
+            fields = dict(chunk_index=file_index // CHUNKS_SIZE, file_index=file_index % CHUNKS_SIZE)
+            data_path, video_path = V3_DATA_PATH.format(**fields), V3_VIDEO_PATH.format(video_key=camera, **fields)
+        else:
+            fields = dict(episode_chunk=group[0] // CHUNKS_SIZE, episode_index=group[0])
+            data_path, video_path = V21_DATA_PATH.format(**fields), V21_VIDEO_PATH.format(video_key=camera, **fields)
+        video = _VideoWriter(out / video_path, fps, crf)
+        tables, offset = [], 0
         for i in group:
             episode = source.episodes.load(i)
             frames = episode.frames
@@ -618,26 +640,20 @@ def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathL
             episode_rows.append(row)
             stats = {k: np.asarray(v).tolist() for k, v in _stats_of(actions.astype(np.float64)).items()}
             episode_stats.append({"episode_index": i, "stats": {"action": {**stats, "count": [length]}}})
-            frames_of_file.append(frames)
+            video.write(frames)
             offset += length
             total += length
             bar.update()
-        if version == "v3.0":
-            fields = dict(chunk_index=file_index // CHUNKS_SIZE, file_index=file_index % CHUNKS_SIZE)
-            data_path, video_path = V3_DATA_PATH.format(**fields), V3_VIDEO_PATH.format(video_key=camera, **fields)
-        else:
-            fields = dict(episode_chunk=group[0] // CHUNKS_SIZE, episode_index=group[0])
-            data_path, video_path = V21_DATA_PATH.format(**fields), V21_VIDEO_PATH.format(video_key=camera, **fields)
+        video.close()
         (out / data_path).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.concat_tables(tables), out / data_path)
-        _write_video(out / video_path, np.concatenate(frames_of_file), fps, crf)
     bar.close()
 
     height, width = (int(v) for v in image_hw)
     features = {
         camera: {"dtype": "video", "shape": [height, width, 3], "names": ["height", "width", "channels"],
                  "info": {"video.height": height, "video.width": width, "video.codec": "h264",
-                          "video.pix_fmt": "yuv420p" if crf > 0 and height % 2 == 0 and width % 2 == 0 else "yuv444p",
+                          "video.pix_fmt": _pix_fmt(height, width, crf),
                           "video.is_depth_map": False, "video.fps": fps, "video.channels": 3, "has_audio": False}},
         "action": {"dtype": "float32", "shape": [source.raw_action_dim], "names": None},
         "timestamp": {"dtype": "float32", "shape": [1], "names": None},
