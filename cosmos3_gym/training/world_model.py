@@ -53,9 +53,6 @@ from ..sampling import make_schedule
 from .data import TrainingWindows, build_training_windows, read_dataset
 from .distributed import DistributedContext, init_distributed
 from .export import META_FILE, SAVE_DTYPES, export_checkpoint, scheduler_config
-from .fsdp import apply_fsdp, full_ema_state_dict, full_model_state_dict, full_tensor, load_sharded_state
-from .fsdp import save_sharded_state
-from .lora import apply_lora, merge_lora_state_dict
 from .flow_matching import (
     INVERSE_DYNAMICS,
     NATIVE_FLOW_SHIFT_BY_TIER,
@@ -64,6 +61,15 @@ from .flow_matching import (
     FlowMatchingObjective,
     sample_sigmas,
 )
+from .fsdp import (
+    apply_fsdp,
+    full_ema_state_dict,
+    full_model_state_dict,
+    full_tensor,
+    load_sharded_state,
+    save_sharded_state,
+)
+from .lora import apply_lora, merge_lora_state_dict
 from .rollout import RolloutConditioner
 from .schedule import LR_SCHEDULES, learning_rate
 
