@@ -35,6 +35,8 @@ an installed world model; ``--first-part`` then can be the installed model folde
         --wm-init cosmos3_gym/assets/pusht/checkpoint --wm-cond-noise 0.3 --wm-lr 2e-4 --out $OUT
 
 (``--wm-rollout-prob`` conditions part of each batch on the model's own frames, ``training/rollout.py``.)
+``--lerobot`` trains stages 2 and 3 from the simulated episodes written as a LeRobot v3.0 dataset
+(``training.lerobot.write_lerobot_dataset``, H.264 videos) instead of our episode layout.
 
 Files in ``--out`` (at most 8, no folders): train_pusht.json (train_pusht_<part>.json) (stages, timings, sizes, configs, last losses, provenance), fidelity_pusht_chunks.json,
 pusht_assets.tar.gz, side_by_side.mp4, vae_log.jsonl, world_model_log.jsonl. Datasets, latent caches and training

@@ -16,7 +16,7 @@ from cosmos3_gym.engine import Cosmos3Engine
 from cosmos3_gym.envs.initial_states import load_initial_states
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.training.data import read_dataset
-from cosmos3_gym.training.lerobot import LeRobotDataset, write_lerobot_dataset
+from cosmos3_gym.training.lerobot import LeRobotDataset, _aggregate_episode_stats, write_lerobot_dataset
 
 from test_training import CHUNK, FPS, TASK, TINY_MODEL, make_dataset
 
@@ -199,3 +199,19 @@ def test_bad_datasets_name_the_file_and_field(v3, v21, tmp_path):
     with pytest.raises(InputError, match="domain: .*robot_type 'koch'"):
         read_dataset(f"lerobot:{broken}")
     assert read_dataset(f"lerobot:{broken}", domain="pusht").domain == "pusht"
+
+
+def test_v21_statistics_pool_the_episodes_exactly():
+    rng = np.random.default_rng(0)
+    parts = [rng.normal(size=(n, 3)) * (i + 1) + i for i, n in enumerate((5, 11, 7))]
+    lines = [{"episode_index": i, "stats": {"action": {
+        "min": p.min(0).tolist(), "max": p.max(0).tolist(), "mean": p.mean(0).tolist(), "std": p.std(0).tolist(),
+        "count": [len(p)]}}} for i, p in enumerate(parts)]
+    pooled = _aggregate_episode_stats(lines, "action", Path("episodes_stats.jsonl"))
+    everything = np.concatenate(parts)
+    for key, expected in (("min", everything.min(0)), ("max", everything.max(0)), ("mean", everything.mean(0)),
+                          ("std", everything.std(0))):
+        np.testing.assert_allclose(pooled[key], expected, rtol=1e-10, err_msg=key)
+    del lines[1]["stats"]["action"]["count"]
+    with pytest.raises(InputError, match="episodes_stats.jsonl has an episode without stats"):
+        _aggregate_episode_stats(lines, "action", Path("episodes_stats.jsonl"))
