@@ -165,3 +165,28 @@ def test_fp8_engine_with_compile_and_cuda_graphs_matches_bf16_closely(tiny_check
         engine.close()
     assert _relative(results["fp8"].action, results["bf16"].action) < 0.15
     assert _relative(results["fp8"].video_latents, results["bf16"].video_latents) < 0.15
+
+
+def test_benchmark_twin_shares_the_und_tower_and_owns_its_gen_layers(tiny_transformer):
+    """benchmarks/fp8_gpu.py times every precision on a twin of one loaded model: the twin must compute what the
+    model computes, share the UND tower (no second copy of it), and own its GEN layers (quantizing them must not
+    touch the model's)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import fp8_gpu
+    finally:
+        sys.path.pop(0)
+    twin = fp8_gpu.gen_twin(tiny_transformer, None, compile_blocks=False)
+    assert twin.text_layers is tiny_transformer.text_layers and twin.proj_in is tiny_transformer.proj_in
+    assert twin.gen_layers is not tiny_transformer.gen_layers
+    assert tiny_transformer.blocks_compiled is False and twin.blocks_compiled is True
+    v_model, a_model = fp8_gpu.velocity(tiny_transformer, (3, 8, 8), 8, 15.0, "cpu")
+    v_twin, a_twin = fp8_gpu.velocity(twin, (3, 8, 8), 8, 15.0, "cpu")
+    assert torch.equal(v_model, v_twin) and torch.equal(a_model, a_twin)
+    with torch.no_grad():
+        twin.gen_layers[0].mlp.down.weight.mul_(2.0)
+    assert not torch.equal(twin.gen_layers[0].mlp.down.weight, tiny_transformer.gen_layers[0].mlp.down.weight)
+    assert not torch.equal(fp8_gpu.velocity(twin, (3, 8, 8), 8, 15.0, "cpu")[0], v_model)
