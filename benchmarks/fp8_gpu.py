@@ -86,6 +86,8 @@ def run_section(results: dict, name: str, budget: Budget, estimate_s: float, fn,
         except Exception as error:  # noqa: BLE001 - recorded; later sections still run
             traceback.print_exc()
             results[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            error = None  # drop the traceback's frames (and the tensors they hold) before freeing memory
+            free_memory()
         if isinstance(results[name], dict):
             results[name]["section_s"] = time.perf_counter() - started
         print(f"[{name}] {time.perf_counter() - started:.0f} s, {budget.left():.0f} s of budget left", flush=True)
@@ -350,26 +352,29 @@ def pusht_accuracy(device: str, policies: list[str], episodes: int, chunks: int,
     return results
 
 
-def decode_variants(vae_module, latents: torch.Tensor, tiny: bool) -> dict:
+def decode_variants(vae_module, latents: torch.Tensor, compiled: bool) -> dict:
     """The engine's decode after ``optimize()`` (fused norms, fp32) against cuDNN benchmark mode, channels-last-3d
-    weights, bf16, and ``torch.compile`` of the whole decoder; each built from an untouched copy of the VAE."""
+    weights and bf16 (``compiled`` False), or against ``torch.compile`` of the whole decoder (``compiled`` True: its
+    compiles take minutes, so it is a section of its own, last); each built from an untouched copy of the VAE."""
 
     def fresh(dtype=torch.float32) -> Cosmos3VAE:
         return Cosmos3VAE(copy.deepcopy(vae_module).to(dtype))
 
     table = {}
     reference = None
-    candidates = [
-        ("current_fused_norms", False, lambda: fresh().fuse_decoder_norms()),
-        ("current_fused_norms_cudnn_benchmark", True, None),  # the same VAE object, cuDNN benchmark on
-        ("channels_last_3d", False, lambda: fresh().use_channels_last().fuse_decoder_norms()),
-        ("channels_last_3d_cudnn_benchmark", True, None),
-        ("bf16_fused_norms_cudnn_benchmark", True, lambda: fresh(torch.bfloat16).fuse_decoder_norms()),
-        ("bf16_channels_last_3d_cudnn_benchmark", True,
-         lambda: fresh(torch.bfloat16).use_channels_last().fuse_decoder_norms()),
-    ]
-    if not tiny:  # compiling the whole decoder takes minutes on 2 CPU cores
-        candidates.append(("compiled_decoder_cudnn_benchmark", True, lambda: compiled_decoder(fresh())))
+    candidates = [("current_fused_norms", False, lambda: fresh().fuse_decoder_norms())]
+    if compiled:
+        candidates += [("compiled_decoder", False, lambda: compiled_decoder(fresh())),
+                       ("compiled_decoder_cudnn_benchmark", True, None)]
+    else:
+        candidates += [
+            ("current_fused_norms_cudnn_benchmark", True, None),  # the same VAE object, cuDNN benchmark on
+            ("channels_last_3d", False, lambda: fresh().use_channels_last().fuse_decoder_norms()),
+            ("channels_last_3d_cudnn_benchmark", True, None),
+            ("bf16_fused_norms_cudnn_benchmark", True, lambda: fresh(torch.bfloat16).fuse_decoder_norms()),
+            ("bf16_channels_last_3d_cudnn_benchmark", True,
+             lambda: fresh(torch.bfloat16).use_channels_last().fuse_decoder_norms()),
+        ]
     vae = None
     for name, benchmark, build in candidates:
         torch.backends.cudnn.benchmark = benchmark
@@ -402,8 +407,10 @@ def decode_variants(vae_module, latents: torch.Tensor, tiny: bool) -> dict:
 
 
 def compiled_decoder(vae: Cosmos3VAE) -> Cosmos3VAE:
-    """``torch.compile`` of the whole decoder module (inductor then fuses the norms itself)."""
-    vae.vae.decoder.compile()
+    """``torch.compile`` of the whole decoder module (inductor then fuses the norms itself). Dynamic shapes: the
+    first latent frame (no cache yet) and the later chunks (whose cached frames differ in count) share two graphs
+    instead of compiling three."""
+    vae.vae.decoder.compile(dynamic=True)
     return vae
 
 
@@ -438,7 +445,8 @@ def summary_table(results: dict) -> str:
             + (f"{err:>9.4f}" if err is not None else f"{'-':>9}") + f"{action if action is not None else math.nan:>12.4f}"
         )
     lines.append("(act vs bf16: the FP8 actions' relative difference from bf16's; on the bf16 row, seed 0 vs seed 1)")
-    decode = results.get("decode", {})
+    decode = {**results.get("decode", {}), **{f"{k} (2nd run)" if k == "current_fused_norms" else k: v
+                                              for k, v in results.get("decode_compiled", {}).items()}}
     for name, entry in decode.items():
         if isinstance(entry, dict) and "seconds" in entry:
             lines.append(f"decode {name:<40} {entry['seconds']:.3f}s  x{entry.get('speedup_vs_current', math.nan):.2f}"
@@ -542,6 +550,10 @@ def main(argv: list[str] | None = None) -> dict:
         run_pusht(results, args, budget, device, tiny, pusht_policies, save)
     if "decode" not in results:
         run_decode(results, budget, pristine_vae, baseline, device, tiny, save)
+    if not tiny and baseline is not None:  # compiling the whole decoder takes minutes (on 2 CPU cores: many)
+        latents = baseline[1][None].to(device)
+        run_section(results, "decode_compiled", budget, 120,
+                    lambda: decode_variants(pristine_vae, latents, compiled=True), save)
     results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
     results["wall_s"] = time.perf_counter() - budget.start
     save()
@@ -555,7 +567,7 @@ def run_decode(results, budget, pristine_vae, baseline, device, tiny, save) -> N
         results["decode"] = {"skipped": "no bf16 policy request to take latents from"}
         return
     latents = baseline[1][None].to(device)
-    run_section(results, "decode", budget, 40, lambda: decode_variants(pristine_vae, latents, tiny), save)
+    run_section(results, "decode", budget, 40, lambda: decode_variants(pristine_vae, latents, compiled=False), save)
 
 
 def run_pusht(results, args, budget, device, tiny, policies, save) -> None:
