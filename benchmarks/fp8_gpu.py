@@ -2,6 +2,7 @@
 
     python benchmarks/fp8_gpu.py --out $OUT            # one H100/H200, under 8 minutes (--budget-s guards it)
     python benchmarks/fp8_gpu.py --tiny --out /tmp/x   # CPU dry run of the plumbing with tiny models, FP8 skipped
+    python benchmarks/fp8_gpu.py --decode-only --out $OUT  # section e alone, whole-decoder compile included
 
 Sections, in this order (each writes the results JSON when it ends, so a cut-short run keeps what it measured; one
 that would start past ``--budget-s`` is skipped and says so):
@@ -34,6 +35,7 @@ import copy
 import dataclasses
 import gc
 import math
+import re
 import sys
 import tempfile
 import time
@@ -414,47 +416,69 @@ def compiled_decoder(vae: Cosmos3VAE) -> Cosmos3VAE:
     return vae
 
 
+def _num(value, spec: str, suffix: str = "") -> str:
+    """``value`` formatted with ``spec`` (width first, e.g. "10.4f") and ``suffix``; "-" at that width if missing."""
+    width = int(re.match(r"\d*", spec).group() or 0)
+    return f"{value:{spec}}{suffix}" if isinstance(value, (int, float)) else "-".rjust(width + len(suffix))
+
+
 def summary_table(results: dict) -> str:
-    lines = []
-    variants = results.get("variants", {})
-    shapes = list(variants.get(BF16, {}).get("gen_forward", {})) or ["tier480_b1", "tier480_b16", "tier256_b1",
-                                                                     "tier256_b16"]
-    header = f"{'variant':<22}" + "".join(f"{s:>13}" for s in shapes) + f"{'req no-dec':>11}{'req dec':>9}" \
-        f"{'x diff nd':>10}{'x diff d':>9}{'vel err':>9}{'act vs bf16':>12}"
-    lines.append(header)
+    """The run at a glance: GEN forward and request per variant, velocity error per policy, decode, PushT."""
+    variants = {k: v for k, v in results.get("variants", {}).items() if isinstance(v, dict)}
     bf16_forward = variants.get(BF16, {}).get("gen_forward", {})
-    errors = results.get("velocity_error", {})
+    shapes = list(bf16_forward) or ["tier480_b1", "tier480_b16", "tier256_b1", "tier256_b16"]
+    lines = ["GEN forward, compiled + CUDA graph (ms; speedup over bf16)",
+             f"{'variant':<22}" + "".join(f"{shape:>20}" for shape in shapes)]
     for name, entry in variants.items():
-        if not isinstance(entry, dict) or "gen_forward" not in entry:
-            lines.append(f"{name:<22} {entry.get('error') or entry.get('skipped') if isinstance(entry, dict) else ''}")
+        if "gen_forward" not in entry:
+            lines.append(f"{name:<22}{entry.get('error') or entry.get('skipped')}")
             continue
         cells = []
         for shape in shapes:
             seconds = entry["gen_forward"].get(shape, {}).get("forward_s")
             base = bf16_forward.get(shape, {}).get("forward_s")
-            cells.append(f"{seconds * 1e3:7.1f}ms" + (f" {base / seconds:3.2f}x" if seconds and base and name != BF16
-                                                       else "      ") if seconds else f"{'-':>13}")
-        request = entry.get("policy_request", {})
-        err = errors.get(name, {}).get("video_rel")
+            speedup = base / seconds if seconds and base else None
+            cells.append(f"{_num(seconds and seconds * 1e3, '.1f')} ({_num(speedup, '.2f', 'x')})")
+        lines.append(f"{name:<22}" + "".join(f"{cell:>20}" for cell in cells))
+
+    lines += ["", "policy request (s; speedup over diffusers in the same run; actions' relative difference from bf16 "
+              "seed 0, on the bf16 row seed 1's)",
+              f"{'variant':<22}{'no decode':>12}{'with decode':>12}{'x diffusers':>12}{'x diff. dec':>12}"
+              f"{'actions':>10}"]
+    diffusers = results.get("diffusers", {})
+    lines.append(f"{'diffusers':<22}{_num(diffusers.get('policy_request_no_decode_s'), '12.3f')}"
+                 f"{_num(diffusers.get('policy_request_with_decode_s'), '12.3f')}")
+    for name, entry in variants.items():
+        if "policy_request" not in entry:
+            lines.append(f"{name:<22}{entry.get('error') or entry.get('skipped')}")
+            continue
+        request = entry["policy_request"]
         action = entry.get("action_rel_vs_bf16", entry.get("action_rel_seed0_vs_seed1"))
-        lines.append(
-            f"{name:<22}" + "".join(f"{c:>13}" for c in cells)
-            + f"{request.get('total_no_decode_s', math.nan):>10.3f}s{request.get('total_with_decode_s', math.nan):>8.3f}s"
-            + f"{entry.get('speedup_no_decode_vs_diffusers', math.nan):>9.2f}x"
-            + f"{entry.get('speedup_with_decode_vs_diffusers', math.nan):>8.2f}x"
-            + (f"{err:>9.4f}" if err is not None else f"{'-':>9}") + f"{action if action is not None else math.nan:>12.4f}"
-        )
-    lines.append("(act vs bf16: the FP8 actions' relative difference from bf16's; on the bf16 row, seed 0 vs seed 1)")
-    decode = {**results.get("decode", {}), **{f"{k} (2nd run)" if k == "current_fused_norms" else k: v
-                                              for k, v in results.get("decode_compiled", {}).items()}}
-    for name, entry in decode.items():
-        if isinstance(entry, dict) and "seconds" in entry:
-            lines.append(f"decode {name:<40} {entry['seconds']:.3f}s  x{entry.get('speedup_vs_current', math.nan):.2f}"
-                         f"  max|diff| {entry['max_abs_vs_current']:.2e}")
+        lines.append(f"{name:<22}{_num(request.get('total_no_decode_s'), '12.3f')}"
+                     f"{_num(request.get('total_with_decode_s'), '12.3f')}"
+                     f"{_num(entry.get('speedup_no_decode_vs_diffusers'), '11.2f', 'x')}"
+                     f"{_num(entry.get('speedup_with_decode_vs_diffusers'), '11.2f', 'x')}{_num(action, '10.4f')}")
+
+    lines += ["", "GEN velocity relative error vs fp32 (Nano width, random weights)",
+              f"{'variant':<22}{'video':>10}{'action':>10}{'video vs bf16':>15}"]
+    for name, entry in results.get("velocity_error", {}).items():
+        if isinstance(entry, dict) and ("video_rel" in entry or "skipped" in entry):
+            lines.append(f"{name:<22}{_num(entry.get('video_rel'), '10.4f')}{_num(entry.get('action_rel'), '10.4f')}"
+                         f"{_num(entry.get('video_rel_vs_bf16'), '15.4f')}")
+
+    lines += ["", "decode (s; speedup over the current decode; max |pixel difference|)"]
+    for section in ("decode", "decode_compiled"):
+        for name, entry in results.get(section, {}).items():
+            if isinstance(entry, dict) and "seconds" in entry:
+                lines.append(f"{section + ':' + name:<54}{entry['seconds']:8.3f}"
+                             f"{_num(entry.get('speedup_vs_current'), '8.2f', 'x')}  {entry['max_abs_vs_current']:.1e}")
+
     following = results.get("pusht", {}).get("action_following", {})
+    if following:
+        lines += ["", "PushT action following (mean over chunks)"]
     for name, entry in following.items():
         if isinstance(entry, dict) and "psnr_db_mean" in entry:
-            lines.append(f"pusht {name:<20} PSNR {entry['psnr_db_mean']:.2f} dB  block error "
+            lines.append(f"{name:<22}PSNR {entry['psnr_db_mean']:.2f} dB   block error "
                          f"{entry['block_error_px_mean']:.1f} px")
     return "\n".join(lines)
 
@@ -470,13 +494,16 @@ def main(argv: list[str] | None = None) -> dict:
                         help="FP8 layer policies whose velocity error is measured")
     parser.add_argument("--pusht-policies", default="all,keep_qkv,keep_qkv_edges,mlp_only")
     parser.add_argument("--error-layers", type=int, default=8, help="layers of the Nano-width error model")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the decode sections (e), on random latents of the tier-480 request's shape: for a "
+                             "second run when the whole-decoder compile did not fit the first")
     parser.add_argument("--pusht-episodes", type=int, default=8)
     parser.add_argument("--pusht-chunks", type=int, default=4)
     args = parser.parse_args(argv)
     budget = Budget(args.budget_s)
     tiny = args.tiny
     device = "cpu" if tiny else "cuda"
-    name = "fp8_gpu_tiny.json" if tiny else "fp8_gpu.json"
+    name = ("fp8_gpu_decode" if args.decode_only else "fp8_gpu") + ("_tiny.json" if tiny else ".json")
     for option in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, option):
             setattr(torch._dynamo.config, option, 64)
@@ -499,6 +526,28 @@ def main(argv: list[str] | None = None) -> dict:
     error_policies = [p for p in args.error_policies.split(",") if p]
     speed_policies = [p for p in args.speed_policies.split(",") if p]
     pusht_policies = [p for p in args.pusht_policies.split(",") if p]
+
+    if args.decode_only:
+        from common import build_wan22_vae
+
+        from cosmos3_gym.checkpoint import TINY_VAE_CONFIG
+
+        if tiny:
+            from diffusers import AutoencoderKLWan
+
+            vae = AutoencoderKLWan(**TINY_VAE_CONFIG, latents_mean=[0.0] * 16, latents_std=[1.0] * 16).eval()
+            shape = (1, 16, settings["chunk"] // 4 + 1, 16, 16)
+        else:
+            vae = build_wan22_vae(device)
+            shape = (1, 48, settings["chunk"] // 4 + 1, 30, 52)
+        latents = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
+        results["decode_latents"] = "random normal latents (decode speed does not depend on their values)"
+        run_section(results, "decode", budget, 0, lambda: decode_variants(vae, latents, compiled=False), save)
+        if not tiny:
+            run_section(results, "decode_compiled", budget, 0, lambda: decode_variants(vae, latents, compiled=True),
+                        save)
+        print(summary_table(results))
+        return results
 
     # b. first, while the GPU is empty: a Nano-width fp32 model next to its bf16 and FP8 copies.
     run_section(results, "velocity_error", budget, 15,
