@@ -102,6 +102,15 @@ def test_pre_hopper_gpu_is_an_input_error(monkeypatch):
         check_fp8_supported(torch.device("cuda", 0))
 
 
+def test_missing_torchao_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(InputError, match=r"needs torchao \(pip install 'cosmos3_gym\[fp8\]'"):
+        check_fp8_supported(torch.device("cuda", 0))
+
+
 def test_fp8_with_tensor_parallelism_is_refused_before_loading(tiny_checkpoint):
     with pytest.raises(InputError, match="tensor parallelism"):
         Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", tp=2, precision="fp8")
