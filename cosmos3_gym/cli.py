@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     infer.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
     infer.add_argument("--vae-dtype", default=None, help="fp32 | bf16 | fp16 (default: fp32)")
+    infer.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+                       help="GEN-tower GEMMs: bf16 (in --dtype) or fp8 (Hopper-class GPU, tp=1, the fp8 extra)")
     infer.add_argument("--optimize", action="store_true",
                        help="torch.compile the transformer blocks and fuse the VAE norms (GPU; the first step compiles)")
     infer.add_argument("--out", required=True, help="output prefix")
@@ -137,6 +139,7 @@ def run_infer(args: argparse.Namespace) -> None:
     engine = Cosmos3Engine.from_pretrained(
         args.checkpoint, device=args.device, dtype=args.dtype, vae_dtype=args.vae_dtype,
         decode_video=not args.no_decode, tp=args.tp, cfg=args.cfg, dp=args.dp, optimize=args.optimize,
+        precision=args.precision,
     )
     try:
         if isinstance(engine, Cosmos3Engine):
