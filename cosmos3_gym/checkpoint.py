@@ -8,9 +8,13 @@ A checkpoint is a diffusers ``Cosmos3OmniPipeline`` directory, laid out like ``n
     scheduler/              scheduler_config.json (UniPCMultistepScheduler)
     text_tokenizer/         Qwen tokenizer files + chat template
 
-``resolve_checkpoint`` turns a local path or a hub id into a directory, ``validate_checkpoint`` checks every part
-cheaply (JSON parses, required config keys, safetensors headers and lengths) and names the exact file that is wrong,
-and ``build_tiny_checkpoint`` writes a small random checkpoint with diffusers' own classes for tests and demos.
+    meta.json               optional: the settings the checkpoint was trained for (see ``checkpoint_defaults``)
+    action_stats.json       optional: the dataset's action statistics
+
+``resolve_checkpoint`` turns a local path, a hub id or a built-in name (``pusht`` / ``builtin:pusht``) into a
+directory, ``validate_checkpoint`` checks every part cheaply (JSON parses, required config keys, safetensors headers
+and lengths) and names the exact file that is wrong, and ``checkpoint_defaults`` reads the settings a checkpoint
+carries, which every entry point (envs, agents, CLI) uses unless the user overrides them.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ _HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9
 # Only the parts this project loads; skips e.g. the unused vision_encoder/ of the HF export.
 _HUB_ALLOW_PATTERNS = [
     "model_index.json",
+    "meta.json",
+    "action_stats.json",
     f"{TRANSFORMER_DIR}/*",
     f"{VAE_DIR}/*",
     f"{TEXT_TOKENIZER_DIR}/*",
@@ -77,17 +83,44 @@ _OFFLINE_ENV_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
-    """Return the local directory of a checkpoint given as a local path or a hub id ("org/name").
+# Built-in models shipped in the package: name -> (assets folder under cosmos3_gym/assets, environment variable that
+# points to another folder of the same layout). ``NAME`` and ``builtin:NAME`` name the folder's checkpoint/.
+BUILTIN_MODELS = {"pusht": ("pusht", "COSMOS3_GYM_PUSHT_ASSETS")}
+BUILTIN_PREFIX = "builtin:"
 
-    A local directory is returned as is (resolved). Anything else that looks like a hub id is fetched with
+
+def builtin_assets_dir(name: str) -> Path:
+    """The assets folder of a built-in model: ``$COSMOS3_GYM_<NAME>_ASSETS`` if set, else the package's own."""
+    folder, env_var = BUILTIN_MODELS[name]
+    override = os.environ.get(env_var)
+    return Path(override).expanduser() if override else Path(__file__).resolve().parent / "assets" / folder
+
+
+def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
+    """Return the local directory of a checkpoint given as a local path, a built-in name or a hub id ("org/name").
+
+    A local directory is returned as is (resolved). ``builtin:pusht`` (or ``pusht`` where no local folder of that
+    name exists) is the built-in PushT model. Anything else that looks like a hub id is fetched with
     ``huggingface_hub.snapshot_download`` (the local cache is tried first, without network); when the hub is
     offline or unreachable, or the repo does not exist, ``CheckpointError`` is raised at once.
     """
     text = os.fspath(path_or_id)
     local_path = Path(text).expanduser()
-    if local_path.is_dir():
+    builtin = text[len(BUILTIN_PREFIX):] if text.startswith(BUILTIN_PREFIX) else None
+    if builtin is None and local_path.is_dir():
         return local_path.resolve()
+    if builtin is not None or text in BUILTIN_MODELS:
+        name = text if builtin is None else builtin
+        if name not in BUILTIN_MODELS:
+            raise CheckpointError(f"checkpoint: unknown built-in model {text!r}; expected one of "
+                                  f"{[BUILTIN_PREFIX + known for known in BUILTIN_MODELS]}")
+        directory = builtin_assets_dir(name) / "checkpoint"
+        if not (directory / "model_index.json").is_file():
+            raise CheckpointError(
+                f"checkpoint: the built-in model {name!r} is not installed ({directory} has no model_index.json); "
+                f"train one with `python benchmarks/train_{name}.py --out DIR` and set {BUILTIN_MODELS[name][1]}"
+            )
+        return directory.resolve()
     if local_path.exists():
         raise CheckpointError(f"checkpoint: {local_path} is a file; expected a checkpoint directory or a hub id")
     if not _HUB_ID_PATTERN.match(text):
@@ -191,6 +224,65 @@ def validate_checkpoint(path: str | os.PathLike) -> CheckpointLayout:
         vae_config=vae_config,
         scheduler_config=scheduler_config,
     )
+
+
+# meta.json keys that are env settings of the same name (``WorldModelSettings`` fields).
+META_SETTING_KEYS = (
+    "domain", "raw_action_dim", "chunk", "resolution_tier", "fps", "num_steps", "guidance_scale", "task",
+    "reward_mode", "success_threshold", "max_episode_steps", "score_name",
+)
+META_FILE = "meta.json"
+ACTION_STATS_FILE = "action_stats.json"
+
+
+def checkpoint_defaults(path_or_id: str | os.PathLike) -> dict[str, Any]:
+    """The settings a checkpoint carries, as keyword arguments of the envs and agents (``WorldModelSettings``
+    fields plus ``initial_states`` and ``reward_model``). Empty for a checkpoint without ``meta.json``.
+
+    From ``meta.json``: the ``META_SETTING_KEYS`` it has; ``initial_states`` (a path relative to the checkpoint; an
+    ``.npz`` is an archive of start frames ``frames [N, H, W, 3]`` with an optional ``task``, read into N start
+    states); ``reward_model`` (a reward spec ``NAME:PATH``, PATH relative to the checkpoint). From
+    ``action_stats.json``: ``action_stats`` (a ``processor.ActionStats`` in meta's ``action_normalization`` mode,
+    default minmax). Entry points use these unless the user overrides them (and log what was overridden).
+    """
+    from cosmos3_gym.processor import ActionStats
+
+    root = resolve_checkpoint(path_or_id)
+    meta_path = root / META_FILE
+    meta = _read_json_object(meta_path) if meta_path.is_file() else {}
+    defaults: dict[str, Any] = {key: meta[key] for key in META_SETTING_KEYS if key in meta}
+    stats_path = root / ACTION_STATS_FILE
+    if stats_path.is_file():
+        defaults["action_stats"] = ActionStats.from_json(stats_path, mode=meta.get("action_normalization", "minmax"))
+    if "initial_states" in meta:
+        states = _relative_file(root, meta["initial_states"], "initial_states")
+        if states.suffix == ".npz":
+            from cosmos3_gym.envs.initial_states import read_initial_states_archive
+
+            try:
+                defaults["initial_states"] = read_initial_states_archive(states)
+            except InputError as error:
+                raise CheckpointError(f"checkpoint: {meta_path} field 'initial_states': {error}") from error
+        else:
+            defaults["initial_states"] = str(states)
+    if "reward_model" in meta:
+        spec = meta["reward_model"]
+        name, colon, argument = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+        if not colon or not argument:
+            raise CheckpointError(f"checkpoint: {meta_path} field 'reward_model' must be 'NAME:PATH', got {spec!r}")
+        argument, question, query = argument.partition("?")
+        resolved = _relative_file(root, argument, "reward_model")
+        defaults["reward_model"] = f"{name}:{resolved}{question}{query}"
+    return defaults
+
+
+def _relative_file(root: Path, value: Any, key: str) -> Path:
+    if not isinstance(value, str) or not value:
+        raise CheckpointError(f"checkpoint: {root / META_FILE} field {key!r} must be a path, got {value!r}")
+    path = (root / value).resolve()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint: {root / META_FILE} field {key!r} names {path}, which does not exist")
+    return path
 
 
 def _require_dir(path: Path) -> Path:

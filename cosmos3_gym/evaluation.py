@@ -334,19 +334,15 @@ def _import_attribute(module_name: str, attribute: str, spec: str) -> Any:
 
 
 def _agent_settings(env: Any) -> dict[str, Any]:
-    """The ``PolicyAgent`` arguments that match a world-model env's own settings."""
-    # The envs expose no public settings object; their shared core holds the values the env was built with.
-    core = getattr(getattr(env, "unwrapped", env), "_core", None)
-    if core is None:
+    """The ``PolicyAgent`` arguments that match a world-model env's own settings (``env.settings``)."""
+    base = getattr(env, "unwrapped", env)
+    settings = getattr(base, "settings", None)
+    if settings is None:
         raise InputError(
             f"policy: 'agent' needs a cosmos3_gym world-model env (WorldModelEnv / WorldModelVectorEnv), got "
             f"{type(env).__name__}."
         )
-    return dict(
-        engine=core.engine, domain=core.domain, raw_action_dim=core.raw_action_dim, chunk=core.chunk,
-        num_steps=core.num_steps, guidance_scale=core.guidance_scale, resolution_tier=core.resolution_tier,
-        fps=core.fps,
-    )
+    return dict(engine=base.engine, settings=settings)
 
 
 def _policy_name(policy: Any) -> str:

@@ -97,7 +97,7 @@ def test_spaces_reset_step_render(engine):
     assert env.observation_space["image"].shape == (96, 128, 3) and env.observation_space["image"].dtype == np.uint8
     assert env.action_space.shape == (4, 2) and env.action_space.dtype == np.float32
     assert (env.action_space.low == -1).all() and (env.action_space.high == 1).all()
-    assert env.metadata["render_fps"] == 8.0
+    assert env.metadata["render_fps"] == 8.0 / 4  # one rendered frame per step = per chunk of 4 frames at 8 fps
 
     obs, info = env.reset(seed=0)
     assert np.array_equal(obs["image"], image(0))  # 96x128 is a fixed point of the model's size map: not resized
@@ -201,7 +201,7 @@ def test_time_limit_is_counted_once(engine, tiny_checkpoint):
     """gym.make's max_episode_steps becomes TimeLimit (the env does not count too); direct construction counts."""
     register_envs()
     made = gym.make(ENV_ID, checkpoint=tiny_checkpoint, initial_states=image(0), max_episode_steps=2, **FAST)
-    assert isinstance(made, gym.wrappers.TimeLimit) and made.unwrapped._core.max_episode_steps is None
+    assert isinstance(made, gym.wrappers.TimeLimit) and made.unwrapped.settings.max_episode_steps is None
     direct = make_env(engine, max_episode_steps=2)
     for env in (made, direct):
         env.reset(seed=0)
@@ -424,3 +424,68 @@ def test_world_model_env_without_checkpoint_is_the_builtin_pusht_model():
         assert obs["image"].shape == (256, 256, 3)
     finally:
         env.close()
+
+
+# ---------------------------------------------------------------------------------------------------- settings
+
+
+def test_settings_are_one_validated_object(engine):
+    from cosmos3_gym.envs import WorldModelSettings
+
+    env = make_env(engine, guidance_scale=1.5, request_options={"view_point": "ego_view"})
+    settings = env.settings
+    assert isinstance(settings, WorldModelSettings) and settings.raw_action_dim == 2  # the pusht domain's width
+    assert (settings.chunk, settings.num_steps, settings.guidance_scale, settings.resolution_tier) == (4, 2, 1.5, 256)
+    with pytest.raises(Exception):  # frozen
+        settings.chunk = 8
+    other = make_env(engine, settings=settings, initial_states=image(1))
+    assert other.settings == settings and other.action_space == env.action_space
+    assert make_env(engine, settings=settings, num_steps=3).settings == settings.replace(num_steps=3)
+    assert settings.replace(domain="droid_lerobot").raw_action_dim == 10  # a new domain brings its own width
+    for kwargs, message in [
+        (dict(chunk=0), "chunk: expected an integer >= 1"),
+        (dict(obs_type="pixels_agent_pos"), "obs_type: 'pixels_agent_pos' needs the agent's position"),
+        (dict(obs_type="state"), "obs_type: expected one of"),
+        (dict(score_name="not a name"), "score_name: expected"),
+        (dict(image_size=(100, 100)), "image_size: the model turns a 100x100 frame into"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            WorldModelSettings(**{**FAST, **kwargs})
+    with pytest.raises(InputError, match=r"unknown settings \['chunks'\]"):
+        settings.replace(chunks=8)
+    with pytest.raises(InputError, match=r"\['chunks'\]: unknown arguments"):
+        make_env(engine, chunks=8)
+
+
+def test_checkpoint_settings_are_defaults_and_overrides_are_logged(tiny_checkpoint, tmp_path, caplog):
+    """Issue 20: a checkpoint's meta.json gives the env its settings; a keyword that changes one is logged."""
+    import json
+    import shutil
+
+    from cosmos3_gym.checkpoint import checkpoint_defaults
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    np.savez(tmp_path / "starts.npz", frames=np.stack([image(0), image(1)]), task=np.asarray("push the T"))
+    meta = {**FAST, "raw_action_dim": 2, "guidance_scale": 1.0, "fps": 10.0, "max_episode_steps": 3,
+            "initial_states": "../starts.npz", "score_name": "coverage", "action_normalization": "minmax"}
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    (checkpoint / "action_stats.json").write_text(json.dumps({"min": [0.0, 0.0], "max": [512.0, 512.0]}))
+    defaults = checkpoint_defaults(checkpoint)
+    assert defaults["chunk"] == 4 and defaults["fps"] == 10.0 and len(defaults["initial_states"]) == 2
+    assert defaults["action_stats"].dim == 2 and "action_normalization" not in defaults
+
+    with caplog.at_level("WARNING", logger="cosmos3_gym.envs.settings"):
+        env = WorldModelEnv(checkpoint, device="cpu", dtype="fp32")
+    assert not caplog.records  # nothing overridden
+    assert env.settings.guidance_scale == 1.0 and env.settings.max_episode_steps == 3 and env.action_space.shape == (4, 2)
+    assert len(env.initial_states) == 2 and env.action_stats is not None
+    _, info = env.reset(seed=0)
+    assert info["task"] == "push the T"
+    env.close()
+    with caplog.at_level("WARNING", logger="cosmos3_gym.envs.settings"):
+        env = WorldModelEnv(checkpoint, device="cpu", dtype="fp32", guidance_scale=2.0, chunk=4)
+    assert env.settings.guidance_scale == 2.0
+    assert [r.getMessage() for r in caplog.records if "guidance_scale=2.0 (was 1.0)" in r.getMessage()]
+    assert not [r for r in caplog.records if "chunk=" in r.getMessage()]  # same value: not an override
+    env.close()

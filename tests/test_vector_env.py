@@ -66,8 +66,8 @@ def test_make_vec_builds_the_batched_env(engine):
                        autoreset_mode=AutoresetMode.SAME_STEP, **FAST)
     assert isinstance(env, WorldModelVectorEnv)
     assert env.num_envs == 2 and env.autoreset_mode == AutoresetMode.SAME_STEP
-    assert env.metadata["autoreset_mode"] == AutoresetMode.SAME_STEP and env.metadata["render_fps"] == 15.0
-    assert env._core.max_episode_steps == 5  # make_vec hands max_episode_steps to the vector env itself
+    assert env.metadata["autoreset_mode"] == AutoresetMode.SAME_STEP and env.metadata["render_fps"] == 15.0 / 4
+    assert env.settings.max_episode_steps == 5  # make_vec hands max_episode_steps to the vector env itself
     assert env.single_observation_space["image"].shape == (96, 128, 3)
     assert env.observation_space["image"].shape == (2, 96, 128, 3)
     assert env.single_action_space.shape == (4, 2) and env.action_space.shape == (2, 4, 2)
