@@ -348,3 +348,53 @@ def test_build_rejects_unknown_override_and_non_empty_directory(tiny_checkpoint:
         build_tiny_checkpoint(tmp_path / "typo", hidden_sise=32)
     with pytest.raises(InputError, match="not an empty directory"):
         build_tiny_checkpoint(tiny_checkpoint)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Built-in names and the settings a checkpoint carries
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_builtin_names_resolve_to_the_shipped_pusht_model(tmp_path, monkeypatch):
+    from cosmos3_gym.checkpoint import builtin_assets_dir
+
+    shipped = (builtin_assets_dir("pusht") / "checkpoint").resolve()
+    monkeypatch.chdir(tmp_path)  # no local folder named "pusht"
+    assert resolve_checkpoint("pusht") == resolve_checkpoint("builtin:pusht") == shipped
+    validate_checkpoint(resolve_checkpoint("pusht"))
+    (tmp_path / "pusht").mkdir()
+    assert resolve_checkpoint("pusht") == (tmp_path / "pusht").resolve()  # a local folder of that name wins
+    assert resolve_checkpoint("builtin:pusht") == shipped  # the prefix is never ambiguous
+    with pytest.raises(CheckpointError, match="unknown built-in model 'builtin:droid'"):
+        resolve_checkpoint("builtin:droid")
+    monkeypatch.setenv("COSMOS3_GYM_PUSHT_ASSETS", str(tmp_path / "nowhere"))
+    with pytest.raises(CheckpointError, match="built-in model 'pusht' is not installed"):
+        resolve_checkpoint("builtin:pusht")
+
+
+def test_checkpoint_defaults_of_the_shipped_pusht_model():
+    """Issue 20: infer/eval/demo ran the built-in model with DROID defaults (32 x 10 chunks, guidance 3.0)."""
+    from cosmos3_gym.checkpoint import checkpoint_defaults
+
+    defaults = checkpoint_defaults("pusht")
+    assert (defaults["domain"], defaults["raw_action_dim"], defaults["chunk"], defaults["resolution_tier"]) == \
+        ("pusht", 2, 8, 256)
+    assert (defaults["fps"], defaults["num_steps"], defaults["guidance_scale"]) == (10.0, 4, 1.0)
+    assert (defaults["success_threshold"], defaults["max_episode_steps"], defaults["score_name"]) == \
+        (0.95, 38, "coverage")
+    assert defaults["action_stats"].dim == 2 and defaults["action_stats"].mode == "minmax"
+    assert len(defaults["initial_states"]) > 1  # every frame of initial_states.npz is a start, not only the first
+    name, _, path = defaults["reward_model"].partition(":")
+    assert name == "classifier" and Path(path).is_absolute() and (Path(path) / "config.json").is_file()
+
+
+def test_checkpoint_defaults_are_empty_without_meta_and_name_bad_fields(checkpoint_copy):
+    from cosmos3_gym.checkpoint import checkpoint_defaults
+
+    assert checkpoint_defaults(checkpoint_copy) == {}
+    (checkpoint_copy / "meta.json").write_text(json.dumps({"chunk": 8, "reward_model": "classifier:../missing"}))
+    with pytest.raises(CheckpointError, match="field 'reward_model' names .*missing, which does not exist"):
+        checkpoint_defaults(checkpoint_copy)
+    (checkpoint_copy / "meta.json").write_text(json.dumps({"chunk": 8, "reward_model": 3}))
+    with pytest.raises(CheckpointError, match="field 'reward_model' must be 'NAME:PATH'"):
+        checkpoint_defaults(checkpoint_copy)

@@ -30,6 +30,7 @@ from ..errors import InputError
 def check_render_mode(render_mode: str | None, render_modes: Sequence[str]) -> str | None:
     if render_mode == "human":
         _check_human_rendering()  # the clear error where "human" is not listed for want of a display
+        return render_mode  # a display may have appeared (or SDL_VIDEODRIVER been set) since the import
     if render_mode is not None and render_mode not in render_modes:
         raise InputError(f"render_mode: expected None or one of {list(render_modes)}, got {render_mode!r}.")
     return render_mode
