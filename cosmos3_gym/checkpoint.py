@@ -19,7 +19,6 @@ carries, which every entry point (envs, agents, CLI) uses unless the user overri
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -32,7 +31,6 @@ from typing import Any
 import torch
 
 from cosmos3_gym.errors import CheckpointError, InputError
-from cosmos3_gym.models.vae import WAN22_FIXED_CONFIG
 
 TRANSFORMER_DIR = "transformer"
 VAE_DIR = "vae"
@@ -444,45 +442,9 @@ def load_safetensors_state_dict(
     return state_dict
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Tiny random checkpoints
-# ----------------------------------------------------------------------------------------------------------------
-
-# The Nano transformer scaled down: same structure (GQA, qk-norm, interleaved mRoPE, domain-aware action heads),
-# tiny widths. mrope_section sums to head_dim / 2 as in Nano (24 + 20 + 20 = 64 = 128 / 2).
-TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
-    "action_gen": True,
-    "action_dim": 64,
-    "hidden_size": 64,
-    "head_dim": 16,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "latent_channel": 16,
-    "latent_patch_size": 2,
-    "patch_latent_dim": 2 * 2 * 16,
-    "rope_scaling": {"mrope_section": [4, 2, 2]},
-    # Nano's 5e6 barely rotates the slots that matter on tiny grids; a small theta makes position bugs visible.
-    "rope_theta": 50.0,
-    "num_embodiment_domains": 32,
-}
-
-# The Wan2.2 VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json: base_dim 160, decoder_base_dim 256, z_dim 48,
-# num_res_blocks 2) with the same structure but narrow channels, one residual block per level and 16 latent
-# channels. Compression stays 16x spatial (2x pixel patchify + 3 downsamples) and 4x temporal.
-TINY_VAE_CONFIG: dict[str, Any] = {
-    "base_dim": 4,
-    "decoder_base_dim": 8,
-    "z_dim": 16,
-    "dim_mult": [1, 2, 4, 4],
-    "num_res_blocks": 1,
-    "attn_scales": [],
-    **WAN22_FIXED_CONFIG,
-}
-
-# The sampler settings of the native policy server (linear flow sigmas, shift 5, order-2 UniPC bh2).
-TINY_SCHEDULER_CONFIG: dict[str, Any] = {
+# The sampler settings of the native policy server (linear flow sigmas, shift 5, order-2 UniPC bh2): the scheduler
+# config of checkpoints this project writes (training exports, the tiny test checkpoints).
+POLICY_SCHEDULER_CONFIG: dict[str, Any] = {
     "num_train_timesteps": 1000,
     "prediction_type": "flow_prediction",
     "use_flow_sigmas": True,
@@ -493,220 +455,23 @@ TINY_SCHEDULER_CONFIG: dict[str, Any] = {
     "use_karras_sigmas": False,
 }
 
-# Byte-level BPE vocabulary: the 256 byte symbols, the special tokens and about 250 merges, so embedding tables stay
-# small while the pipeline's action prompt is about 150 tokens.
-TINY_TOKENIZER_VOCAB_SIZE = 512
-PAD_TOKEN = "<|endoftext|>"
-EOS_TOKEN = "<|im_end|>"
-SPECIAL_TOKENS = (
-    PAD_TOKEN,
-    "<|im_start|>",
-    EOS_TOKEN,
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
 
-# The Qwen3-VL chat template without its tool-calling branches: an optional leading system turn, user/assistant
-# turns whose content is a string or a list of text/image/video parts, and the assistant generation prompt.
-QWEN_CHAT_TEMPLATE = """\
-{%- set image_count = namespace(value=0) %}
-{%- set video_count = namespace(value=0) %}
-{%- macro render_content(content) %}
-    {%- if content is string %}
-        {{- content }}
-    {%- else %}
-        {%- for item in content %}
-            {%- if 'image' in item or 'image_url' in item or item.type == 'image' %}
-                {%- set image_count.value = image_count.value + 1 %}
-                {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
-                <|vision_start|><|image_pad|><|vision_end|>
-            {%- elif 'video' in item or item.type == 'video' %}
-                {%- set video_count.value = video_count.value + 1 %}
-                {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
-                <|vision_start|><|video_pad|><|vision_end|>
-            {%- elif 'text' in item %}
-                {{- item.text }}
-            {%- endif %}
-        {%- endfor %}
-    {%- endif %}
-{%- endmacro %}
-{%- if messages[0].role == 'system' %}
-    {{- '<|im_start|>system\\n' + render_content(messages[0].content) + '<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'user' or message.role == 'assistant' %}
-        {{- '<|im_start|>' + message.role + '\\n' + render_content(message.content) + '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
+# Names that moved out of this module (loading and validation only): the tiny-checkpoint factory to
+# ``cosmos3_gym.testing``, the small tokenizer to ``cosmos3_gym.tokenizer``. Kept importable from here, deprecated.
+_MOVED = {
+    "TINY_TRANSFORMER_CONFIG": "testing", "TINY_VAE_CONFIG": "testing", "TINY_SCHEDULER_CONFIG": "testing",
+    "build_tiny_checkpoint": "testing", "TINY_TOKENIZER_VOCAB_SIZE": "tokenizer", "PAD_TOKEN": "tokenizer",
+    "EOS_TOKEN": "tokenizer", "SPECIAL_TOKENS": "tokenizer", "QWEN_CHAT_TEMPLATE": "tokenizer",
+    "build_tiny_tokenizer": "tokenizer",
+}
 
 
-def _tokenizer_training_text() -> list[str]:
-    """Robot-task text in the shapes the pipeline's prompts take (action JSON caption, metadata sentences)."""
-    from diffusers.pipelines.cosmos import pipeline_cosmos3_omni as omni
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
 
-    tasks = [
-        "pick up the red cup and place it in the bowl",
-        "push the T-shaped block onto the green target",
-        "open the top drawer of the cabinet",
-        "close the microwave door",
-        "put the banana on the plate",
-        "stack the blue block on top of the yellow block",
-        "move the spoon to the left of the pot",
-        "wipe the table with the towel",
-        "turn on the faucet and wash the mug",
-        "fold the cloth in half",
-        "pour water from the bottle into the glass",
-        "grasp the handle and pull the door open",
-        "robot picks up the marker and puts it in the box",
-        "the gripper slides the cube to the right side of the table",
-        "the robot arm reaches for the apple near the sink",
-    ]
-    viewpoints = list(omni._ACTION_VIEWPOINT_TEMPLATES.values())
-    metadata = [
-        omni._SYSTEM_PROMPT_VIDEO,
-        omni._SYSTEM_PROMPT_IMAGE,
-        "The video is 1.4 seconds long and is of 24 FPS. This video is of 480x832 resolution.",
-        "The video is 2.2 seconds long and is of 15 FPS. This video is of 544x736 resolution.",
-        "This image is of 256x256 resolution. 0 1 2 3 4 5 6 7 8 9 10 16 24 32 33 64 192 320 640 720 960 1280",
-    ]
-    captions = [
-        omni.Cosmos3OmniPipeline._build_action_json_prompt(
-            task, view_point=view_point, num_frames=frames, fps=fps, height=height, width=width
-        )
-        for task, view_point, (frames, fps, height, width) in zip(
-            tasks,
-            list(omni._ACTION_VIEWPOINT_TEMPLATES) * 4,
-            [(17, 24.0, 480, 832), (33, 15.0, 544, 736), (5, 24.0, 256, 256), (9, 24.0, 320, 256)] * 4,
-        )
-    ]
-    return tasks + viewpoints + metadata + captions
-
-
-def build_tiny_tokenizer():
-    """A Qwen2 byte-level BPE tokenizer trained in-process, with Qwen's special tokens and chat template.
-
-    Normaliser, pre-tokenizer and decoder are Qwen2's, only the vocabulary is trained on a few hundred words, so any
-    text still encodes (unknown words as bytes).
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import Qwen2TokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    backend = Tokenizer(models.BPE())
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_TOKENIZER_VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(_tokenizer_training_text(), trainer)
-    return Qwen2TokenizerFast(
-        tokenizer_object=backend,
-        bos_token=None,
-        unk_token=None,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        chat_template=QWEN_CHAT_TEMPLATE,
-    )
-
-
-def _check_override_keys(overrides: Mapping[str, Any], cls: type, field: str) -> None:
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
-    unknown = sorted(set(overrides) - accepted)
-    if unknown:
-        raise InputError(f"{field}: unknown {cls.__name__} config keys {unknown}")
-
-
-@torch.no_grad()
-def _redraw_transformer_weights(transformer: torch.nn.Module, generator: torch.Generator) -> None:
-    """Redraw every parameter so none is zero or one: the default init leaves biases and
-    ``action_modality_embed`` at 0 and norm weights at 1, which would hide bugs in a reimplementation."""
-    from diffusers.models.normalization import RMSNorm
-    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3NemotronRMSNorm
-
-    for module in transformer.modules():
-        is_norm = isinstance(module, (RMSNorm, Cosmos3NemotronRMSNorm))
-        for param in module.parameters(recurse=False):
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            param.copy_(1.0 + 0.1 * noise if is_norm else 0.02 * noise)
-
-
-@torch.no_grad()
-def _perturb_vae_norm_scales(vae: torch.nn.Module, generator: torch.Generator) -> None:
-    """The VAE's convolutions keep their (random) default init; its RMS-norm scales start at 1 and are perturbed."""
-    for name, param in vae.named_parameters():
-        if name.endswith("gamma"):
-            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator, dtype=torch.float32))
-
-
-def build_tiny_checkpoint(
-    path: str | os.PathLike,
-    seed: int = 0,
-    *,
-    vae_overrides: Mapping[str, Any] | None = None,
-    scheduler_overrides: Mapping[str, Any] | None = None,
-    **transformer_overrides: Any,
-) -> Path:
-    """Write a small random ``Cosmos3OmniPipeline`` checkpoint (about 4 MB, safetensors) and return its path.
-
-    Built from diffusers' own classes and ``save_pretrained``, so the layout is exactly diffusers'. The same seed
-    gives identical weights. ``transformer_overrides`` update ``TINY_TRANSFORMER_CONFIG`` (e.g.
-    ``num_hidden_layers=3, hidden_act="relu2"``); ``vae_overrides`` / ``scheduler_overrides`` update the VAE and
-    scheduler configs. ``path`` must not exist or be an empty directory.
-    """
-    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
-
-    path = Path(path).expanduser()
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise InputError(f"path: {path} already exists and is not an empty directory")
-    vae_overrides = dict(vae_overrides or {})
-    scheduler_overrides = dict(scheduler_overrides or {})
-    _check_override_keys(transformer_overrides, Cosmos3OmniTransformer, "transformer_overrides")
-    _check_override_keys(vae_overrides, AutoencoderKLWan, "vae_overrides")
-    _check_override_keys(scheduler_overrides, UniPCMultistepScheduler, "scheduler_overrides")
-
-    tokenizer = build_tiny_tokenizer()
-    transformer_config = {**TINY_TRANSFORMER_CONFIG, "vocab_size": len(tokenizer), **transformer_overrides}
-    vae_config = {**TINY_VAE_CONFIG, **vae_overrides}
-
-    generator = torch.Generator().manual_seed(seed)
-    z_dim = vae_config["z_dim"]
-    # Latent statistics away from the identity (mean 0, std 1) so a missing (de)normalisation shows up in tests.
-    latents_mean = (0.5 * torch.randn(z_dim, generator=generator)).tolist()
-    latents_std = (0.5 + torch.rand(z_dim, generator=generator)).tolist()
-    vae_config.setdefault("latents_mean", [round(value, 4) for value in latents_mean])
-    vae_config.setdefault("latents_std", [round(value, 4) for value in latents_std])
-
-    # The modules draw their default init from the global RNG; seed it without disturbing the caller's state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformer = Cosmos3OmniTransformer(**transformer_config)
-        vae = AutoencoderKLWan(**vae_config)
-    _redraw_transformer_weights(transformer, generator)
-    _perturb_vae_norm_scales(vae, generator)
-    scheduler = UniPCMultistepScheduler(**{**TINY_SCHEDULER_CONFIG, **scheduler_overrides})
-
-    pipeline = Cosmos3OmniPipeline(
-        transformer=transformer,
-        text_tokenizer=tokenizer,
-        vae=vae,
-        scheduler=scheduler,
-        enable_safety_checker=False,
-    )
-    pipeline.save_pretrained(path, safe_serialization=True)
-    validate_checkpoint(path)
-    return path
+    module = f"cosmos3_gym.{_MOVED[name]}"
+    warnings.warn(f"cosmos3_gym.checkpoint.{name} moved to {module}.{name}", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), name)

@@ -13,16 +13,9 @@ import torch
 from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer
 from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 
-from cosmos3_gym.checkpoint import (
-    SPECIAL_TOKENS,
-    TINY_SCHEDULER_CONFIG,
-    TINY_TRANSFORMER_CONFIG,
-    TINY_VAE_CONFIG,
-    build_tiny_checkpoint,
-    load_safetensors_state_dict,
-    resolve_checkpoint,
-    validate_checkpoint,
-)
+from cosmos3_gym.checkpoint import load_safetensors_state_dict, resolve_checkpoint, validate_checkpoint
+from cosmos3_gym.testing import TINY_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG, build_tiny_checkpoint
+from cosmos3_gym.tokenizer import SPECIAL_TOKENS
 from cosmos3_gym.errors import CheckpointError, InputError
 
 
@@ -398,3 +391,21 @@ def test_checkpoint_defaults_are_empty_without_meta_and_name_bad_fields(checkpoi
     (checkpoint_copy / "meta.json").write_text(json.dumps({"chunk": 8, "reward_model": 3}))
     with pytest.raises(CheckpointError, match="field 'reward_model' must be 'NAME:PATH'"):
         checkpoint_defaults(checkpoint_copy)
+
+
+def test_the_tiny_checkpoint_factory_lives_in_testing_only():
+    """checkpoint.py loads and validates; the factory is cosmos3_gym.testing, which production code never imports.
+    The old names still import from checkpoint, with a DeprecationWarning."""
+    import subprocess
+    import sys
+
+    import cosmos3_gym.checkpoint as checkpoint_module
+    from cosmos3_gym import testing
+
+    code = ("import sys, cosmos3_gym.envs, cosmos3_gym.agents, cosmos3_gym.evaluation, cosmos3_gym.cli, "
+            "cosmos3_gym.training.export; print('cosmos3_gym.testing' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "False"
+    assert "build_tiny_checkpoint" not in vars(checkpoint_module)
+    with pytest.warns(DeprecationWarning, match="moved to cosmos3_gym.testing.build_tiny_checkpoint"):
+        assert checkpoint_module.build_tiny_checkpoint is testing.build_tiny_checkpoint
