@@ -478,7 +478,8 @@ def test_checkpoint_settings_are_defaults_and_overrides_are_logged(tiny_checkpoi
     with caplog.at_level("WARNING", logger="cosmos3_gym.envs.settings"):
         env = WorldModelEnv(checkpoint, device="cpu", dtype="fp32")
     assert not caplog.records  # nothing overridden
-    assert env.settings.guidance_scale == 1.0 and env.settings.max_episode_steps == 3 and env.action_space.shape == (4, 2)
+    assert env.settings.guidance_scale == 1.0 and env.settings.max_episode_steps == 3
+    assert env.action_space.shape == (4, 2)
     assert len(env.initial_states) == 2 and env.action_stats is not None
     _, info = env.reset(seed=0)
     assert info["task"] == "push the T"

@@ -179,8 +179,10 @@ def test_make_builds_the_env_from_the_assets_defaults(tiny_assets):
     env = gym.make("cosmos3_gym/PushT-v0", assets_dir=tiny_assets)
     try:
         settings = env.unwrapped.settings
-        assert (settings.domain, settings.raw_action_dim, settings.chunk, settings.resolution_tier) == ("pusht", 2, 4, 256)
-        assert (settings.num_steps, settings.guidance_scale, settings.fps, settings.max_episode_steps) == (2, 1.0, 10.0, 3)
+        assert (settings.domain, settings.raw_action_dim, settings.chunk, settings.resolution_tier) == \
+            ("pusht", 2, 4, 256)
+        assert (settings.num_steps, settings.guidance_scale, settings.fps, settings.max_episode_steps) == \
+            (2, 1.0, 10.0, 3)
         assert settings.success_threshold == 0.95 and len(env.unwrapped.initial_states) == 3
         assert env.action_space.shape == (4, 2) and env.observation_space["image"].shape == (FRAME, FRAME, 3)
         observation, info = env.reset(seed=0)

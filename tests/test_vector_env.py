@@ -281,7 +281,8 @@ def test_groups_share_their_start_and_differ_by_noise(engine):
     observations, *_, info = env.step(same_action)
     assert info["group"].tolist() == [0, 0, 1, 1]
     assert info["noise_seed"][0] != info["noise_seed"][1]
-    assert not np.array_equal(observations["image"][0], observations["image"][1])  # same start, same action, other noise
+    # same start, same action, other noise
+    assert not np.array_equal(observations["image"][0], observations["image"][1])
 
     # Per-group reset options; per-slot lists must agree within a group.
     _, info = env.reset(options={"initial_state_index": [4, 1]})
@@ -330,10 +331,12 @@ def test_groups_survive_autoreset(engine, batches, mode):
     assert (rewards[0], terminated[0], truncated[0]) == (0.0, False, False)
 
     observations, rewards, terminated, truncated, info = env.step(actions)  # slot 1 ends: group 0 is done
-    assert terminated.tolist() == [False, True, False, False] and info["waiting"].tolist() == [True, False, False, False]
+    assert terminated.tolist() == [False, True, False, False]
+    assert info["waiting"].tolist() == [True, False, False, False]
     if mode == AutoresetMode.SAME_STEP:  # restarted within this step from one shared start
         assert masked(info, "final_obs") == [False, True, False, False]
-        assert info["initial_state_index"][0] == info["initial_state_index"][1] and masked(info, "initial_state_index")[:2] == [True, True]
+        assert info["initial_state_index"][0] == info["initial_state_index"][1]
+        assert masked(info, "initial_state_index")[:2] == [True, True]
         assert np.array_equal(observations["image"][0], observations["image"][1])
         observations, *_, info = env.step(actions)
         assert batches[-1] == 4 and not info["waiting"].any()  # everyone steps again

@@ -15,7 +15,8 @@ simulator (gym-pusht), a reward model and a few dozen start frames held out from
 
 ``gym.make("cosmos3_gym/PushT-v0")`` needs nothing else: no gym-pusht, no GPU, no network. Every argument of
 ``WorldModelEnv`` can still be given and wins over the shipped defaults (a changed checkpoint setting is logged).
-The same model is ``checkpoint="pusht"`` (or ``"builtin:pusht"``) wherever a checkpoint is accepted. ``assets_dir=`` (or the environment variable
+The same model is ``checkpoint="pusht"`` (or ``"builtin:pusht"``) wherever a checkpoint is accepted.
+``assets_dir=`` (or the environment variable
 ``COSMOS3_GYM_PUSHT_ASSETS``) points to another folder of that layout, e.g. one written by
 ``benchmarks/train_pusht.py``.
 """

@@ -22,7 +22,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -118,7 +118,9 @@ class WorldModelSettings:
         if self.max_episode_steps is not None:
             set_("max_episode_steps", check_int(self.max_episode_steps, "max_episode_steps", minimum=1))
         if self.score_name is not None and (not isinstance(self.score_name, str) or not self.score_name.isidentifier()):
-            raise InputError(f"score_name: expected an identifier-like string (e.g. 'coverage'), got {self.score_name!r}.")
+            raise InputError(
+                f"score_name: expected an identifier-like string (e.g. 'coverage'), got {self.score_name!r}."
+            )
         set_("action_stats", _resolve_action_stats(self.action_stats, raw_action_dim))
         set_("return_frames", bool(self.return_frames))
         set_("request_options", MappingProxyType(_check_request_options(self.request_options)))

@@ -85,9 +85,8 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
         self.render_mode = check_render_mode(render_mode, self.metadata["render_modes"])
         self._core = WorldModelCore(self.num_envs, checkpoint=checkpoint, **kwargs)
         settings = self._core.settings
-        self.metadata = {
-            **self.metadata, "render_fps": step_rate(settings.fps, settings.chunk), "autoreset_mode": self.autoreset_mode
-        }
+        render_fps = step_rate(settings.fps, settings.chunk)
+        self.metadata = {**self.metadata, "render_fps": render_fps, "autoreset_mode": self.autoreset_mode}
         self.single_observation_space = self._core.single_observation_space
         self.single_action_space = self._core.single_action_space
         self.observation_space = batch_space(self.single_observation_space, self.num_envs)
@@ -205,7 +204,8 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
     def _per_group_option(self, key: str, value: Any) -> list[Any]:
         """One reset option's value for every group: one value, one per group, or one per slot equal in a group."""
         is_list = isinstance(value, (list, tuple, np.ndarray))
-        if key == "frames" and not (isinstance(value, (list, tuple)) and len(value) in (self.num_envs, self.num_groups)):
+        counts = (self.num_envs, self.num_groups)
+        if key == "frames" and not (isinstance(value, (list, tuple)) and len(value) in counts):
             # a list of frames is also one video, so frames are always given per slot (or per group)
             raise InputError(
                 f"options['frames']: expected a list of {self.num_envs} frames (one per env"
