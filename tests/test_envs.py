@@ -490,6 +490,10 @@ def test_checkpoint_settings_are_defaults_and_overrides_are_logged(tiny_checkpoi
     assert [r.getMessage() for r in caplog.records if "guidance_scale=2.0 (was 1.0)" in r.getMessage()]
     assert not [r for r in caplog.records if "chunk=" in r.getMessage()]  # same value: not an override
     env.close()
+    env = WorldModelEnv(checkpoint, device="cpu", dtype="fp32", initial_states=None, image_size=(96, 128))
+    assert env.initial_states is None  # an explicit None is "none", not "the checkpoint's"
+    env.reset(options={"frames": image(3)})
+    env.close()
 
 
 # ---------------------------------------------------------------------------------------------------- rendering

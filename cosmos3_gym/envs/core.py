@@ -44,6 +44,8 @@ from .settings import REWARD_MODES, WorldModelSettings, model_frame_size, split_
 
 # Seeds for the engine's noise generator are drawn below 2**63 (torch.Generator.manual_seed takes any uint64).
 _SEED_BOUND = 2**63 - 1
+# "Not given" for arguments whose None means "none" (initial_states, reward_model): not given -> the checkpoint's.
+_UNSET: Any = object()
 # Keyword arguments that say how to load the engine from a checkpoint (handed to ``_resolve_engine``).
 ENGINE_LOAD_KEYS = ("device", "dtype", "tp", "cfg", "dp")
 
@@ -64,7 +66,8 @@ class WorldModelCore:
     """Settings, engine, reward model and per-slot state for ``num_slots`` episodes; see the module docstring.
 
     Keyword arguments: ``checkpoint`` or ``engine``; ``settings`` (a ``WorldModelSettings``) and/or any of its
-    fields; ``initial_states``, ``reward_model``; how to load a checkpoint (``ENGINE_LOAD_KEYS``).
+    fields; ``initial_states``, ``reward_model`` (not given: the checkpoint's; None: none); how to load a checkpoint
+    (``ENGINE_LOAD_KEYS``).
 
     Precedence, lowest first: ``WorldModelSettings``' defaults (or ``settings=``), the checkpoint's own settings
     (``checkpoint_defaults``; for settings fields only when ``settings=`` is not given: that object is complete),
@@ -78,8 +81,8 @@ class WorldModelCore:
         checkpoint: str | os.PathLike | None = None,
         engine: Cosmos3Engine | None = None,
         settings: WorldModelSettings | None = None,
-        initial_states: Any = None,
-        reward_model: Any = None,
+        initial_states: Any = _UNSET,
+        reward_model: Any = _UNSET,
         **kwargs: Any,
     ):
         # Everything that does not need the model is checked before a checkpoint is loaded.
@@ -95,9 +98,9 @@ class WorldModelCore:
         if checkpoint is not None and engine is None:
             checkpoint = resolve_checkpoint(checkpoint)
             carried = checkpoint_defaults(checkpoint)
-        if initial_states is None:
+        if initial_states is _UNSET:
             initial_states = carried.get("initial_states")
-        if reward_model is None:
+        if reward_model is _UNSET:
             reward_model = carried.get("reward_model")
         carried = split_settings(carried) if settings is None else {}
         self.settings = WorldModelSettings.build(settings, carried, overrides, source=f"the checkpoint {checkpoint}")

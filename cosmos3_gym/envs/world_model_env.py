@@ -42,9 +42,9 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
             guidance_scale, resolution_tier, fps, task, image_size, observation_size, obs_type, reward_mode,
             success_threshold, max_episode_steps, score_name, action_stats, return_frames, request_options); wins
             over ``settings`` and the checkpoint's (a changed checkpoint value is logged).
-        initial_states: folder / file / frames / list, see ``initial_states.load_initial_states``; None means
-            the checkpoint's, else frames come from ``reset(options={"frames": ...})`` and ``image_size`` is required.
-        reward_model: None (the checkpoint's, else reward 0), a registered name, a callable
+        initial_states: folder / file / frames / list, see ``initial_states.load_initial_states``; not given: the
+            checkpoint's; None: frames come from ``reset(options={"frames": ...})`` and ``image_size`` is required.
+        reward_model: not given: the checkpoint's (if any); None: reward 0; a registered name, a callable
             ``(frames [B,T,3,H,W] in [0,1], tasks) -> [B]`` or a reward-model instance
             (``cosmos3_gym.rewards.resolve_reward_model``).
         render_mode: None, "rgb_array", "rgb_array_list" or "human" (see ``rendering``).
