@@ -1,4 +1,4 @@
-"""Find, check and fabricate Cosmos3 policy checkpoints.
+"""Find, check and read Cosmos3 policy checkpoints (the tiny random test checkpoint is ``cosmos3_gym.testing``).
 
 A checkpoint is a diffusers ``Cosmos3OmniPipeline`` directory, laid out like ``nvidia/Cosmos3-Nano-Policy-DROID``::
 
