@@ -442,6 +442,8 @@ def test_settings_are_one_validated_object(engine):
     assert other.settings == settings and other.action_space == env.action_space
     assert make_env(engine, settings=settings, num_steps=3).settings == settings.replace(num_steps=3)
     assert settings.replace(domain="droid_lerobot").raw_action_dim == 10  # a new domain brings its own width
+    assert settings.replace(raw_action_dim=3).replace(domain="pusht").raw_action_dim == 3  # same domain: kept
+    assert hash(settings) == hash(settings.replace())  # usable as a key
     for kwargs, message in [
         (dict(chunk=0), "chunk: expected an integer >= 1"),
         (dict(obs_type="pixels_agent_pos"), "obs_type: 'pixels_agent_pos' needs the agent's position"),

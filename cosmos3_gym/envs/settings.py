@@ -77,7 +77,7 @@ class WorldModelSettings:
     score_name: str | None = None
     action_stats: processor.ActionStats | None = field(default=None, compare=False)
     return_frames: bool = False
-    request_options: Mapping[str, Any] = field(default_factory=dict)
+    request_options: Mapping[str, Any] = field(default_factory=dict, hash=False)  # hashable settings: not hashed
 
     def __post_init__(self) -> None:  # noqa: C901 (one check per field, in field order)
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: normalise in place)
@@ -158,7 +158,7 @@ class WorldModelSettings:
             )
         base = settings if settings is not None else cls()
         values = {**defaults, **overrides}
-        if "domain" in values and "raw_action_dim" not in values:
+        if "raw_action_dim" not in values and values.get("domain", base.domain) != base.domain:
             values["raw_action_dim"] = None  # the new domain's own width, not the old one's
         return dataclasses.replace(base, **values) if values else base
 
