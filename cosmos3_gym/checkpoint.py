@@ -1,4 +1,4 @@
-"""Find, check and fabricate Cosmos3 policy checkpoints.
+"""Find, check and read Cosmos3 policy checkpoints (the tiny random test checkpoint is ``cosmos3_gym.testing``).
 
 A checkpoint is a diffusers ``Cosmos3OmniPipeline`` directory, laid out like ``nvidia/Cosmos3-Nano-Policy-DROID``::
 
@@ -8,14 +8,17 @@ A checkpoint is a diffusers ``Cosmos3OmniPipeline`` directory, laid out like ``n
     scheduler/              scheduler_config.json (UniPCMultistepScheduler)
     text_tokenizer/         Qwen tokenizer files + chat template
 
-``resolve_checkpoint`` turns a local path or a hub id into a directory, ``validate_checkpoint`` checks every part
-cheaply (JSON parses, required config keys, safetensors headers and lengths) and names the exact file that is wrong,
-and ``build_tiny_checkpoint`` writes a small random checkpoint with diffusers' own classes for tests and demos.
+    meta.json               optional: the settings the checkpoint was trained for (see ``checkpoint_defaults``)
+    action_stats.json       optional: the dataset's action statistics
+
+``resolve_checkpoint`` turns a local path, a hub id or a built-in name (``pusht`` / ``builtin:pusht``) into a
+directory, ``validate_checkpoint`` checks every part cheaply (JSON parses, required config keys, safetensors headers
+and lengths) and names the exact file that is wrong, and ``checkpoint_defaults`` reads the settings a checkpoint
+carries, which every entry point (envs, agents, CLI) uses unless the user overrides them.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -28,7 +31,6 @@ from typing import Any
 import torch
 
 from cosmos3_gym.errors import CheckpointError, InputError
-from cosmos3_gym.models.vae import WAN22_FIXED_CONFIG
 
 TRANSFORMER_DIR = "transformer"
 VAE_DIR = "vae"
@@ -62,6 +64,8 @@ _HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9
 # Only the parts this project loads; skips e.g. the unused vision_encoder/ of the HF export.
 _HUB_ALLOW_PATTERNS = [
     "model_index.json",
+    "meta.json",
+    "action_stats.json",
     f"{TRANSFORMER_DIR}/*",
     f"{VAE_DIR}/*",
     f"{TEXT_TOKENIZER_DIR}/*",
@@ -77,17 +81,44 @@ _OFFLINE_ENV_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
-    """Return the local directory of a checkpoint given as a local path or a hub id ("org/name").
+# Built-in models shipped in the package: name -> (assets folder under cosmos3_gym/assets, environment variable that
+# points to another folder of the same layout). ``NAME`` and ``builtin:NAME`` name the folder's checkpoint/.
+BUILTIN_MODELS = {"pusht": ("pusht", "COSMOS3_GYM_PUSHT_ASSETS")}
+BUILTIN_PREFIX = "builtin:"
 
-    A local directory is returned as is (resolved). Anything else that looks like a hub id is fetched with
+
+def builtin_assets_dir(name: str) -> Path:
+    """The assets folder of a built-in model: ``$COSMOS3_GYM_<NAME>_ASSETS`` if set, else the package's own."""
+    folder, env_var = BUILTIN_MODELS[name]
+    override = os.environ.get(env_var)
+    return Path(override).expanduser() if override else Path(__file__).resolve().parent / "assets" / folder
+
+
+def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
+    """Return the local directory of a checkpoint given as a local path, a built-in name or a hub id ("org/name").
+
+    A local directory is returned as is (resolved). ``builtin:pusht`` (or ``pusht`` where no local folder of that
+    name exists) is the built-in PushT model. Anything else that looks like a hub id is fetched with
     ``huggingface_hub.snapshot_download`` (the local cache is tried first, without network); when the hub is
     offline or unreachable, or the repo does not exist, ``CheckpointError`` is raised at once.
     """
     text = os.fspath(path_or_id)
     local_path = Path(text).expanduser()
-    if local_path.is_dir():
+    builtin = text[len(BUILTIN_PREFIX):] if text.startswith(BUILTIN_PREFIX) else None
+    if builtin is None and local_path.is_dir():
         return local_path.resolve()
+    if builtin is not None or text in BUILTIN_MODELS:
+        name = text if builtin is None else builtin
+        if name not in BUILTIN_MODELS:
+            raise CheckpointError(f"checkpoint: unknown built-in model {text!r}; expected one of "
+                                  f"{[BUILTIN_PREFIX + known for known in BUILTIN_MODELS]}")
+        directory = builtin_assets_dir(name) / "checkpoint"
+        if not (directory / "model_index.json").is_file():
+            raise CheckpointError(
+                f"checkpoint: the built-in model {name!r} is not installed ({directory} has no model_index.json); "
+                f"train one with `python benchmarks/train_{name}.py --out DIR` and set {BUILTIN_MODELS[name][1]}"
+            )
+        return directory.resolve()
     if local_path.exists():
         raise CheckpointError(f"checkpoint: {local_path} is a file; expected a checkpoint directory or a hub id")
     if not _HUB_ID_PATTERN.match(text):
@@ -191,6 +222,65 @@ def validate_checkpoint(path: str | os.PathLike) -> CheckpointLayout:
         vae_config=vae_config,
         scheduler_config=scheduler_config,
     )
+
+
+# meta.json keys that are env settings of the same name (``WorldModelSettings`` fields).
+META_SETTING_KEYS = (
+    "domain", "raw_action_dim", "chunk", "resolution_tier", "fps", "num_steps", "guidance_scale", "task",
+    "reward_mode", "success_threshold", "max_episode_steps", "score_name",
+)
+META_FILE = "meta.json"
+ACTION_STATS_FILE = "action_stats.json"
+
+
+def checkpoint_defaults(path_or_id: str | os.PathLike) -> dict[str, Any]:
+    """The settings a checkpoint carries, as keyword arguments of the envs and agents (``WorldModelSettings``
+    fields plus ``initial_states`` and ``reward_model``). Empty for a checkpoint without ``meta.json``.
+
+    From ``meta.json``: the ``META_SETTING_KEYS`` it has; ``initial_states`` (a path relative to the checkpoint; an
+    ``.npz`` is an archive of start frames ``frames [N, H, W, 3]`` with an optional ``task``, read into N start
+    states); ``reward_model`` (a reward spec ``NAME:PATH``, PATH relative to the checkpoint). From
+    ``action_stats.json``: ``action_stats`` (a ``processor.ActionStats`` in meta's ``action_normalization`` mode,
+    default minmax). Entry points use these unless the user overrides them (and log what was overridden).
+    """
+    from cosmos3_gym.processor import ActionStats
+
+    root = resolve_checkpoint(path_or_id)
+    meta_path = root / META_FILE
+    meta = _read_json_object(meta_path) if meta_path.is_file() else {}
+    defaults: dict[str, Any] = {key: meta[key] for key in META_SETTING_KEYS if key in meta}
+    stats_path = root / ACTION_STATS_FILE
+    if stats_path.is_file():
+        defaults["action_stats"] = ActionStats.from_json(stats_path, mode=meta.get("action_normalization", "minmax"))
+    if "initial_states" in meta:
+        states = _relative_file(root, meta["initial_states"], "initial_states")
+        if states.suffix == ".npz":
+            from cosmos3_gym.envs.initial_states import read_initial_states_archive
+
+            try:
+                defaults["initial_states"] = read_initial_states_archive(states)
+            except InputError as error:
+                raise CheckpointError(f"checkpoint: {meta_path} field 'initial_states': {error}") from error
+        else:
+            defaults["initial_states"] = str(states)
+    if "reward_model" in meta:
+        spec = meta["reward_model"]
+        name, colon, argument = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+        if not colon or not argument:
+            raise CheckpointError(f"checkpoint: {meta_path} field 'reward_model' must be 'NAME:PATH', got {spec!r}")
+        argument, question, query = argument.partition("?")
+        resolved = _relative_file(root, argument, "reward_model")
+        defaults["reward_model"] = f"{name}:{resolved}{question}{query}"
+    return defaults
+
+
+def _relative_file(root: Path, value: Any, key: str) -> Path:
+    if not isinstance(value, str) or not value:
+        raise CheckpointError(f"checkpoint: {root / META_FILE} field {key!r} must be a path, got {value!r}")
+    path = (root / value).resolve()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint: {root / META_FILE} field {key!r} names {path}, which does not exist")
+    return path
 
 
 def _require_dir(path: Path) -> Path:
@@ -352,45 +442,9 @@ def load_safetensors_state_dict(
     return state_dict
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Tiny random checkpoints
-# ----------------------------------------------------------------------------------------------------------------
-
-# The Nano transformer scaled down: same structure (GQA, qk-norm, interleaved mRoPE, domain-aware action heads),
-# tiny widths. mrope_section sums to head_dim / 2 as in Nano (24 + 20 + 20 = 64 = 128 / 2).
-TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
-    "action_gen": True,
-    "action_dim": 64,
-    "hidden_size": 64,
-    "head_dim": 16,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "latent_channel": 16,
-    "latent_patch_size": 2,
-    "patch_latent_dim": 2 * 2 * 16,
-    "rope_scaling": {"mrope_section": [4, 2, 2]},
-    # Nano's 5e6 barely rotates the slots that matter on tiny grids; a small theta makes position bugs visible.
-    "rope_theta": 50.0,
-    "num_embodiment_domains": 32,
-}
-
-# The Wan2.2 VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json: base_dim 160, decoder_base_dim 256, z_dim 48,
-# num_res_blocks 2) with the same structure but narrow channels, one residual block per level and 16 latent
-# channels. Compression stays 16x spatial (2x pixel patchify + 3 downsamples) and 4x temporal.
-TINY_VAE_CONFIG: dict[str, Any] = {
-    "base_dim": 4,
-    "decoder_base_dim": 8,
-    "z_dim": 16,
-    "dim_mult": [1, 2, 4, 4],
-    "num_res_blocks": 1,
-    "attn_scales": [],
-    **WAN22_FIXED_CONFIG,
-}
-
-# The sampler settings of the native policy server (linear flow sigmas, shift 5, order-2 UniPC bh2).
-TINY_SCHEDULER_CONFIG: dict[str, Any] = {
+# The sampler settings of the native policy server (linear flow sigmas, shift 5, order-2 UniPC bh2): the scheduler
+# config of checkpoints this project writes (training exports, the tiny test checkpoints).
+POLICY_SCHEDULER_CONFIG: dict[str, Any] = {
     "num_train_timesteps": 1000,
     "prediction_type": "flow_prediction",
     "use_flow_sigmas": True,
@@ -401,220 +455,23 @@ TINY_SCHEDULER_CONFIG: dict[str, Any] = {
     "use_karras_sigmas": False,
 }
 
-# Byte-level BPE vocabulary: the 256 byte symbols, the special tokens and about 250 merges, so embedding tables stay
-# small while the pipeline's action prompt is about 150 tokens.
-TINY_TOKENIZER_VOCAB_SIZE = 512
-PAD_TOKEN = "<|endoftext|>"
-EOS_TOKEN = "<|im_end|>"
-SPECIAL_TOKENS = (
-    PAD_TOKEN,
-    "<|im_start|>",
-    EOS_TOKEN,
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
 
-# The Qwen3-VL chat template without its tool-calling branches: an optional leading system turn, user/assistant
-# turns whose content is a string or a list of text/image/video parts, and the assistant generation prompt.
-QWEN_CHAT_TEMPLATE = """\
-{%- set image_count = namespace(value=0) %}
-{%- set video_count = namespace(value=0) %}
-{%- macro render_content(content) %}
-    {%- if content is string %}
-        {{- content }}
-    {%- else %}
-        {%- for item in content %}
-            {%- if 'image' in item or 'image_url' in item or item.type == 'image' %}
-                {%- set image_count.value = image_count.value + 1 %}
-                {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
-                <|vision_start|><|image_pad|><|vision_end|>
-            {%- elif 'video' in item or item.type == 'video' %}
-                {%- set video_count.value = video_count.value + 1 %}
-                {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
-                <|vision_start|><|video_pad|><|vision_end|>
-            {%- elif 'text' in item %}
-                {{- item.text }}
-            {%- endif %}
-        {%- endfor %}
-    {%- endif %}
-{%- endmacro %}
-{%- if messages[0].role == 'system' %}
-    {{- '<|im_start|>system\\n' + render_content(messages[0].content) + '<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'user' or message.role == 'assistant' %}
-        {{- '<|im_start|>' + message.role + '\\n' + render_content(message.content) + '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
+# Names that moved out of this module (loading and validation only): the tiny-checkpoint factory to
+# ``cosmos3_gym.testing``, the small tokenizer to ``cosmos3_gym.tokenizer``. Kept importable from here, deprecated.
+_MOVED = {
+    "TINY_TRANSFORMER_CONFIG": "testing", "TINY_VAE_CONFIG": "testing", "TINY_SCHEDULER_CONFIG": "testing",
+    "build_tiny_checkpoint": "testing", "TINY_TOKENIZER_VOCAB_SIZE": "tokenizer", "PAD_TOKEN": "tokenizer",
+    "EOS_TOKEN": "tokenizer", "SPECIAL_TOKENS": "tokenizer", "QWEN_CHAT_TEMPLATE": "tokenizer",
+    "build_tiny_tokenizer": "tokenizer",
+}
 
 
-def _tokenizer_training_text() -> list[str]:
-    """Robot-task text in the shapes the pipeline's prompts take (action JSON caption, metadata sentences)."""
-    from diffusers.pipelines.cosmos import pipeline_cosmos3_omni as omni
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
 
-    tasks = [
-        "pick up the red cup and place it in the bowl",
-        "push the T-shaped block onto the green target",
-        "open the top drawer of the cabinet",
-        "close the microwave door",
-        "put the banana on the plate",
-        "stack the blue block on top of the yellow block",
-        "move the spoon to the left of the pot",
-        "wipe the table with the towel",
-        "turn on the faucet and wash the mug",
-        "fold the cloth in half",
-        "pour water from the bottle into the glass",
-        "grasp the handle and pull the door open",
-        "robot picks up the marker and puts it in the box",
-        "the gripper slides the cube to the right side of the table",
-        "the robot arm reaches for the apple near the sink",
-    ]
-    viewpoints = list(omni._ACTION_VIEWPOINT_TEMPLATES.values())
-    metadata = [
-        omni._SYSTEM_PROMPT_VIDEO,
-        omni._SYSTEM_PROMPT_IMAGE,
-        "The video is 1.4 seconds long and is of 24 FPS. This video is of 480x832 resolution.",
-        "The video is 2.2 seconds long and is of 15 FPS. This video is of 544x736 resolution.",
-        "This image is of 256x256 resolution. 0 1 2 3 4 5 6 7 8 9 10 16 24 32 33 64 192 320 640 720 960 1280",
-    ]
-    captions = [
-        omni.Cosmos3OmniPipeline._build_action_json_prompt(
-            task, view_point=view_point, num_frames=frames, fps=fps, height=height, width=width
-        )
-        for task, view_point, (frames, fps, height, width) in zip(
-            tasks,
-            list(omni._ACTION_VIEWPOINT_TEMPLATES) * 4,
-            [(17, 24.0, 480, 832), (33, 15.0, 544, 736), (5, 24.0, 256, 256), (9, 24.0, 320, 256)] * 4,
-        )
-    ]
-    return tasks + viewpoints + metadata + captions
-
-
-def build_tiny_tokenizer():
-    """A Qwen2 byte-level BPE tokenizer trained in-process, with Qwen's special tokens and chat template.
-
-    Normaliser, pre-tokenizer and decoder are Qwen2's, only the vocabulary is trained on a few hundred words, so any
-    text still encodes (unknown words as bytes).
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import Qwen2TokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    backend = Tokenizer(models.BPE())
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_TOKENIZER_VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(_tokenizer_training_text(), trainer)
-    return Qwen2TokenizerFast(
-        tokenizer_object=backend,
-        bos_token=None,
-        unk_token=None,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        chat_template=QWEN_CHAT_TEMPLATE,
-    )
-
-
-def _check_override_keys(overrides: Mapping[str, Any], cls: type, field: str) -> None:
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
-    unknown = sorted(set(overrides) - accepted)
-    if unknown:
-        raise InputError(f"{field}: unknown {cls.__name__} config keys {unknown}")
-
-
-@torch.no_grad()
-def _redraw_transformer_weights(transformer: torch.nn.Module, generator: torch.Generator) -> None:
-    """Redraw every parameter so none is zero or one: the default init leaves biases and
-    ``action_modality_embed`` at 0 and norm weights at 1, which would hide bugs in a reimplementation."""
-    from diffusers.models.normalization import RMSNorm
-    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3NemotronRMSNorm
-
-    for module in transformer.modules():
-        is_norm = isinstance(module, (RMSNorm, Cosmos3NemotronRMSNorm))
-        for param in module.parameters(recurse=False):
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            param.copy_(1.0 + 0.1 * noise if is_norm else 0.02 * noise)
-
-
-@torch.no_grad()
-def _perturb_vae_norm_scales(vae: torch.nn.Module, generator: torch.Generator) -> None:
-    """The VAE's convolutions keep their (random) default init; its RMS-norm scales start at 1 and are perturbed."""
-    for name, param in vae.named_parameters():
-        if name.endswith("gamma"):
-            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator, dtype=torch.float32))
-
-
-def build_tiny_checkpoint(
-    path: str | os.PathLike,
-    seed: int = 0,
-    *,
-    vae_overrides: Mapping[str, Any] | None = None,
-    scheduler_overrides: Mapping[str, Any] | None = None,
-    **transformer_overrides: Any,
-) -> Path:
-    """Write a small random ``Cosmos3OmniPipeline`` checkpoint (about 4 MB, safetensors) and return its path.
-
-    Built from diffusers' own classes and ``save_pretrained``, so the layout is exactly diffusers'. The same seed
-    gives identical weights. ``transformer_overrides`` update ``TINY_TRANSFORMER_CONFIG`` (e.g.
-    ``num_hidden_layers=3, hidden_act="relu2"``); ``vae_overrides`` / ``scheduler_overrides`` update the VAE and
-    scheduler configs. ``path`` must not exist or be an empty directory.
-    """
-    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
-
-    path = Path(path).expanduser()
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise InputError(f"path: {path} already exists and is not an empty directory")
-    vae_overrides = dict(vae_overrides or {})
-    scheduler_overrides = dict(scheduler_overrides or {})
-    _check_override_keys(transformer_overrides, Cosmos3OmniTransformer, "transformer_overrides")
-    _check_override_keys(vae_overrides, AutoencoderKLWan, "vae_overrides")
-    _check_override_keys(scheduler_overrides, UniPCMultistepScheduler, "scheduler_overrides")
-
-    tokenizer = build_tiny_tokenizer()
-    transformer_config = {**TINY_TRANSFORMER_CONFIG, "vocab_size": len(tokenizer), **transformer_overrides}
-    vae_config = {**TINY_VAE_CONFIG, **vae_overrides}
-
-    generator = torch.Generator().manual_seed(seed)
-    z_dim = vae_config["z_dim"]
-    # Latent statistics away from the identity (mean 0, std 1) so a missing (de)normalisation shows up in tests.
-    latents_mean = (0.5 * torch.randn(z_dim, generator=generator)).tolist()
-    latents_std = (0.5 + torch.rand(z_dim, generator=generator)).tolist()
-    vae_config.setdefault("latents_mean", [round(value, 4) for value in latents_mean])
-    vae_config.setdefault("latents_std", [round(value, 4) for value in latents_std])
-
-    # The modules draw their default init from the global RNG; seed it without disturbing the caller's state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformer = Cosmos3OmniTransformer(**transformer_config)
-        vae = AutoencoderKLWan(**vae_config)
-    _redraw_transformer_weights(transformer, generator)
-    _perturb_vae_norm_scales(vae, generator)
-    scheduler = UniPCMultistepScheduler(**{**TINY_SCHEDULER_CONFIG, **scheduler_overrides})
-
-    pipeline = Cosmos3OmniPipeline(
-        transformer=transformer,
-        text_tokenizer=tokenizer,
-        vae=vae,
-        scheduler=scheduler,
-        enable_safety_checker=False,
-    )
-    pipeline.save_pretrained(path, safe_serialization=True)
-    validate_checkpoint(path)
-    return path
+    module = f"cosmos3_gym.{_MOVED[name]}"
+    warnings.warn(f"cosmos3_gym.checkpoint.{name} moved to {module}.{name}", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), name)

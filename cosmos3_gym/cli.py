@@ -170,7 +170,7 @@ def run_infer(args: argparse.Namespace) -> None:
 
 
 def run_make_tiny_checkpoint(args: argparse.Namespace) -> None:
-    from .checkpoint import build_tiny_checkpoint
+    from .testing import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(args.directory, seed=args.seed)
     print(f"wrote a tiny RANDOM-weight Cosmos3 checkpoint to {path}")

@@ -334,19 +334,15 @@ def _import_attribute(module_name: str, attribute: str, spec: str) -> Any:
 
 
 def _agent_settings(env: Any) -> dict[str, Any]:
-    """The ``PolicyAgent`` arguments that match a world-model env's own settings."""
-    # The envs expose no public settings object; their shared core holds the values the env was built with.
-    core = getattr(getattr(env, "unwrapped", env), "_core", None)
-    if core is None:
+    """The ``PolicyAgent`` arguments that match a world-model env's own settings (``env.settings``)."""
+    base = getattr(env, "unwrapped", env)
+    settings = getattr(base, "settings", None)
+    if settings is None:
         raise InputError(
             f"policy: 'agent' needs a cosmos3_gym world-model env (WorldModelEnv / WorldModelVectorEnv), got "
             f"{type(env).__name__}."
         )
-    return dict(
-        engine=core.engine, domain=core.domain, raw_action_dim=core.raw_action_dim, chunk=core.chunk,
-        num_steps=core.num_steps, guidance_scale=core.guidance_scale, resolution_tier=core.resolution_tier,
-        fps=core.fps,
-    )
+    return dict(engine=base.engine, settings=settings)
 
 
 def _policy_name(policy: Any) -> str:
@@ -706,10 +702,11 @@ def tiny_checkpoint_cache_dir() -> Path:
 
 
 def cached_tiny_checkpoint() -> Path:
-    """The tiny RANDOM-weight checkpoint (``checkpoint.build_tiny_checkpoint(seed=0)``), built once into
+    """The tiny RANDOM-weight checkpoint (``testing.build_tiny_checkpoint(seed=0)``), built once into
     ``tiny_checkpoint_cache_dir()`` and reused. Built in a temporary sibling folder and renamed into place, so an
     interrupted or concurrent build never leaves a half-written checkpoint behind."""
-    from .checkpoint import build_tiny_checkpoint, validate_checkpoint
+    from .checkpoint import validate_checkpoint
+    from .testing import build_tiny_checkpoint
 
     target = tiny_checkpoint_cache_dir()
     if not target.exists():

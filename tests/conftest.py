@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosmos3_gym.checkpoint import build_tiny_checkpoint
+from cosmos3_gym.testing import build_tiny_checkpoint
 
 # The tiny models gain nothing from intra-op threads; with cores shared between processes (parallel test workers,
 # gloo ranks) extra threads only oversubscribe them: the tiny pipeline ran 3x slower with 2 threads than with 1.

@@ -98,8 +98,8 @@ def test_policy_one_batched_step_with_seeded_requests_and_clipping():
         (dict(domain="mars_rover"), "image", {}, "domain: unknown embodiment 'mars_rover'"),
         (dict(raw_action_dim=100), "image", {}, r"raw_action_dim: expected an integer in \[1, 64\]"),
         (dict(resolution_tier=300), "image", {}, "resolution_tier: expected one of"),
-        (dict(guidance_scale=-1.0), "image", {}, "guidance_scale: expected a finite number >= 0"),
-        (dict(fps=0), "image", {}, "fps: expected a positive number"),
+        (dict(guidance_scale=-1.0), "image", {}, "guidance_scale: expected a number >= 0"),
+        (dict(fps=0), "image", {}, "fps: expected a number > 0"),
         (dict(seed=-1), "image", {}, "seed: expected a non-negative integer"),
         (dict(view_point="sky"), "image", {}, "view_point: expected one of"),
         (dict(task=3), "image", {}, "task: expected a string or None"),
@@ -221,3 +221,40 @@ def test_action_following_error(engine):
 def test_inverse_dynamics_rejects_bad_input(call, message):
     with pytest.raises(InputError, match=message):
         call(InverseDynamicsAgent(RecordingEngine(value=0.0), **SETTINGS))
+
+
+# ------------------------------------------------------------------ agents built from an env (WorldModelSettings)
+
+
+def test_from_env_acts_in_the_envs_action_space(engine):
+    """Issue 20: PolicyAgent(env.engine, task=...) used DROID defaults (32 x 10 chunks that env.step refused);
+    from_env takes the env's settings, so its actions are the env's, through wrappers and the vector env too."""
+    import gymnasium as gym
+
+    from cosmos3_gym.envs import WorldModelEnv, WorldModelVectorEnv
+
+    frame = images(1, seed=5, size=(96, 128))[0]
+    settings = dict(SETTINGS, guidance_scale=1.0, fps=10.0, task="push the T")
+    env = gym.wrappers.ClipAction(WorldModelEnv(engine=engine, initial_states=frame, **settings))
+    agent = PolicyAgent.from_env(env, seed=0)
+    assert agent.settings is env.unwrapped.settings and agent.engine is engine and agent.task == "push the T"
+    assert (agent.chunk, agent.raw_action_dim, agent.guidance_scale, agent.fps) == (4, 2, 1.0, 10.0)
+    observation, _ = env.reset(seed=0)
+    action = agent.act(observation)
+    assert env.action_space.contains(action)
+    env.step(action)  # accepted
+    recording = RecordingEngine(0.5)
+    PolicyAgent(recording, "t", settings=env.unwrapped.settings, num_steps=3).act(observation)
+    request = recording.calls[0][0][0]
+    assert (request.chunk, request.domain, request.guidance_scale, request.fps, request.num_steps) == \
+        (4, "pusht", 1.0, 10.0, 3)  # keywords win over settings
+
+    vector = WorldModelVectorEnv(2, engine=engine, initial_states=frame, **settings)
+    observations, _ = vector.reset(seed=0)
+    actions = PolicyAgent.from_env(vector, seed=0).act(observations)
+    assert vector.action_space.contains(actions)
+
+    inverse = InverseDynamicsAgent.from_env(env, seed=0)
+    assert inverse.settings is env.unwrapped.settings and inverse.task == "push the T"
+    with pytest.raises(InputError, match="from_env needs a cosmos3_gym world-model env"):
+        PolicyAgent.from_env(gym.make("CartPole-v1"))

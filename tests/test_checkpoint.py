@@ -13,16 +13,9 @@ import torch
 from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer
 from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 
-from cosmos3_gym.checkpoint import (
-    SPECIAL_TOKENS,
-    TINY_SCHEDULER_CONFIG,
-    TINY_TRANSFORMER_CONFIG,
-    TINY_VAE_CONFIG,
-    build_tiny_checkpoint,
-    load_safetensors_state_dict,
-    resolve_checkpoint,
-    validate_checkpoint,
-)
+from cosmos3_gym.checkpoint import load_safetensors_state_dict, resolve_checkpoint, validate_checkpoint
+from cosmos3_gym.testing import TINY_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG, build_tiny_checkpoint
+from cosmos3_gym.tokenizer import SPECIAL_TOKENS
 from cosmos3_gym.errors import CheckpointError, InputError
 
 
@@ -348,3 +341,84 @@ def test_build_rejects_unknown_override_and_non_empty_directory(tiny_checkpoint:
         build_tiny_checkpoint(tmp_path / "typo", hidden_sise=32)
     with pytest.raises(InputError, match="not an empty directory"):
         build_tiny_checkpoint(tiny_checkpoint)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Built-in names and the settings a checkpoint carries
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_builtin_names_resolve_to_the_shipped_pusht_model(tmp_path, monkeypatch):
+    from cosmos3_gym.checkpoint import builtin_assets_dir
+
+    shipped = (builtin_assets_dir("pusht") / "checkpoint").resolve()
+    monkeypatch.chdir(tmp_path)  # no local folder named "pusht"
+    assert resolve_checkpoint("pusht") == resolve_checkpoint("builtin:pusht") == shipped
+    validate_checkpoint(resolve_checkpoint("pusht"))
+    (tmp_path / "pusht").mkdir()
+    assert resolve_checkpoint("pusht") == (tmp_path / "pusht").resolve()  # a local folder of that name wins
+    assert resolve_checkpoint("builtin:pusht") == shipped  # the prefix is never ambiguous
+    with pytest.raises(CheckpointError, match="unknown built-in model 'builtin:droid'"):
+        resolve_checkpoint("builtin:droid")
+    monkeypatch.setenv("COSMOS3_GYM_PUSHT_ASSETS", str(tmp_path / "nowhere"))
+    with pytest.raises(CheckpointError, match="built-in model 'pusht' is not installed"):
+        resolve_checkpoint("builtin:pusht")
+
+
+def test_checkpoint_defaults_of_the_shipped_pusht_model():
+    """Issue 20: infer/eval/demo ran the built-in model with DROID defaults (32 x 10 chunks, guidance 3.0)."""
+    from cosmos3_gym.checkpoint import checkpoint_defaults
+
+    defaults = checkpoint_defaults("pusht")
+    assert (defaults["domain"], defaults["raw_action_dim"], defaults["chunk"], defaults["resolution_tier"]) == \
+        ("pusht", 2, 8, 256)
+    assert (defaults["fps"], defaults["num_steps"], defaults["guidance_scale"]) == (10.0, 4, 1.0)
+    assert (defaults["success_threshold"], defaults["max_episode_steps"], defaults["score_name"]) == \
+        (0.95, 38, "coverage")
+    assert defaults["action_stats"].dim == 2 and defaults["action_stats"].mode == "minmax"
+    assert len(defaults["initial_states"]) > 1  # every frame of initial_states.npz is a start, not only the first
+    name, _, path = defaults["reward_model"].partition(":")
+    assert name == "classifier" and Path(path).is_absolute() and (Path(path) / "config.json").is_file()
+
+
+def test_checkpoint_defaults_are_empty_without_meta_and_name_bad_fields(checkpoint_copy):
+    from cosmos3_gym.checkpoint import checkpoint_defaults
+
+    assert checkpoint_defaults(checkpoint_copy) == {}
+    (checkpoint_copy / "meta.json").write_text(json.dumps({"chunk": 8, "reward_model": "classifier:../missing"}))
+    with pytest.raises(CheckpointError, match="field 'reward_model' names .*missing, which does not exist"):
+        checkpoint_defaults(checkpoint_copy)
+    (checkpoint_copy / "meta.json").write_text(json.dumps({"chunk": 8, "reward_model": 3}))
+    with pytest.raises(CheckpointError, match="field 'reward_model' must be 'NAME:PATH'"):
+        checkpoint_defaults(checkpoint_copy)
+
+
+def test_the_tiny_checkpoint_factory_lives_in_testing_only():
+    """checkpoint.py loads and validates; the factory is cosmos3_gym.testing, which no production module imports
+    at import time (only the commands that build a tiny checkpoint on request: make-tiny-checkpoint and the demo's
+    random-weight model). The old names still import from checkpoint, with a DeprecationWarning."""
+    import ast
+
+    import cosmos3_gym
+    import cosmos3_gym.checkpoint as checkpoint_module
+    from cosmos3_gym import testing
+
+    package = Path(cosmos3_gym.__file__).parent
+    on_request = {"cli.py", "evaluation.py"}
+    for path in package.rglob("*.py"):
+        if path.name == "testing.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            if any(name.split(".")[-1] == "testing" for name in names):
+                top_level = node in tree.body
+                assert path.name in on_request and not top_level, f"{path} imports cosmos3_gym.testing"
+    assert "build_tiny_checkpoint" not in vars(checkpoint_module)
+    with pytest.warns(DeprecationWarning, match="moved to cosmos3_gym.testing.build_tiny_checkpoint"):
+        assert checkpoint_module.build_tiny_checkpoint is testing.build_tiny_checkpoint

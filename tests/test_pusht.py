@@ -178,10 +178,12 @@ def test_make_without_the_builtin_model_says_it_is_not_installed(tmp_path, monke
 def test_make_builds_the_env_from_the_assets_defaults(tiny_assets):
     env = gym.make("cosmos3_gym/PushT-v0", assets_dir=tiny_assets)
     try:
-        core = env.unwrapped._core
-        assert (core.domain, core.raw_action_dim, core.chunk, core.resolution_tier) == ("pusht", 2, 4, 256)
-        assert (core.num_steps, core.guidance_scale, core.fps, core.max_episode_steps) == (2, 1.0, 10.0, 3)
-        assert core.success_threshold == 0.95 and len(env.unwrapped.initial_states) == 3
+        settings = env.unwrapped.settings
+        assert (settings.domain, settings.raw_action_dim, settings.chunk, settings.resolution_tier) == \
+            ("pusht", 2, 4, 256)
+        assert (settings.num_steps, settings.guidance_scale, settings.fps, settings.max_episode_steps) == \
+            (2, 1.0, 10.0, 3)
+        assert settings.success_threshold == 0.95 and len(env.unwrapped.initial_states) == 3
         assert env.action_space.shape == (4, 2) and env.observation_space["image"].shape == (FRAME, FRAME, 3)
         observation, info = env.reset(seed=0)
         assert info["task"] == pusht.TASK and observation["image"].shape == (FRAME, FRAME, 3)
@@ -198,7 +200,7 @@ def test_env_var_arguments_and_vector_env(tiny_assets, monkeypatch):
     assert pusht_env.builtin_checkpoint_dir() == tiny_assets / "checkpoint"
     envs = gym.make_vec("cosmos3_gym/PushT-v0", num_envs=2, num_steps=1, task="push it")
     try:
-        assert envs.num_envs == 2 and envs.unwrapped._core.num_steps == 1
+        assert envs.num_envs == 2 and envs.unwrapped.settings.num_steps == 1
         _, infos = envs.reset(seed=0)
         assert list(infos["task"]) == ["push it", "push it"]
         _, rewards, _, _, _ = envs.step(envs.action_space.sample())

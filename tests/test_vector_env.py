@@ -66,8 +66,8 @@ def test_make_vec_builds_the_batched_env(engine):
                        autoreset_mode=AutoresetMode.SAME_STEP, **FAST)
     assert isinstance(env, WorldModelVectorEnv)
     assert env.num_envs == 2 and env.autoreset_mode == AutoresetMode.SAME_STEP
-    assert env.metadata["autoreset_mode"] == AutoresetMode.SAME_STEP and env.metadata["render_fps"] == 15.0
-    assert env._core.max_episode_steps == 5  # make_vec hands max_episode_steps to the vector env itself
+    assert env.metadata["autoreset_mode"] == AutoresetMode.SAME_STEP and env.metadata["render_fps"] == 15.0 / 4
+    assert env.settings.max_episode_steps == 5  # make_vec hands max_episode_steps to the vector env itself
     assert env.single_observation_space["image"].shape == (96, 128, 3)
     assert env.observation_space["image"].shape == (2, 96, 128, 3)
     assert env.single_action_space.shape == (4, 2) and env.action_space.shape == (2, 4, 2)
@@ -244,3 +244,117 @@ def test_close_is_idempotent(engine, tiny_checkpoint):
     owned.close()
     owned.close()
     assert owned.engine.closed
+
+
+# ------------------------------------------------------------------ group resets (issue 17)
+
+
+class ScriptedScores:
+    """A reward model that returns the next scripted list of scores at each call (one score per stepping slot),
+    zeros once the script is over."""
+
+    def __init__(self, *scores):
+        self.scores = list(scores)
+
+    def __call__(self, frames, tasks):
+        scores = self.scores.pop(0) if self.scores else [0.0] * len(tasks)
+        assert len(scores) == len(tasks)
+        return scores
+
+
+def make_group_env(engine, scores=(), **kwargs):
+    return WorldModelVectorEnv(
+        4, group_size=2, **FAST, engine=engine, initial_states=[image(i) for i in range(6)], task="go",
+        reward_model=ScriptedScores(*scores), success_threshold=0.5, **kwargs,
+    )
+
+
+def test_groups_share_their_start_and_differ_by_noise(engine):
+    env = make_group_env(engine)
+    observations, info = env.reset(seed=3)
+    assert info["group"].tolist() == [0, 0, 1, 1] and not info["waiting"].any()
+    index = info["initial_state_index"]
+    assert index[0] == index[1] and index[2] == index[3]
+    assert np.array_equal(observations["image"][0], observations["image"][1])
+    assert np.array_equal(observations["image"][2], observations["image"][3])
+    same_action = np.repeat(random_actions(env, 0)[:1], 4, axis=0)
+    observations, *_, info = env.step(same_action)
+    assert info["group"].tolist() == [0, 0, 1, 1]
+    assert info["noise_seed"][0] != info["noise_seed"][1]
+    # same start, same action, other noise
+    assert not np.array_equal(observations["image"][0], observations["image"][1])
+
+    # Per-group reset options; per-slot lists must agree within a group.
+    _, info = env.reset(options={"initial_state_index": [4, 1]})
+    assert info["initial_state_index"].tolist() == [4, 4, 1, 1]
+    _, info = env.reset(options={"initial_state_index": [5, 5, 2, 2]})
+    assert info["initial_state_index"].tolist() == [5, 5, 2, 2]
+    with pytest.raises(InputError, match=r"options\['initial_state_index'\]: the slots of a group share their start"):
+        env.reset(options={"initial_state_index": [5, 4, 2, 2]})
+    with pytest.raises(InputError, match="reset_mask: .* must select whole groups"):
+        env.reset(options={"reset_mask": np.array([True, False, False, False])})
+
+
+def test_group_size_must_divide_num_envs(engine):
+    with pytest.raises(InputError, match=r"group_size: num_envs \(3\) must be a multiple of group_size \(2\)"):
+        WorldModelVectorEnv(3, group_size=2, engine=engine, initial_states=image(0), **FAST)
+    with pytest.raises(InputError, match="group_size: expected an integer >= 1"):
+        WorldModelVectorEnv(2, group_size=0, engine=engine, initial_states=image(0), **FAST)
+    register_envs()
+    env = gym.make_vec(ENV_ID, num_envs=4, group_size=2, engine=engine, initial_states=image(0), **FAST)
+    assert env.group_size == 2 and env.num_groups == 2
+    with pytest.raises(InputError, match="group_size"):
+        gym.make_vec(ENV_ID, num_envs=4, group_size=3, engine=engine, initial_states=image(0), **FAST)
+
+
+# Slot 0 succeeds at step 1, slot 1 at step 3: group 0 is done after step 3; group 1 never ends.
+SCRIPT = ([1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED])
+def test_groups_survive_autoreset(engine, batches, mode):
+    env = make_group_env(engine, scores=SCRIPT, autoreset_mode=mode)
+    env.reset(seed=0)
+    actions = random_actions(env, 1)
+    observations, rewards, terminated, truncated, info = env.step(actions)
+    assert terminated.tolist() == [True, False, False, False] and rewards[0] == 1.0
+    last_of_slot_0 = observations["image"][0]
+    if mode == AutoresetMode.SAME_STEP:
+        assert masked(info, "final_obs") == [True, False, False, False]
+        assert np.array_equal(info["final_obs"][0]["image"], last_of_slot_0)  # not restarted: its group is running
+
+    # Slot 0 waits for slot 1: its action is ignored (3 requests), it returns its last frame, reward 0, no flags.
+    observations, rewards, terminated, truncated, info = env.step(actions)
+    assert batches[-1] == 3
+    assert info["waiting"].tolist() == [True, False, False, False]
+    assert np.array_equal(observations["image"][0], last_of_slot_0)
+    assert (rewards[0], terminated[0], truncated[0]) == (0.0, False, False)
+
+    observations, rewards, terminated, truncated, info = env.step(actions)  # slot 1 ends: group 0 is done
+    assert terminated.tolist() == [False, True, False, False]
+    assert info["waiting"].tolist() == [True, False, False, False]
+    if mode == AutoresetMode.SAME_STEP:  # restarted within this step from one shared start
+        assert masked(info, "final_obs") == [False, True, False, False]
+        assert info["initial_state_index"][0] == info["initial_state_index"][1]
+        assert masked(info, "initial_state_index")[:2] == [True, True]
+        assert np.array_equal(observations["image"][0], observations["image"][1])
+        observations, *_, info = env.step(actions)
+        assert batches[-1] == 4 and not info["waiting"].any()  # everyone steps again
+    elif mode == AutoresetMode.NEXT_STEP:  # restarted at the next step, together
+        observations, rewards, terminated, truncated, info = env.step(actions)
+        assert batches[-1] == 2 and info["waiting"].tolist() == [True, True, False, False]
+        assert info["initial_state_index"][0] == info["initial_state_index"][1]
+        assert masked(info, "initial_state_index") == [True, True, False, False]
+        assert np.array_equal(observations["image"][0], observations["image"][1])
+        assert not (terminated | truncated).any() and (rewards[:2] == 0).all()
+        env.step(actions)
+        assert batches[-1] == 4
+    else:  # DISABLED: the finished group must be reset, as a whole
+        with pytest.raises(InputError, match=r"reset_mask: slots \[0, 1\] finished"):
+            env.step(actions)
+        with pytest.raises(InputError, match="whole groups"):
+            env.reset(options={"reset_mask": np.array([True, False, False, False])})
+        observations, info = env.reset(options={"reset_mask": np.array([True, True, False, False])})
+        assert np.array_equal(observations["image"][0], observations["image"][1])
+        env.step(actions)
+        assert batches[-1] == 4

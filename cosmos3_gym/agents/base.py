@@ -1,21 +1,25 @@
-"""What the helper agents share: the request settings, the seed sequence and the task list."""
+"""What the helper agents share: the settings (``WorldModelSettings``), the seed sequence and the task list."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import numpy as np
 
 from ..engine import Cosmos3Request
+from ..envs.settings import WorldModelSettings
 from ..errors import InputError
-from ..processor import RESOLUTION_TIERS, VIEW_POINTS, resolve_domain
 
 _SEED_BOUND = 2**63  # the engine's seeds are non-negative 63-bit integers
 
 
 class EngineAgent:
-    """Builds ``Cosmos3Request``s of one mode with fixed sampling settings.
+    """Builds ``Cosmos3Request``s of one mode with fixed sampling settings (a ``WorldModelSettings``).
+
+    ``settings`` and/or its fields as keywords (domain, raw_action_dim, chunk, num_steps, guidance_scale,
+    resolution_tier, fps, request_options; keywords win); ``view_point`` / ``negative_prompt`` are shorthands for
+    ``request_options`` entries. ``from_env(env)`` takes the env's engine and settings, so the agent's actions fit
+    the env. The settings read through the agent too (``agent.chunk`` is ``agent.settings.chunk``).
 
     With ``seed`` set, every request gets the next seed of a ``np.random.Generator(seed)`` sequence, one request at a
     time in order, so a run reproduces and a batched call uses exactly the seeds the same calls made one by one
@@ -31,47 +35,52 @@ class EngineAgent:
         engine: Any,
         task: str | None = None,
         *,
-        domain: str | int = "droid_lerobot",
-        raw_action_dim: int | None = None,
-        chunk: int = 32,
-        num_steps: int = 4,
-        guidance_scale: float = 3.0,
-        resolution_tier: int = 480,
-        fps: float = 15.0,
+        settings: WorldModelSettings | None = None,
         seed: int | None = None,
-        view_point: str = "ego_view",
+        view_point: str | None = None,
         negative_prompt: str | None = None,
+        **setting_fields: Any,
     ):
         if not callable(getattr(engine, "step", None)):
             raise InputError(f"engine: expected a Cosmos3Engine, got {type(engine).__name__}")
-        _check_int("chunk", chunk)
-        _check_int("num_steps", num_steps)
-        if not _is_number(guidance_scale) or guidance_scale < 0:
-            raise InputError(f"guidance_scale: expected a finite number >= 0, got {guidance_scale!r}")
-        if not _is_number(fps) or fps <= 0:
-            raise InputError(f"fps: expected a positive number, got {fps!r}")
-        if resolution_tier not in RESOLUTION_TIERS:
-            raise InputError(f"resolution_tier: expected one of {list(RESOLUTION_TIERS)}, got {resolution_tier!r}")
-        if view_point not in VIEW_POINTS:
-            raise InputError(f"view_point: expected one of {list(VIEW_POINTS)}, got {view_point!r}")
         if task is not None and not isinstance(task, str):
             raise InputError(f"task: expected a string or None, got {type(task).__name__}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise InputError(f"seed: expected a non-negative integer or None, got {seed!r}")
-        _, self.raw_action_dim = resolve_domain(
-            domain, raw_action_dim, action_dim=engine.action_dim
-        )
+        shorthands = {key: value for key, value in (("view_point", view_point), ("negative_prompt", negative_prompt))
+                      if value is not None}
+        if shorthands:
+            base_options = (settings.request_options if settings is not None else {})
+            options = setting_fields.get("request_options") or base_options
+            setting_fields["request_options"] = {**options, **shorthands}
+        self.settings = WorldModelSettings.build(settings, overrides=setting_fields)
+        self.settings.check_engine(engine, decodes_chunk=False)
         self.engine = engine
         self.task = self.default_task if task is None else task
-        self.domain = domain
-        self.chunk = chunk
-        self.num_steps = num_steps
-        self.guidance_scale = float(guidance_scale)
-        self.resolution_tier = resolution_tier
-        self.fps = float(fps)
-        self.view_point = view_point
-        self.negative_prompt = negative_prompt
         self.reset(seed)
+
+    @classmethod
+    def from_env(cls, env: Any, task: str | None = None, *, seed: int | None = None, **setting_fields: Any):
+        """An agent on ``env``'s engine with its settings (domain, chunk, sampling steps, guidance, resolution tier,
+        fps, request options), so that ``agent.act(obs)`` returns an action ``env.step`` accepts. ``task``: default
+        the env's fixed task (``env.settings.task``) when it has one. Keywords override settings."""
+        base = getattr(env, "unwrapped", env)
+        settings = getattr(base, "settings", None)
+        if not isinstance(settings, WorldModelSettings):
+            raise InputError(
+                f"env: {cls.__name__}.from_env needs a cosmos3_gym world-model env (WorldModelEnv / "
+                f"WorldModelVectorEnv, or a wrapper of one), got {type(env).__name__}."
+            )
+        if task is None and isinstance(settings.task, str):
+            task = settings.task
+        return cls(base.engine, task, settings=settings, seed=seed, **setting_fields)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names the agent lacks: the settings' fields (agent.chunk, agent.raw_action_dim, ...).
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in WorldModelSettings.field_names():
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def reset(self, seed: int | None = None) -> None:
         """Restart the seed sequence from ``seed`` (``None``: fresh random seeds from the engine)."""
@@ -93,32 +102,12 @@ class EngineAgent:
         return tasks
 
     def _request(self, observation: Any, task: str, chunk: int | None = None) -> Cosmos3Request:
-        return Cosmos3Request(
-            mode=self.mode,
-            observation=observation,
-            task=task,
-            domain=self.domain,
-            raw_action_dim=self.raw_action_dim,
-            chunk=self.chunk if chunk is None else chunk,
-            num_steps=self.num_steps,
-            guidance_scale=self.guidance_scale,
-            fps=self.fps,
-            seed=self._next_seed(),
-            resolution_tier=self.resolution_tier,
-            view_point=self.view_point,
-            negative_prompt=self.negative_prompt,
-        )
+        fields = self.settings.request_fields()
+        if chunk is not None:
+            fields["chunk"] = chunk
+        return Cosmos3Request(mode=self.mode, observation=observation, task=task, seed=self._next_seed(), **fields)
 
     def _run(self, requests: list[Cosmos3Request]) -> np.ndarray:
         """One batched engine pass (no video decode) -> the action chunks ``[N, chunk, raw_action_dim]``."""
         results = self.engine.step(requests, decode=False)
         return np.stack([result.action for result in results]).astype(np.float32, copy=False)
-
-
-def _check_int(field: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InputError(f"{field}: expected an integer >= 1, got {value!r}")
-
-
-def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)

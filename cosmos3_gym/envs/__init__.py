@@ -9,6 +9,7 @@ with Gymnasium for ``gym.make`` / ``gym.make_vec``.
 from __future__ import annotations
 
 from .core import REWARD_MODES, model_frame_size
+from .settings import WorldModelSettings
 from .initial_states import InitialState, InitialStateSource, load_initial_states
 from .pusht import (
     PUSHT_ENV_ID, builtin_checkpoint_dir, make_pusht_env, make_pusht_vector_env, register_env, register_pusht_env,
@@ -27,6 +28,7 @@ __all__ = [
     "PUSHT_ENV_ID",
     "SB3VecEnv",
     "WorldModelEnv",
+    "WorldModelSettings",
     "WorldModelVectorEnv",
     "load_initial_states",
     "make_pusht_env",
@@ -42,8 +44,9 @@ def register_envs() -> None:
     """Register ``cosmos3_gym/WorldModel-v0`` and ``cosmos3_gym/PushT-v0`` (the built-in model; idempotent).
 
     ``gym.make(ENV_ID, checkpoint=..., ...)`` builds a ``WorldModelEnv`` and ``gym.make_vec(ENV_ID, num_envs=N, ...)``
-    a ``WorldModelVectorEnv`` (through ``vector_entry_point``; ``autoreset_mode=`` goes to it). No default episode
-    limit: pass ``max_episode_steps`` (``TimeLimit`` for ``make``, counted per slot by the vector env). The env checks
+    a ``WorldModelVectorEnv`` (through ``vector_entry_point``; ``autoreset_mode=`` and ``group_size=`` go to it). The
+    checkpoint's meta.json gives the settings (``max_episode_steps`` among them); ``gym.make(max_episode_steps=...)``
+    adds a ``TimeLimit``, ``make_vec`` hands it to the vector env, which counts it per slot. The env checks
     the order of calls itself (``InputError`` for step before reset), so Gymnasium's ``OrderEnforcing`` is off.
     """
     register_pusht_env()

@@ -1,4 +1,7 @@
-"""The world-model logic both environments share: settings, the engine, the reward, and a batch of slots.
+"""The world-model logic both environments share: the engine, the reward, and a batch of slots.
+
+The settings live in one ``WorldModelSettings`` (``settings.py``), built once from the checkpoint's own settings
+(``checkpoint.checkpoint_defaults``), an entry point's defaults (PushT-v0) and the user's keywords.
 
 A *slot* is one running episode: its current frame, task, step count and last reward-model score. ``WorldModelEnv``
 is one slot; ``WorldModelVectorEnv`` is ``num_envs`` slots. ``WorldModelCore.step_slots`` advances any subset of
@@ -20,7 +23,6 @@ wrap the env in ``gymnasium.wrappers.ClipAction`` to clip instead.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -31,45 +33,46 @@ import torch
 from gymnasium import spaces
 
 from .. import processor
+from ..checkpoint import checkpoint_defaults, resolve_checkpoint
 from ..engine import Cosmos3Engine, Cosmos3Request
 from ..parallel.mesh import ParallelConfig
 from ..errors import InputError
 from ..media import to_uint8
 from ..rewards import resolve_reward_model, validate_reward
 from .initial_states import InitialStateSource, check_task, first_frame, load_initial_states, resize_frame
+from .settings import REWARD_MODES, WorldModelSettings, model_frame_size, split_settings  # noqa: F401 (re-exported)
 
-REWARD_MODES = ("per_step", "terminal", "relative")
-# Cosmos3Request fields a user may set through ``request_options``; the env sets the others itself.
-REQUEST_OPTION_KEYS = ("flow_shift", "use_karras_sigmas", "view_point", "negative_prompt")
 # Seeds for the engine's noise generator are drawn below 2**63 (torch.Generator.manual_seed takes any uint64).
 _SEED_BOUND = 2**63 - 1
-
-
-def model_frame_size(height: int, width: int, resolution_tier: int) -> tuple[int, int]:
-    """The size ``(H, W)`` of the frames the model generates from a ``height x width`` frame, iterated to the fixed
-    point: a frame of the returned size generates frames of the same size. Sizes only shrink along the way."""
-    size = (int(height), int(width))
-    while True:
-        conditioning = processor.prepare_conditioning(np.zeros((*size, 3), np.uint8), resolution_tier, 1)
-        generated = tuple(processor.VAE_SPATIAL_FACTOR * n for n in conditioning.latent_hw)
-        if generated == size:
-            return size
-        size = generated
+# "Not given" for arguments whose None means "none" (initial_states, reward_model): not given -> the checkpoint's.
+_UNSET: Any = object()
+# Keyword arguments that say how to load the engine from a checkpoint (handed to ``_resolve_engine``).
+ENGINE_LOAD_KEYS = ("device", "dtype", "tp", "cfg", "dp")
 
 
 @dataclass
 class SlotStep:
     """What one slot's step returns, in Gymnasium's types (Python float and bools)."""
 
-    observation: dict[str, np.ndarray]
+    observation: dict[str, np.ndarray] | np.ndarray
     reward: float
     terminated: bool
     truncated: bool
     info: dict[str, Any]
+    frames: np.ndarray  # the chunk's generated frames, uint8 [chunk, H, W, 3] (for rendering)
 
 
 class WorldModelCore:
-    """Settings, engine, reward model and per-slot state for ``num_slots`` episodes; see the module docstring."""
+    """Settings, engine, reward model and per-slot state for ``num_slots`` episodes; see the module docstring.
+
+    Keyword arguments: ``checkpoint`` or ``engine``; ``settings`` (a ``WorldModelSettings``) and/or any of its
+    fields; ``initial_states``, ``reward_model`` (not given: the checkpoint's; None: none); how to load a checkpoint
+    (``ENGINE_LOAD_KEYS``).
+
+    Precedence, lowest first: ``WorldModelSettings``' defaults (or ``settings=``), the checkpoint's own settings
+    (``checkpoint_defaults``; for settings fields only when ``settings=`` is not given: that object is complete),
+    the keywords. Keywords that change a checkpoint's value are logged.
+    """
 
     def __init__(
         self,
@@ -77,80 +80,57 @@ class WorldModelCore:
         *,
         checkpoint: str | os.PathLike | None = None,
         engine: Cosmos3Engine | None = None,
-        domain: str | int = "droid_lerobot",
-        raw_action_dim: int | None = None,
-        task: str | Sequence[str | None] | None = None,
-        initial_states: Any = None,
-        image_size: tuple[int, int] | None = None,
-        observation_size: tuple[int, int] | None = None,
-        reward_model: Any = None,
-        reward_mode: str = "per_step",
-        success_threshold: float | None = None,
-        max_episode_steps: int | None = None,
-        chunk: int = 32,
-        num_steps: int = 4,
-        guidance_scale: float = 3.0,
-        resolution_tier: int = 480,
-        fps: float = 15.0,
-        action_stats: Any = None,
-        return_frames: bool = False,
-        request_options: dict[str, Any] | None = None,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | str | None = None,
-        tp: int = 1,
-        cfg: int = 1,
-        dp: int = 1,
+        settings: WorldModelSettings | None = None,
+        initial_states: Any = _UNSET,
+        reward_model: Any = _UNSET,
+        **kwargs: Any,
     ):
         # Everything that does not need the model is checked before a checkpoint is loaded.
-        self.num_slots = num_slots
-        self.chunk = _check_int(chunk, "chunk", minimum=1)
-        self.num_steps = _check_int(num_steps, "num_steps", minimum=1)
-        self.guidance_scale = _check_number(guidance_scale, "guidance_scale", minimum=0.0)
-        self.fps = _check_number(fps, "fps", minimum=0.0, inclusive=False)
-        if resolution_tier not in processor.RESOLUTION_TIERS:
+        overrides = split_settings(kwargs)
+        load_options = {key: kwargs.pop(key) for key in ENGINE_LOAD_KEYS if key in kwargs}
+        if kwargs:
             raise InputError(
-                f"resolution_tier: expected one of {list(processor.RESOLUTION_TIERS)}, got {resolution_tier!r}."
+                f"{sorted(kwargs)}: unknown arguments; expected settings {list(WorldModelSettings.field_names())}, "
+                f"engine options {list(ENGINE_LOAD_KEYS)}, checkpoint, engine, settings, initial_states or "
+                "reward_model."
             )
-        self.resolution_tier = resolution_tier
-        self.max_episode_steps = None if max_episode_steps is None else _check_int(
-            max_episode_steps, "max_episode_steps", minimum=1
-        )
-        self.reward_mode, self.success_threshold = _check_reward_settings(
-            reward_model, reward_mode, success_threshold, self.max_episode_steps
-        )
-        self.return_frames = bool(return_frames)
-        self.request_options = _check_request_options(request_options)
-        self.default_tasks = _per_slot_tasks(task, num_slots, "task")
+        carried: dict[str, Any] = {}
+        if checkpoint is not None and engine is None:
+            checkpoint = resolve_checkpoint(checkpoint)
+            carried = checkpoint_defaults(checkpoint)
+        if initial_states is _UNSET:
+            initial_states = carried.get("initial_states")
+        if reward_model is _UNSET:
+            reward_model = carried.get("reward_model")
+        carried = split_settings(carried) if settings is None else {}
+        self.settings = WorldModelSettings.build(settings, carried, overrides, source=f"the checkpoint {checkpoint}")
+        self.num_slots = num_slots
+        self.default_tasks = _per_slot_tasks(self.settings.task, num_slots, "task")
+        _check_reward_settings(reward_model, self.settings)
         self.initial_states = load_initial_states(initial_states)
-        self.frame_size = self._resolve_frame_size(image_size)
-        self.observation_size = self.frame_size if observation_size is None else _check_size(
-            observation_size, "observation_size"
-        )
+        self.frame_size = self._resolve_frame_size(self.settings.image_size)
+        self.observation_size = self.settings.observation_size or self.frame_size
 
         self.owns_engine = engine is None
-        self.engine = _resolve_engine(checkpoint, engine, device, dtype, ParallelConfig(dp=dp, cfg=cfg, tp=tp))
+        parallel = ParallelConfig(**{key: load_options.pop(key) for key in ("dp", "cfg", "tp") if key in load_options})
+        self.engine = _resolve_engine(
+            checkpoint, engine, load_options.get("device"), load_options.get("dtype"), parallel
+        )
         try:
-            temporal = self.engine.temporal_compression
-            if self.chunk % temporal:
-                raise InputError(
-                    f"chunk: expected a multiple of the VAE's temporal compression ({temporal}) so that the chunk + 1 "
-                    f"frames decode to exactly chunk new frames, got {self.chunk}."
-                )
-            self.domain = domain
-            _, self.raw_action_dim = processor.resolve_domain(
-                domain, raw_action_dim, action_dim=self.engine.action_dim
-            )
-            self.action_stats = _resolve_action_stats(action_stats, self.raw_action_dim)
+            self.settings.check_engine(self.engine)
             self.reward_model = _resolve_reward_model(reward_model, self.engine)
         except BaseException:
             if self.owns_engine:
                 self.engine.close()
             raise
 
-        self.single_observation_space = spaces.Dict(
-            {"image": spaces.Box(0, 255, (*self.observation_size, 3), dtype=np.uint8)}
+        image_space = spaces.Box(0, 255, (*self.observation_size, 3), dtype=np.uint8)
+        self.single_observation_space = (
+            image_space if self.settings.obs_type == "pixels" else spaces.Dict({"image": image_space})
         )
-        self.single_action_space = spaces.Box(-1.0, 1.0, (self.chunk, self.raw_action_dim), dtype=np.float32)
+        self.single_action_space = spaces.Box(
+            -1.0, 1.0, (self.settings.chunk, self.settings.raw_action_dim), dtype=np.float32
+        )
 
         self._frames: list[np.ndarray | None] = [None] * num_slots  # current frame per slot, uint8 [H, W, 3]
         self._tasks: list[str] = [""] * num_slots
@@ -163,21 +143,14 @@ class WorldModelCore:
 
     def _resolve_frame_size(self, image_size: tuple[int, int] | None) -> tuple[int, int]:
         if image_size is not None:
-            size = _check_size(image_size, "image_size")
-            fixed = model_frame_size(*size, self.resolution_tier)
-            if fixed != size:
-                raise InputError(
-                    f"image_size: the model turns a {size[0]}x{size[1]} frame into {fixed[0]}x{fixed[1]} frames at "
-                    f"resolution_tier {self.resolution_tier}; use image_size={fixed}."
-                )
-            return size
+            return image_size  # checked against the tier by WorldModelSettings
         if self.initial_states is None:
             raise InputError(
                 "initial_states: give an initial-state source, or image_size=(H, W) and pass the frames at each "
                 "reset with options={'frames': ...}."
             )
         frame = self.initial_states[0].frame
-        return model_frame_size(frame.shape[0], frame.shape[1], self.resolution_tier)
+        return model_frame_size(frame.shape[0], frame.shape[1], self.settings.resolution_tier)
 
     # ------------------------------------------------------------------ per-slot state
 
@@ -216,10 +189,11 @@ class WorldModelCore:
         self._last_score[slot] = 0.0
         return {"task": self._tasks[slot], "initial_state_index": int(index)}
 
-    def observation(self, slot: int) -> dict[str, np.ndarray]:
-        """The slot's observation (a new array every call)."""
+    def observation(self, slot: int) -> dict[str, np.ndarray] | np.ndarray:
+        """The slot's observation (a new array every call), in the form of ``settings.obs_type``."""
         self.check_started([slot])
-        return {"image": resize_frame(self._frames[slot], self.observation_size).copy()}
+        image = resize_frame(self._frames[slot], self.observation_size).copy()
+        return image if self.settings.obs_type == "pixels" else {"image": image}
 
     def task(self, slot: int) -> str:
         """The slot's current instruction."""
@@ -238,7 +212,8 @@ class WorldModelCore:
 
     def check_actions(self, actions: Any, batch: int | None, field: str) -> np.ndarray:
         """Validated float32 actions ``[chunk, D]`` (``batch=None``) or ``[batch, chunk, D]``; see the module doc."""
-        expected = (self.chunk, self.raw_action_dim) if batch is None else (batch, self.chunk, self.raw_action_dim)
+        single = (self.settings.chunk, self.settings.raw_action_dim)
+        expected = single if batch is None else (batch, *single)
         if isinstance(actions, torch.Tensor):
             actions = actions.detach().cpu()
             actions = (actions.float() if actions.is_floating_point() else actions).numpy()  # numpy has no bf16
@@ -281,15 +256,8 @@ class WorldModelCore:
                 observation=self._frames[slot],
                 task=self._tasks[slot],
                 actions=action,
-                domain=self.domain,
-                raw_action_dim=self.raw_action_dim,
-                chunk=self.chunk,
-                num_steps=self.num_steps,
-                guidance_scale=self.guidance_scale,
-                fps=self.fps,
                 seed=seed,
-                resolution_tier=self.resolution_tier,
-                **self.request_options,
+                **self.settings.request_fields(),
             )
             for slot, action, seed in zip(slots, actions, seeds)
         ]
@@ -310,27 +278,34 @@ class WorldModelCore:
                 "elapsed_steps": int(self._elapsed[slot]),
                 "noise_seed": seeds[i],  # the engine seed of this chunk: Cosmos3Request(seed=...) reproduces it
             }
+            settings = self.settings
             terminated = False
-            truncated = self.max_episode_steps is not None and bool(self._elapsed[slot] >= self.max_episode_steps)
+            truncated = settings.max_episode_steps is not None and bool(
+                self._elapsed[slot] >= settings.max_episode_steps
+            )
             reward = 0.0
             if scores is not None:
                 score = float(scores[i])
                 info["score"] = score
-                if self.success_threshold is not None:
-                    terminated = score >= self.success_threshold
-                    info["success"] = terminated
-                if self.reward_mode == "per_step":
+                if settings.score_name is not None:
+                    info[settings.score_name] = score  # e.g. gym-pusht's "coverage"
+                if settings.success_threshold is not None:
+                    terminated = score >= settings.success_threshold
+                    info["is_success"] = info["success"] = terminated  # Gymnasium/SB3's key, and ours
+                if settings.reward_mode == "per_step":
                     reward = score
-                elif self.reward_mode == "relative":
+                elif settings.reward_mode == "relative":
                     reward = score - float(self._last_score[slot])
                 elif terminated or truncated:  # "terminal"
                     reward = score
                 self._last_score[slot] = score
-            if self.return_frames:
+            if settings.return_frames:
                 info["frames"] = frames_uint8[i]
-            if self.action_stats is not None:
-                info["raw_action"] = np.asarray(self.action_stats.denormalize(actions[i]), dtype=np.float32)
-            steps.append(SlotStep(self.observation(slot), reward, bool(terminated), bool(truncated), info))
+            if settings.action_stats is not None:
+                info["raw_action"] = np.asarray(settings.action_stats.denormalize(actions[i]), dtype=np.float32)
+            steps.append(
+                SlotStep(self.observation(slot), reward, bool(terminated), bool(truncated), info, frames_uint8[i])
+            )
         return steps
 
     def _score(self, frames: torch.Tensor, tasks: list[str]) -> np.ndarray | None:
@@ -402,17 +377,11 @@ def _resolve_reward_model(spec: Any, engine: Cosmos3Engine):
     return resolve_reward_model(spec, engine.device, vae=engine.vae)
 
 
-def _check_reward_settings(
-    reward_model: Any, reward_mode: Any, success_threshold: Any, max_episode_steps: int | None
-) -> tuple[str, float | None]:
-    if reward_mode not in REWARD_MODES:
-        raise InputError(f"reward_mode: expected one of {list(REWARD_MODES)}, got {reward_mode!r}.")
-    if success_threshold is not None:
-        if reward_model is None:
-            raise InputError("success_threshold: needs a reward_model to score the frames.")
-        success_threshold = _check_number(success_threshold, "success_threshold")
-    pays_never = success_threshold is None and max_episode_steps is None
-    if reward_model is not None and reward_mode == "terminal" and pays_never:
+def _check_reward_settings(reward_model: Any, settings: WorldModelSettings) -> None:
+    if settings.success_threshold is not None and reward_model is None:
+        raise InputError("success_threshold: needs a reward_model to score the frames.")
+    pays_never = settings.success_threshold is None and settings.max_episode_steps is None
+    if reward_model is not None and settings.reward_mode == "terminal" and pays_never:
         warnings.warn(
             "reward_mode='terminal' pays the score only on a step that ends the episode inside the env "
             "(success_threshold or the env's own max_episode_steps); with neither, every reward is 0. "
@@ -420,19 +389,6 @@ def _check_reward_settings(
             "directly or use gym.make_vec to give the env its horizon.",
             stacklevel=4,
         )
-    return reward_mode, success_threshold
-
-
-def _resolve_action_stats(spec: Any, raw_action_dim: int) -> processor.ActionStats | None:
-    if spec is None:
-        return None
-    stats = spec if isinstance(spec, processor.ActionStats) else processor.ActionStats.from_json(spec)
-    if stats.dim != raw_action_dim:
-        raise InputError(
-            f"action_stats: the statistics have {stats.dim} dims but the domain's actions have {raw_action_dim} "
-            "(raw_action_dim)."
-        )
-    return stats
 
 
 def _per_slot_tasks(task: Any, num_slots: int, field: str) -> list[str | None]:
@@ -447,44 +403,8 @@ def _per_slot_tasks(task: Any, num_slots: int, field: str) -> list[str | None]:
     raise InputError(f"{field}: expected a string or a list of strings, got {type(task).__name__}.")
 
 
-def _check_request_options(options: dict[str, Any] | None) -> dict[str, Any]:
-    if options is None:
-        return {}
-    if not isinstance(options, dict):
-        raise InputError(f"request_options: expected a dict, got {type(options).__name__}.")
-    unknown = sorted(set(options) - set(REQUEST_OPTION_KEYS))
-    if unknown:
-        raise InputError(f"request_options: unknown keys {unknown}; expected some of {list(REQUEST_OPTION_KEYS)}.")
-    return dict(options)
-
-
-def _check_int(value: Any, field: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise InputError(f"{field}: expected an integer >= {minimum}, got {value!r}.")
-    return int(value)
-
-
-def _check_number(value: Any, field: str, minimum: float | None = None, inclusive: bool = True) -> float:
-    is_number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if not is_number or not math.isfinite(value):
-        raise InputError(f"{field}: expected a finite number, got {value!r}.")
-    if minimum is not None and (value < minimum or (not inclusive and value == minimum)):
-        raise InputError(f"{field}: expected a number {'>=' if inclusive else '>'} {minimum}, got {value!r}.")
-    return float(value)
-
-
-def _check_size(size: Any, field: str) -> tuple[int, int]:
-    if (
-        not isinstance(size, (tuple, list))
-        or len(size) != 2
-        or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in size)
-    ):
-        raise InputError(f"{field}: expected (height, width) as two positive integers, got {size!r}.")
-    return int(size[0]), int(size[1])
-
-
 class WorldModelExtras:
-    """What both envs offer beyond the Gymnasium API, delegated to their ``_core`` (an ``EnvCore``)."""
+    """What both envs offer beyond the Gymnasium API, delegated to their ``_core`` (a ``WorldModelCore``)."""
 
     _core: "WorldModelCore"
 
@@ -501,6 +421,11 @@ class WorldModelExtras:
         return self._core.engine
 
     @property
+    def settings(self) -> WorldModelSettings:
+        """The env's settings (frozen): the checkpoint's own, updated with the arguments the env was made with."""
+        return self._core.settings
+
+    @property
     def image_size(self) -> tuple[int, int]:
         """The model frame size ``(H, W)`` (of ``render()`` and ``info["frames"]``)."""
         return self._core.frame_size
@@ -512,4 +437,4 @@ class WorldModelExtras:
     @property
     def action_stats(self) -> processor.ActionStats | None:
         """Dataset statistics to map actions to raw units and back (``.denormalize`` / ``.normalize``)."""
-        return self._core.action_stats
+        return self._core.settings.action_stats

@@ -93,6 +93,24 @@ def load_initial_states(spec: Any) -> InitialStateSource | None:
     return InitialStateSource([spec], "an in-memory frame")
 
 
+def read_initial_states_archive(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """An ``.npz`` archive of start frames (``frames`` uint8 ``[N, H, W, 3]``, optional 0-d ``task``) as N start
+    states ``{"frames", "task"}`` (given to the env directly, an .npz file is ONE start state: its first frame)."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            frames = archive["frames"]
+            task = str(archive["task"]) if "task" in archive.files else None
+    except (OSError, ValueError, KeyError) as error:
+        raise InputError(f"initial_states: cannot read the start frames archive {path} ({error}).") from error
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not len(frames):
+        raise InputError(
+            f"initial_states: {path} 'frames' must be uint8 [N, H, W, 3] with N >= 1, got {frames.dtype} "
+            f"{list(frames.shape)}."
+        )
+    return [{"frames": frame, "task": task} for frame in frames]
+
+
 def read_initial_state(item: Any, field: str = "initial_states") -> InitialState:
     """Read one item (path, frame, or ``{"frames", "task"}`` dict) as an ``InitialState``."""
     if isinstance(item, InitialState):

@@ -14,7 +14,9 @@ simulator (gym-pusht), a reward model and a few dozen start frames held out from
                             that give each frame)
 
 ``gym.make("cosmos3_gym/PushT-v0")`` needs nothing else: no gym-pusht, no GPU, no network. Every argument of
-``WorldModelEnv`` can still be given and wins over the shipped defaults. ``assets_dir=`` (or the environment variable
+``WorldModelEnv`` can still be given and wins over the shipped defaults (a changed checkpoint setting is logged).
+The same model is ``checkpoint="pusht"`` (or ``"builtin:pusht"``) wherever a checkpoint is accepted.
+``assets_dir=`` (or the environment variable
 ``COSMOS3_GYM_PUSHT_ASSETS``) points to another folder of that layout, e.g. one written by
 ``benchmarks/train_pusht.py``.
 """
@@ -30,7 +32,9 @@ from typing import Any
 import gymnasium
 import numpy as np
 
-from ..errors import CheckpointError
+from ..checkpoint import BUILTIN_MODELS, builtin_assets_dir, checkpoint_defaults
+from ..errors import CheckpointError, InputError
+from .initial_states import read_initial_states_archive
 from .vector_env import WorldModelVectorEnv
 from .world_model_env import WorldModelEnv
 
@@ -43,13 +47,14 @@ __all__ = [
     "load_pusht_assets",
     "make_pusht_env",
     "make_pusht_vector_env",
+    "builtin_max_episode_steps",
     "pusht_env_arguments",
     "pusht_env_defaults",
     "register_pusht_env",
 ]
 
 PUSHT_ENV_ID = "cosmos3_gym/PushT-v0"
-ASSETS_ENV_VAR = "COSMOS3_GYM_PUSHT_ASSETS"
+ASSETS_ENV_VAR = BUILTIN_MODELS["pusht"][1]  # COSMOS3_GYM_PUSHT_ASSETS
 CHECKPOINT_DIR = "checkpoint"
 REWARD_MODEL_DIR = "reward_model"
 INITIAL_STATES_FILE = "initial_states.npz"
@@ -64,26 +69,13 @@ FALLBACK_SETTINGS = {
     "num_steps": 4,
     "guidance_scale": 1.0,
     "success_threshold": 0.95,  # gym-pusht's success: 95 % of the target covered
-}
-# meta.json key -> WorldModelEnv argument, for the settings the env takes from the checkpoint.
-_META_TO_ENV = {
-    "domain": "domain",
-    "raw_action_dim": "raw_action_dim",
-    "chunk": "chunk",
-    "resolution_tier": "resolution_tier",
-    "fps": "fps",
-    "num_steps": "num_steps",
-    "guidance_scale": "guidance_scale",
-    "task": "task",
-    "success_threshold": "success_threshold",
-    "max_episode_steps": "max_episode_steps",
+    "score_name": "coverage",  # the reward model estimates the covered fraction of the target (gym-pusht's name)
 }
 
 
 def default_assets_dir() -> Path:
     """``$COSMOS3_GYM_PUSHT_ASSETS`` if set, else the package's ``assets/pusht`` folder."""
-    override = os.environ.get(ASSETS_ENV_VAR)
-    return Path(override).expanduser() if override else Path(__file__).resolve().parent.parent / "assets" / "pusht"
+    return builtin_assets_dir("pusht")
 
 
 @dataclass(frozen=True)
@@ -130,34 +122,26 @@ def builtin_checkpoint_dir() -> Path | None:
 
 
 def pusht_env_defaults(assets: PushTAssets) -> dict[str, Any]:
-    """The ``WorldModelEnv`` arguments of the PushT env: the checkpoint, reward model, start frames and the
-    settings of its meta.json (``FALLBACK_SETTINGS`` where it has none)."""
-    settings = {**FALLBACK_SETTINGS, **assets.meta}
-    defaults = {argument: settings[key] for key, argument in _META_TO_ENV.items() if key in settings}
-    defaults["checkpoint"] = str(assets.checkpoint)
+    """The ``WorldModelEnv`` arguments of the PushT env: the checkpoint, ``FALLBACK_SETTINGS``, the assets' reward
+    model and start frames, all under the checkpoint's own settings (``checkpoint_defaults``: its meta.json and
+    action_stats.json). ``action_stats`` is the path of the statistics file."""
+    defaults: dict[str, Any] = dict(FALLBACK_SETTINGS)
     defaults["reward_model"] = f"classifier:{assets.reward_model}"
     defaults["initial_states"] = read_initial_states(assets.initial_states)
+    defaults.update(checkpoint_defaults(assets.checkpoint))
     stats = assets.checkpoint / ACTION_STATS_FILE
     if stats.is_file():
-        defaults["action_stats"] = str(stats)
+        defaults["action_stats"] = str(stats)  # the path, as the benchmarks read it (minmax, as meta.json says)
+    defaults["checkpoint"] = str(assets.checkpoint)
     return defaults
 
 
 def read_initial_states(path: Path) -> list[dict[str, Any]]:
-    """``initial_states.npz`` as the list of ``{"frames", "task"}`` items ``WorldModelEnv`` takes (one per frame:
-    an .npz file given to the env directly would be one start state)."""
+    """``initial_states.npz`` as the list of ``{"frames", "task"}`` items ``WorldModelEnv`` takes (one per frame)."""
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            frames = archive["frames"]
-            task = str(archive["task"]) if "task" in archive.files else None
-    except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"{PUSHT_ENV_ID}: cannot read the start frames {path} ({error}).") from error
-    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not len(frames):
-        raise CheckpointError(
-            f"{PUSHT_ENV_ID}: {path} 'frames' must be uint8 [N, H, W, 3] with N >= 1, got {frames.dtype} "
-            f"{list(frames.shape)}."
-        )
-    return [{"frames": frame, "task": task} for frame in frames]
+        return read_initial_states_archive(path)
+    except InputError as error:
+        raise CheckpointError(f"{PUSHT_ENV_ID}: {error}") from error
 
 
 def make_pusht_env(assets_dir: str | os.PathLike | None = None, **kwargs: Any) -> WorldModelEnv:
@@ -177,24 +161,36 @@ def make_pusht_vector_env(
 
 def pusht_env_arguments(assets_dir: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
     """The ``WorldModelEnv`` arguments ``make_pusht_env`` uses: the defaults of ``assets_dir`` updated with
-    ``overrides`` (an ``engine`` override drops the default checkpoint)."""
+    ``overrides`` (an ``engine`` override drops the default checkpoint). The env logs the overrides that change a
+    setting of the checkpoint."""
     arguments = {**pusht_env_defaults(load_pusht_assets(assets_dir)), **overrides}
     if arguments.get("engine") is not None and "checkpoint" not in overrides:
         del arguments["checkpoint"]
     return arguments
 
 
+def builtin_max_episode_steps() -> int | None:
+    """The built-in checkpoint's episode length (meta.json ``max_episode_steps``), for the registered spec."""
+    try:
+        value = load_pusht_assets().meta.get("max_episode_steps")
+    except CheckpointError:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def register_pusht_env() -> None:
-    """Register ``cosmos3_gym/PushT-v0`` (idempotent). The assets are looked for when an env is made."""
-    register_env(PUSHT_ENV_ID, "cosmos3_gym.envs.pusht:make_pusht_env", "cosmos3_gym.envs.pusht:make_pusht_vector_env")
+    """Register ``cosmos3_gym/PushT-v0`` (idempotent) with the built-in model's episode length as the spec's
+    ``max_episode_steps``. The rest of the assets are read when an env is made."""
+    register_env(PUSHT_ENV_ID, "cosmos3_gym.envs.pusht:make_pusht_env", "cosmos3_gym.envs.pusht:make_pusht_vector_env",
+                 max_episode_steps=builtin_max_episode_steps())
 
 
-def register_env(env_id: str, entry_point: str, vector_entry_point: str) -> None:
+def register_env(env_id: str, entry_point: str, vector_entry_point: str, max_episode_steps: int | None = None) -> None:
     """Register an env id once, for gym.make and gym.make_vec. The envs check the order of calls themselves
     (``InputError`` for step before reset), so Gymnasium's ``OrderEnforcing`` is off."""
     if env_id not in gymnasium.registry:
         gymnasium.register(id=env_id, entry_point=entry_point, vector_entry_point=vector_entry_point,
-                           order_enforce=False)
+                           order_enforce=False, max_episode_steps=max_episode_steps)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """``WorldModelEnv``: one Cosmos3 forward-dynamics rollout as a ``gymnasium.Env``.
 
 ``step(action_chunk)`` asks the model what the next ``chunk`` frames look like when the robot executes the chunk
-from the current frame, and continues from the last of them. Observations are ``{"image": uint8 [H, W, 3]}``;
+from the current frame, and continues from the last of them. Observations are ``{"image": uint8 [H, W, 3]}`` (or the
+image itself with ``obs_type="pixels"``);
 actions are ``Box(-1, 1, (chunk, raw_action_dim), float32)`` in the model's normalised space. The reward comes from
 an optional reward model scoring the chunk's frames. Everything model-related lives in ``core.WorldModelCore``
 (shared with ``WorldModelVectorEnv``); this class adds Gymnasium's seeding, options and rendering.
@@ -20,12 +21,10 @@ from typing import Any, Sequence
 
 import gymnasium as gym
 import numpy as np
-import torch
 
-from ..engine import Cosmos3Engine
 from ..errors import InputError
-from ..processor import ActionStats
 from .core import WorldModelCore, WorldModelExtras
+from .rendering import RENDER_MODES, Renderer, check_render_mode, step_rate
 
 RESET_OPTION_KEYS = ("frames", "task", "initial_state_index")
 
@@ -34,78 +33,44 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
     """Cosmos3 forward dynamics as a Gymnasium environment.
 
     Args:
-        checkpoint: checkpoint directory or hub id; the env loads (and on ``close`` releases) its own engine.
+        checkpoint: checkpoint directory, hub id or built-in name (``"pusht"``); the env loads (and on ``close``
+            releases) its own engine, with the settings the checkpoint carries (``checkpoint.checkpoint_defaults``:
+            its ``meta.json``) unless given here.
         engine: an already-built ``Cosmos3Engine`` to share between envs (not closed by the env). Give one of the two.
-        domain / raw_action_dim: the embodiment (name or integer id) and its action width.
-        task: the instruction; None uses each initial state's own task (or "").
-        initial_states: folder / file / frames / list, see ``initial_states.load_initial_states``; None means
-            frames come from ``reset(options={"frames": ...})`` and ``image_size`` is required.
-        image_size: the model frame size ``(H, W)``; default: derived from the first initial state.
-        observation_size: ``(h, w)`` to downscale the observed image to (e.g. for small CNN policies); the model
-            keeps working at ``image_size`` and ``render()`` / ``info["frames"]`` stay full size.
-        reward_model: None (reward 0), a registered name, a callable ``(frames [B,T,3,H,W] in [0,1], tasks) -> [B]``
-            or a reward-model instance (resolved by ``cosmos3_gym.rewards.resolve_reward_model``).
-        reward_mode: "per_step" (the chunk's score), "terminal" (the score only on the step that ends the episode
-            inside the env) or "relative" (score minus the previous chunk's score; the first chunk's minus 0).
-        success_threshold: ``terminated`` when the score reaches it (``info["success"]``).
-        max_episode_steps: truncate after this many chunks (see the module docstring for ``gym.make``).
-        chunk, num_steps, guidance_scale, resolution_tier, fps: the model's settings (``Cosmos3Request``); ``chunk``
-            must be a multiple of 4. ``fps`` is also ``metadata["render_fps"]``.
-        action_stats: ``ActionStats`` or a statistics JSON path/dict (minmax); adds ``info["raw_action"]`` only.
-        return_frames: put the chunk's generated frames in ``info["frames"]`` (uint8 ``[chunk, H, W, 3]``).
-        request_options: extra ``Cosmos3Request`` fields: flow_shift, use_karras_sigmas, view_point, negative_prompt.
-        render_mode: None or "rgb_array" (the current frame).
+        settings: a ``WorldModelSettings`` (e.g. ``other_env.settings``); replaces the checkpoint's settings.
+        **settings fields: any ``WorldModelSettings`` field (domain, raw_action_dim, chunk, num_steps,
+            guidance_scale, resolution_tier, fps, task, image_size, observation_size, obs_type, reward_mode,
+            success_threshold, max_episode_steps, score_name, action_stats, return_frames, request_options); wins
+            over ``settings`` and the checkpoint's (a changed checkpoint value is logged).
+        initial_states: folder / file / frames / list, see ``initial_states.load_initial_states``; not given: the
+            checkpoint's; None: frames come from ``reset(options={"frames": ...})`` and ``image_size`` is required.
+        reward_model: not given: the checkpoint's (if any); None: reward 0; a registered name, a callable
+            ``(frames [B,T,3,H,W] in [0,1], tasks) -> [B]`` or a reward-model instance
+            (``cosmos3_gym.rewards.resolve_reward_model``).
+        render_mode: None, "rgb_array", "rgb_array_list" or "human" (see ``rendering``).
         device, dtype: where and in which dtype a checkpoint is loaded.
         tp, cfg, dp: tensor / CFG / data parallel degrees; above 1 the engine runs in worker processes that the
             env starts (``Cosmos3Engine.from_pretrained(..., tp=, cfg=)``), the env process stays light.
+
+    ``reward_mode``: "per_step" (the chunk's score), "terminal" (the score only on the step that ends the episode
+    inside the env) or "relative" (score minus the previous chunk's score; the first chunk's minus 0). With a
+    reward model, ``info["score"]`` (also ``info[settings.score_name]``, PushT: ``"coverage"``) is the chunk's score
+    and, with a ``success_threshold``, ``info["is_success"]`` (alias ``"success"``) says whether it was reached.
     """
 
-    metadata = {"render_modes": ["rgb_array"], "render_fps": 15}
+    metadata = {"render_modes": list(RENDER_MODES), "render_fps": None}  # render_fps: fps / chunk, per instance
 
-    def __init__(
-        self,
-        checkpoint: str | os.PathLike | None = None,
-        *,
-        engine: Cosmos3Engine | None = None,
-        domain: str | int = "droid_lerobot",
-        raw_action_dim: int | None = None,
-        task: str | None = None,
-        initial_states: Any = None,
-        image_size: tuple[int, int] | None = None,
-        observation_size: tuple[int, int] | None = None,
-        reward_model: Any = None,
-        reward_mode: str = "per_step",
-        success_threshold: float | None = None,
-        max_episode_steps: int | None = None,
-        chunk: int = 32,
-        num_steps: int = 4,
-        guidance_scale: float = 3.0,
-        resolution_tier: int = 480,
-        fps: float = 15.0,
-        action_stats: ActionStats | str | os.PathLike | dict | None = None,
-        return_frames: bool = False,
-        request_options: dict[str, Any] | None = None,
-        render_mode: str | None = None,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | str | None = None,
-        tp: int = 1,
-        cfg: int = 1,
-        dp: int = 1,
-    ):
+    def __init__(self, checkpoint: str | os.PathLike | None = None, *, render_mode: str | None = None, **kwargs: Any):
+        task = kwargs.get("task")
         if task is not None and not isinstance(task, str):
             raise InputError(f"task: expected a string, got {type(task).__name__} (a list needs the vector env).")
         self.render_mode = check_render_mode(render_mode, self.metadata["render_modes"])
-        self._core = WorldModelCore(
-            1, checkpoint=checkpoint, engine=engine, domain=domain, raw_action_dim=raw_action_dim, task=task,
-            initial_states=initial_states, image_size=image_size, observation_size=observation_size,
-            reward_model=reward_model, reward_mode=reward_mode, success_threshold=success_threshold,
-            max_episode_steps=max_episode_steps, chunk=chunk, num_steps=num_steps, guidance_scale=guidance_scale,
-            resolution_tier=resolution_tier, fps=fps, action_stats=action_stats, return_frames=return_frames,
-            request_options=request_options, device=device, dtype=dtype, tp=tp, cfg=cfg, dp=dp,
-        )
+        self._core = WorldModelCore(1, checkpoint=checkpoint, **kwargs)
         self.observation_space = self._core.single_observation_space
         self.action_space = self._core.single_action_space
-        self.metadata = {**self.metadata, "render_fps": self._core.fps}
+        settings = self._core.settings
+        self.metadata = {**self.metadata, "render_fps": step_rate(settings.fps, settings.chunk)}
+        self._renderer = Renderer(self.render_mode, settings.fps)
 
     # ------------------------------------------------------------------ Gymnasium API
 
@@ -115,22 +80,32 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
         super().reset(seed=seed)
         options = check_reset_options(options, RESET_OPTION_KEYS)
         info = self._core.reset_slot(0, self.np_random, **options)
+        self._renderer.on_reset(self._core.frame(0))
         return self._core.observation(0), info
 
     def step(self, action):
         self._core.check_started([0])  # step before reset: InputError before looking at the action
         action = self._core.check_actions(action, batch=None, field="action")
         (result,) = self._core.step_slots([0], action[None], [self.np_random])
+        self._renderer.on_step(result.frames)
         return result.observation, result.reward, result.terminated, result.truncated, result.info
 
-    def render(self) -> np.ndarray | None:
+    def render(self) -> np.ndarray | list[np.ndarray] | None:
+        """``rgb_array``: the current frame; ``rgb_array_list``: the frames since the last reset or render;
+        ``human``: None (the window shows every frame as it is generated)."""
         if self.render_mode is None:
             gym.logger.warn("render() was called without a render_mode; create the env with render_mode='rgb_array'.")
+            return None
+        if self.render_mode == "rgb_array_list":
+            self._core.check_started([0])
+            return self._renderer.collected()
+        if self.render_mode == "human":
             return None
         return self._core.frame(0)
 
     def close(self) -> None:
         """Idempotent; releases the engine only if the env loaded it from ``checkpoint``."""
+        self._renderer.close()
         self._core.close()
 
     # ------------------------------------------------------------------ world-model extras: WorldModelExtras
@@ -139,12 +114,6 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
     def task(self) -> str:
         """The current episode's instruction."""
         return self._core.task(0)
-
-
-def check_render_mode(render_mode: str | None, render_modes: Sequence[str]) -> str | None:
-    if render_mode is not None and render_mode not in render_modes:
-        raise InputError(f"render_mode: expected None or one of {list(render_modes)}, got {render_mode!r}.")
-    return render_mode
 
 
 def check_reset_options(options: dict[str, Any] | None, allowed: Sequence[str]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 ``native_to_diffusers_state_dict`` inverts ``models.transformer.diffusers_to_native_state_dict`` (it splits the fused
 q/k/v and gate/up GEMMs back into diffusers' separate projections). ``export_checkpoint`` writes the checkpoint with
-diffusers' own ``Cosmos3OmniPipeline.save_pretrained``, exactly as ``checkpoint.build_tiny_checkpoint`` does, so both
+diffusers' own ``Cosmos3OmniPipeline.save_pretrained``, exactly as ``testing.build_tiny_checkpoint`` does, so both
 ``Cosmos3Engine.from_pretrained`` and ``Cosmos3OmniPipeline.from_pretrained`` load it, and adds the two files the
 environments read next to it: ``action_stats.json`` (the dataset's action statistics, to denormalise actions) and
 ``meta.json`` (domain, action width, fps, chunk, resolution tier, image size, ...).
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import TINY_SCHEDULER_CONFIG, validate_checkpoint
+from ..checkpoint import POLICY_SCHEDULER_CONFIG, validate_checkpoint
 from ..errors import InputError
 from ..models.transformer import Cosmos3TransformerConfig, module_name_map
 
@@ -73,7 +73,7 @@ def native_to_diffusers_state_dict(
 def scheduler_config(flow_shift: float) -> dict[str, Any]:
     """The UniPC flow scheduler written into exported checkpoints: the native policy server's sampler (linear flow
     sigmas, order-2 bh2 UniPC) with the flow shift the model was trained with."""
-    return {**TINY_SCHEDULER_CONFIG, "flow_shift": float(flow_shift)}
+    return {**POLICY_SCHEDULER_CONFIG, "flow_shift": float(flow_shift)}
 
 
 def resolve_save_dtype(save_dtype: str) -> torch.dtype:

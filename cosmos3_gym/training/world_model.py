@@ -44,7 +44,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from .. import processor
-from ..checkpoint import build_tiny_tokenizer, validate_checkpoint
+from ..checkpoint import validate_checkpoint
+from ..tokenizer import build_tiny_tokenizer
 from ..engine import MODES
 from ..errors import InputError
 from ..models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, DomainAwareLinear
@@ -170,7 +171,7 @@ class WorldModelTrainConfig:
     save_dtype: str = "float32"  # exported transformer weights: float32 | float16 | bfloat16
     vae_save_dtype: str = "float32"  # exported VAE weights: float32 | float16 | bfloat16
     export_ema: bool = True
-    tokenizer_dir: str | None = None  # None: init_checkpoint's text_tokenizer, else checkpoint.build_tiny_tokenizer()
+    tokenizer_dir: str | None = None  # None: init_checkpoint's text_tokenizer, else tokenizer.build_tiny_tokenizer()
     init_checkpoint: str | None = None  # fine-tune the transformer of this checkpoint instead of a fresh one
     work_dir: str | None = None  # None: <out_dir>/training
     cache_dir: str | None = None  # None: <work_dir>/latent_cache

@@ -1,0 +1,288 @@
+"""``WorldModelSettings``: every setting of a world-model env in one frozen, validated object.
+
+The envs (``WorldModelEnv``, ``WorldModelVectorEnv``) and the agents (``PolicyAgent``, ``InverseDynamicsAgent``)
+take either ``settings=WorldModelSettings(...)`` or the same fields as keyword arguments (keywords win over
+``settings``), and expose the result as ``.settings``. ``PolicyAgent.from_env(env)`` builds an agent with the env's
+settings, so its actions fit ``env.step``.
+
+Everything is checked once, here, before any model is loaded; each bad value is an ``InputError`` naming the field.
+The settings that need the model (the domain's action width against the transformer's, ``chunk`` against the VAE's
+temporal compression) are checked by ``check_engine`` when the engine is known.
+
+Adding a setting is one line in the class body (and, where it needs one, one check in ``__post_init__``).
+What is not a setting but a resource stays an argument of the env: the checkpoint or engine, the initial states,
+the reward model, the render mode, and how to load the engine (device, dtype, parallel degrees).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import numpy as np
+
+from .. import processor
+from ..errors import InputError
+
+logger = logging.getLogger(__name__)
+
+REWARD_MODES = ("per_step", "terminal", "relative")
+# obs_type: "image" -> Dict({"image": Box}) (the default), "pixels" -> the Box itself (gym-pusht's "pixels").
+OBS_TYPES = ("image", "pixels")
+# Cosmos3Request fields a user may set through ``request_options``; the env sets the others itself.
+REQUEST_OPTION_KEYS = ("flow_shift", "use_karras_sigmas", "view_point", "negative_prompt")
+
+
+@dataclass(frozen=True)
+class WorldModelSettings:
+    """The settings of a world-model env (and of an agent acting in it). Defaults are the DROID policy's; a
+    checkpoint's ``meta.json`` supplies its own (``checkpoint.checkpoint_defaults``) unless the user overrides them.
+
+    Attributes:
+        domain / raw_action_dim: the embodiment (name or integer id) and its action width (default: the domain's).
+        chunk, num_steps, guidance_scale, resolution_tier, fps: the model's request settings (``Cosmos3Request``).
+        task: the instruction; None uses each initial state's own task (or ""). A tuple gives one per vector slot.
+        image_size: the model frame size ``(H, W)``; default: derived from the first initial state.
+        observation_size: ``(h, w)`` to downscale observations to; the model keeps working at ``image_size``.
+        obs_type: "image" (observations ``{"image": uint8 [h, w, 3]}``) or "pixels" (the image array itself, as
+            gym-pusht's ``obs_type="pixels"``).
+        reward_mode: "per_step", "terminal" or "relative" (see ``WorldModelEnv``).
+        success_threshold: ``terminated`` when the reward model's score reaches it (``info["is_success"]``).
+        max_episode_steps: truncate after this many chunks.
+        score_name: another name for ``info["score"]`` saying what the score measures (PushT: "coverage").
+        action_stats: ``processor.ActionStats`` (or a statistics JSON path / dict, minmax) for ``info["raw_action"]``.
+        return_frames: put each chunk's generated frames in ``info["frames"]``.
+        request_options: extra ``Cosmos3Request`` fields: flow_shift, use_karras_sigmas, view_point, negative_prompt.
+    """
+
+    domain: str | int = "droid_lerobot"
+    raw_action_dim: int | None = None
+    chunk: int = 32
+    num_steps: int = 4
+    guidance_scale: float = 3.0
+    resolution_tier: int = 480
+    fps: float = 15.0
+    task: str | tuple[str | None, ...] | None = None
+    image_size: tuple[int, int] | None = None
+    observation_size: tuple[int, int] | None = None
+    obs_type: str = "image"
+    reward_mode: str = "per_step"
+    success_threshold: float | None = None
+    max_episode_steps: int | None = None
+    score_name: str | None = None
+    action_stats: processor.ActionStats | None = field(default=None, compare=False)
+    return_frames: bool = False
+    request_options: Mapping[str, Any] = field(default_factory=dict, hash=False)  # hashable settings: not hashed
+
+    def __post_init__(self) -> None:  # noqa: C901 (one check per field, in field order)
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: normalise in place)
+        set_("chunk", check_int(self.chunk, "chunk", minimum=1))
+        set_("num_steps", check_int(self.num_steps, "num_steps", minimum=1))
+        set_("guidance_scale", check_number(self.guidance_scale, "guidance_scale", minimum=0.0))
+        set_("fps", check_number(self.fps, "fps", minimum=0.0, inclusive=False))
+        if self.resolution_tier not in processor.RESOLUTION_TIERS:
+            raise InputError(
+                f"resolution_tier: expected one of {list(processor.RESOLUTION_TIERS)}, got {self.resolution_tier!r}."
+            )
+        # The width against the model's own action width is checked again in check_engine.
+        _, raw_action_dim = processor.resolve_domain(self.domain, self.raw_action_dim)
+        set_("raw_action_dim", raw_action_dim)
+        set_("task", _check_tasks(self.task))
+        if self.image_size is not None:
+            size = check_size(self.image_size, "image_size")
+            fixed = model_frame_size(*size, self.resolution_tier)
+            if fixed != size:
+                raise InputError(
+                    f"image_size: the model turns a {size[0]}x{size[1]} frame into {fixed[0]}x{fixed[1]} frames at "
+                    f"resolution_tier {self.resolution_tier}; use image_size={fixed}."
+                )
+            set_("image_size", size)
+        if self.observation_size is not None:
+            set_("observation_size", check_size(self.observation_size, "observation_size"))
+        if self.obs_type == "pixels_agent_pos":
+            raise InputError(
+                "obs_type: 'pixels_agent_pos' needs the agent's position, which a world model that generates only "
+                f"pixels cannot provide; expected one of {list(OBS_TYPES)}."
+            )
+        if self.obs_type not in OBS_TYPES:
+            raise InputError(f"obs_type: expected one of {list(OBS_TYPES)}, got {self.obs_type!r}.")
+        if self.reward_mode not in REWARD_MODES:
+            raise InputError(f"reward_mode: expected one of {list(REWARD_MODES)}, got {self.reward_mode!r}.")
+        if self.success_threshold is not None:
+            set_("success_threshold", check_number(self.success_threshold, "success_threshold"))
+        if self.max_episode_steps is not None:
+            set_("max_episode_steps", check_int(self.max_episode_steps, "max_episode_steps", minimum=1))
+        if self.score_name is not None and (not isinstance(self.score_name, str) or not self.score_name.isidentifier()):
+            raise InputError(
+                f"score_name: expected an identifier-like string (e.g. 'coverage'), got {self.score_name!r}."
+            )
+        set_("action_stats", _resolve_action_stats(self.action_stats, raw_action_dim))
+        set_("return_frames", bool(self.return_frames))
+        set_("request_options", MappingProxyType(_check_request_options(self.request_options)))
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def build(
+        cls,
+        settings: "WorldModelSettings | None" = None,
+        defaults: Mapping[str, Any] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        *,
+        source: str = "the checkpoint",
+    ) -> "WorldModelSettings":
+        """The settings from a base object (or the class defaults), updated with ``defaults`` (e.g. a checkpoint's)
+        and then ``overrides`` (the user's). An override that changes a value of ``defaults`` is logged (warning),
+        since a checkpoint's own settings belong together. Unknown keys are an ``InputError``."""
+        if settings is not None and not isinstance(settings, cls):
+            raise InputError(f"settings: expected a WorldModelSettings, got {type(settings).__name__}.")
+        defaults, overrides = dict(defaults or {}), dict(overrides or {})
+        names = cls.field_names()
+        unknown = sorted((set(defaults) | set(overrides)) - set(names))
+        if unknown:
+            raise InputError(f"settings: unknown settings {unknown}; expected some of {list(names)}.")
+        changed = sorted(key for key, value in overrides.items() if key in defaults and not _same(value, defaults[key]))
+        if changed:
+            logger.warning(
+                "Overriding the settings of %s: %s.", source,
+                ", ".join(f"{key}={overrides[key]!r} (was {defaults[key]!r})" for key in changed),
+            )
+        base = settings if settings is not None else cls()
+        values = {**defaults, **overrides}
+        if "raw_action_dim" not in values and values.get("domain", base.domain) != base.domain:
+            values["raw_action_dim"] = None  # the new domain's own width, not the old one's
+        return dataclasses.replace(base, **values) if values else base
+
+    def replace(self, **changes: Any) -> "WorldModelSettings":
+        """A validated copy with ``changes`` (``InputError`` for unknown fields)."""
+        return type(self).build(self, overrides=changes)
+
+    # ------------------------------------------------------------------ checks that need the model
+
+    def check_engine(self, engine: Any, decodes_chunk: bool = True) -> None:
+        """InputError where the settings do not fit ``engine``: its action width and, where the chunk's frames are
+        generated (``decodes_chunk``, the envs), the VAE's temporal compression."""
+        temporal = getattr(engine, "temporal_compression", None)
+        if decodes_chunk and temporal and self.chunk % temporal:
+            raise InputError(
+                f"chunk: expected a multiple of the VAE's temporal compression ({temporal}) so that the chunk + 1 "
+                f"frames decode to exactly chunk new frames, got {self.chunk}."
+            )
+        processor.resolve_domain(self.domain, self.raw_action_dim, action_dim=engine.action_dim)
+
+    def request_fields(self) -> dict[str, Any]:
+        """The ``Cosmos3Request`` fields these settings fix (everything but mode, observation, task, actions, seed)."""
+        return dict(
+            domain=self.domain, raw_action_dim=self.raw_action_dim, chunk=self.chunk, num_steps=self.num_steps,
+            guidance_scale=self.guidance_scale, fps=self.fps, resolution_tier=self.resolution_tier,
+            **self.request_options,
+        )
+
+
+def split_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pop the ``WorldModelSettings`` fields out of ``kwargs`` (in place) and return them."""
+    return {name: kwargs.pop(name) for name in WorldModelSettings.field_names() if name in kwargs}
+
+
+def model_frame_size(height: int, width: int, resolution_tier: int) -> tuple[int, int]:
+    """The size ``(H, W)`` of the frames the model generates from a ``height x width`` frame, iterated to the fixed
+    point: a frame of the returned size generates frames of the same size. Sizes only shrink along the way."""
+    size = (int(height), int(width))
+    while True:
+        conditioning = processor.prepare_conditioning(np.zeros((*size, 3), np.uint8), resolution_tier, 1)
+        generated = tuple(processor.VAE_SPATIAL_FACTOR * n for n in conditioning.latent_hw)
+        if generated == size:
+            return size
+        size = generated
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _same(override: Any, default: Any) -> bool:
+    """Whether an override keeps a default's value (an action-statistics path names the default's own file)."""
+    if isinstance(default, processor.ActionStats):
+        if isinstance(override, (str, os.PathLike)):
+            return os.fspath(override) == default.source
+        if isinstance(override, processor.ActionStats):
+            return override.mode == default.mode and np.array_equal(override.offset, default.offset) and \
+                np.array_equal(override.scale, default.scale)
+        return False
+    try:
+        return bool(override == default)
+    except Exception:  # arrays and the like: treat as different
+        return override is default
+
+
+def _check_tasks(task: Any) -> str | tuple[str | None, ...] | None:
+    if task is None or isinstance(task, str):
+        return task
+    if isinstance(task, (list, tuple)):
+        for i, item in enumerate(task):
+            if item is not None and not isinstance(item, str):
+                raise InputError(f"task[{i}]: expected a string (or None), got {type(item).__name__}.")
+        return tuple(task)
+    raise InputError(f"task: expected a string or a list of strings, got {type(task).__name__}.")
+
+
+def _resolve_action_stats(spec: Any, raw_action_dim: int) -> processor.ActionStats | None:
+    if spec is None:
+        return None
+    stats = spec if isinstance(spec, processor.ActionStats) else processor.ActionStats.from_json(spec)
+    if stats.dim != raw_action_dim:
+        raise InputError(
+            f"action_stats: the statistics have {stats.dim} dims but the domain's actions have {raw_action_dim} "
+            "(raw_action_dim)."
+        )
+    return stats
+
+
+def _check_request_options(options: Any) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise InputError(f"request_options: expected a dict, got {type(options).__name__}.")
+    unknown = sorted(set(options) - set(REQUEST_OPTION_KEYS))
+    if unknown:
+        raise InputError(f"request_options: unknown keys {unknown}; expected some of {list(REQUEST_OPTION_KEYS)}.")
+    if "view_point" in options and options["view_point"] not in processor.VIEW_POINTS:
+        raise InputError(
+            f"view_point: expected one of {list(processor.VIEW_POINTS)}, got {options['view_point']!r}."
+        )
+    return dict(options)
+
+
+def check_int(value: Any, field: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InputError(f"{field}: expected an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def check_number(value: Any, field: str, minimum: float | None = None, inclusive: bool = True) -> float:
+    is_number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value):
+        raise InputError(f"{field}: expected a finite number, got {value!r}.")
+    if minimum is not None and (value < minimum or (not inclusive and value == minimum)):
+        raise InputError(f"{field}: expected a number {'>=' if inclusive else '>'} {minimum}, got {value!r}.")
+    return float(value)
+
+
+def check_size(size: Any, field: str) -> tuple[int, int]:
+    if (
+        not isinstance(size, (tuple, list))
+        or len(size) != 2
+        or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in size)
+    ):
+        raise InputError(f"{field}: expected (height, width) as two positive integers, got {size!r}.")
+    return int(size[0]), int(size[1])
