@@ -112,9 +112,9 @@ def add_infer_command(sub) -> None:
                        help="embodiment name or integer id" + from_checkpoint.format(INFER_FALLBACKS["domain"]))
     infer.add_argument("--raw-action-dim", type=int, default=None,
                        help="action width (default: the checkpoint's meta.json, else the domain table's)")
-    infer.add_argument("--mode", default="policy", choices=["policy", "forward_dynamics", "inverse_dynamics"],
-                       help="policy: image -> actions; forward_dynamics: image + actions -> video; "
-                       "inverse_dynamics: video -> actions")
+    infer.add_argument("--mode", default="policy",
+                       help="policy (image -> actions) | forward_dynamics (image + actions -> video) | "
+                       "inverse_dynamics (video -> actions)")
     infer.add_argument("--action-file", default=None, help="action chunk JSON (forward_dynamics)")
     infer.add_argument("--action-chunk-index", type=int, default=0, help="which chunk of an action_chunks file")
     infer.add_argument("--condition-frames", type=_int_list, default=None,
@@ -136,8 +136,7 @@ def add_infer_command(sub) -> None:
     infer.add_argument("--action-stats", default=None,
                        help="statistics JSON to denormalise the output actions (default: none, normalised output)")
     infer.add_argument("--action-normalization", default="minmax",
-                       choices=["meanstd", "minmax", "quantile", "quantile_rot"],
-                       help="how --action-stats normalises")
+                       help="how --action-stats normalises: meanstd | minmax | quantile | quantile_rot")
     infer.add_argument("--no-decode", action="store_true", help="skip the VAE decode (no mp4)")
     infer.add_argument("--save-arrays", action="store_true", help="also write PREFIX_video.npy [T,H,W,3] in [0,1]")
     infer.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
