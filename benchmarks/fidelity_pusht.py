@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, write_results  # noqa: E402
+from common import add_output_arguments, provenance, write_results  # noqa: E402
 from fidelity_pusht_chunks import load_episodes, mean_ci95  # noqa: E402
 
 from cosmos3_gym.agents import InverseDynamicsAgent  # noqa: E402
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="results folder (default: $OUT or benchmarks/results)")
+    add_output_arguments(parser)
     parser.add_argument("--results-name", default=None, help="default: fidelity_pusht_<cpu|cuda>.json")
     args = parser.parse_args(argv)
     if args.threads:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["timings"] = timings
     card = "cpu" if args.device == "cpu" else "cuda"
     results = {"provenance": provenance(["benchmarks/fidelity_pusht.py", *(argv or sys.argv[1:])]), **results}
-    write_results(results, args.results_name or f"fidelity_pusht_{card}.json", args.out)
+    write_results(results, args.results_name or f"fidelity_pusht_{card}.json", args.out, args.overwrite)
     return results
 
 

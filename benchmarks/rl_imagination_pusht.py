@@ -69,11 +69,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, results_dir, write_results  # noqa: E402
+from common import add_output_arguments, provenance, results_dir, write_results  # noqa: E402
 from fidelity_pusht_chunks import coverage_summary  # noqa: E402
 
 from cosmos3_gym.agents import SB3PolicyAgent, save_sb3_policy  # noqa: E402
-from cosmos3_gym.evaluation import wilson_interval  # noqa: E402
+from cosmos3_gym.statistics import wilson_interval  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
 from cosmos3_gym.sim.compare import PolicyRun, simulate_policy  # noqa: E402
 from cosmos3_gym.sim.pusht_env import make_pusht_sim_env, pusht_sim_env_arguments  # noqa: E402
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--out", default=None, help="results folder (default: $OUT or benchmarks/results)")
+    add_output_arguments(parser)
     parser.add_argument("--results-name", default=None, help="default: rl_imagination_pusht_<cpu|gpu>.json")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -414,9 +414,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     results = {"provenance": provenance(["benchmarks/rl_imagination_pusht.py",
                                          *(sys.argv[1:] if argv is None else argv)]), **results}
-    path = write_results(results, name, str(out))
+    path = write_results(results, name, str(out), args.overwrite)
     results["plot"] = plot_curves(results, path.with_suffix(".png"))
-    write_results(results, name, str(out))
+    write_results(results, name, str(out), args.overwrite)
     print_summary(results)
     return results
 

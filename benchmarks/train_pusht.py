@@ -105,7 +105,9 @@ FIRST_PART_ARCHIVE = "first_part.tar.gz"  # what --part first hands to --part se
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="results folder ($OUT on the device)")
+    parser.add_argument("--out", required=True, help="results folder ($OUT on the device): results JSON, checkpoints")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a result of the same name already in benchmarks/results")
     parser.add_argument("--work", default=None, help="bulky intermediates (default: a temporary folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny settings for a CPU check of the pipeline")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -145,8 +147,8 @@ class Stages:
     """Times each stage and collects what it reports into one results dict, written to ``out`` after every stage
     (so a run cut off by a time limit still tells how far it got)."""
 
-    def __init__(self, out: Path, filename: str):
-        self.out, self.filename = out, filename
+    def __init__(self, out: Path, filename: str, overwrite: bool = False):
+        self.out, self.filename, self.overwrite = out, filename, overwrite
         self.started = time.perf_counter()
         self.results: dict[str, Any] = {"stages": {}}
 
@@ -160,7 +162,7 @@ class Stages:
         self.results["stages"][name] = {"seconds": round(time.perf_counter() - start, 2), **(report or {})}
         self.results["total_seconds"] = round(self.elapsed(), 2)
         print(f"== {name}: {self.results['stages'][name]['seconds']} s", flush=True)
-        write_results(self.results, self.filename, str(self.out))
+        write_results(self.results, self.filename, str(self.out), self.overwrite)
         return report
 
 
@@ -388,7 +390,7 @@ def evaluate_stage(args, work: Path, assets: Path, out: Path) -> dict:
         policy_chunks=args.policy_chunks, workers=args.workers,
     )
     results = {"provenance": provenance(), **results}
-    write_results(results, "fidelity_pusht_chunks.json", str(out))
+    write_results(results, "fidelity_pusht_chunks.json", str(out), args.overwrite)
     video = pusht.side_by_side(out / "side_by_side.mp4", seed=int(args.seed + 3), num_chunks=args.video_chunks,
                                assets_dir=assets, device=args.device)
     return {
@@ -419,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
     if assets.exists():
         shutil.rmtree(assets)
     assets.mkdir(parents=True)
-    stages = Stages(out, "train_pusht.json" if args.part == "all" else f"train_pusht_{args.part}.json")
+    stages = Stages(out, "train_pusht.json" if args.part == "all" else f"train_pusht_{args.part}.json", args.overwrite)
     stages.results.update(provenance=provenance(), arguments=vars(args), work=str(work))
 
     try:
@@ -457,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
             if source.is_file():
                 shutil.copyfile(source, out / name)
         stages.results["total_seconds"] = round(stages.elapsed(), 2)
-        write_results(stages.results, stages.filename, str(out))
+        write_results(stages.results, stages.filename, str(out), args.overwrite)
     return stages.results
 
 
