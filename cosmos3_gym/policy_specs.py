@@ -74,8 +74,8 @@ def register_policy_file_kind(kind: str, loader: str | Callable[[str], Any]) -> 
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """A parsed spec. ``kind``: random | scripted | agent | sb3 | file | factory; ``file_kind``: for ``file``, the
-    kind in the file's metadata ("sb3" for save_sb3_policy files)."""
+    """A parsed spec. ``kind``: random | scripted | agent | sb3 (or its alias ppo) | file | factory; ``file_kind``:
+    for ``file``, the kind in the file's metadata ("sb3" for save_sb3_policy files)."""
 
     spec: str
     kind: str
@@ -87,11 +87,13 @@ class PolicySpec:
     @property
     def acts_on_frames(self) -> bool:
         """True for policies that observe images (and so run closed loop in a world model)."""
-        return self.kind in ("agent", "sb3", "file")
+        return self.kind in ("agent", "sb3", "ppo", "file")
+
+    closed_loop_in_world_model = acts_on_frames  # the name sim.compare used
 
     @property
-    def needs_simulator_state(self) -> bool:
-        return self.kind == "scripted"
+    def is_sb3_file(self) -> bool:
+        return self.kind in ("sb3", "ppo") or self.file_kind == "sb3"
 
 
 def parse_policy_spec(text: str, *, allow_factory: bool = False) -> PolicySpec:
@@ -111,12 +113,16 @@ def parse_policy_spec(text: str, *, allow_factory: bool = False) -> PolicySpec:
         if not noise >= 0:
             raise InputError(f"policy: {text!r}: NOISE must be a number of pixels >= 0.")
         return PolicySpec(text, "scripted", noise=noise)
-    if name in ("sb3", "ppo", "file") and argument:
-        kind = policy_file_kind(argument, text)
-        if name != "file" and kind != "sb3":
-            raise InputError(f"policy: {text!r}: the file is a {kind!r} policy, not a save_sb3_policy file; use "
-                             f"'file:{argument}'.")
-        return PolicySpec(text, "sb3" if kind == "sb3" else "file", path=argument, file_kind=kind)
+    if name in ("sb3", "ppo") and argument:
+        from .agents.sb3_policy import read_sb3_policy_metadata
+
+        try:  # the header only: a wrong file fails before any model loads
+            read_sb3_policy_metadata(argument)
+        except InputError as error:
+            raise InputError(f"policy: {text!r}: {error}") from None
+        return PolicySpec(text, name, path=argument, file_kind="sb3")
+    if name == "file" and argument:
+        return PolicySpec(text, "file", path=argument, file_kind=policy_file_kind(argument, text))
     if allow_factory and colon and name and argument and name not in ("sb3", "ppo", "file", "scripted"):
         module_name, _, attribute = text.rpartition(":")
         return PolicySpec(text, "factory", path=module_name, attribute=attribute)
@@ -147,7 +153,7 @@ def policy_file_kind(path: str | os.PathLike, spec: str | None = None) -> str:
     where = f"policy: {spec!r}" if spec else f"policy: {str(path)!r}"
     path = Path(path).expanduser()
     if not path.is_file():
-        raise InputError(f"{where}: file not found: {path}.")
+        raise InputError(f"{where}: file not found: {path} does not exist.")
     try:
         with safetensors.safe_open(str(path), framework="numpy") as handle:
             raw = handle.metadata() or {}
@@ -183,7 +189,7 @@ def load_frame_agent(spec: PolicySpec | str, *, make_agent: Callable[[], Any] | 
         if make_agent is None:
             raise InputError("make_agent: the 'agent' policy needs make_agent() -> the checkpoint's PolicyAgent.")
         return make_agent()
-    if spec.kind == "sb3":
+    if spec.is_sb3_file:
         from .agents.sb3_policy import SB3PolicyAgent
 
         return _wrap_load_error(spec, lambda: SB3PolicyAgent.from_file(spec.path, device=device))
@@ -257,7 +263,7 @@ def load_policy(spec: str, env: Any, *, seed: int | None = 0) -> Any:
     if parsed.kind == "scripted":
         raise InputError(f"policy: {spec!r} reads the simulator's true state; it runs in `cosmos3-gym eval-real` "
                          "only.")
-    if parsed.kind == "sb3":
+    if parsed.is_sb3_file:
         from .agents.sb3_policy import load_sb3_policy
 
         policy = _wrap_load_error(parsed, lambda: load_sb3_policy(parsed.path))

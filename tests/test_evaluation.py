@@ -484,7 +484,7 @@ def test_file_spec_dispatches_on_the_file_metadata(engine, tmp_path, monkeypatch
                           (f"file:{foreign}", "no policy metadata this package knows"),
                           (f"file:{not_safetensors}", "not a readable safetensors file"),
                           (f"file:{tmp_path / 'absent.safetensors'}", "file not found"),
-                          (f"sb3:{good}", "use 'file:")]:
+                          (f"sb3:{good}", "not written by save_sb3_policy")]:
         with pytest.raises(InputError, match=message):
             policy_specs.parse_policy_spec(text)
 
@@ -494,8 +494,8 @@ def test_sb3_policy_files_load_through_file_and_sb3_specs(engine, tiny_ppo_model
     from cosmos3_gym.agents import save_sb3_policy
 
     path = save_sb3_policy(tiny_ppo_model, tmp_path / "ppo.safetensors")  # 48 x 48 images, [8, 2] actions
-    assert policy_specs.parse_policy_spec(f"file:{path}").kind == "sb3"
-    assert policy_specs.parse_policy_spec(f"ppo:{path}").kind == "sb3"
+    assert policy_specs.parse_policy_spec(f"file:{path}").file_kind == "sb3"
+    assert policy_specs.parse_policy_spec(f"ppo:{path}").is_sb3_file
     fits = make_vec_env(engine, num_envs=2, chunk=8, observation_size=(48, 48))
     for spec in (f"file:{path}", f"sb3:{path}"):
         report = evaluate_policy(fits, load_policy(spec, fits), 2, progress=False)

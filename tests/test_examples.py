@@ -33,7 +33,7 @@ def test_train_ppo_in_world_model(tiny_checkpoint, start_image, tmp_path, capsys
     ])
     from cosmos3_gym.policy_specs import parse_policy_spec
 
-    assert parse_policy_spec(f"file:{tmp_path / 'ppo.safetensors'}").kind == "sb3"  # loadable by eval / eval-real
+    assert parse_policy_spec(f"file:{tmp_path / 'ppo.safetensors'}").is_sb3_file  # loadable by eval / eval-real
     assert "success rate" in capsys.readouterr().out
 
 
