@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from common import (  # noqa: E402
-    SCHEDULER, build_nano_transformer, build_wan22_vae, gemm_peak_tflops, provenance, sync, timed, write_results,
+    SCHEDULER, add_output_arguments, build_nano_transformer, build_wan22_vae, gemm_peak_tflops, provenance, sync, timed,
+    write_results,
 )
 
 from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG, build_tiny_tokenizer  # noqa: E402

@@ -554,7 +554,7 @@ def resolve_checkpoint_name(checkpoint: str | os.PathLike) -> str | os.PathLike:
 def checkpoint_env_defaults(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The env settings a checkpoint carries: the ``meta.json`` entries domain, raw_action_dim, chunk,
     resolution_tier, fps, num_steps, guidance_scale, task, success_threshold and max_episode_steps; for a checkpoint
-    inside a PushT model folder (the built-in one, or one of ``benchmarks/train_pusht.py``) also its reward model,
+    inside a PushT model folder (the built-in one, or one of ``benchmarks/recipes/train_pusht.py``) also its reward model,
     start frames and action statistics. Empty for checkpoints without a ``meta.json`` (hub ids, converted releases).
 
     (A local reader until ``checkpoint.checkpoint_defaults`` of issue 20 is merged.)"""

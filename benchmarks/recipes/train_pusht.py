@@ -1,8 +1,8 @@
 """Train the built-in PushT world model in one GPU call, export it in the layout of cosmos3_gym/assets/pusht, and
 evaluate it against the real simulator.
 
-    python benchmarks/train_pusht.py --out $OUT                        # one H100/H200, 16 cores: about 9 minutes
-    python benchmarks/train_pusht.py --smoke --out /tmp/pusht_smoke    # the same pipeline scaled down, CPU, minutes
+    python benchmarks/recipes/train_pusht.py --out $OUT                        # one H100/H200, 16 cores: about 9 minutes
+    python benchmarks/recipes/train_pusht.py --smoke --out /tmp/pusht_smoke    # the same pipeline scaled down, CPU, minutes
 
 Needs gym-pusht (the ``sim`` extra). Stages:
 
@@ -23,15 +23,15 @@ Needs gym-pusht (the ``sim`` extra). Stages:
 Stage 6 is skipped when less than ``--eval-reserve-s`` of ``--deadline-s`` is left. A run too long for one call
 splits in two, over the same simulated data (episodes depend only on the seed)::
 
-    python benchmarks/train_pusht.py --part first --out $OUT     # stages 1, 2, 4 -> $OUT/first_part.tar.gz
-    python benchmarks/train_pusht.py --part second --first-part first_part.tar.gz --out $OUT   # stages 1, 3, 5, 6
+    python benchmarks/recipes/train_pusht.py --part first --out $OUT     # stages 1, 2, 4 -> $OUT/first_part.tar.gz
+    python benchmarks/recipes/train_pusht.py --part second --first-part first_part.tar.gz --out $OUT   # stages 1, 3, 5, 6
 
 Two parts improve an installed model (``--assets``): ``--part decoder`` fine-tunes its VAE decoder on chunk + 1 frame
 clips (encoder, latent space and world model unchanged), retrains its reward model on its rollouts, packs and
 evaluates it; ``--part reward-model`` only retrains the reward model. ``--wm-init`` with ``--part second`` fine-tunes
 an installed world model; ``--first-part`` then can be the installed model folder itself (its VAE and start frames)::
 
-    python benchmarks/train_pusht.py --part second --first-part cosmos3_gym/assets/pusht \
+    python benchmarks/recipes/train_pusht.py --part second --first-part cosmos3_gym/assets/pusht \
         --wm-init cosmos3_gym/assets/pusht/checkpoint --wm-cond-noise 0.3 --wm-lr 2e-4 --out $OUT
 
 (``--wm-rollout-prob`` conditions part of each batch on the model's own frames, ``training/rollout.py``.)
@@ -58,8 +58,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+RECIPES = Path(__file__).resolve().parent
+sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
 from common import provenance, write_results  # noqa: E402
 import fidelity_pusht_chunks  # noqa: E402

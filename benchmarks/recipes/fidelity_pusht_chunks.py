@@ -1,6 +1,6 @@
 """How faithful is the PushT world model to the real simulator, and does its policy mode push the T?
 
-    python benchmarks/fidelity_pusht_chunks.py --assets cosmos3_gym/assets/pusht --out $OUT
+    python benchmarks/recipes/fidelity_pusht_chunks.py --assets cosmos3_gym/assets/pusht --out $OUT
 
 Needs gym-pusht (the ``sim`` extra). Three measurements, on start states held out from training:
 
@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+RECIPES = Path(__file__).resolve().parent
+sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
 from common import add_output_arguments, check_results_target, provenance, write_results  # noqa: E402
 
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
         fidelity_chunks=args.fidelity_chunks, policy_episodes=args.policy_episodes, policy_chunks=args.policy_chunks,
         workers=args.workers or (os.cpu_count() or 1),
     )
-    results = {"provenance": provenance(["benchmarks/fidelity_pusht_chunks.py", *(argv or sys.argv[1:])]),
+    results = {"provenance": provenance(["benchmarks/recipes/fidelity_pusht_chunks.py", *(argv or sys.argv[1:])]),
                **results}
     write_results(results, args.results_name, args.out, args.overwrite)
     return results
