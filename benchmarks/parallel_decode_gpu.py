@@ -46,9 +46,9 @@ def main() -> None:
     rank, world, device = init_distributed(use_cuda=use_nccl)
     if not dist.is_initialized():
         raise SystemExit("parallel_decode_gpu.py: launch it with torchrun (python -m torch.distributed.run ...)")
-    name = f"parallel_decode_world{world}.json"
+    results_name = f"parallel_decode_world{world}.json"
     if rank == 0:
-        check_results_target(name, args.out, args.overwrite)
+        check_results_target(results_name, args.out, args.overwrite)
     if args.tiny:
         config = {**TINY_VAE_CONFIG, "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}
         height, width, chunk = 128, 192, 8
@@ -85,7 +85,7 @@ def main() -> None:
             if rank == 0:
                 print(key, entry, flush=True)
     if rank == 0:
-        write_results(report, name, args.out, args.overwrite)
+        write_results(report, results_name, args.out, args.overwrite)
     dist.barrier()
     dist.destroy_process_group()
 
