@@ -345,7 +345,8 @@ def main() -> None:
 
     # ---- optimised variant: compiled decoder blocks + the fastest bf16 VAE decode ----
     if not args.tiny:
-        write_results(results, "gpu_suite.json", args.out, args.overwrite)  # keep what we have if the optimised run fails
+        # Keep what we have if the optimised run fails.
+        write_results(results, "gpu_suite.json", args.out, args.overwrite)
         try:
             results["optimised"] = optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, steps,
                                                      guidance, fps, fd_actions, latent_shape, peak, device,

@@ -143,7 +143,8 @@ def add_infer_command(sub) -> None:
     infer.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
     infer.add_argument("--vae-dtype", default=None, help="fp32 | bf16 | fp16 (default: fp32)")
     infer.add_argument("--optimize", action="store_true",
-                       help="torch.compile the transformer blocks and fuse the VAE norms (GPU; the first step compiles)")
+                       help="torch.compile the transformer blocks and fuse the VAE norms (GPU; the first step "
+                       "compiles)")
     infer.add_argument("--out", required=True, help="output prefix")
     parallel = infer.add_argument_group(
         "parallel", "under torchrun --nproc_per_node=dp*cfg*tp every rank runs this command and rank 0 writes the "
@@ -527,8 +528,11 @@ def add_training_commands(sub) -> None:
         ("--tokenizer-dir", str, "tokenizer (default: the tiny in-process tokenizer)"),
     ):
         train.add_argument(flag, type=kind, default=None, help=f"{text} (default: WorldModelTrainConfig's)")
-    train.add_argument("--model", type=_json_object, default=None, help="transformer config overrides (JSON; default: none)")
-    train.add_argument("--mode-probs", type=_json_object, default=None, help='mode sampling probabilities, e.g. {"policy": 0.4, ...} (default: WorldModelTrainConfig\'s)')
+    train.add_argument("--model", type=_json_object, default=None,
+                       help="transformer config overrides (JSON; default: none)")
+    train.add_argument("--mode-probs", type=_json_object, default=None,
+                       help='mode sampling probabilities, e.g. {"policy": 0.4, ...} '
+                       "(default: WorldModelTrainConfig's)")
     train.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     train.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
     train.add_argument("--gradient-checkpointing", action="store_true",

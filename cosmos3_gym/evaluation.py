@@ -32,7 +32,6 @@ demo in ``cosmos3_gym.demo``; their public names are re-exported here.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys
@@ -442,7 +441,8 @@ def evaluate_policy(
     longest = max(result.length for result in finished)
     bounds = return_bounds(reward_bounds, max(int(max_episode_steps or 0), longest))
     if success_return_threshold is not None:
-        success_rule = f"info['success'] of the last step when the env sets it, else return > {success_return_threshold}"
+        success_rule = (f"info['success'] of the last step when the env sets it, else return > "
+                        f"{success_return_threshold}")
     elif all(result.success is not None for result in finished):
         success_rule = "info['success'] of the last step (the env's success threshold)"
     else:
@@ -554,8 +554,9 @@ def resolve_checkpoint_name(checkpoint: str | os.PathLike) -> str | os.PathLike:
 def checkpoint_env_defaults(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The env settings a checkpoint carries: the ``meta.json`` entries domain, raw_action_dim, chunk,
     resolution_tier, fps, num_steps, guidance_scale, task, success_threshold and max_episode_steps; for a checkpoint
-    inside a PushT model folder (the built-in one, or one of ``benchmarks/recipes/train_pusht.py``) also its reward model,
-    start frames and action statistics. Empty for checkpoints without a ``meta.json`` (hub ids, converted releases).
+    inside a PushT model folder (the built-in one, or one of ``benchmarks/recipes/train_pusht.py``) also its reward
+    model, start frames and action statistics. Empty for checkpoints without a ``meta.json`` (hub ids, converted
+    releases).
 
     (A local reader until ``checkpoint.checkpoint_defaults`` of issue 20 is merged.)"""
     checkpoint = resolve_checkpoint_name(checkpoint)

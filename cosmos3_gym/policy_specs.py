@@ -66,7 +66,7 @@ SPEC_HELP = ("'random', 'agent', 'scripted:NOISE', 'file:PATH' (a policy file of
 
 
 def register_policy_file_kind(kind: str, loader: str | Callable[[str], Any]) -> None:
-    """Load policy files of ``kind`` with ``loader`` (a ``"module:function"`` string or a callable ``path -> agent``)."""
+    """Load policy files of ``kind`` with ``loader``: a ``"module:function"`` string or a callable ``path -> agent``."""
     if not isinstance(kind, str) or not kind:
         raise InputError(f"kind: expected a non-empty string, got {kind!r}.")
     POLICY_FILE_LOADERS[kind] = loader

@@ -205,7 +205,8 @@ def test_cli_import_help_and_argument_errors_do_not_import_torch(tmp_path):
         f"         main(['eval', '--initial-states', {str(tmp_path / 'none')!r}, '--out', 'x']),\n"
         f"         main(['eval', '--checkpoint', {str(tmp_path / 'no' / 'ckpt')!r}, '--out', 'x']),\n"
         "         main(['eval-real', '--policies', 'nope'])]\n"
-        "heavy = sorted(m for m in ('torch', 'diffusers', 'stable_baselines3', 'cosmos3_gym.engine') if m in sys.modules)\n"
+        "heavy = ('torch', 'diffusers', 'stable_baselines3', 'cosmos3_gym.engine')\n"
+        "heavy = sorted(m for m in heavy if m in sys.modules)\n"
         "print(codes, heavy)\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

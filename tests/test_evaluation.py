@@ -1,5 +1,6 @@
-"""Policy evaluation: confidence intervals (bounded where the values are), episode counting over vector-env slots in every autoreset mode, per-task
-statistics, the report JSON, videos, policy loading, and the ``eval`` / ``demo`` commands.
+"""Policy evaluation: confidence intervals (bounded where the values are), episode counting over vector-env slots in
+every autoreset mode, per-task statistics, the report JSON, videos, policy loading, and the ``eval`` / ``demo``
+commands.
 
 Episodes end deterministically: a reward model scores 1 for the task "finish" and 0 otherwise; with
 ``success_threshold=0.5`` a "finish" slot terminates (successfully) after every chunk and the others run to

@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"inverse dynamics: {timings['inverse_dynamics_s']:.0f} s", flush=True)
     finally:
         engine.close()
-    results["rl_in_imagination"] = "benchmarks/recipes/rl_imagination_pusht.py (its own results: rl_imagination_pusht_<card>.json)"
+    results["rl_in_imagination"] = ("benchmarks/recipes/rl_imagination_pusht.py (its own results: "
+                                    "rl_imagination_pusht_<card>.json)")
     results["timings"] = timings
     card = "cpu" if args.device == "cpu" else "cuda"
     results = {"provenance": provenance(["benchmarks/recipes/fidelity_pusht.py", *(argv or sys.argv[1:])]), **results}

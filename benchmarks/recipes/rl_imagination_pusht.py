@@ -1,8 +1,8 @@
 """RL in imagination on PushT: PPO trained only inside the world model, evaluated in the real simulator, against
 random actions and against PPO trained in the real simulator for the same number of env steps.
 
-    python benchmarks/recipes/rl_imagination_pusht.py --smoke              # CPU, under a minute: checks the pipeline only
-    python benchmarks/recipes/rl_imagination_pusht.py --timesteps 512 --num-envs 8 --eval-episodes 16 --threads 2   # CPU
+    python benchmarks/recipes/rl_imagination_pusht.py --smoke      # CPU, under a minute: checks the pipeline only
+    python benchmarks/recipes/rl_imagination_pusht.py --timesteps 512 --num-envs 8 --eval-episodes 16 --threads 2  # CPU
     python benchmarks/recipes/rl_imagination_pusht.py --timesteps 16384 --num-envs 64 --n-steps 16 --eval-points 8 \\
         --eval-episodes 64 --device cuda                             # GPU
 

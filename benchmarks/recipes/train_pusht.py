@@ -1,8 +1,8 @@
 """Train the built-in PushT world model in one GPU call, export it in the layout of cosmos3_gym/assets/pusht, and
 evaluate it against the real simulator.
 
-    python benchmarks/recipes/train_pusht.py --out $OUT                        # one H100/H200, 16 cores: about 9 minutes
-    python benchmarks/recipes/train_pusht.py --smoke --out /tmp/pusht_smoke    # the same pipeline scaled down, CPU, minutes
+    python benchmarks/recipes/train_pusht.py --out $OUT                      # one H100/H200, 16 cores: about 9 min
+    python benchmarks/recipes/train_pusht.py --smoke --out /tmp/pusht_smoke  # the same pipeline scaled down, CPU
 
 Needs gym-pusht (the ``sim`` extra). Stages:
 
@@ -24,7 +24,7 @@ Stage 6 is skipped when less than ``--eval-reserve-s`` of ``--deadline-s`` is le
 splits in two, over the same simulated data (episodes depend only on the seed)::
 
     python benchmarks/recipes/train_pusht.py --part first --out $OUT     # stages 1, 2, 4 -> $OUT/first_part.tar.gz
-    python benchmarks/recipes/train_pusht.py --part second --first-part first_part.tar.gz --out $OUT   # stages 1, 3, 5, 6
+    python benchmarks/recipes/train_pusht.py --part second --first-part first_part.tar.gz --out $OUT  # 1, 3, 5, 6
 
 Two parts improve an installed model (``--assets``): ``--part decoder`` fine-tunes its VAE decoder on chunk + 1 frame
 clips (encoder, latent space and world model unchanged), retrains its reward model on its rollouts, packs and

@@ -26,7 +26,6 @@ model's estimate of coverage on its frames; in the simulator it is gym-pusht's t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
