@@ -142,6 +142,8 @@ def add_infer_command(sub) -> None:
     infer.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     infer.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
     infer.add_argument("--vae-dtype", default=None, help="fp32 | bf16 | fp16 (default: fp32)")
+    infer.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+                       help="GEN-tower GEMMs: bf16 (in --dtype) or fp8 (Hopper-class GPU, tp=1, the fp8 extra)")
     infer.add_argument("--optimize", action="store_true",
                        help="torch.compile the transformer blocks and fuse the VAE norms (GPU; the first step "
                        "compiles)")
@@ -218,6 +220,7 @@ def run_infer(args: argparse.Namespace) -> None:
     engine = Cosmos3Engine.from_pretrained(
         args.checkpoint, device=args.device, dtype=args.dtype, vae_dtype=args.vae_dtype,
         decode_video=not args.no_decode, tp=args.tp, cfg=args.cfg, dp=args.dp, optimize=args.optimize,
+        precision=args.precision,
     )
     try:
         if isinstance(engine, Cosmos3Engine):
@@ -481,7 +484,8 @@ def _json_object(text: str) -> dict:
 def add_training_commands(sub) -> None:
     """``train-vae`` and ``train`` (cosmos3_gym.training); flags left out keep the config dataclass defaults."""
     vae = _add_command(sub, "train-vae", "train a small Wan2.2-layout VAE on an episode dataset")
-    vae.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py)")
+    vae.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py) "
+                     "or lerobot:PATH (a LeRobot v3.0 / v2.1 dataset)")
     vae.add_argument("--out", required=True, help="output folder (AutoencoderKLWan.save_pretrained)")
     for flag, kind, text in (
         ("--steps", int, "optimizer steps"), ("--batch-size", int, "clips per step"), ("--lr", float, "AdamW lr"),
@@ -493,8 +497,10 @@ def add_training_commands(sub) -> None:
         ("--seed", int, "seed"), ("--warmup-steps", int, "linear warmup steps"),
         ("--contrast-weight", float, "extra loss weight on pixels unlike the background (0: plain means)"),
         ("--init-vae", str, "fine-tune this AutoencoderKLWan folder"),
+        ("--camera", str, "LeRobot datasets: the video feature to train on"),
     ):
-        vae.add_argument(flag, type=kind, default=None, help=f"{text} (default: VAETrainConfig's)")
+        vae.add_argument(flag, type=kind, default=None,
+                         help=text if "default" in text else f"{text} (default: VAETrainConfig's)")
     vae.add_argument("--decoder-only", action="store_true",
                      help="with --init-vae: train the decoder only (the latent space, and world models on it, stay)")
     vae.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
@@ -505,7 +511,8 @@ def add_training_commands(sub) -> None:
         sub, "train", "flow-matching training of a Cosmos3 policy world model; exports a checkpoint "
         "(multi-GPU: torchrun --nproc_per_node=N -m cosmos3_gym.cli train ...)"
     )
-    train.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py)")
+    train.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py) "
+                       "or lerobot:PATH (a LeRobot v3.0 / v2.1 dataset)")
     train.add_argument("--vae", required=True, help="trained VAE folder (train-vae output or a checkpoint's vae/)")
     train.add_argument("--out", required=True, help="checkpoint folder to write (training state in OUT/training)")
     train.add_argument("--config", type=_json_object, default={},
@@ -526,8 +533,16 @@ def add_training_commands(sub) -> None:
         ("--rollout-prob", float, "fraction of each batch conditioned on the model's own frames"),
         ("--rollout-max-chunks", int, "chunks generated before such a frame (1..N per step)"),
         ("--tokenizer-dir", str, "tokenizer (default: the tiny in-process tokenizer)"),
+        ("--camera", str, "LeRobot datasets: the video feature (default: the only one)"),
+        ("--action-key", str, "LeRobot datasets: the action feature (default: action)"),
+        ("--state-key", str, "LeRobot datasets: the state feature (read and checked, not trained on)"),
+        ("--domain", _domain, "embodiment name or id (default: the dataset's meta.json / info.json robot_type)"),
+        ("--data-parallel", str, "ddp | fsdp (under torchrun: replicate, or shard with FSDP2)"),
+        ("--lora-rank", int, "train rank-r LoRA adapters on the GEN tower (0: full fine-tuning)"),
+        ("--lora-alpha", float, "LoRA alpha (default: the rank)"),
     ):
-        train.add_argument(flag, type=kind, default=None, help=f"{text} (default: WorldModelTrainConfig's)")
+        train.add_argument(flag, type=kind, default=None,
+                           help=text if "default" in text else f"{text} (default: WorldModelTrainConfig's)")
     train.add_argument("--model", type=_json_object, default=None,
                        help="transformer config overrides (JSON; default: none)")
     train.add_argument("--mode-probs", type=_json_object, default=None,
@@ -537,6 +552,7 @@ def add_training_commands(sub) -> None:
     train.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
     train.add_argument("--gradient-checkpointing", action="store_true",
                        help="recompute activations in the backward pass (less memory, slower)")
+    train.add_argument("--fsdp-cpu-offload", action="store_true", help="fsdp: sharded states on the host")
     train.add_argument("--freeze-text-tower", action="store_true", help="do not train the text tower")
     train.add_argument("--resume", action="store_true", help="continue from the saved training state")
     train.set_defaults(func=run_train)
@@ -551,7 +567,7 @@ def run_train_vae(args: argparse.Namespace) -> None:
 
     fields = ["steps", "batch_size", "lr", "base_dim", "decoder_base_dim", "z_dim", "num_res_blocks",
               "frames_per_clip", "resolution_tier", "kl_weight", "stats_clips", "num_workers", "log_every", "seed",
-              "device", "warmup_steps", "contrast_weight", "init_vae"]
+              "device", "warmup_steps", "contrast_weight", "init_vae", "camera"]
     config = VAETrainConfig(**_flag_overrides(args, fields), bf16=not args.no_bf16, train_encoder=not args.decoder_only)
     path = train_vae(args.dataset, args.out, config)
     print(f"wrote the VAE to {path}")
@@ -570,9 +586,10 @@ def run_train(args: argparse.Namespace) -> None:
     fields = ["steps", "batch_size", "lr", "warmup_steps", "chunk", "resolution_tier", "window_stride", "flow_shift",
               "uncond_prob", "ema_decay", "save_every", "log_every", "seed", "save_dtype", "vae_save_dtype",
               "param_dtype", "work_dir", "cond_noise_std", "rollout_prob", "rollout_max_chunks",
-              "init_checkpoint", "tokenizer_dir", "model", "mode_probs", "device"]
+              "init_checkpoint", "tokenizer_dir", "model", "mode_probs", "device", "camera", "action_key",
+              "state_key", "domain", "data_parallel", "lora_rank", "lora_alpha"]
     values = {**args.config, **_flag_overrides(args, fields)}
-    for flag in ("gradient_checkpointing", "freeze_text_tower", "resume"):
+    for flag in ("gradient_checkpointing", "freeze_text_tower", "resume", "fsdp_cpu_offload"):
         if getattr(args, flag):
             values[flag] = True
     if args.no_bf16:

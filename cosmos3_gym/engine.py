@@ -42,6 +42,7 @@ from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, Te
 from .models.vae import Cosmos3VAE
 from .parallel.mesh import ParallelConfig, ParallelContext, init_parallel
 from .parallel.tensor_parallel import RowParallelLinear, apply_tensor_parallel, check_tensor_parallel
+from .quantization import apply_precision, check_precision
 from .sampling import FlowUniPCSampler, Schedule, cfg_combine, make_schedule
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
@@ -154,6 +155,7 @@ class Cosmos3Engine:
         cfg: int | None = None,
         dp: int | None = None,
         optimize: bool = False,
+        precision: str = "bf16",
     ) -> "Cosmos3Engine":
         """Load a diffusers-layout Cosmos3 checkpoint (local directory or hub id).
 
@@ -167,8 +169,12 @@ class Cosmos3Engine:
 
         ``optimize`` applies ``optimize()`` (torch.compile; worth it on a GPU, where the first step of each shape
         compiles).
+
+        ``precision`` "fp8" runs the GEN tower's GEMMs in FP8 (``quantization.apply_fp8``; Hopper-class GPUs, tp=1,
+        the ``fp8`` extra); "bf16" (default) keeps them in ``dtype``.
         """
         config = resolve_parallel_config(parallel, tp=tp, cfg=cfg, dp=dp)
+        check_precision(precision, tp=config.tp)
         layout = validate_checkpoint(resolve_checkpoint(path_or_id))
         # Checked from config.json before any weights are read or workers started, on every rank alike.
         check_tensor_parallel(Cosmos3TransformerConfig.from_dict(layout.transformer_config), config.tp)
@@ -179,7 +185,7 @@ class Cosmos3Engine:
 
             return start_engine_client(
                 layout.root, config, device=device, dtype=dtype, vae_dtype=vae_dtype, decode_video=decode_video,
-                progress=progress, optimize=optimize,
+                progress=progress, optimize=optimize, precision=precision,
             )
 
         launched_world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -204,6 +210,7 @@ class Cosmos3Engine:
             raise InputError(f"checkpoint {path_or_id}: transformer has action_gen=False; not a Cosmos3 policy model")
         if config.tp > 1:
             apply_tensor_parallel(transformer, context.group("tp"))
+        apply_precision(transformer, precision)  # before optimize(): compile and CUDA graphs capture the FP8 GEMMs
         vae = Cosmos3VAE.from_pretrained(layout.vae_dir, device=device, dtype=vae_dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(layout.text_tokenizer_dir))
         engine = cls(

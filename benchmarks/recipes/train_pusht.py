@@ -35,6 +35,8 @@ an installed world model; ``--first-part`` then can be the installed model folde
         --wm-init cosmos3_gym/assets/pusht/checkpoint --wm-cond-noise 0.3 --wm-lr 2e-4 --out $OUT
 
 (``--wm-rollout-prob`` conditions part of each batch on the model's own frames, ``training/rollout.py``.)
+``--lerobot`` trains stages 2 and 3 from the simulated episodes written as a LeRobot v3.0 dataset
+(``training.lerobot.write_lerobot_dataset``, H.264 videos) instead of our episode layout.
 
 Files in ``--out`` (at most 8, no folders): train_pusht.json (train_pusht_<part>.json) (stages, timings, sizes, configs, last losses, provenance), fidelity_pusht_chunks.json,
 pusht_assets.tar.gz, side_by_side.mp4, vae_log.jsonl, world_model_log.jsonl. Datasets, latent caches and training
@@ -130,6 +132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--first-part", default=None,
                         help="first_part.tar.gz of a --part first run (same seed), or an installed model folder")
     parser.add_argument("--wm-init", default=None, help="fine-tune this checkpoint's transformer instead of a new one")
+    parser.add_argument("--lerobot", action="store_true",
+                        help="train VAE and world model from the simulated episodes written as a LeRobot v3.0 "
+                             "dataset (training.lerobot.write_lerobot_dataset) instead of our episode layout")
     for name, value in FULL.items():  # every size and step count, defaulting to FULL (or SMOKE with --smoke)
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     args = parser.parse_args(argv)
@@ -216,7 +221,7 @@ def vae_stage(args, work: Path, init_vae: Path | None = None) -> dict:
     steps_per_s = last_log_line(work / "vae_probe" / "train_log.jsonl")["clips_per_s"] / config.batch_size
     steps = steps_for_budget(steps_per_s, args.vae_seconds, args.vae_max_steps)
     config = dataclasses.replace(config, steps=steps, warmup_steps=min(200, steps // 5))
-    train_vae(work / "dataset", work / "vae", config)
+    train_vae(training_dataset(args, work), work / "vae", config)
     return {"probe_steps_per_s": steps_per_s, "config": dataclasses.asdict(config),
             "last_log": last_log_line(work / "vae" / "train_log.jsonl")}
 
@@ -253,14 +258,14 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     # after it is all training.
     probe = dataclasses.replace(config, steps=PROBE_STEPS, warmup_steps=0, log_every=PROBE_STEPS // 2,
                                 work_dir=str(work / "world_model_probe" / "training"))
-    train_world_model(work / "dataset", work / "world_model_probe", probe, vae_dir=work / "vae")
+    train_world_model(training_dataset(args, work), work / "world_model_probe", probe, vae_dir=work / "vae")
     log = last_log_line(work / "world_model_probe" / "training" / "log.jsonl")
     steps_per_s = log["samples_per_s"] / config.batch_size
     steps = steps_for_budget(steps_per_s, min(args.wm_seconds, seconds_left()), args.wm_max_steps)
     config = dataclasses.replace(config, steps=steps, warmup_steps=min(args.wm_warmup, steps // 5),
                                  work_dir=str(work / "world_model"))
     checkpoint = assets / CHECKPOINT_DIR
-    train_world_model(work / "dataset", checkpoint, config, vae_dir=work / "vae")
+    train_world_model(training_dataset(args, work), checkpoint, config, vae_dir=work / "vae")
     # The env's defaults live next to what training wrote (domain, chunk, tier, fps, image size).
     meta = json.loads((checkpoint / META_FILE).read_text())
     meta.update(
@@ -285,6 +290,22 @@ def unpack_first_part(source: Path, work: Path) -> None:
     shutil.copytree(source / CHECKPOINT_DIR / "vae", work / "vae")
     shutil.copytree(source, work / "assets" / "pusht", ignore=shutil.ignore_patterns(CHECKPOINT_DIR),
                     dirs_exist_ok=True)
+
+
+def training_dataset(args, work: Path) -> Path | str:
+    """What the VAE and the world model train on: ``work/dataset``, or with ``--lerobot`` that dataset converted once
+    to LeRobot v3.0 (``lerobot:work/lerobot``) with the action statistics of ``work/dataset`` (which ``--wm-init``
+    replaces by the checkpoint's)."""
+    if not args.lerobot:
+        return work / "dataset"
+    from cosmos3_gym.training.lerobot import write_lerobot_dataset
+
+    target = work / "lerobot"
+    if not target.exists():
+        write_lerobot_dataset(work / "dataset", target, progress=False)
+    stats = json.loads((work / "dataset" / "stats.json").read_text())
+    (target / "meta" / "stats.json").write_text(json.dumps(stats))
+    return f"lerobot:{target}"
 
 
 def probe_dataset(work: Path) -> Path:

@@ -2,6 +2,7 @@
 
 An initial-state source is given as
 
+* ``"lerobot:PATH"``: the first frame and task of every episode of a LeRobot dataset (``training.lerobot``);
 * a folder: every image (.png .jpg .jpeg .bmp .webp), video (.mp4 .gif .webm .avi .mov .mkv), ``.npy`` frame array
   or ``.npz`` archive in it (sorted by name) is one initial state;
 * one such file;
@@ -70,6 +71,10 @@ def load_initial_states(spec: Any) -> InitialStateSource | None:
         return None
     if isinstance(spec, InitialStateSource):
         return spec
+    if isinstance(spec, str) and spec.startswith("lerobot:"):  # every episode's first frame and task
+        from ..training.lerobot import lerobot_initial_states
+
+        return lerobot_initial_states(spec)
     if isinstance(spec, (str, os.PathLike)):
         path = Path(spec).expanduser()
         if path.is_dir():

@@ -3,15 +3,19 @@
 ``train_vae`` trains a small Wan2.2-layout VAE on the dataset's frames; ``train_world_model`` trains a Cosmos3 policy
 transformer with flow matching on windows of those frames and actions (policy / forward / inverse dynamics masks
 drawn per sample) and exports a complete diffusers-layout checkpoint. The dataset layout is documented in
-``cosmos3_gym.training.data``.
+``cosmos3_gym.training.data``; LeRobot v3.0 / v2.1 datasets (``"lerobot:PATH"``) are read by
+``cosmos3_gym.training.lerobot``. Large models train sharded over GPUs (FSDP2, ``training.fsdp``) or with LoRA
+adapters (``training.lora``).
 """
 
 from .export import export_checkpoint, native_to_diffusers_state_dict
+from .lerobot import LeRobotDataset, write_lerobot_dataset
 from .vae import VAETrainConfig, train_vae
 from .world_model import DEFAULT_MODEL_CONFIG, WorldModelTrainConfig, WorldModelTrainer, train_world_model
 
 __all__ = [
     "DEFAULT_MODEL_CONFIG",
+    "LeRobotDataset",
     "VAETrainConfig",
     "WorldModelTrainConfig",
     "WorldModelTrainer",
@@ -19,4 +23,5 @@ __all__ = [
     "native_to_diffusers_state_dict",
     "train_vae",
     "train_world_model",
+    "write_lerobot_dataset",
 ]

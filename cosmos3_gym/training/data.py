@@ -12,6 +12,8 @@ Dataset layout (the contract between data generation and training)::
                    task (0-d str array); optional: success (0-d bool; WorldModelTrainConfig.policy_episodes
                    can keep policy-mode samples to successful episodes), rewards [T], coverage [T+1], policy
 
+LeRobot v3.0 / v2.1 datasets (``"lerobot:PATH"``) are read through ``lerobot.py`` into the same episodes.
+
 Action ``t`` takes frame ``t`` to frame ``t + 1``. A training window starting at frame ``s`` holds frames
 ``s .. s+chunk`` (chunk + 1 frames, the clip the engine generates) and actions ``s .. s+chunk-1``; windows start
 every ``stride`` frames. Actions are normalised with stats.json in the mode meta.json names (minmax by default).
@@ -32,6 +34,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,7 +61,11 @@ class DatasetInfo:
     action_normalization: str
     stats: processor.ActionStats
     stats_document: dict
-    episode_paths: tuple[Path, ...]
+    episode_paths: tuple[Path, ...]  # our layout's episode files (empty for a LeRobot dataset)
+    # The episodes, read on demand: ``NpzEpisodes`` (our layout) or ``lerobot.LeRobotDataset``. Both give
+    # ``len``, ``name(i)``, ``lengths`` (frames), ``load(i, with_frames)`` -> Episode, ``read_frames(i, start, stop)``
+    # and ``fingerprint()`` (what the latent cache depends on).
+    episodes: Any = None
 
 
 @dataclass(frozen=True)
@@ -73,8 +80,54 @@ class Episode:
         return int(self.actions.shape[0])
 
 
-def read_dataset(dataset_dir: str | os.PathLike) -> DatasetInfo:
-    """Read and check meta.json and stats.json and list the episodes; ``InputError`` names the bad file and field."""
+class NpzEpisodes:
+    """The episodes of our layout (one .npz per episode), read on demand."""
+
+    def __init__(self, paths: tuple[Path, ...], raw_action_dim: int):
+        self.paths, self.raw_action_dim = paths, raw_action_dim
+        self._lengths: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def name(self, i: int) -> str:
+        return self.paths[i].stem
+
+    def load(self, i: int, with_frames: bool = True) -> Episode:
+        return load_episode(self.paths[i], self.raw_action_dim, with_frames=with_frames)
+
+    @property
+    def lengths(self) -> list[int]:
+        if self._lengths is None:
+            self._lengths = [self.load(i, with_frames=False).num_actions + 1 for i in range(len(self))]
+        return self._lengths
+
+    def read_frames(self, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self.load(i).frames[start:stop]
+
+    def fingerprint(self) -> list:
+        return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.paths]
+
+
+def read_dataset(
+    dataset_dir: str | os.PathLike, *, camera: str | None = None, action_key: str | None = None,
+    state_key: str | None = None, domain: str | int | None = None,
+) -> DatasetInfo:
+    """Read and check meta.json and stats.json and list the episodes; ``InputError`` names the bad file and field.
+
+    ``"lerobot:PATH"`` (or a folder with meta/info.json) is a LeRobot dataset (``lerobot.py``); ``camera``,
+    ``action_key`` and ``state_key`` pick its features and ``domain`` its embodiment (default: info.json robot_type).
+    ``domain`` also overrides our layout's meta.json domain.
+    """
+    from .lerobot import is_lerobot_spec, read_lerobot_dataset
+
+    if is_lerobot_spec(dataset_dir):
+        return read_lerobot_dataset(dataset_dir, camera=camera, action_key=action_key or "action",
+                                    state_key=state_key, domain=domain)
+    for name, value in (("camera", camera), ("action_key", action_key), ("state_key", state_key)):
+        if value is not None:
+            raise InputError(f"{name}: only LeRobot datasets (lerobot:PATH) have features to pick; {dataset_dir} is "
+                             f"in our episode layout")
     root = Path(dataset_dir).expanduser()
     if not root.is_dir():
         raise InputError(f"dataset: {root} is not a directory")
@@ -115,8 +168,9 @@ def read_dataset(dataset_dir: str | os.PathLike) -> DatasetInfo:
     if not episode_paths:
         raise InputError(f"dataset: no {EPISODES_DIR}/{EPISODE_GLOB} files in {root}")
     return DatasetInfo(
-        root=root, meta=meta, domain=meta["domain"], raw_action_dim=raw_action_dim, fps=float(fps),
-        action_normalization=mode, stats=stats, stats_document=stats_document, episode_paths=episode_paths,
+        root=root, meta=meta, domain=meta["domain"] if domain is None else domain, raw_action_dim=raw_action_dim,
+        fps=float(fps), action_normalization=mode, stats=stats, stats_document=stats_document,
+        episode_paths=episode_paths, episodes=NpzEpisodes(episode_paths, raw_action_dim),
     )
 
 
@@ -170,7 +224,7 @@ class TrainingWindows:
     actions: torch.Tensor  # [N, chunk, raw_action_dim] float32, normalised
     prompt_index: torch.Tensor  # [N] long
     prompts: list[tuple[list[int], list[int]]]
-    episode_index: torch.Tensor  # [N] long (into DatasetInfo.episode_paths)
+    episode_index: torch.Tensor  # [N] long (into DatasetInfo.episodes)
     start: torch.Tensor  # [N] long (first frame of the window)
     successful: torch.Tensor  # [N] bool: the window's episode has success=True
     canvas_hw: tuple[int, int]
@@ -202,7 +256,7 @@ def latent_cache_key(info: DatasetInfo, vae_dir: Path, *, chunk: int, stride: in
         "chunk": chunk,
         "stride": stride,
         "resolution_tier": resolution_tier,
-        "episodes": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in info.episode_paths],
+        "episodes": info.episodes.fingerprint(),
     }
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -256,7 +310,8 @@ def build_training_windows(
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
     # Frames are read only for the episodes this rank encodes; actions and tasks of all of them.
-    episodes = [load_episode(path, info.raw_action_dim, with_frames=False) for path in info.episode_paths]
+    store = info.episodes
+    episodes = [store.load(i, with_frames=False) for i in range(len(store))]
     starts_per_episode = [window_starts(e.num_actions, chunk, stride) for e in episodes]
     if not any(starts_per_episode):
         longest = max(e.num_actions for e in episodes)
@@ -264,14 +319,14 @@ def build_training_windows(
 
     todo = [
         i for i, starts in enumerate(starts_per_episode)
-        if starts and i % world_size == rank and not (cache / f"{info.episode_paths[i].stem}.safetensors").exists()
+        if starts and i % world_size == rank and not (cache / f"{store.name(i)}.safetensors").exists()
     ]
     for i in tqdm(todo, desc="encoding windows", disable=not progress or not todo, leave=False):
-        frames = load_episode(info.episode_paths[i], info.raw_action_dim).frames
+        frames = store.read_frames(i)
         latents, cond = encode_episode_windows(
             vae, frames, starts_per_episode[i], chunk, resolution_tier, encode_batch_size
         )
-        target = cache / f"{info.episode_paths[i].stem}.safetensors"
+        target = cache / f"{store.name(i)}.safetensors"
         temporary = target.with_suffix(f".tmp{rank}")
         save_file({"latents": latents.contiguous()}, temporary,
                   metadata={"canvas_hw": json.dumps(list(cond.canvas_hw))})
@@ -286,7 +341,7 @@ def build_training_windows(
     for i, (episode, starts) in enumerate(zip(episodes, starts_per_episode)):
         if not starts:
             continue
-        path = cache / f"{info.episode_paths[i].stem}.safetensors"
+        path = cache / f"{store.name(i)}.safetensors"
         with safe_open(path, framework="pt") as handle:
             episode_canvas = tuple(json.loads(handle.metadata()["canvas_hw"]))
         episode_latents = load_file(path)["latents"]
@@ -294,7 +349,8 @@ def build_training_windows(
             canvas_hw, latent_shape = episode_canvas, tuple(episode_latents.shape[1:])
         elif episode_canvas != canvas_hw or tuple(episode_latents.shape[1:]) != latent_shape:
             raise InputError(
-                f"dataset: {info.episode_paths[i]} gives a {episode_canvas} canvas / latent {episode_latents.shape[1:]}"
+                f"dataset: {info.root} {store.name(i)} gives a {episode_canvas} canvas / latent "
+                f"{episode_latents.shape[1:]}"
                 f" but earlier episodes give {canvas_hw} / {latent_shape}; all frames must have one size"
             )
         key = (episode.task, episode_canvas)

@@ -15,8 +15,9 @@ runs out of memory is recorded as such (measured peaks, torch 2.11, batch 1, gra
                     0.61 s/step on an H100 (0.59 s on an H200);
   sgd               every trained parameter, plain SGD (no optimizer state): peak 58.0 GB, 0.80 s/step (H100).
 Activations are kept small by gradient checkpointing over the layers (on by default). Writes DIR/nano_step.json.
-Real Nano post-training would shard weights, gradients and AdamW states over GPUs (FSDP); this trainer's DDP keeps
-a full replica per GPU, which fits Nano only in the frozen-UND / SGD forms above.
+DDP keeps a full replica per GPU, which fits Nano only in the frozen-UND / SGD forms above; full AdamW fine-tuning
+shards weights, gradients and AdamW states over GPUs (``WorldModelTrainConfig(data_parallel="fsdp")``, fsdp.py) or
+trains LoRA adapters (``lora_rank``); ``benchmarks/training_fsdp_gpu.py`` measures both.
 """
 
 from __future__ import annotations

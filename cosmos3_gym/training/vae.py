@@ -69,6 +69,7 @@ class VAETrainConfig:
     # 0 = plain means. Scenes that are mostly empty table (PushT) otherwise settle on painting the background.
     contrast_weight: float = 0.0
     stats_clips: int = 256  # clips encoded to fit latents_mean / latents_std
+    camera: str | None = None  # LeRobot datasets: the video feature to train on (default: the only one)
     init_vae: str | None = None  # fine-tune this AutoencoderKLWan folder (its architecture; the widths are ignored)
     # False (needs init_vae): train the decoder only; the encoder and the latent statistics stay, so the latent space
     # and every world model trained on it stay valid.
@@ -130,18 +131,21 @@ class _ClipBatches(torch.utils.data.Dataset):
     """Item ``k`` is the batch of training step ``k``: canvas pixels [B, 3, F, H, W] and the content's latent size.
 
     Clips are drawn uniformly over all clip positions of all episodes with a generator seeded by (seed, k), so the
-    batches do not depend on the number of DataLoader workers.
+    batches do not depend on the number of DataLoader workers. ``episodes`` is a list of frame arrays [T, H, W, 3]
+    (in memory), or an episode store that reads clips from disk (``DatasetInfo.episodes`` of a LeRobot dataset:
+    ``lengths`` and ``read_frames(i, start, stop)``).
     """
 
-    def __init__(self, episodes: list[np.ndarray], config: VAETrainConfig, salt: str = "train"):
+    def __init__(self, episodes, config: VAETrainConfig, salt: str = "train"):
         self.episodes = episodes
         self.config = config
         self.salt = salt
-        counts = [max(len(frames) - config.frames_per_clip + 1, 0) for frames in episodes]
+        lengths = episodes.lengths if hasattr(episodes, "read_frames") else [len(frames) for frames in episodes]
+        counts = [max(length - config.frames_per_clip + 1, 0) for length in lengths]
         if not any(counts):
             raise InputError(
                 f"VAETrainConfig.frames_per_clip: {config.frames_per_clip} is longer than every episode "
-                f"(at most {max(len(f) for f in episodes)} frames)"
+                f"(at most {max(lengths)} frames)"
             )
         self.offsets = np.cumsum([0] + counts)
 
@@ -151,7 +155,11 @@ class _ClipBatches(torch.utils.data.Dataset):
     def clip(self, position: int) -> tuple[torch.Tensor, tuple[int, int]]:
         episode = int(np.searchsorted(self.offsets, position, side="right") - 1)
         start = position - int(self.offsets[episode])
-        frames = self.episodes[episode][start : start + self.config.frames_per_clip]
+        stop = start + self.config.frames_per_clip
+        if hasattr(self.episodes, "read_frames"):
+            frames = self.episodes.read_frames(episode, start, stop)
+        else:
+            frames = self.episodes[episode][start:stop]
         cond = processor.prepare_conditioning(frames, self.config.resolution_tier, self.config.frames_per_clip)
         return cond.pixels, cond.latent_hw
 
@@ -224,13 +232,16 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
     config = config or VAETrainConfig()
     config.validate()
     out_dir = Path(out_dir).expanduser()
-    info = read_dataset(dataset_dir)
+    info = read_dataset(dataset_dir, camera=config.camera)
     ctx = init_distributed(config.device)
     if ctx.world_size > 1:
         ctx.close()
         raise InputError("train_vae: runs on one device; launch it without torchrun")
     device = ctx.device
-    episodes = [load_episode(path, info.raw_action_dim).frames for path in info.episode_paths]
+    # Our layout is read into memory (the existing behaviour); a LeRobot dataset streams clips from its videos.
+    episodes = info.episodes if not info.episode_paths else [
+        load_episode(path, info.raw_action_dim).frames for path in info.episode_paths
+    ]
     clips = _ClipBatches(episodes, config)
 
     if config.init_vae is not None:

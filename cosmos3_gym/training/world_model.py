@@ -14,6 +14,9 @@ per-mode losses) and ``latent_cache/``. Randomness is stateless: step ``k`` on r
 sigmas, prompt dropout and noise from a generator seeded with ``(seed, k, r)``, so a resumed run continues the
 exact sample stream of an uninterrupted one with no RNG state to save (the model has no dropout).
 
+With ``data_parallel="fsdp"`` the state is a sharded ``torch.distributed.checkpoint`` folder instead (fsdp.py). With
+``lora_rank`` > 0 only PEFT adapters on the GEN tower train and are merged at export (lora.py).
+
 At the end, ``out_dir`` receives a complete diffusers-layout checkpoint (EMA weights by default) that
 ``Cosmos3Engine.from_pretrained`` and ``Cosmos3OmniPipeline.from_pretrained`` load, plus action_stats.json and
 meta.json.
@@ -58,6 +61,15 @@ from .flow_matching import (
     FlowMatchingObjective,
     sample_sigmas,
 )
+from .fsdp import (
+    apply_fsdp,
+    full_ema_state_dict,
+    full_model_state_dict,
+    full_tensor,
+    load_sharded_state,
+    save_sharded_state,
+)
+from .lora import apply_lora, merge_lora_state_dict
 from .rollout import RolloutConditioner
 from .schedule import LR_SCHEDULES, learning_rate
 
@@ -81,6 +93,7 @@ DEFAULT_MODEL_CONFIG: dict[str, Any] = {
 }
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 POLICY_EPISODES = ("all", "successful")
+DATA_PARALLEL = ("ddp", "fsdp")
 STATE_FORMAT_VERSION = 1
 
 
@@ -111,6 +124,12 @@ class WorldModelTrainConfig:
     # cloning: the policy imitates what worked, while both dynamics modes still learn from every episode); a window
     # of another episode that draws policy mode trains forward dynamics instead.
     policy_episodes: str = "all"
+    # LeRobot datasets (dataset "lerobot:PATH"): the camera (video feature), action and state features, and the
+    # embodiment (default: info.json robot_type). domain also overrides our layout's meta.json domain.
+    camera: str | None = None
+    action_key: str | None = None
+    state_key: str | None = None
+    domain: str | int | None = None
     uncond_prob: float = 0.1
     # Noise on the clean conditioning frame (latent frame 0), std drawn per sample from U(0, cond_noise_std): in an
     # env rollout that frame is the model's own previous output, never a clean encode of a real one, and a model
@@ -130,7 +149,17 @@ class WorldModelTrainConfig:
     video_loss_weight: float = 1.0
     action_loss_weight: float = 1.0
     freeze_text_tower: bool = False  # train only the GEN tower (the UND K/V are then cached per prompt)
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # activation checkpointing per transformer block
+    # Under torchrun: "ddp" replicates the model on every rank; "fsdp" shards weights, gradients and AdamW states
+    # over the ranks (FSDP2, fsdp.py), with bf16 compute / fp32 reduce on CUDA and a sharded
+    # torch.distributed.checkpoint training state.
+    data_parallel: str = "ddp"
+    # LoRA (lora.py): 0 trains the weights themselves; r >= 1 trains rank-r PEFT adapters on the GEN tower's linear
+    # layers only (everything else frozen, the text tower's K/V cached) and merges them into the exported weights.
+    lora_rank: int = 0
+    lora_alpha: float | None = None  # None: lora_rank (scaling 1)
+    fsdp_cpu_offload: bool = False  # fsdp: sharded weights, grads and optimizer states on the host (CPU AdamW step)
+    fsdp_reshard_after_forward: bool = True  # fsdp: free gathered blocks after forward (False: more memory, less comm)
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
     bf16: bool = True  # bf16 autocast on CUDA (float32 master weights); ignored on CPU
@@ -162,7 +191,7 @@ class WorldModelTrainConfig:
                      "rollout_num_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
-        for name in ("steps", "warmup_steps", "save_every", "seed"):
+        for name in ("steps", "warmup_steps", "save_every", "seed", "lora_rank"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 fail(name, "an integer >= 0")
         for name in ("lr", "logit_std") + (("fps",) if self.fps is not None else ()) + (
@@ -206,6 +235,16 @@ class WorldModelTrainConfig:
             fail("window_stride", f"a divisor of chunk={self.chunk} with rollout_prob > 0 (windows a chunk apart)")
         if self.init_checkpoint is not None and self.model:
             fail("model", "{} with init_checkpoint (the architecture is the checkpoint's)")
+        if self.lora_alpha is not None and (not is_number(self.lora_alpha) or self.lora_alpha <= 0):
+            fail("lora_alpha", "a positive number or None")
+        if self.data_parallel not in DATA_PARALLEL:
+            fail("data_parallel", f"one of {list(DATA_PARALLEL)}")
+        if self.data_parallel == "fsdp" and self.rollout_prob > 0:
+            fail("rollout_prob", "0 with data_parallel='fsdp' (rollouts call the transformer outside the sharded step)")
+
+    @property
+    def lora_scaling(self) -> float:
+        return float(self.lora_alpha if self.lora_alpha is not None else self.lora_rank) / max(self.lora_rank, 1)
 
     @property
     def resolved_flow_shift(self) -> float:
@@ -368,6 +407,7 @@ def training_step(
         out = model(batch)
     out["loss"].backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable_params, grad_clip if grad_clip > 0 else math.inf)
+    grad_norm = full_tensor(grad_norm)  # FSDP: a replicated DTensor
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return out, grad_norm
@@ -457,7 +497,36 @@ def sample_batch(
 # ----------------------------------------------------------------------------------------------------------------
 
 # Fields that must not change when a run is resumed: they change the model or what its optimizer state means.
-_RESUME_FIXED_FIELDS = ("chunk", "resolution_tier", "freeze_text_tower", "param_dtype", "init_checkpoint")
+_RESUME_FIXED_FIELDS = ("chunk", "resolution_tier", "freeze_text_tower", "param_dtype", "init_checkpoint",
+                        "data_parallel", "lora_rank", "lora_alpha")
+
+
+def state_document(config: WorldModelTrainConfig, transformer_config: dict) -> dict:
+    """What state.json records besides the tensors: the format, the configs (checked on resume)."""
+    return {"format_version": STATE_FORMAT_VERSION, "config": dataclasses.asdict(config),
+            "transformer_config": transformer_config}
+
+
+def check_resumable(state_dir: Path, config: WorldModelTrainConfig, transformer_config: dict) -> dict:
+    """state.json of ``state_dir`` after checking that the run may continue with ``config``; returns it."""
+    document = json.loads((state_dir / "state.json").read_text())
+    if document.get("format_version") != STATE_FORMAT_VERSION:
+        raise InputError(
+            f"resume: {state_dir} has state format {document.get('format_version')}, expected {STATE_FORMAT_VERSION}"
+        )
+    saved = document["config"]
+    defaults = WorldModelTrainConfig()
+    for name in _RESUME_FIXED_FIELDS:
+        if saved.get(name, getattr(defaults, name)) != getattr(config, name):
+            raise InputError(
+                f"WorldModelTrainConfig.{name}: {getattr(config, name)!r} differs from {saved.get(name)!r} of the run "
+                f"saved in {state_dir}; it cannot change on resume"
+            )
+    if json.loads(json.dumps(transformer_config)) != document["transformer_config"]:
+        raise InputError(
+            f"WorldModelTrainConfig.model: the transformer config differs from the run saved in {state_dir}"
+        )
+    return document
 
 
 def save_training_state(
@@ -484,10 +553,8 @@ def save_training_state(
                 scalars[f"{index}.{key}"] = value
     save_file(cpu(tensors), temporary / "optimizer.safetensors")
     document = {
-        "format_version": STATE_FORMAT_VERSION,
+        **state_document(config, transformer_config),
         "step": step,
-        "config": dataclasses.asdict(config),
-        "transformer_config": transformer_config,
         "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars},
     }
     (temporary / "state.json").write_text(json.dumps(document, indent=2))
@@ -504,22 +571,7 @@ def load_training_state(
     config: WorldModelTrainConfig, transformer_config: dict,
 ) -> int:
     """Restore what ``save_training_state`` wrote; returns the step to continue from."""
-    document = json.loads((state_dir / "state.json").read_text())
-    if document.get("format_version") != STATE_FORMAT_VERSION:
-        raise InputError(
-            f"resume: {state_dir} has state format {document.get('format_version')}, expected {STATE_FORMAT_VERSION}"
-        )
-    saved = document["config"]
-    for name in _RESUME_FIXED_FIELDS:
-        if saved.get(name) != getattr(config, name):
-            raise InputError(
-                f"WorldModelTrainConfig.{name}: {getattr(config, name)!r} differs from {saved.get(name)!r} of the run "
-                f"saved in {state_dir}; it cannot change on resume"
-            )
-    if json.loads(json.dumps(transformer_config)) != document["transformer_config"]:
-        raise InputError(
-            f"WorldModelTrainConfig.model: the transformer config differs from the run saved in {state_dir}"
-        )
+    document = check_resumable(state_dir, config, transformer_config)
     device = next(model.parameters()).device
     model.load_state_dict(load_file(state_dir / "model.safetensors", device=str(device)))
     if ema is not None:
@@ -632,7 +684,8 @@ class WorldModelTrainer:
         self.log_path = self.work_dir / "log.jsonl"
         device = ctx.device
 
-        self.info = read_dataset(dataset_dir)
+        self.info = read_dataset(dataset_dir, camera=config.camera, action_key=config.action_key,
+                                 state_key=config.state_key, domain=config.domain)
         self.fps = float(config.fps if config.fps is not None else self.info.fps)
         self.init_train_steps = init_train_steps(config.init_checkpoint)  # read now: export comes hours later
         self.tokenizer = load_tokenizer(config)
@@ -667,13 +720,22 @@ class WorldModelTrainer:
                 f"model.num_embodiment_domains: {model_config.num_embodiment_domains} has no row for domain "
                 f"{self.info.domain!r} (id {self.domain_id})"
             )
-        trainable = set_trainable(self.transformer, config.freeze_text_tower)
+        if config.lora_rank:
+            trainable = apply_lora(self.transformer, config.lora_rank, config.lora_alpha or config.lora_rank,
+                                   seed=config.seed)
+        else:
+            trainable = set_trainable(self.transformer, config.freeze_text_tower)
+        text_frozen = config.freeze_text_tower or config.lora_rank > 0
         if config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.transformer, text_tower=not config.freeze_text_tower)
+            enable_gradient_checkpointing(self.transformer, text_tower=not text_frozen)
         self.objective = FlowMatchingObjective(
             self.transformer, video_loss_weight=config.video_loss_weight,
-            action_loss_weight=config.action_loss_weight, freeze_text_tower=config.freeze_text_tower,
+            action_loss_weight=config.action_loss_weight, freeze_text_tower=text_frozen,
         )
+        self.sharded = config.data_parallel == "fsdp"
+        if self.sharded:
+            apply_fsdp(self.objective, device=device, bf16=config.bf16, cpu_offload=config.fsdp_cpu_offload,
+                       reshard_after_forward=config.fsdp_reshard_after_forward)
         self.rollout = None
         if config.rollout_prob > 0:
             schedule = make_schedule(config.rollout_num_steps, scheduler_config(config.resolved_flow_shift))
@@ -686,18 +748,27 @@ class WorldModelTrainer:
         self.optimizer = build_optimizer(self.transformer, config)
         self.ema = EMA(self.transformer, trainable, config.ema_decay) if config.ema_decay > 0 else None
         self.step = 0
-        if config.resume and (self.state_dir / "state.json").exists():
+        if config.resume and (self.state_dir / "state.json").exists() and self.sharded:
+            self.step = int(check_resumable(self.state_dir, config, self.transformer_config)["step"])
+            load_sharded_state(self.state_dir, objective=self.objective, ema=self.ema, optimizer=self.optimizer)
+        elif config.resume and (self.state_dir / "state.json").exists():
             self.step = load_training_state(
                 self.state_dir, model=self.transformer, ema=self.ema, optimizer=self.optimizer, config=config,
                 transformer_config=self.transformer_config,
             )
         self.model = self.objective
-        if ctx.world_size > 1:
+        if ctx.world_size > 1 and not self.sharded:
             self.model = nn.parallel.DistributedDataParallel(
                 self.objective, device_ids=[device.index] if device.type == "cuda" else None
             )
 
     def save_state(self) -> None:
+        if self.sharded:
+            save_sharded_state(
+                self.state_dir, step=self.step, objective=self.objective, ema=self.ema, optimizer=self.optimizer,
+                document=state_document(self.config, self.transformer_config), is_main=self.ctx.is_main,
+            )
+            return
         if self.ctx.is_main:
             save_training_state(
                 self.state_dir, step=self.step, model=self.transformer, ema=self.ema, optimizer=self.optimizer,
@@ -767,11 +838,17 @@ class WorldModelTrainer:
     def export(self) -> Path:
         """Write the checkpoint (EMA weights unless ``export_ema`` is False or there is no EMA) on the main rank."""
         config = self.config
-        if self.ctx.is_main:
+        use_ema = self.ema is not None and config.export_ema
+        if self.sharded:  # every rank takes part in gathering the full weights onto rank 0
+            weights = full_model_state_dict(self.transformer)
+            ema_weights = full_ema_state_dict(self.ema, self.ctx.is_main) if use_ema else {}
+        elif self.ctx.is_main:
             weights = self.transformer.state_dict()
-            use_ema = self.ema is not None and config.export_ema
-            if use_ema:
-                weights.update(self.ema.state_dict())
+            ema_weights = self.ema.state_dict() if use_ema else {}
+        if self.ctx.is_main:
+            weights.update(ema_weights)
+            if config.lora_rank:
+                weights = merge_lora_state_dict(weights, config.lora_scaling)
             meta = {
                 "domain": self.info.domain, "raw_action_dim": self.raw_action_dim, "fps": self.fps,
                 "chunk": config.chunk, "resolution_tier": config.resolution_tier,
@@ -817,8 +894,10 @@ def train_world_model(
     """Train a Cosmos3 policy model on the dataset and export a complete checkpoint to ``out_dir`` (returned).
 
     ``vae_dir`` is the frozen VAE (``train_vae`` output, or an existing checkpoint's ``vae/`` folder). Launched by
-    torchrun with several processes, the ranks train data-parallel (DDP; NCCL on CUDA, gloo on CPU), each drawing
-    ``batch_size`` samples per step; rank 0 writes the state, the log and the checkpoint.
+    torchrun with several processes, the ranks train data-parallel (DDP, or FSDP2 with ``data_parallel="fsdp"``;
+    NCCL on CUDA, gloo on CPU), each drawing ``batch_size`` samples per step; rank 0 writes the log and the
+    checkpoint (the FSDP training state is written by every rank, sharded). ``dataset_dir`` is a folder in our
+    layout or ``"lerobot:PATH"``.
     """
     config = config or WorldModelTrainConfig()
     config.validate()

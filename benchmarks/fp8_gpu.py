@@ -1,0 +1,634 @@
+"""FP8 GEMMs for the GEN tower (issue 23): speed and accuracy per layer policy, against bf16 and diffusers, in one run.
+
+    python benchmarks/fp8_gpu.py --out $OUT            # one H100/H200, under 8 minutes (--budget-s guards it)
+    python benchmarks/fp8_gpu.py --tiny --out /tmp/x   # CPU dry run of the plumbing with tiny models, FP8 skipped
+    python benchmarks/fp8_gpu.py --decode-only --out $OUT  # section e alone, whole-decoder compile included
+
+Sections, in this order (each writes the results JSON when it ends, so a cut-short run keeps what it measured; one
+that would start past ``--budget-s`` is skipped and says so):
+
+b. ``velocity_error``: a Nano-width model (random weights, ``--error-layers`` layers; GEN tier 480, batch 1): the GEN
+   velocities of bf16 and of FP8 per layer policy against an fp32 reference of the same weights (eager).
+c. ``diffusers``: diffusers' ``Cosmos3OmniPipeline`` policy request on the same random full-Nano weights (tier 480,
+   chunk 32, 4 steps, guidance 3, fp32 VAE as diffusers' docs load it), without and with decode.
+a+c. ``variants``: per variant (bf16, then FP8 per ``--speed-policies``) a twin of the engine's transformer that
+   shares the UND tower and has its own GEN layers, its blocks compiled and the forward CUDA-graphed as
+   ``Cosmos3Engine.optimize`` runs them: the GEN forward at tier 480 batch 1 / 16 and tier 256 batch 1 / 16, then the
+   policy request (``gpu_suite.latency_breakdown``) without and with decode, its speedup over diffusers, and its
+   actions against bf16's next to the spread of two bf16 seeds.
+d. ``pusht``: the trained PushT model loaded through ``Cosmos3Engine.from_pretrained(precision=...)``: action-following
+   PSNR / SSIM / block position error (``fidelity_pusht.action_following``) for bf16 with two seeds and FP8 per
+   policy, and the policy ranking (``compare_with_simulator``) for bf16 and the default FP8 policy; without
+   gym-pusht, the PSNR between FP8 and bf16 rollouts from the shipped start frames instead.
+e. ``decode``: the VAE decode of the request's latents: the engine's current decode (fused norms) against cuDNN
+   benchmark mode, channels-last-3d weights, bf16, and ``torch.compile`` of the whole decoder (public calls only).
+
+Shapes are compiled statically (``automatic_dynamic_shapes`` off, a larger recompile limit) so that bf16 and FP8
+compile alike; each (variant, shape) pays its compile and capture once, outside the timings. The table at the end
+sums it up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import math
+import re
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    add_output_arguments, build_nano_transformer, check_results_target, gemm_peak_tflops, provenance, timed,
+    write_results,
+)
+from gpu_suite import (  # noqa: E402
+    GEN_PROMPT, diffusers_request, gen_forward_flops, gen_forward_inputs, latency_breakdown, make_models,
+    our_request, rel, scene,
+)
+
+from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG  # noqa: E402
+from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
+from cosmos3_gym.models.transformer import Cosmos3RotaryEmbedding, Cosmos3Transformer  # noqa: E402
+from cosmos3_gym.models.transformer import Cosmos3TransformerConfig  # noqa: E402
+from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
+from cosmos3_gym.quantization import (  # noqa: E402
+    DEFAULT_FP8_LAYERS, FP8_LAYER_POLICIES, apply_fp8, fp8_linear_names,
+)
+
+BF16 = "bf16"
+
+
+class Budget:
+    """Wall-clock budget of the run: a section starts only if its estimate still fits."""
+
+    def __init__(self, seconds: float):
+        self.start, self.seconds = time.perf_counter(), seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.start)
+
+
+def run_section(results: dict, name: str, budget: Budget, estimate_s: float, fn, save) -> None:
+    """``results[name] = fn()`` unless less than ``estimate_s`` of the budget is left; an exception is recorded (the
+    rest of the run goes on); the results are written after every section."""
+    if budget.left() < estimate_s:
+        results[name] = {"skipped": f"time budget: {budget.left():.0f} s left, the section needs ~{estimate_s:.0f} s"}
+    else:
+        started = time.perf_counter()
+        try:
+            results[name] = fn()
+        except Exception as error:  # noqa: BLE001 - recorded; later sections still run
+            traceback.print_exc()
+            results[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            error = None  # drop the traceback's frames (and the tensors they hold) before freeing memory
+            free_memory()
+        if isinstance(results[name], dict):
+            results[name]["section_s"] = time.perf_counter() - started
+        print(f"[{name}] {time.perf_counter() - started:.0f} s, {budget.left():.0f} s of budget left", flush=True)
+    save()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def fp8_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def velocity(model: Cosmos3Transformer, thw, chunk: int, fps: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One GEN forward at batch 1 on inputs drawn from seed 0 (the same for every model), as float32 on the CPU."""
+    torch.manual_seed(0)
+    inputs = gen_forward_inputs(model, thw, 1, chunk, fps, device)
+    with torch.inference_mode():
+        video, action = model(*inputs)
+    return video.float().cpu(), action.float().cpu()
+
+
+def cast_model(model: Cosmos3Transformer, dtype: torch.dtype) -> Cosmos3Transformer:
+    """A copy in ``dtype`` as ``load_diffusers_state_dict`` would load it (fp32 time embedder, fp32 rotary table)."""
+    twin = copy.deepcopy(model).to(dtype)
+    twin.time_embedder.float()
+    twin.rotary = Cosmos3RotaryEmbedding(twin.config).to(twin.device)
+    return twin
+
+
+def velocity_error(tiny: bool, device: str, policies: list[str], num_layers: int, chunk: int, fps: float) -> dict:
+    """bf16 and FP8 (per policy) GEN velocities against fp32 on the same random weights."""
+    from common import fill_random_
+
+    config = dict(TINY_TRANSFORMER_CONFIG) if tiny else {"action_gen": True, "action_dim": 64}
+    config["num_hidden_layers"] = num_layers
+    with torch.device("meta"):
+        reference = Cosmos3Transformer(Cosmos3TransformerConfig.from_dict(config))
+    reference = reference.to_empty(device=device)
+    fill_random_(reference)
+    reference.rotary = Cosmos3RotaryEmbedding(reference.config).to(device)
+    thw = (chunk // 4 + 1, 8, 8) if tiny else (chunk // 4 + 1, 30, 52)  # tier 480: 480x832 -> 30x52 latents
+    ref_video, ref_action = velocity(reference, thw, chunk, fps, device)
+    bf16 = cast_model(reference, torch.bfloat16)
+    del reference
+    free_memory()
+    video16, action16 = velocity(bf16, thw, chunk, fps, device)
+    table = {"model": f"Nano width, {num_layers} layers, random weights" if not tiny else "tiny config",
+             "latent_thw": thw, "reference": "the same model in fp32 (TF32 off)",
+             BF16: {"video_rel": rel(video16, ref_video), "action_rel": rel(action16, ref_action)}}
+    for policy in policies:
+        if not fp8_available():
+            table[f"fp8:{policy}"] = {"skipped": "needs a CUDA GPU with compute capability >= 8.9",
+                                      "would_quantize": len(fp8_linear_names(bf16, policy))}
+            continue
+        fp8 = apply_fp8(copy.deepcopy(bf16), layers=policy)
+        video8, action8 = velocity(fp8, thw, chunk, fps, device)
+        table[f"fp8:{policy}"] = {
+            "video_rel": rel(video8, ref_video), "action_rel": rel(action8, ref_action),
+            "video_rel_vs_bf16": rel(video8, video16), "action_rel_vs_bf16": rel(action8, action16),
+            "fp8_linears": len(fp8_linear_names(bf16, policy)),
+        }
+        del fp8
+        free_memory()
+    print("velocity error", table, flush=True)
+    return table
+
+
+def diffusers_baseline(pipe, image, settings: dict) -> dict:
+    chunk, steps, guidance, fps, tier = (settings[k] for k in ("chunk", "steps", "guidance", "fps", "tier"))
+    diffusers_request(pipe, "policy", image, chunk, steps, guidance, fps, tier)  # warm-up
+    no_decode, _ = timed(lambda: diffusers_request(pipe, "policy", image, chunk, steps, guidance, fps, tier),
+                         repeats=2, warmup=0)
+    with_decode, _ = timed(lambda: diffusers_request(pipe, "policy", image, chunk, steps, guidance, fps, tier,
+                                                     output_type="np"), repeats=1, warmup=0)
+    result = {"policy_request_no_decode_s": no_decode, "policy_request_with_decode_s": with_decode,
+              "vae": "AutoencoderKLWan in fp32 (diffusers' documented setting)"}
+    print("diffusers", result, flush=True)
+    return result
+
+
+def gen_twin(master: Cosmos3Transformer, policy: str | None, compile_blocks: bool) -> Cosmos3Transformer:
+    """A transformer that shares ``master``'s UND tower, embeddings and heads and has its own copy of the GEN
+    layers: bf16 (``policy`` None) or FP8 by ``apply_fp8(layers=policy)``, compiled as ``compile_blocks`` compiles
+    them. ``master``'s GEN blocks are never compiled, so that their copies start plain."""
+    twin = copy.copy(master)
+    twin._modules = dict(master._modules)  # own module table: the GEN layers below are twin's alone
+    twin.gen_layers = copy.deepcopy(master.gen_layers)
+    twin.blocks_compiled = False
+    if policy is not None:
+        apply_fp8(twin, layers=policy)
+    if compile_blocks:
+        for block in twin.gen_layers:
+            block.gen_forward = torch.compile(block.gen_forward)
+    # The UND blocks are master's, compiled once in main(); optimize() must not compile them again.
+    twin.blocks_compiled = True
+    return twin
+
+
+def measure_variant(master, engine, policy, settings, shapes, peak, device, tiny, baseline_actions, diffusers) -> dict:
+    """GEN-forward table and policy request of one variant (see the module docstring)."""
+    from cosmos3_gym.cuda_graphs import GraphedGenForward
+
+    chunk, fps = settings["chunk"], settings["fps"]
+    cuda = device == "cuda"
+    twin = gen_twin(master, policy, compile_blocks=not tiny)
+    entry: dict = {"fp8_linears": 0 if policy is None else len(fp8_linear_names(master, policy)),
+                   "gen_forward": {}}
+    forward = GraphedGenForward(twin, max_graphs=1) if cuda else twin  # one shape at a time: frees each graph
+    for tier, batch, thw in shapes:
+        key = f"tier{tier}_b{batch}"
+        torch.manual_seed(0)
+        inputs = gen_forward_inputs(twin, thw, batch, chunk, fps, device)
+        try:
+            with torch.inference_mode():
+                started = time.perf_counter()
+                forward(*inputs)  # compile + capture
+                first = time.perf_counter() - started
+                seconds, _ = timed(lambda: forward(*inputs), repeats=3, warmup=0)
+        except torch.OutOfMemoryError:
+            entry["gen_forward"][key] = {"error": "OOM"}
+            free_memory()
+            continue
+        tokens = thw[0] * math.ceil(thw[1] / 2) * math.ceil(thw[2] / 2) + chunk
+        flops = batch * gen_forward_flops(twin.config, tokens, len(GEN_PROMPT))
+        entry["gen_forward"][key] = {"forward_s": seconds, "first_call_s": first, "gen_tokens": tokens,
+                                     "tflops": flops / seconds / 1e12, "vs_bf16_gemm_peak": flops / seconds / 1e12
+                                     / peak}
+        print(policy or BF16, key, entry["gen_forward"][key], flush=True)
+    del forward
+    free_memory()
+
+    variant_engine = Cosmos3Engine(twin, engine.vae, engine.tokenizer, engine.scheduler_config, progress=False)
+    if cuda:
+        variant_engine.optimize()  # CUDA graphs (the blocks are compiled already; the VAE norms fused once)
+    request = our_request("policy", settings["image"], chunk, settings["steps"], settings["guidance"], fps,
+                          settings["tier"])
+    started = time.perf_counter()
+    variant_engine.step(request, decode=False)  # compile + capture of the request's shape
+    entry["request_first_call_s"] = time.perf_counter() - started
+    breakdown = latency_breakdown(variant_engine, request)
+    result = breakdown.pop("result")
+    entry["policy_request"] = breakdown
+    if diffusers and "policy_request_no_decode_s" in diffusers:
+        entry["speedup_no_decode_vs_diffusers"] = diffusers["policy_request_no_decode_s"] / \
+            breakdown["total_no_decode_s"]
+        entry["speedup_with_decode_vs_diffusers"] = diffusers["policy_request_with_decode_s"] / \
+            breakdown["total_with_decode_s"]
+    if baseline_actions is None:  # bf16: the spread two seeds give is the yardstick of the FP8 action error
+        other_seed = variant_engine.step(dataclasses.replace(request, seed=1), decode=False)
+        entry["action_rel_seed0_vs_seed1"] = rel(other_seed.action, result.action)
+    else:
+        entry["action_rel_vs_bf16"] = rel(result.action, baseline_actions[0])
+        entry["video_latents_rel_vs_bf16"] = rel(result.video_latents, baseline_actions[1])
+    entry["_outputs"] = (result.action, result.video_latents)
+    print(policy or BF16, "request", {k: v for k, v in entry.items() if k not in ("gen_forward", "_outputs")},
+          flush=True)
+    variant_engine.close()
+    del variant_engine, twin
+    free_memory()
+    return entry
+
+
+def pusht_accuracy(device: str, policies: list[str], episodes: int, chunks: int, ranking_starts: int,
+                   ranking_chunks: int, budget: Budget, tiny: bool) -> dict:
+    """The trained PushT model in bf16 (seeds 0 and 1) and FP8 per policy: see the module docstring."""
+    import importlib.util
+
+    from fidelity_pusht import action_following
+    from fidelity_pusht_chunks import load_episodes
+
+    from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults
+    from cosmos3_gym.processor import ActionStats
+    from cosmos3_gym.sim import pusht
+    from cosmos3_gym.sim.compare import compare_with_simulator, replay_actions
+
+    assets = load_pusht_assets(None)
+    defaults = pusht_env_defaults(assets)
+    stats = ActionStats.from_json(defaults["action_stats"], mode=assets.meta.get("action_normalization", "minmax"))
+    chunk = defaults["chunk"]
+    runs = [(BF16, None, 0), (f"{BF16}_seed1", None, 1)]
+    runs += [(f"fp8:{policy}", policy, 0) for policy in policies] if fp8_available() else []
+
+    def load(policy):
+        if policy == DEFAULT_FP8_LAYERS:  # the engine's own path
+            return Cosmos3Engine.from_pretrained(assets.checkpoint, device=device, precision="fp8", progress=False)
+        engine = Cosmos3Engine.from_pretrained(assets.checkpoint, device=device, progress=False)
+        if policy is not None:
+            apply_fp8(engine.transformer, layers=policy)
+        return engine
+
+    has_simulator = importlib.util.find_spec("gym_pusht") is not None
+    results: dict = {"checkpoint": str(assets.checkpoint), "has_gym_pusht": has_simulator,
+                     "fp8": "measured" if fp8_available() else "skipped: needs a GPU with compute capability >= 8.9"}
+    if has_simulator:
+        heldout = pusht.generate_pusht_dataset(
+            Path(tempfile.mkdtemp()) / "heldout", episodes, steps_per_episode=chunks * chunk,
+            image_size=tuple(assets.meta["image_size"]), seed=10_000,
+        )
+        held = load_episodes(heldout, episodes)
+        following = {}
+        for name, policy, seed in runs:
+            engine = load(policy)
+            try:
+                metrics = action_following(engine, assets.root, held, stats, chunks, seed)
+            finally:
+                engine.close()
+            rollout = metrics["rollout"]
+            following[name] = {
+                "psnr_db_per_chunk": rollout["psnr_db"], "ssim_per_chunk": rollout["ssim"],
+                "block_error_px_per_chunk": rollout["block_error_px"],
+                "psnr_db_mean": float(np.mean([c["mean"] for c in rollout["psnr_db"]])),
+                "block_error_px_mean": float(np.nanmean([c["mean"] for c in rollout["block_error_px"]])),
+            }
+            print("pusht following", name, {k: v for k, v in following[name].items() if k.endswith("_mean")},
+                  flush=True)
+        results["action_following"] = {"episodes": episodes, "chunks": chunks, **following}
+        ranking_runs = [(BF16, None)] + ([(f"fp8:{DEFAULT_FP8_LAYERS}", DEFAULT_FP8_LAYERS)] if fp8_available() else [])
+        ranking = {}
+        for name, policy in ranking_runs:
+            if budget.left() < 60:
+                ranking[name] = {"skipped": f"time budget: {budget.left():.0f} s left"}
+                continue
+            engine = load(policy)
+            try:
+                ranking[name] = compare_with_simulator(
+                    "random,scripted:0,scripted:25,scripted:50,agent", num_starts=ranking_starts,
+                    num_chunks=ranking_chunks, first_sim_seed=110_000, assets_dir=assets.root, engine=engine, seed=0)
+            finally:
+                engine.close()
+            print("pusht ranking", name, ranking[name]["agreement"], flush=True)
+        if all("policies" in entry for entry in ranking.values()) and len(ranking) == 2:
+            world_model = [[p["world_model"]["final_coverage"] for p in entry["policies"].values()]
+                           for entry in ranking.values()]
+            ranking["fp8_vs_bf16_world_model_scores"] = {
+                "pearson": float(np.corrcoef(world_model[0], world_model[1])[0, 1]),
+                "max_abs_difference": float(np.max(np.abs(np.subtract(*world_model)))),
+            }
+        results["policy_ranking"] = ranking
+    else:
+        with np.load(assets.initial_states) as archive:
+            starts = archive["frames"][:episodes]
+        actions = np.random.default_rng(0).uniform(-1, 1, (len(starts), chunks, chunk, defaults["raw_action_dim"]))
+        rollouts = {}
+        for name, policy, seed in runs:
+            engine = load(policy)
+            envs = make_pusht_vector_env(len(starts), engine=engine, return_frames=True, reward_model=None,
+                                         success_threshold=None, max_episode_steps=None)
+            try:
+                rollouts[name] = replay_actions(envs, starts, actions.astype(np.float32), seed=seed)
+            finally:
+                envs.close()
+                engine.close()
+        reference = rollouts[BF16]
+        results["rollout_psnr_db_vs_bf16_seed0"] = {
+            name: [pusht.psnr(reference[:, k], frames[:, k]) for k in range(chunks)]
+            for name, frames in rollouts.items() if name != BF16
+        }
+    return results
+
+
+def decode_variants(vae_module, latents: torch.Tensor, compiled: bool) -> dict:
+    """The engine's decode after ``optimize()`` (fused norms, fp32) against cuDNN benchmark mode, channels-last-3d
+    weights and bf16 (``compiled`` False), or against ``torch.compile`` of the whole decoder (``compiled`` True: its
+    compiles take minutes, so it is a section of its own, last); each built from an untouched copy of the VAE."""
+
+    def fresh(dtype=torch.float32) -> Cosmos3VAE:
+        return Cosmos3VAE(copy.deepcopy(vae_module).to(dtype))
+
+    table = {}
+    reference = None
+    candidates = [("current_fused_norms", False, lambda: fresh().fuse_decoder_norms())]
+    if compiled:
+        candidates += [("compiled_decoder", False, lambda: compiled_decoder(fresh())),
+                       ("compiled_decoder_cudnn_benchmark", True, None)]
+    else:
+        candidates += [
+            ("current_fused_norms_cudnn_benchmark", True, None),  # the same VAE object, cuDNN benchmark on
+            ("channels_last_3d", False, lambda: fresh().use_channels_last().fuse_decoder_norms()),
+            ("channels_last_3d_cudnn_benchmark", True, None),
+            ("bf16_fused_norms_cudnn_benchmark", True, lambda: fresh(torch.bfloat16).fuse_decoder_norms()),
+            ("bf16_channels_last_3d_cudnn_benchmark", True,
+             lambda: fresh(torch.bfloat16).use_channels_last().fuse_decoder_norms()),
+        ]
+    vae = None
+    for name, benchmark, build in candidates:
+        torch.backends.cudnn.benchmark = benchmark
+        try:
+            if build is not None:
+                vae = None
+                free_memory()
+                vae = build()
+            started = time.perf_counter()
+            pixels = vae.decode(latents)
+            first = time.perf_counter() - started
+            seconds, _ = timed(lambda: vae.decode(latents), repeats=2, warmup=0)
+        except Exception as error:  # noqa: BLE001 - one variant failing does not stop the others
+            traceback.print_exc()
+            table[name] = {"error": f"{type(error).__name__}: {error}"[:1000]}
+            continue
+        if reference is None:
+            reference = pixels
+        table[name] = {"seconds": seconds, "first_call_s": first,
+                       "max_abs_vs_current": float((pixels - reference).abs().max())}
+        print("decode", name, table[name], flush=True)
+    torch.backends.cudnn.benchmark = False
+    current = table.get("current_fused_norms", {}).get("seconds")
+    if current:
+        for entry in table.values():
+            if "seconds" in entry:
+                entry["speedup_vs_current"] = current / entry["seconds"]
+    table["latents_shape"] = list(latents.shape)
+    return table
+
+
+def compiled_decoder(vae: Cosmos3VAE) -> Cosmos3VAE:
+    """``torch.compile`` of the whole decoder module (inductor then fuses the norms itself). Dynamic shapes: the
+    first latent frame (no cache yet) and the later chunks (whose cached frames differ in count) share two graphs
+    instead of compiling three."""
+    vae.vae.decoder.compile(dynamic=True)
+    return vae
+
+
+def _num(value, spec: str, suffix: str = "") -> str:
+    """``value`` formatted with ``spec`` (width first, e.g. "10.4f") and ``suffix``; "-" at that width if missing."""
+    width = int(re.match(r"\d*", spec).group() or 0)
+    return f"{value:{spec}}{suffix}" if isinstance(value, (int, float)) else "-".rjust(width + len(suffix))
+
+
+def summary_table(results: dict) -> str:
+    """The run at a glance: GEN forward and request per variant, velocity error per policy, decode, PushT."""
+    variants = {k: v for k, v in results.get("variants", {}).items() if isinstance(v, dict)}
+    bf16_forward = variants.get(BF16, {}).get("gen_forward", {})
+    shapes = list(bf16_forward) or ["tier480_b1", "tier480_b16", "tier256_b1", "tier256_b16"]
+    lines = ["GEN forward, compiled + CUDA graph (ms; speedup over bf16)",
+             f"{'variant':<22}" + "".join(f"{shape:>20}" for shape in shapes)]
+    for name, entry in variants.items():
+        if "gen_forward" not in entry:
+            lines.append(f"{name:<22}{entry.get('error') or entry.get('skipped')}")
+            continue
+        cells = []
+        for shape in shapes:
+            seconds = entry["gen_forward"].get(shape, {}).get("forward_s")
+            base = bf16_forward.get(shape, {}).get("forward_s")
+            speedup = base / seconds if seconds and base else None
+            cells.append(f"{_num(seconds and seconds * 1e3, '.1f')} ({_num(speedup, '.2f', 'x')})")
+        lines.append(f"{name:<22}" + "".join(f"{cell:>20}" for cell in cells))
+
+    lines += ["", "policy request (s; speedup over diffusers in the same run; actions' relative difference from bf16 "
+              "seed 0, on the bf16 row seed 1's)",
+              f"{'variant':<22}{'no decode':>12}{'with decode':>12}{'x diffusers':>12}{'x diff. dec':>12}"
+              f"{'actions':>10}"]
+    diffusers = results.get("diffusers", {})
+    lines.append(f"{'diffusers':<22}{_num(diffusers.get('policy_request_no_decode_s'), '12.3f')}"
+                 f"{_num(diffusers.get('policy_request_with_decode_s'), '12.3f')}")
+    for name, entry in variants.items():
+        if "policy_request" not in entry:
+            lines.append(f"{name:<22}{entry.get('error') or entry.get('skipped')}")
+            continue
+        request = entry["policy_request"]
+        action = entry.get("action_rel_vs_bf16", entry.get("action_rel_seed0_vs_seed1"))
+        lines.append(f"{name:<22}{_num(request.get('total_no_decode_s'), '12.3f')}"
+                     f"{_num(request.get('total_with_decode_s'), '12.3f')}"
+                     f"{_num(entry.get('speedup_no_decode_vs_diffusers'), '11.2f', 'x')}"
+                     f"{_num(entry.get('speedup_with_decode_vs_diffusers'), '11.2f', 'x')}{_num(action, '10.4f')}")
+
+    lines += ["", "GEN velocity relative error vs fp32 (Nano width, random weights)",
+              f"{'variant':<22}{'video':>10}{'action':>10}{'video vs bf16':>15}"]
+    for name, entry in results.get("velocity_error", {}).items():
+        if isinstance(entry, dict) and ("video_rel" in entry or "skipped" in entry):
+            lines.append(f"{name:<22}{_num(entry.get('video_rel'), '10.4f')}{_num(entry.get('action_rel'), '10.4f')}"
+                         f"{_num(entry.get('video_rel_vs_bf16'), '15.4f')}")
+
+    lines += ["", "decode (s; speedup over the current decode; max |pixel difference|)"]
+    for section in ("decode", "decode_compiled"):
+        for name, entry in results.get(section, {}).items():
+            if isinstance(entry, dict) and "seconds" in entry:
+                lines.append(f"{section + ':' + name:<54}{entry['seconds']:8.3f}"
+                             f"{_num(entry.get('speedup_vs_current'), '8.2f', 'x')}  {entry['max_abs_vs_current']:.1e}")
+
+    following = results.get("pusht", {}).get("action_following", {})
+    if following:
+        lines += ["", "PushT action following (mean over chunks)"]
+    for name, entry in following.items():
+        if isinstance(entry, dict) and "psnr_db_mean" in entry:
+            lines.append(f"{name:<22}PSNR {entry['psnr_db_mean']:.2f} dB   block error "
+                         f"{entry['block_error_px_mean']:.1f} px")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run with tiny models (FP8 skipped)")
+    add_output_arguments(parser)
+    parser.add_argument("--budget-s", type=float, default=420.0, help="skip sections that would start after this")
+    parser.add_argument("--speed-policies", default="all,keep_qkv,keep_qkv_edges",
+                        help="FP8 layer policies timed on the full Nano model (in this order)")
+    parser.add_argument("--error-policies", default=",".join(FP8_LAYER_POLICIES),
+                        help="FP8 layer policies whose velocity error is measured")
+    parser.add_argument("--pusht-policies", default="all,keep_qkv,keep_qkv_edges,mlp_only")
+    parser.add_argument("--error-layers", type=int, default=8, help="layers of the Nano-width error model")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the decode sections (e), on random latents of the tier-480 request's shape: for a "
+                             "second run when the whole-decoder compile did not fit the first")
+    parser.add_argument("--pusht-episodes", type=int, default=8)
+    parser.add_argument("--pusht-chunks", type=int, default=4)
+    args = parser.parse_args(argv)
+    budget = Budget(args.budget_s)
+    tiny = args.tiny
+    device = "cpu" if tiny else "cuda"
+    name = ("fp8_gpu_decode" if args.decode_only else "fp8_gpu") + ("_tiny.json" if tiny else ".json")
+    for option in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, option):
+            setattr(torch._dynamo.config, option, 64)
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    results: dict = {"provenance": provenance(["benchmarks/fp8_gpu.py", *(argv if argv is not None else
+                                                                           sys.argv[1:])])}
+    check_results_target(name, args.out, args.overwrite)
+    save = lambda: write_results(results, name, args.out, args.overwrite)  # noqa: E731
+    results["fp8_available"] = fp8_available()
+    results["default_fp8_layers"] = DEFAULT_FP8_LAYERS
+    results["layer_policies"] = {key: policy.description for key, policy in FP8_LAYER_POLICIES.items()}
+    if not tiny:
+        results["gemm_bf16_tflops"] = gemm_peak_tflops()
+    peak = results.get("gemm_bf16_tflops", 1.0)
+    settings = dict(chunk=32, steps=4, guidance=3.0, fps=15.0, tier=480) if not tiny else \
+        dict(chunk=8, steps=2, guidance=3.0, fps=15.0, tier=256)
+    settings["image"] = scene(480, 832) if not tiny else scene(256, 256)
+    error_policies = [p for p in args.error_policies.split(",") if p]
+    speed_policies = [p for p in args.speed_policies.split(",") if p]
+    pusht_policies = [p for p in args.pusht_policies.split(",") if p]
+
+    if args.decode_only:
+        from common import build_wan22_vae
+
+        from cosmos3_gym.checkpoint import TINY_VAE_CONFIG
+
+        if tiny:
+            from diffusers import AutoencoderKLWan
+
+            vae = AutoencoderKLWan(**TINY_VAE_CONFIG, latents_mean=[0.0] * 16, latents_std=[1.0] * 16).eval()
+            shape = (1, 16, settings["chunk"] // 4 + 1, 16, 16)
+        else:
+            vae = build_wan22_vae(device)
+            shape = (1, 48, settings["chunk"] // 4 + 1, 30, 52)
+        latents = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
+        results["decode_latents"] = "random normal latents (decode speed does not depend on their values)"
+        run_section(results, "decode", budget, 0, lambda: decode_variants(vae, latents, compiled=False), save)
+        if not tiny:
+            run_section(results, "decode_compiled", budget, 0, lambda: decode_variants(vae, latents, compiled=True),
+                        save)
+        print(summary_table(results))
+        return results
+
+    # b. first, while the GPU is empty: a Nano-width fp32 model next to its bf16 and FP8 copies.
+    run_section(results, "velocity_error", budget, 15,
+                lambda: velocity_error(tiny, device, error_policies, args.error_layers if not tiny else 4,
+                                       settings["chunk"], settings["fps"]), save)
+    free_memory()
+
+    started = time.perf_counter()
+    pipe, engine, _ = make_models(tiny, device)
+    results["build_s"] = time.perf_counter() - started
+    pristine_vae = copy.deepcopy(engine.vae.vae)  # before optimize() fuses the shared decoder's norms in place
+    run_section(results, "diffusers", budget, 15, lambda: diffusers_baseline(pipe, settings["image"], settings), save)
+    pipe = None  # the engine keeps the weights it shares with diffusers' transformer; the rest is freed
+    free_memory()
+
+    master = engine.transformer
+    if not tiny:
+        for block in master.text_layers:  # once, shared by every variant (compile_blocks' text half)
+            block.text_forward = torch.compile(block.text_forward)
+    latent_hw_480 = (15, 26) if tiny else (30, 52)
+    shapes = [("480", 1, (settings["chunk"] // 4 + 1, *latent_hw_480)),
+              ("480", 16 if not tiny else 2, (settings["chunk"] // 4 + 1, *latent_hw_480)),
+              ("256", 1, (settings["chunk"] // 4 + 1, 16, 16)),
+              ("256", 16 if not tiny else 2, (settings["chunk"] // 4 + 1, 16, 16))]
+    results["variants"] = {}
+    variants = [(BF16, None)] + [(f"fp8:{p}", p) for p in speed_policies]
+    baseline = None
+
+    def measure(policy):
+        return measure_variant(master, engine, policy, settings, shapes, peak, device, tiny, baseline,
+                               results.get("diffusers"))
+
+    for index, (label, policy) in enumerate(variants):
+        if policy is not None and not fp8_available():
+            results["variants"][label] = {"skipped": "needs a CUDA GPU with compute capability >= 8.9"}
+            continue
+        if index == 2:  # bf16 and the first FP8 policy are in: PushT accuracy and the decode before the rest
+            run_pusht(results, args, budget, device, tiny, pusht_policies, save)
+            run_decode(results, budget, pristine_vae, baseline, device, tiny, save)
+        holder: dict = {}
+        run_section(holder, label, budget, 90, lambda: measure(policy), save)
+        entry = holder[label]
+        outputs = entry.pop("_outputs", None) if isinstance(entry, dict) else None
+        if policy is None and outputs is not None:
+            baseline = outputs
+        results["variants"][label] = entry
+        save()
+    if "pusht" not in results:
+        run_pusht(results, args, budget, device, tiny, pusht_policies, save)
+    if "decode" not in results:
+        run_decode(results, budget, pristine_vae, baseline, device, tiny, save)
+    if not tiny and baseline is not None:  # compiling the whole decoder takes minutes (on 2 CPU cores: many)
+        latents = baseline[1][None].to(device)
+        run_section(results, "decode_compiled", budget, 120,
+                    lambda: decode_variants(pristine_vae, latents, compiled=True), save)
+    results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
+    results["wall_s"] = time.perf_counter() - budget.start
+    save()
+    print(summary_table(results))
+    return results
+
+
+def run_decode(results, budget, pristine_vae, baseline, device, tiny, save) -> None:
+    """e. on the bf16 policy request's latents (tier 480)."""
+    if baseline is None:
+        results["decode"] = {"skipped": "no bf16 policy request to take latents from"}
+        return
+    latents = baseline[1][None].to(device)
+    run_section(results, "decode", budget, 40, lambda: decode_variants(pristine_vae, latents, compiled=False), save)
+
+
+def run_pusht(results, args, budget, device, tiny, policies, save) -> None:
+    episodes, chunks = (args.pusht_episodes, args.pusht_chunks) if not tiny else (2, 1)
+    starts, ranking_chunks = (8, 4) if not tiny else (1, 1)
+    run_section(results, "pusht", budget, 45,
+                lambda: pusht_accuracy(device, policies, episodes, chunks, starts, ranking_chunks, budget, tiny), save)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Fully sharded data parallel training (FSDP2, ``torch.distributed.fsdp.fully_shard``) of a Cosmos3 policy model.
+
+The plan follows torchtitan: each transformer block (every UND text layer and GEN layer) is one FSDP unit, the time
+embedder is its own unit kept in float32 (diffusers' ``_keep_in_fp32_modules``), and the ``FlowMatchingObjective``
+is the root unit holding the rest (embeddings, patch projections, action heads, final norms). Weights, gradients and
+AdamW states are sharded over the ranks: each rank holds 1/N of them and all-gathers one block at a time. The towers
+call ``layer.text_forward`` / ``layer.gen_forward`` rather than ``forward``, so those methods are registered with
+FSDP (``register_fsdp_forward_method``) after activation checkpointing wrapped them: the all-gather runs outside the
+checkpointed region and again before the recomputation in the backward pass.
+
+Mixed precision (CUDA with ``bf16``): float32 sharded master weights, bf16 all-gathered compute weights and float32
+gradient reduce-scatter (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); on CPU (tests, gloo)
+everything stays float32. ``cpu_offload`` keeps the sharded weights, gradients and optimizer states on the host
+(``CPUOffloadPolicy``; the AdamW step then runs on the CPU).
+
+Training state is saved sharded with ``torch.distributed.checkpoint`` (each rank writes its shards: model, optimizer
+and EMA, plus state.json) and resumed onto the same or another number of ranks; the export gathers full weights on
+rank 0 and writes the diffusers layout as the single-process trainer does.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import InputError
+
+STATE_FORMAT = "torch.distributed.checkpoint"
+
+
+def mixed_precision_policy(device: torch.device, bf16: bool, param_dtype: torch.dtype):
+    """bf16 compute / fp32 reduce for float32 weights on CUDA; None (no casts) on CPU or for bf16 weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device.type != "cuda" or not bf16 or param_dtype != torch.float32:
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(objective: nn.Module, *, device: torch.device, bf16: bool = True, cpu_offload: bool = False,
+               reshard_after_forward: bool = True, mesh=None) -> nn.Module:
+    """Shard ``objective`` (a ``FlowMatchingObjective``) in place, block by block, and return it.
+
+    Activation checkpointing (``world_model.enable_gradient_checkpointing``), ``set_trainable`` and LoRA must be
+    applied before, the optimizer built after (it must see the sharded parameters).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if not dist.is_initialized():
+        raise InputError("data_parallel: 'fsdp' needs torch.distributed (launch with torchrun)")
+    transformer = objective.transformer
+    param_dtype = next(p.dtype for n, p in transformer.named_parameters() if not n.startswith("time_embedder."))
+    policy = mixed_precision_policy(device, bf16, param_dtype) or MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
+    common = dict(mesh=mesh, offload_policy=offload)
+    for layers, method in ((transformer.text_layers, "text_forward"), (transformer.gen_layers, "gen_forward")):
+        for layer in layers:
+            fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward, **common)
+            register_fsdp_forward_method(layer, method)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32) \
+        if policy.param_dtype is not None else MixedPrecisionPolicy()
+    fully_shard(transformer.time_embedder, mp_policy=fp32, **common)
+    # The root keeps its (small) parameters gathered through the whole step: no reshard after forward.
+    fully_shard(objective, mp_policy=policy, reshard_after_forward=False, **common)
+    return objective
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective: every rank calls it); a plain tensor as is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict on the CPU of rank 0; empty on the other ranks (all ranks must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_ema_state_dict(ema, is_main: bool) -> dict[str, torch.Tensor]:
+    """The EMA's full float32 tensors on rank 0's CPU, one tensor gathered at a time (all ranks must call it)."""
+    out = {}
+    for name, shadow in ema.state_dict().items():
+        value = full_tensor(shadow)
+        if is_main:
+            out[name] = value.detach().cpu()
+        del value
+    return out
+
+
+def save_sharded_state(state_dir: Path, *, step: int, objective: nn.Module, ema, optimizer, document: dict,
+                       is_main: bool) -> None:
+    """Every rank writes its shards of the model, the optimizer and the EMA (``torch.distributed.checkpoint``);
+    rank 0 adds state.json (``document`` plus the step). A new folder is renamed over the old one when complete."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    temporary = state_dir.with_name(state_dir.name + ".tmp")
+    if is_main and temporary.exists():
+        shutil.rmtree(temporary)
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(objective, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    dcp.save(state, checkpoint_id=str(temporary))
+    dist.barrier()
+    if is_main:
+        (temporary / "state.json").write_text(json.dumps({**document, "step": step, "format": STATE_FORMAT},
+                                                         indent=2))
+        previous = state_dir.with_name(state_dir.name + ".old")
+        if state_dir.exists():
+            state_dir.replace(previous)
+        temporary.replace(state_dir)
+        if previous.exists():
+            shutil.rmtree(previous)
+    dist.barrier()
+
+
+def load_sharded_state(state_dir: Path, *, objective: nn.Module, ema, optimizer) -> None:
+    """Load what ``save_sharded_state`` wrote into the sharded model, optimizer and EMA (resharded as needed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    document = json.loads((state_dir / "state.json").read_text())
+    if document.get("format") != STATE_FORMAT:
+        raise InputError(f"resume: {state_dir} was not saved by an FSDP run (data_parallel='fsdp'); resume it with the "
+                         f"data_parallel it was trained with")
+    model_state, optimizer_state = get_state_dict(objective, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if ema is not None:
+        state["ema"] = ema.state_dict()  # the EMA's own tensors: loaded in place
+    dcp.load(state, checkpoint_id=str(state_dir))
+    set_state_dict(objective, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

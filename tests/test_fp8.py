@@ -1,0 +1,202 @@
+"""``precision="fp8"`` (cosmos3_gym/quantization.py): which GEN-layer GEMMs each layer policy quantizes, the errors
+on CPU, on pre-Hopper GPUs, for unknown names and with tensor parallelism; on a GPU with FP8 tensor cores, the FP8
+forward and engine against bf16. Speed and the error on Nano-size and trained weights: benchmarks/fp8_gpu.py."""
+
+import numpy as np
+import pytest
+import torch
+
+from cosmos3_gym import quantization
+from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG, resolve_checkpoint, validate_checkpoint
+from cosmos3_gym.cli import main
+from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
+from cosmos3_gym.errors import InputError
+from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig
+from cosmos3_gym.quantization import FP8_LAYER_POLICIES, apply_fp8, check_fp8_supported, fp8_linear_names
+
+has_fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+needs_fp8_gpu = pytest.mark.skipif(not has_fp8_gpu, reason="needs a CUDA GPU with FP8 (compute capability >= 8.9)")
+
+
+def gen_names(layers, linears):
+    return [f"gen_layers.{i}.{name}" for i in layers for name in linears]
+
+
+ALL = ("attn.qkv", "attn.out", "mlp.gate_up", "mlp.down")
+NO_QKV = ("attn.out", "mlp.gate_up", "mlp.down")
+MLP = ("mlp.gate_up", "mlp.down")
+
+
+@pytest.fixture(scope="module")
+def tiny_transformer(tiny_checkpoint):
+    layout = validate_checkpoint(resolve_checkpoint(tiny_checkpoint))
+    return Cosmos3Transformer.from_pretrained(layout.transformer_dir)
+
+
+def test_policies_pick_the_named_gen_linears_of_the_tiny_checkpoint(tiny_transformer):
+    assert len(tiny_transformer.gen_layers) == 2  # so first and last are all the layers there are
+    expected = {
+        "all": gen_names([0, 1], ALL),
+        "keep_qkv": gen_names([0, 1], NO_QKV),
+        "keep_edges": [],
+        "keep_qkv_edges": [],
+        "mlp_only": gen_names([0, 1], MLP),
+    }
+    assert set(expected) == set(FP8_LAYER_POLICIES)
+    for policy, names in expected.items():
+        assert fp8_linear_names(tiny_transformer, policy) == names, policy
+    # Never the UND tower, the patch embedding / velocity head, the time embedder or the action heads.
+    every_linear = {name for name, module in tiny_transformer.named_modules() if isinstance(module, torch.nn.Linear)}
+    assert {"proj_in", "proj_out", "time_embedder.linear_1", "text_layers.0.attn.qkv"} <= every_linear
+    assert set(fp8_linear_names(tiny_transformer, "all")) == {n for n in every_linear if n.startswith("gen_layers.")}
+
+
+def test_edge_policies_keep_the_first_and_last_gen_layers():
+    with torch.device("meta"):
+        model = Cosmos3Transformer(Cosmos3TransformerConfig.from_dict({**TINY_TRANSFORMER_CONFIG,
+                                                                       "num_hidden_layers": 5}))
+    assert fp8_linear_names(model, "keep_edges") == gen_names([1, 2, 3], ALL)
+    assert fp8_linear_names(model, "keep_qkv_edges") == gen_names([1, 2, 3], NO_QKV)
+    assert fp8_linear_names(model) == fp8_linear_names(model, quantization.DEFAULT_FP8_LAYERS)
+
+
+def test_gemms_that_scaled_mm_cannot_run_are_left_out():
+    # hidden 64 stays a multiple of 16, an intermediate size of 40 does not: gate_up (64 -> 80) fits, down (40 ->
+    # 64) does not, and torchao would silently leave it in bf16.
+    with torch.device("meta"):
+        model = Cosmos3Transformer(Cosmos3TransformerConfig.from_dict({**TINY_TRANSFORMER_CONFIG,
+                                                                       "intermediate_size": 40}))
+    assert fp8_linear_names(model, "mlp_only") == gen_names([0, 1], ("mlp.gate_up",))
+
+
+def test_unknown_policy_and_precision_are_input_errors(tiny_transformer, tiny_checkpoint):
+    with pytest.raises(InputError, match="layers: expected an FP8 layer policy"):
+        fp8_linear_names(tiny_transformer, "keep_qk")
+    with pytest.raises(InputError, match="layers: expected an FP8 layer policy"):
+        apply_fp8(tiny_transformer, layers="everything")
+    with pytest.raises(InputError, match="precision: expected one of"):
+        Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", precision="int8")
+
+
+def test_fp8_on_cpu_is_an_input_error_and_changes_nothing(tiny_transformer, tiny_checkpoint, tmp_path, capsys):
+    before = {name: p.clone() for name, p in tiny_transformer.named_parameters()}
+    with pytest.raises(InputError, match="precision: 'fp8' needs a CUDA GPU"):
+        apply_fp8(tiny_transformer, layers="all")
+    for name, p in tiny_transformer.named_parameters():
+        assert type(p.data) is torch.Tensor and torch.equal(p, before[name]), name
+    with pytest.raises(InputError, match="precision: 'fp8' needs a CUDA GPU"):
+        Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", precision="fp8", progress=False)
+    image = tmp_path / "frame.png"
+    from PIL import Image
+
+    Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(image)
+    assert main(["infer", "--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path / "run"), "--image",
+                 str(image), "--device", "cpu", "--precision", "fp8"]) == 2
+    assert "precision: 'fp8' needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_pre_hopper_gpu_is_an_input_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(InputError, match=r"compute capability >= 8\.9.*A100-SXM4-80GB has 8\.0"):
+        check_fp8_supported(torch.device("cuda", 0))
+
+
+def test_missing_torchao_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(InputError, match=r"needs torchao \(pip install 'cosmos3_gym\[fp8\]'"):
+        check_fp8_supported(torch.device("cuda", 0))
+
+
+def test_fp8_with_tensor_parallelism_is_refused_before_loading(tiny_checkpoint):
+    with pytest.raises(InputError, match="tensor parallelism"):
+        Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", tp=2, precision="fp8")
+
+
+# ------------------------------------------------------------------------------------------------- GPU (FP8) tests
+
+
+def _relative(a, b) -> float:
+    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_fp8_forward_is_close_to_bf16_and_quantizes_what_the_policy_names(tiny_checkpoint):
+    from torchao.quantization import Float8Tensor
+
+    layout = validate_checkpoint(resolve_checkpoint(tiny_checkpoint))
+    bf16 = Cosmos3Transformer.from_pretrained(layout.transformer_dir, device="cuda", dtype=torch.bfloat16)
+    fp8 = apply_fp8(Cosmos3Transformer.from_pretrained(layout.transformer_dir, device="cuda",
+                                                       dtype=torch.bfloat16), layers="keep_qkv")
+    quantized = {name for name, module in fp8.named_modules()
+                 if isinstance(getattr(module, "weight", None), Float8Tensor)}
+    assert quantized == set(fp8_linear_names(bf16, "keep_qkv"))
+
+    torch.manual_seed(0)
+    thw, chunk = (3, 8, 8), 8
+    outputs = []
+    with torch.inference_mode():
+        for model in (bf16, fp8):
+            text = model.encode_text([list(range(3, 40))])
+            layout_ = model.gen_layout(text.lengths, thw, chunk, 15.0)
+            torch.manual_seed(0)
+            video = torch.randn(1, model.config.latent_channel, *thw, device="cuda")
+            actions = torch.randn(1, chunk, model.config.action_dim, device="cuda")
+            noisy_v = torch.tensor([[False, True, True]], device="cuda")
+            noisy_a = torch.ones(1, chunk, dtype=torch.bool, device="cuda")
+            outputs.append(model(text, layout_, video, noisy_v, torch.tensor([900], device="cuda"), actions, noisy_a,
+                                 torch.tensor([8], device="cuda")))
+    (v16, a16), (v8, a8) = outputs
+    # FP8 (e4m3: 3 mantissa bits, ~4% rms rounding per operand, rowwise scales) on two random layers: several
+    # percent; a wrong scale or a transposed weight gives O(1).
+    assert 0 < _relative(v8.cpu(), v16.cpu()) < 0.2
+    assert 0 < _relative(a8.cpu(), a16.cpu()) < 0.2
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_fp8_engine_with_compile_and_cuda_graphs_matches_bf16_closely(tiny_checkpoint):
+    rng = np.random.default_rng(0)
+    observation = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    request = Cosmos3Request(mode="policy", observation=observation, task="push the block", domain="pusht", chunk=8,
+                             num_steps=2, guidance_scale=2.0, seed=0, resolution_tier=256)
+    results = {}
+    for precision in ("bf16", "fp8"):
+        engine = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", precision=precision, optimize=True,
+                                               progress=False)
+        results[precision] = engine.step(request, decode=False)
+        assert engine.gen_forward is not engine.transformer  # the CUDA-graphed replay ran
+        engine.close()
+    # Two denoising steps with guidance 2 amplify the per-forward error somewhat; O(1) would mean broken FP8.
+    assert 0 < _relative(results["fp8"].action, results["bf16"].action) < 0.3
+    assert 0 < _relative(results["fp8"].video_latents, results["bf16"].video_latents) < 0.3
+
+
+def test_benchmark_twin_shares_the_und_tower_and_owns_its_gen_layers(tiny_transformer):
+    """benchmarks/fp8_gpu.py times every precision on a twin of one loaded model: the twin must compute what the
+    model computes, share the UND tower (no second copy of it), and own its GEN layers (quantizing them must not
+    touch the model's)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import fp8_gpu
+    finally:
+        sys.path.pop(0)
+    twin = fp8_gpu.gen_twin(tiny_transformer, None, compile_blocks=False)
+    assert twin.text_layers is tiny_transformer.text_layers and twin.proj_in is tiny_transformer.proj_in
+    assert twin.gen_layers is not tiny_transformer.gen_layers
+    assert tiny_transformer.blocks_compiled is False and twin.blocks_compiled is True
+    v_model, a_model = fp8_gpu.velocity(tiny_transformer, (3, 8, 8), 8, 15.0, "cpu")
+    v_twin, a_twin = fp8_gpu.velocity(twin, (3, 8, 8), 8, 15.0, "cpu")
+    assert torch.equal(v_model, v_twin) and torch.equal(a_model, a_twin)
+    with torch.no_grad():
+        twin.gen_layers[0].mlp.down.weight.mul_(2.0)
+    assert not torch.equal(twin.gen_layers[0].mlp.down.weight, tiny_transformer.gen_layers[0].mlp.down.weight)
+    assert not torch.equal(fp8_gpu.velocity(twin, (3, 8, 8), 8, 15.0, "cpu")[0], v_model)
