@@ -22,18 +22,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _register_envs() -> None:
-    """Register the env ids with Gymnasium by entry-point strings: the env modules (and torch) load at gym.make.
-    The same ids and entry points as ``cosmos3_gym.envs.register_envs`` (idempotent)."""
-    try:
-        import gymnasium
-    except ImportError:  # the CLI works without Gymnasium for `infer`
-        return
-    for env_id, module in (("cosmos3_gym/PushT-v0", "cosmos3_gym.envs.pusht:make_pusht"),
-                           ("cosmos3_gym/WorldModel-v0", "cosmos3_gym.envs:make_world_model")):
-        if env_id not in gymnasium.registry:
-            gymnasium.register(id=env_id, entry_point=f"{module}_env", vector_entry_point=f"{module}_vector_env",
-                               order_enforce=False)
+from .registration import register_envs  # noqa: E402  (string entry points: no torch)
 
-
-_register_envs()
+register_envs()
