@@ -15,14 +15,13 @@ forward's communication floor is known per implementation:
 Every variant's result is checked against the exact sum. NCCL's own knobs (``NCCL_MIN_NCHANNELS``, ``NCCL_PROTO``,
 ``NCCL_ALGO``) are read at start-up: run the script once per setting, the JSON records them.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=4 benchmarks/allreduce_gpu.py --out $OUT/ar.json
+    python -m torch.distributed.run --standalone --nproc_per_node=4 benchmarks/allreduce_gpu.py --out $OUT
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -49,33 +48,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ops", type=int, default=24, help="collectives per timed launch")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--symm-mem", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--out", default=None)
+    common.add_output_arguments(parser)  # writes allreduce_gpu_world{W}.json there
     return parser.parse_args()
-
-
-def time_ms(fn, repeats: int, device) -> list[float]:
-    """Per-call CUDA-event times, every rank aligned by a barrier before each call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize(device)
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def main() -> None:
     args = parse_args()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, device = common.init_distributed(use_cuda=True)
+    if rank == 0:
+        common.check_results_target(f"allreduce_gpu_world{world}.json", args.out, args.overwrite)
     group_name = dist.group.WORLD.group_name
     symm_mem = None
     if args.symm_mem:
@@ -95,7 +76,7 @@ def main() -> None:
             try:
                 fn = capture(fn)[0].replay if graph else fn
                 out.zero_()
-                times = time_ms(fn, args.repeats, device)
+                _, times = common.timed_ms(fn, args.repeats, warmup=1, barrier=True)
                 per_op_us = statistics.median(times) / args.ops * 1e3
                 entry[name] = dict(us_per_op=per_op_us, bus_gb_s=numel * 2 * 2 * (world - 1) / world / per_op_us / 1e3,
                                    times_ms=times)
@@ -156,10 +137,7 @@ def main() -> None:
             record(f"gemm_with_{name}" + (f"_carveout{carveout}" if carveout else ""), both)
         report["sizes"][str(tokens)] = entry
     if rank == 0:
-        path = Path(args.out or Path(os.environ.get("OUT", "benchmarks/results")) / f"allreduce_gpu_world{world}.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        print("wrote", path, flush=True)
+        common.write_results(report, f"allreduce_gpu_world{world}.json", args.out, args.overwrite)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,8 +1,17 @@
-"""Shared pieces of the benchmarks: provenance, timing, and the full-size Cosmos3-Nano / Wan2.2 models with random
-weights (speed does not depend on weight values; see shared/reference/performance.md §8)."""
+"""Shared pieces of the benchmarks: provenance, timing, the process group, results files, and the full-size
+Cosmos3-Nano / Wan2.2 models with random weights (speed does not depend on weight values; see
+shared/reference/performance.md §8).
+
+Every script uses the same three helpers: ``timed`` (``timed_ms`` for the distributed ones), ``init_distributed`` and
+``write_results``. ``--out DIR`` (``add_output_arguments``) means one thing everywhere: the folder the results JSON
+(and any other output) goes to, default ``$OUT``, else benchmarks/results. A result already committed in
+benchmarks/results is never overwritten unless ``--overwrite`` is given; scripts check that before they start
+(``check_results_target``), so a long run does not end in a refusal.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -56,18 +65,61 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, repeats: int = 3, warmup: int = 1) -> tuple[float, list[float]]:
-    """Median wall time (s) of ``fn()`` with device synchronisation, after warm-up; also the raw times."""
+def timed(fn, repeats: int = 3, warmup: int = 1, *, barrier: bool = False, cuda_events: bool = False,
+          keep_output: bool = False):
+    """Median time (s) of ``fn()`` after ``warmup`` calls, and every time: ``(median, times)``, or ``(median, times,
+    last output)`` with ``keep_output``.
+
+    The device is synchronised around every call. ``barrier``: the ranks of the process group are aligned before
+    every call (every rank runs ``fn``). ``cuda_events``: GPU time between CUDA events on the current stream instead
+    of the host's clock."""
+    output = None
     for _ in range(warmup):
-        fn()
+        output = fn()
     times = []
     for _ in range(repeats):
         sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), times
+        if barrier and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if cuda_events and torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            output = fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            output = fn()
+            sync()
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    return (median, times, output) if keep_output else (median, times)
+
+
+def timed_ms(fn, repeats: int = 3, warmup: int = 1, *, barrier: bool = False):
+    """``(last output, [ms per call])`` of ``timed`` with CUDA events on a GPU: the distributed benchmarks' form."""
+    _, times, output = timed(fn, repeats, warmup, barrier=barrier, cuda_events=True, keep_output=True)
+    return output, [t * 1e3 for t in times]
+
+
+def init_distributed(use_cuda: bool | None = None) -> tuple[int, int, torch.device]:
+    """Join the process group of a torchrun launch (``RANK`` set; NCCL with the GPU ``LOCAL_RANK`` when CUDA is used,
+    else gloo) and return ``(rank, world_size, device)``; ``(0, 1, device)`` without torchrun. ``use_cuda``:
+    default, when CUDA is available."""
+    use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    distributed = torch.distributed
+    if "RANK" in os.environ and not distributed.is_initialized():
+        if use_cuda:
+            distributed.init_process_group("nccl", device_id=device)
+        else:
+            distributed.init_process_group("gloo")
+    if distributed.is_initialized():
+        return distributed.get_rank(), distributed.get_world_size(), device
+    return 0, 1, device
 
 
 def gemm_peak_tflops(n: int = 8192, repeats: int = 10) -> float:
@@ -124,15 +176,40 @@ def build_wan22_vae(device: str = "cuda", dtype=torch.float32):
     return AutoencoderKLWan(**WAN22_VAE, **stats).to(device=device, dtype=dtype).eval()
 
 
-def results_dir(out_dir: str | None = None) -> Path:
+COMMITTED_RESULTS = Path(__file__).resolve().parent / "results"
+_WRITTEN: set[Path] = set()  # files this process wrote: a script may update its own results as it goes
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--out DIR`` and ``--overwrite``, the same in every benchmark."""
+    parser.add_argument("--out", default=None,
+                        help="results folder (default: $OUT, else benchmarks/results)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a result of the same name already in benchmarks/results")
+
+
+def results_dir(out_dir: str | os.PathLike | None = None) -> Path:
     """The folder results are written to: ``out_dir``, else ``$OUT``, else benchmarks/results (created)."""
-    out = Path(out_dir or os.environ.get("OUT") or Path(__file__).parent / "results")
+    out = Path(out_dir or os.environ.get("OUT") or COMMITTED_RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     return out
 
 
-def write_results(results: dict, name: str, out_dir: str | None = None) -> Path:
+def check_results_target(name: str, out_dir: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
+    """The path ``write_results`` will write; ``SystemExit`` with a one-line reason if that is a committed result in
+    benchmarks/results and ``overwrite`` is off (call it before the measurement starts)."""
     path = results_dir(out_dir) / name
-    path.write_text(json.dumps(results, indent=2, default=str))
+    committed = path.resolve().parent == COMMITTED_RESULTS and path.exists()
+    if committed and not overwrite and path.resolve() not in _WRITTEN:
+        raise SystemExit(f"refusing to overwrite the committed result {path}; pass --out DIR for another folder or "
+                         f"--overwrite to replace it")
+    return path
+
+
+def write_results(results: dict, name: str, out_dir: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
+    """Write ``results`` as ``name`` in ``results_dir(out_dir)`` (see ``check_results_target``)."""
+    path = check_results_target(name, out_dir, overwrite)
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    _WRITTEN.add(path.resolve())
     print(f"wrote {path}")
     return path

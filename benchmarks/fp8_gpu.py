@@ -48,7 +48,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import build_nano_transformer, gemm_peak_tflops, provenance, timed, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_output_arguments, build_nano_transformer, check_results_target, gemm_peak_tflops, provenance, timed,
+    write_results,
+)
 from gpu_suite import (  # noqa: E402
     GEN_PROMPT, diffusers_request, gen_forward_flops, gen_forward_inputs, latency_breakdown, make_models,
     our_request, rel, scene,
@@ -486,7 +489,7 @@ def summary_table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run with tiny models (FP8 skipped)")
-    parser.add_argument("--out", default=None, help="results folder (default: $OUT or benchmarks/results)")
+    add_output_arguments(parser)
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip sections that would start after this")
     parser.add_argument("--speed-policies", default="all,keep_qkv,keep_qkv_edges",
                         help="FP8 layer policies timed on the full Nano model (in this order)")
@@ -513,7 +516,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     results: dict = {"provenance": provenance(["benchmarks/fp8_gpu.py", *(argv if argv is not None else
                                                                            sys.argv[1:])])}
-    save = lambda: write_results(results, name, args.out)  # noqa: E731
+    check_results_target(name, args.out, args.overwrite)
+    save = lambda: write_results(results, name, args.out, args.overwrite)  # noqa: E731
     results["fp8_available"] = fp8_available()
     results["default_fp8_layers"] = DEFAULT_FP8_LAYERS
     results["layer_policies"] = {key: policy.description for key, policy in FP8_LAYER_POLICIES.items()}

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, timed, write_results  # noqa: E402
+from common import add_output_arguments, check_results_target, provenance, timed, write_results  # noqa: E402
 
 from cosmos3_gym.checkpoint import build_tiny_checkpoint  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
@@ -24,8 +24,9 @@ from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
+    add_output_arguments(parser)
     args = parser.parse_args()
+    check_results_target("gpu_smoke_tiny.json", args.out, args.overwrite)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ckpt = build_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", seed=0)
     bf16 = Cosmos3Engine.from_pretrained(ckpt, device=device, dtype="bf16", progress=False)
@@ -52,7 +53,7 @@ def main() -> None:
             "bf16_vs_fp32_action_abs_max": float(np.abs(low.action - high.action).max()),
         }
         print(mode, results["modes"][mode])
-    write_results(results, "gpu_smoke_tiny.json", args.out)
+    write_results(results, "gpu_smoke_tiny.json", args.out, args.overwrite)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from common import (  # noqa: E402
-    SCHEDULER, build_nano_transformer, build_wan22_vae, gemm_peak_tflops, provenance, sync, timed, write_results,
+    SCHEDULER, add_output_arguments, build_nano_transformer, build_wan22_vae, gemm_peak_tflops, provenance, sync, timed,
+    write_results,
 )
 
 from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG, build_tiny_tokenizer  # noqa: E402
@@ -269,7 +270,7 @@ def optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, ste
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="CPU dry run with tiny models")
-    parser.add_argument("--out", default=None)
+    add_output_arguments(parser)
     parser.add_argument("--env-counts", default="1,4,16,64")
     parser.add_argument("--quick", action="store_true",
                         help="request latencies and env throughput only: no GEN-forward tables, no bf16 check")
@@ -289,7 +290,7 @@ def main() -> None:
         batches = tuple(int(b) for b in args.compiled_gen_forward.split(","))
         results["compiled_gen_forward"] = compiled_gen_forward(args.tiny, device, batches, peak)
         write_results(results, "gpu_suite_gen_forward.json" if not args.tiny else "gpu_suite_gen_forward_tiny.json",
-                      args.out)
+                      args.out, args.overwrite)
         return
 
     t0 = time.perf_counter()
@@ -344,7 +345,8 @@ def main() -> None:
 
     # ---- optimised variant: compiled decoder blocks + the fastest bf16 VAE decode ----
     if not args.tiny:
-        write_results(results, "gpu_suite.json", args.out)  # keep what we have if the optimised run fails
+        # Keep what we have if the optimised run fails.
+        write_results(results, "gpu_suite.json", args.out, args.overwrite)
         try:
             results["optimised"] = optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, steps,
                                                      guidance, fps, fd_actions, latent_shape, peak, device,
@@ -360,7 +362,7 @@ def main() -> None:
     # ---- bf16 vs fp32: our bf16 GEN forward against diffusers fp32 on a Nano-width, 4-layer model ----
     if not args.tiny and not args.quick:
         results["bf16_vs_fp32_nano_width_4_layers"] = bf16_versus_fp32(device, chunk, fps)
-    write_results(results, "gpu_suite.json" if not args.tiny else "gpu_suite_tiny.json", args.out)
+    write_results(results, "gpu_suite.json" if not args.tiny else "gpu_suite_tiny.json", args.out, args.overwrite)
 
 
 def compiled_gen_forward(tiny: bool, device: str, batches: tuple[int, ...], peak: float) -> dict:

@@ -3,7 +3,7 @@ decoding a 480x832, chunk-32 latent (33 frames), for each VAE dtype and each ``d
 frame-by-frame loop; 4: four latent frames per decoder pass, which also cuts the exact mode's halo exchanges per
 frame by four).
 
-    python -m torch.distributed.run --standalone --nproc_per_node=4 benchmarks/parallel_decode_gpu.py --out $OUT/x.json
+    python -m torch.distributed.run --standalone --nproc_per_node=4 benchmarks/parallel_decode_gpu.py --out $OUT
     python -m torch.distributed.run --standalone --nproc_per_node=4 benchmarks/parallel_decode_gpu.py --tiny  # CPU
 
 The untiled decode runs on rank 0 while the other ranks wait (the 1-GPU baseline); then every rank decodes its tile,
@@ -14,8 +14,6 @@ The speed-ups and the errors against the untiled pixels are rank 0's.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -25,8 +23,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import provenance  # noqa: E402
-from parallel_gpu import WAN22_VAE, build_vae, synchronize, timed  # noqa: E402
+from common import (  # noqa: E402
+    add_output_arguments, check_results_target, init_distributed, provenance, timed_ms, write_results,
+)
+from parallel_gpu import WAN22_VAE, build_vae, synchronize  # noqa: E402
 
 from cosmos3_gym.checkpoint import TINY_VAE_CONFIG  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
@@ -38,15 +38,17 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny VAE on the CPU with gloo (checks the script)")
     parser.add_argument("--chunk-frames", default="1,4", help="decode_chunk_frames values to measure")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None, help="JSON path (default $OUT/parallel_decode_world{W}.json)")
+    add_output_arguments(parser)  # writes parallel_decode_world{W}.json there
     args = parser.parse_args()
     use_nccl = torch.cuda.is_available() and not args.tiny
     if use_nccl:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.backends.cudnn.benchmark = True
-    dist.init_process_group("nccl" if use_nccl else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if use_nccl else torch.device("cpu")
+    rank, world, device = init_distributed(use_cuda=use_nccl)
+    if not dist.is_initialized():
+        raise SystemExit("parallel_decode_gpu.py: launch it with torchrun (python -m torch.distributed.run ...)")
+    results_name = f"parallel_decode_world{world}.json"
+    if rank == 0:
+        check_results_target(results_name, args.out, args.overwrite)
     if args.tiny:
         config = {**TINY_VAE_CONFIG, "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}
         height, width, chunk = 128, 192, 8
@@ -63,13 +65,15 @@ def main() -> None:
             vae = Cosmos3VAE(weights, decode_chunk_frames=chunk_frames).to(device)
             entry = {}
             with torch.inference_mode():
-                untiled, ms = timed(lambda: vae.decode(latents), device, 1, args.repeats, all_ranks=False)
+                untiled, ms = timed_ms(lambda: vae.decode(latents), args.repeats, 1)
                 if rank == 0:
                     entry["untiled_1_gpu_ms"] = statistics.median(ms)
                 synchronize(device)
                 for name, exact in (("exact", True), ("approximate_halo2", False)):
-                    out, ms = timed(lambda: decode_tile_parallel(vae, latents, dist.group.WORLD, halo=2, exact=exact),
-                                    device, 1, args.repeats, all_ranks=True)
+                    out, ms = timed_ms(
+                        lambda: decode_tile_parallel(vae, latents, dist.group.WORLD, halo=2, exact=exact),
+                        args.repeats, 1, barrier=True,
+                    )
                     if rank == 0:
                         error = (out - untiled).abs()
                         entry[name] = {"ms": statistics.median(ms),
@@ -81,10 +85,7 @@ def main() -> None:
             if rank == 0:
                 print(key, entry, flush=True)
     if rank == 0:
-        out = Path(args.out or Path(os.environ.get("OUT", "benchmarks/results")) / f"parallel_decode_world{world}.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {out}", flush=True)
+        write_results(report, results_name, args.out, args.overwrite)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -3,7 +3,7 @@
 Run one process per GPU under torchrun; the script measures every layout of that world size (``--layouts``,
 default: tp=W, and cfg=2 x tp=W/2 when W is even):
 
-    python -m torch.distributed.run --standalone --nproc_per_node=4 benchmarks/parallel_gpu.py --out $OUT/w4.json
+    python -m torch.distributed.run --standalone --nproc_per_node=4 benchmarks/parallel_gpu.py --out $OUT
 
 The model is the full Cosmos3-Nano transformer (15.2 B parameters) with random bf16 weights, built on the meta
 device and filled on rank 0, then broadcast so that every rank holds the same weights (random weights do not change
@@ -27,15 +27,15 @@ all-reduces captured too), ``tp4+symm`` runs the tp all-reduces on symmetric mem
 all_reduce="symm_mem")``), ``tp4+overlap2`` overlaps the GEN layers' all-reduces with compute over 2 row blocks
 (``overlap_communication``); ``--reference-cuda-graphs`` adds the graphed tp=1 reference.
 
-Rank 0 writes the JSON to ``--out`` (default ``$OUT/parallel_gpu_world{W}.json``). ``--tiny`` runs the same code
-on the tiny test configuration (CPU + gloo unless CUDA is there) to check the script itself.
+Rank 0 writes ``parallel_gpu_world{W}.json`` to ``--out DIR`` (default ``$OUT``, else benchmarks/results).
+``--tiny`` runs the same code on the tiny test configuration (CPU + gloo unless CUDA is there) to check the script
+itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import re
 import statistics
@@ -94,7 +94,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="also profile one GEN forward per layout on rank 0 (GPU time by kernel class, overlap)")
     parser.add_argument("--tolerance", type=float, default=2e-2, help="max relative error vs the tp=1 reference")
-    parser.add_argument("--out", default=None, help="JSON path (default $OUT/parallel_gpu_world{W}.json)")
+    common.add_output_arguments(parser)  # writes parallel_gpu_world{W}.json there
     return parser.parse_args()
 
 
@@ -178,29 +178,6 @@ def synchronize(device: torch.device, all_ranks: bool = True) -> None:
         dist.barrier()
 
 
-def timed(fn, device: torch.device, warmup: int, repeats: int, all_ranks: bool):
-    """(last output, [ms per call]): CUDA events on GPU, perf_counter on CPU. ``all_ranks``: every rank runs this,
-    and the ranks are aligned by a barrier before every call (else only this rank runs it)."""
-    out = None
-    for _ in range(warmup):
-        out = fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device, all_ranks)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            out = fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return out, times
-
-
 def policy_request(args) -> Cosmos3Request:
     rng = np.random.default_rng(0)
     frame = Image.fromarray(rng.integers(0, 256, (args.height, args.width, 3), dtype=np.uint8))
@@ -264,11 +241,11 @@ def profile_forward(forward, device, rank: int) -> dict | None:
 def measure(engine: Cosmos3Engine, args, device, all_ranks: bool) -> dict:
     request = policy_request(args)
     forward, tokens, text_len = gen_forward(engine, request)
-    (video_v, action_v), forward_ms = timed(forward, device, args.warmup, args.repeats, all_ranks)
+    (video_v, action_v), forward_ms = common.timed_ms(forward, args.repeats, args.warmup, barrier=all_ranks)
     rank = dist.get_rank() if all_ranks and dist.is_initialized() else 0
     profile = profile_forward(forward, device, rank) if args.profile else None
-    result, request_ms = timed(
-        lambda: engine.step(request, decode=False), device, 1, max(2, args.repeats // 2), all_ranks
+    result, request_ms = common.timed_ms(
+        lambda: engine.step(request, decode=False), max(2, args.repeats // 2), 1, barrier=all_ranks
     )
     return dict(
         gen_tokens=tokens, text_tokens=text_len, gen_forward_profile=profile,
@@ -289,14 +266,15 @@ def measure_decode(vae: Cosmos3VAE, args, device, rank: int, world: int) -> dict
     latents = torch.randn(shape, generator=g).to(device)
     with torch.inference_mode():
         if world == 1:
-            _, ms = timed(lambda: vae.decode(latents), device, 1, 2, all_ranks=False)
+            _, ms = common.timed_ms(lambda: vae.decode(latents), 2, 1)
             return dict(tiles=1, latent_shape=list(shape), untiled_ms=statistics.median(ms), untiled_ms_all=ms)
         untiled = vae.decode(latents) if rank == 0 else None
         synchronize(device)
         report = dict(tiles=world, latent_shape=list(shape))
         for name, exact in (("exact", True), ("approximate_halo2", False)):
-            out, ms = timed(lambda: decode_tile_parallel(vae, latents, dist.group.WORLD, halo=2, exact=exact),
-                            device, 1, 2, all_ranks=True)
+            out, ms = common.timed_ms(
+                lambda: decode_tile_parallel(vae, latents, dist.group.WORLD, halo=2, exact=exact), 2, 1, barrier=True
+            )
             entry = dict(ms=statistics.median(ms), ms_all=ms)
             if rank == 0:
                 error = (out - untiled).abs()
@@ -315,10 +293,7 @@ def gather_from_ranks(value):
 
 def write_report(report: dict, args, world: int, rank: int) -> None:
     if rank == 0:
-        out = Path(args.out or Path(os.environ.get("OUT", "benchmarks/results")) / f"parallel_gpu_world{world}.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {out}", flush=True)
+        common.write_results(report, f"parallel_gpu_world{world}.json", args.out, args.overwrite)
 
 
 def main() -> None:
@@ -326,14 +301,9 @@ def main() -> None:
     args.height = args.height or (200 if args.tiny else 480)
     args.width = args.width or (280 if args.tiny else 832)
     args.chunk = args.chunk or (4 if args.tiny else 32)
-    if "RANK" in os.environ and not dist.is_initialized():
-        use_nccl = torch.cuda.is_available()
-        if use_nccl:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if use_nccl else "gloo")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    rank, world, device = common.init_distributed()
+    if rank == 0:
+        common.check_results_target(f"parallel_gpu_world{world}.json", args.out, args.overwrite)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dtype = torch.bfloat16

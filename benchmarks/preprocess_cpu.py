@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import provenance, timed, write_results  # noqa: E402
+from common import add_output_arguments, check_results_target, provenance, timed, write_results  # noqa: E402
 
 from cosmos3_gym import processor  # noqa: E402
 
@@ -27,8 +27,9 @@ CASES = {"request_480x832": (1, 480, 832, 480), "episode_129x256x256": (129, 256
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=None)
+    add_output_arguments(parser)
     args = parser.parse_args()
+    check_results_target("preprocess_cpu.json", args.out, args.overwrite)
     if args.threads:
         torch.set_num_threads(args.threads)
     results: dict = {"provenance": provenance(), "threads": torch.get_num_threads()}
@@ -43,7 +44,7 @@ def main() -> None:
         results[name] = {"prepare_conditioning_s": ours, "diffusers_video_processor_s": reference,
                          "speedup": reference / ours, "bit_identical": same}
         print(name, results[name], flush=True)
-    write_results(results, "preprocess_cpu.json", args.out)
+    write_results(results, "preprocess_cpu.json", args.out, args.overwrite)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from common import provenance, write_results  # noqa: E402
+from common import add_output_arguments, provenance, write_results  # noqa: E402
 
 from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from cosmos3_gym.models.transformer import (  # noqa: E402
@@ -217,7 +217,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["fsdp", "lora"], default="fsdp")
     parser.add_argument("--precision", choices=["bf16", "mixed"], default="bf16", help="fsdp: see the docstring")
-    parser.add_argument("--out", default=None, help="results folder (default $OUT, else benchmarks/results)")
+    add_output_arguments(parser)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--batch-size", type=int, default=2, help="samples per rank (policy, forward dynamics, ...)")
     parser.add_argument("--chunk", type=int, default=32)
@@ -239,7 +239,7 @@ def main() -> None:
         suffix = "_tiny" if args.tiny else ""
         name = f"training_fsdp_{args.mode}{'' if args.mode == 'lora' else '_' + args.precision}" \
                f"_world{result['world_size']}{suffix}.json"
-        write_results(result, name, args.out)
+        write_results(result, name, args.out, args.overwrite)
         print({k: v for k, v in result.items() if k not in ("provenance", "losses")}, flush=True)
 
 

@@ -1,7 +1,8 @@
 """GPU smoke benchmark of the training code: VAE + world model with the default (PushT-sized) configs on a small
-synthetic dataset, then the exported checkpoint in the engine (all three modes). Writes OUT/training_gpu.json.
+synthetic dataset, then the exported checkpoint in the engine (all three modes, timed by ``common.timed``). Writes
+training_gpu.json to ``--out DIR``.
 
-    python benchmarks/training_gpu.py --out OUT [--vae-steps 300] [--steps 300]
+    python benchmarks/training_gpu.py --out $OUT [--vae-steps 300] [--steps 300]
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
+from common import add_output_arguments, check_results_target, provenance, timed, write_results  # noqa: E402
 from test_training import make_dataset  # noqa: E402
 
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
@@ -25,19 +26,19 @@ from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig, train_va
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    add_output_arguments(parser)
     parser.add_argument("--work", default="/tmp/training_gpu")
     parser.add_argument("--vae-steps", type=int, default=300)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
-    out, work = Path(args.out), Path(args.work)
-    out.mkdir(parents=True, exist_ok=True)
+    check_results_target("training_gpu.json", args.out, args.overwrite)
+    work = Path(args.work)
     dataset = work / "dataset"
     if not dataset.exists():
         make_dataset(dataset, num_episodes=8, steps=64, size=96)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    report = {"provenance": provenance()}
 
     start = time.perf_counter()
     vae_dir = train_vae(dataset, work / "vae", VAETrainConfig(steps=args.vae_steps, batch_size=16, frames_per_clip=9,
@@ -66,14 +67,10 @@ def main() -> None:
             task="move the red square", domain="pusht", chunk=args.chunk, resolution_tier=256, fps=10.0, seed=0,
             actions=np.zeros((args.chunk, 2), np.float32) if mode == "forward_dynamics" else None,
         )
-        engine.step(request)  # warm-up
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = engine.step(request)
-        torch.cuda.synchronize()
-        report["engine"][mode] = {"seconds": time.perf_counter() - start, "action_shape": list(result.action.shape),
+        seconds, _, result = timed(lambda: engine.step(request), repeats=1, warmup=1, keep_output=True)
+        report["engine"][mode] = {"seconds": seconds, "action_shape": list(result.action.shape),
                                   "pixels_shape": list(result.pixels.shape)}
-    (out / "training_gpu.json").write_text(json.dumps(report, indent=1))
+    write_results(report, "training_gpu.json", args.out, args.overwrite)
     print(json.dumps({k: v for k, v in report.items() if not k.endswith("_log")}, indent=1))
 
 

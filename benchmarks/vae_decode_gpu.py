@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import build_wan22_vae, gemm_peak_tflops, provenance, timed, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_output_arguments, build_wan22_vae, check_results_target, gemm_peak_tflops, provenance, timed, write_results,
+)
 
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 
@@ -81,8 +83,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny VAE on the CPU (checks the script)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None)
+    add_output_arguments(parser)
     args = parser.parse_args()
+    check_results_target("vae_decode_tiny_cpu.json" if args.tiny else "vae_decode_gpu.json", args.out, args.overwrite)
     device = "cpu" if args.tiny else "cuda"
     results: dict = {"provenance": provenance()}
     if args.tiny:
@@ -132,7 +135,7 @@ def main() -> None:
                 entry[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
             print(shape_name, name, entry[name], flush=True)
         results[shape_name] = entry
-    write_results(results, "vae_decode_tiny_cpu.json" if args.tiny else "vae_decode_gpu.json", args.out)
+    write_results(results, "vae_decode_tiny_cpu.json" if args.tiny else "vae_decode_gpu.json", args.out, args.overwrite)
 
 
 if __name__ == "__main__":

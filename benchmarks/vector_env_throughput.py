@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, timed, write_results  # noqa: E402
+from common import add_output_arguments, provenance, timed, write_results  # noqa: E402
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs import WorldModelEnv, WorldModelVectorEnv  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--name", default=None, help="results file name (default: from device and model)")
-    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
+    add_output_arguments(parser)
     args = parser.parse_args()
     if args.chunk is None:
         args.chunk = 32 if args.full_nano else 8
@@ -137,7 +137,7 @@ def main() -> None:
               f"({entry['vector_env']['actions_per_s']:.1f} actions/s), one at a time "
               f"{entry['one_env_at_a_time']['env_steps_per_s']:.3f} env steps/s, speedup {entry['speedup']:.2f}x")
     name = args.name or f"vector_env_throughput_{engine.device.type}_{'nano' if args.full_nano else 'tiny'}.json"
-    write_results(results, name, args.out)
+    write_results(results, name, args.out, args.overwrite)
 
 
 if __name__ == "__main__":

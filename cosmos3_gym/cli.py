@@ -1,6 +1,9 @@
-"""``cosmos3-gym``: command-line entry points.
+"""cosmos3-gym: run, evaluate and train Cosmos3 world models from the command line.
 
-``infer`` mirrors PhyAI's ``examples/cosmos3/run_cosmos3_policy.py``; bad input prints one line and exits 2.
+Every subcommand is one ``add_<command>_command(sub)`` (its options) and one ``run_<command>(args)`` (its work). Heavy
+imports (torch, diffusers, gymnasium envs) happen inside the ``run_`` functions, so ``--help``, ``--version`` and
+argument or file errors answer at once. ``infer`` mirrors PhyAI's ``examples/cosmos3/run_cosmos3_policy.py``; bad
+input prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -11,6 +14,27 @@ import sys
 from pathlib import Path
 
 from .errors import InputError
+
+BUILTIN_CHECKPOINT = "pusht"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default: its value, "off" for switches; options whose default depends on something else
+    (the checkpoint, the device) say so in their help text and are left alone."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required or action.default is argparse.SUPPRESS or "default" in text or not action.option_strings:
+            return text
+        if action.default is False and action.nargs == 0:
+            return f"{text} (default: off)"
+        if action.default is None:
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
+def _add_command(sub, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
 
 
 def _int_list(text: str) -> list[int]:
@@ -24,33 +48,95 @@ def _domain(text: str) -> str | int:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cosmos3-gym", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def _size(text: str) -> tuple[int, int]:
+    """``N`` (square) or ``H,W``."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected N or H,W (positive integers), got {text!r}")
+    return (values[0], values[-1])
 
-    infer = sub.add_parser("infer", help="run one Cosmos3 request (policy / forward / inverse dynamics)")
-    infer.add_argument("--checkpoint", required=True, help="checkpoint directory or hub id (diffusers layout)")
+
+def _bounds(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH, got {text!r}") from None
+    if not low <= high:
+        raise argparse.ArgumentTypeError(f"expected LOW <= HIGH, got {text!r}")
+    return low, high
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"cosmos3-gym {__version__}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cosmos3-gym", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_infer_command(sub)
+    add_make_tiny_checkpoint_command(sub)
+    add_training_commands(sub)
+    add_eval_command(sub)
+    add_eval_real_command(sub)
+    add_demo_command(sub)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# infer
+# ---------------------------------------------------------------------------------------------------------------
+
+# Used where neither the flag nor the checkpoint's meta.json gives a setting (the DROID release's values).
+INFER_FALLBACKS = dict(domain="droid_lerobot", chunk=32, resolution_tier=480, fps=15.0, num_steps=4,
+                       guidance_scale=3.0)
+
+
+def add_infer_command(sub) -> None:
+    infer = _add_command(sub, "infer", "run one Cosmos3 request (policy / forward / inverse dynamics)")
+    infer.add_argument("--checkpoint", required=True,
+                       help="checkpoint directory, hub id (diffusers layout), or 'pusht' for the built-in model")
     source = infer.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", help="conditioning image (path)")
-    source.add_argument("--video", help="conditioning video (mp4/gif path)")
+    source.add_argument("--video", help="conditioning video (mp4/gif path); inverse_dynamics needs chunk + 1 frames")
     infer.add_argument("--prompt", default="", help="task description")
-    infer.add_argument("--negative-prompt", default=None)
-    infer.add_argument("--domain-name", type=_domain, default="droid_lerobot", help="embodiment name or integer id")
-    infer.add_argument("--raw-action-dim", type=int, default=None, help="action width; overrides the domain table")
-    infer.add_argument("--mode", default="policy", help="policy | forward_dynamics | inverse_dynamics")
+    infer.add_argument("--negative-prompt", default=None, help="negative prompt for classifier-free guidance")
+    from_checkpoint = " (default: the checkpoint's meta.json, else {})"
+    infer.add_argument("--domain-name", type=_domain, default=None,
+                       help="embodiment name or integer id" + from_checkpoint.format(INFER_FALLBACKS["domain"]))
+    infer.add_argument("--raw-action-dim", type=int, default=None,
+                       help="action width (default: the checkpoint's meta.json, else the domain table's)")
+    infer.add_argument("--mode", default="policy",
+                       help="policy (image -> actions) | forward_dynamics (image + actions -> video) | "
+                       "inverse_dynamics (video -> actions)")
     infer.add_argument("--action-file", default=None, help="action chunk JSON (forward_dynamics)")
     infer.add_argument("--action-chunk-index", type=int, default=0, help="which chunk of an action_chunks file")
-    infer.add_argument("--condition-frames", type=_int_list, default=None, help="clean latent frames, e.g. 0,1")
-    infer.add_argument("--chunk", type=int, default=32, help="action chunk length (video has chunk+1 frames)")
-    infer.add_argument("--num-steps", type=int, default=4)
-    infer.add_argument("--guidance-scale", type=float, default=3.0)
-    infer.add_argument("--flow-shift", type=float, default=None, help="default: the checkpoint's scheduler config")
-    infer.add_argument("--seed", type=int, default=0)
-    infer.add_argument("--fps", type=float, default=15.0)
-    infer.add_argument("--view-point", default="ego_view")
-    infer.add_argument("--resolution-tier", type=int, default=480)
-    infer.add_argument("--action-stats", default=None, help="statistics JSON to denormalise the output actions")
-    infer.add_argument("--action-normalization", default="minmax", help="meanstd | minmax | quantile | quantile_rot")
+    infer.add_argument("--condition-frames", type=_int_list, default=None,
+                       help="clean latent frames, e.g. 0,1 (default: the mode's own)")
+    infer.add_argument("--chunk", type=int, default=None, help="action chunk length, the video has chunk + 1 frames"
+                       + from_checkpoint.format(INFER_FALLBACKS["chunk"]))
+    infer.add_argument("--num-steps", type=int, default=None, help="denoising steps"
+                       + from_checkpoint.format(INFER_FALLBACKS["num_steps"]))
+    infer.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance scale"
+                       + from_checkpoint.format(INFER_FALLBACKS["guidance_scale"]))
+    infer.add_argument("--flow-shift", type=float, default=None,
+                       help="sampler flow shift (default: the checkpoint's scheduler config)")
+    infer.add_argument("--seed", type=int, default=0, help="noise seed")
+    infer.add_argument("--fps", type=float, default=None, help="frame rate of the conditioning and the mp4"
+                       + from_checkpoint.format(INFER_FALLBACKS["fps"]))
+    infer.add_argument("--view-point", default="ego_view", help="camera view point of the prompt")
+    infer.add_argument("--resolution-tier", type=int, default=None, help="canvas tier (256, 480, ...)"
+                       + from_checkpoint.format(INFER_FALLBACKS["resolution_tier"]))
+    infer.add_argument("--action-stats", default=None,
+                       help="statistics JSON to denormalise the output actions (default: none, normalised output)")
+    infer.add_argument("--action-normalization", default="minmax",
+                       help="how --action-stats normalises: meanstd | minmax | quantile | quantile_rot")
     infer.add_argument("--no-decode", action="store_true", help="skip the VAE decode (no mp4)")
     infer.add_argument("--save-arrays", action="store_true", help="also write PREFIX_video.npy [T,H,W,3] in [0,1]")
     infer.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
@@ -59,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
                        help="GEN-tower GEMMs: bf16 (in --dtype) or fp8 (Hopper-class GPU, tp=1, the fp8 extra)")
     infer.add_argument("--optimize", action="store_true",
-                       help="torch.compile the transformer blocks and fuse the VAE norms (GPU; the first step compiles)")
+                       help="torch.compile the transformer blocks and fuse the VAE norms (GPU; the first step "
+                       "compiles)")
     infer.add_argument("--out", required=True, help="output prefix")
     parallel = infer.add_argument_group(
         "parallel", "under torchrun --nproc_per_node=dp*cfg*tp every rank runs this command and rank 0 writes the "
@@ -70,70 +157,64 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--dp", type=int, default=1, help="data-parallel replicas (split a batch of requests)")
     infer.set_defaults(func=run_infer)
 
-    tiny = sub.add_parser("make-tiny-checkpoint", help="write a small random checkpoint (for tests and demos)")
-    tiny.add_argument("directory")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.set_defaults(func=run_make_tiny_checkpoint)
-    add_training_commands(sub)
 
-    evaluate = sub.add_parser("eval", help="evaluate a policy in the world model: success rate, returns, videos")
-    add_eval_arguments(evaluate)
-    evaluate.set_defaults(func=run_eval)
+def _infer_settings(args: argparse.Namespace) -> dict:
+    """The request settings: flags, else the checkpoint's meta.json, else ``INFER_FALLBACKS``."""
+    from .evaluation import checkpoint_env_defaults
 
-    real = sub.add_parser("eval-real", help="run policies in the PushT world model AND the real simulator (gym-pusht) "
-                          "from the same starts and compare their scores and rankings")
-    real.add_argument("--policies", default="random,scripted:0,scripted:25,agent",
-                      help="comma-separated: random, agent (the checkpoint's policy), scripted:NOISE (px), "
-                      "ppo:PATH (an SB3 PPO policy .safetensors of save_sb3_policy, e.g. written by "
-                      "benchmarks/rl_imagination_pusht.py)")
-    real.add_argument("--starts", type=int, default=4, help="simulator start states per policy")
-    real.add_argument("--chunks", type=int, default=4, help="action chunks per episode")
-    real.add_argument("--first-sim-seed", type=int, default=10_000, help="gym-pusht reset seed of the first start")
-    real.add_argument("--assets", default=None, help="PushT model folder (default: the built-in one)")
-    real.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    real.add_argument("--seed", type=int, default=0)
-    real.add_argument("--out", default=None, help="write the comparison as JSON to this file")
-    real.set_defaults(func=run_eval_real)
+    recorded = checkpoint_env_defaults(args.checkpoint)
+    given = dict(domain=args.domain_name, raw_action_dim=args.raw_action_dim, chunk=args.chunk, fps=args.fps,
+                 resolution_tier=args.resolution_tier, num_steps=args.num_steps, guidance_scale=args.guidance_scale)
+    settings = {}
+    for key, value in given.items():
+        if value is not None:
+            if key in recorded and recorded[key] != value:
+                print(f"infer: using {key}={value!r} instead of the checkpoint's {recorded[key]!r}", file=sys.stderr)
+            settings[key] = value
+        else:
+            settings[key] = recorded.get(key, INFER_FALLBACKS.get(key))
+    return settings
 
-    demo = sub.add_parser("demo", help="run a few short episodes of the default env and write their videos")
-    demo.add_argument("--checkpoint", default=None,
-                      help="checkpoint directory or hub id (default: the built-in PushT world model)")
-    demo.add_argument("--policy", default="random", choices=["random", "agent"],
-                      help="uniform random actions, or the checkpoint's own policy (PolicyAgent)")
-    demo.add_argument("--episodes", type=int, default=2)
-    demo.add_argument("--steps-per-episode", type=int, default=3, help="env steps (action chunks) per episode")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    demo.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
-    demo.add_argument("--out", required=True, help="output directory (report.json and one mp4 per episode)")
-    demo.set_defaults(func=run_demo)
-    return parser
+
+def _check_inverse_dynamics_video(path: str, chunk: int) -> None:
+    """An inverse-dynamics video holds the start frame and one frame per action: ``chunk + 1`` frames."""
+    from . import processor
+
+    frames = processor.load_frames(path)
+    if len(frames) != chunk + 1:
+        raise InputError(f"--video: inverse_dynamics with chunk {chunk} needs {chunk + 1} frames (the start frame and "
+                         f"one per action), {path} has {len(frames)}; trim the video or pass --chunk {len(frames) - 1}")
 
 
 def run_infer(args: argparse.Namespace) -> None:
+    for flag, path in (("--image", args.image), ("--video", args.video)):
+        if path and not Path(path).is_file():
+            raise InputError(f"{flag}: file not found: {path}")
     import numpy as np
 
     from . import processor
     from .engine import Cosmos3Engine, Cosmos3Request
+    from .evaluation import resolve_checkpoint_name
     from .media import write_video
 
+    args.checkpoint = str(resolve_checkpoint_name(args.checkpoint))
+    settings = _infer_settings(args)
     actions = None
     if args.action_file:
         actions = processor.load_action_file(args.action_file, chunk_index=args.action_chunk_index)
     elif args.mode == "forward_dynamics":
         raise InputError("--action-file: mode 'forward_dynamics' needs an action chunk file")
+    if args.mode == "inverse_dynamics" and args.video and isinstance(settings["chunk"], int) and settings["chunk"] > 0:
+        _check_inverse_dynamics_video(args.video, settings["chunk"])
     observation = args.image or args.video
-    for flag, path in (("--image", args.image), ("--video", args.video)):
-        if path and not Path(path).is_file():
-            raise InputError(f"{flag}: file not found: {path}")
     stats = processor.ActionStats.from_json(args.action_stats, mode=args.action_normalization) if args.action_stats \
         else None
 
     request = Cosmos3Request(
-        mode=args.mode, observation=observation, task=args.prompt, actions=actions, domain=args.domain_name,
-        raw_action_dim=args.raw_action_dim, chunk=args.chunk, cond_frame_indexes=args.condition_frames,
-        num_steps=args.num_steps, guidance_scale=args.guidance_scale, flow_shift=args.flow_shift, fps=args.fps,
-        seed=args.seed, resolution_tier=args.resolution_tier, view_point=args.view_point,
+        mode=args.mode, observation=observation, task=args.prompt, actions=actions, domain=settings["domain"],
+        raw_action_dim=settings["raw_action_dim"], chunk=settings["chunk"], cond_frame_indexes=args.condition_frames,
+        num_steps=settings["num_steps"], guidance_scale=settings["guidance_scale"], flow_shift=args.flow_shift,
+        fps=settings["fps"], seed=args.seed, resolution_tier=settings["resolution_tier"], view_point=args.view_point,
         negative_prompt=args.negative_prompt,
     )
     engine = Cosmos3Engine.from_pretrained(
@@ -161,12 +242,24 @@ def run_infer(args: argparse.Namespace) -> None:
     written = [f"{out}_action.json"]
     if result.pixels is not None:
         frames = result.pixels.permute(1, 2, 3, 0).numpy()  # [T, H, W, 3] in [0, 1]
-        write_video(f"{out}.mp4", frames, fps=args.fps)
+        write_video(f"{out}.mp4", frames, fps=settings["fps"])
         written.append(f"{out}.mp4")
         if args.save_arrays:
             np.save(f"{out}_video.npy", frames.astype(np.float32))
             written.append(f"{out}_video.npy")
     print(json.dumps({"mode": result.mode, "action_shape": list(result.action.shape), "written": written}))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# make-tiny-checkpoint
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def add_make_tiny_checkpoint_command(sub) -> None:
+    tiny = _add_command(sub, "make-tiny-checkpoint", "write a small random checkpoint (for tests and demos)")
+    tiny.add_argument("directory", help="folder to write")
+    tiny.add_argument("--seed", type=int, default=0, help="weight seed")
+    tiny.set_defaults(func=run_make_tiny_checkpoint)
 
 
 def run_make_tiny_checkpoint(args: argparse.Namespace) -> None:
@@ -176,32 +269,60 @@ def run_make_tiny_checkpoint(args: argparse.Namespace) -> None:
     print(f"wrote a tiny RANDOM-weight Cosmos3 checkpoint to {path}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# eval
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def add_eval_command(sub) -> None:
+    evaluate = _add_command(sub, "eval", "evaluate a policy in the world model: success rate, returns, videos")
+    add_eval_arguments(evaluate)
+    evaluate.set_defaults(func=run_eval)
+
+
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``cosmos3-gym eval`` (shared with benchmarks/policy_eval.py)."""
-    parser.add_argument("--checkpoint", required=True, help="checkpoint directory or hub id (diffusers layout)")
+    checkpoint = " (default: the checkpoint's, else {})"
+    parser.add_argument("--checkpoint", default=BUILTIN_CHECKPOINT,
+                        help="checkpoint directory, hub id, or 'pusht' for the built-in PushT model")
     parser.add_argument("--policy", default="agent",
-                        help="'agent' (the checkpoint's policy), 'random', or 'module:factory' / 'file.py:factory' "
+                        help="'agent' (the checkpoint's policy), 'random', 'file:PATH' (a policy file of this "
+                        "package), 'sb3:PATH' (save_sb3_policy), or 'module:factory' / 'file.py:factory' "
                         "(factory(env) returns a callable obs -> action or a Stable-Baselines3 model)")
-    parser.add_argument("--episodes", type=int, default=10)
+    parser.add_argument("--episodes", type=int, default=10, help="episodes to evaluate")
     parser.add_argument("--num-envs", type=int, default=1, help="env slots run in one batched model call")
-    parser.add_argument("--initial-states", required=True, help="image / video / folder of initial states")
-    parser.add_argument("--task", default=None, help="instruction for every episode (default: each state's own)")
-    parser.add_argument("--reward-model", default=None, help="reward model spec, e.g. goal_image:goal.png")
+    parser.add_argument("--initial-states", default=None,
+                        help="image / video / folder / .npz of start frames (default: the checkpoint's)")
+    parser.add_argument("--task", default=None, help="instruction for every episode (default: the checkpoint's, "
+                        "else each state's own)")
+    parser.add_argument("--reward-model", default=None,
+                        help="reward model spec, e.g. goal_image:goal.png (default: the checkpoint's, else none)")
+    parser.add_argument("--reward-bounds", type=_bounds, default=None,
+                        help="LOW,HIGH of the per-step reward, to bound the return's interval (default: 0,1 for a "
+                        "classifier reward model, else unknown: the interval is marked approximate)")
     parser.add_argument("--success-threshold", type=float, default=None,
-                        help="an episode succeeds (and ends) when the reward model's score reaches this")
-    parser.add_argument("--success-return-threshold", type=float, default=0.0,
-                        help="without --success-threshold: an episode succeeds when its return exceeds this")
-    parser.add_argument("--max-episode-steps", type=int, default=10, help="env steps (action chunks) per episode")
+                        help="an episode succeeds (and ends) when the reward model's score reaches this "
+                        "(default: the checkpoint's, e.g. 0.95 for pusht)")
+    parser.add_argument("--success-return-threshold", type=float, default=None,
+                        help="where the env gives no success: an episode succeeds when its return exceeds this "
+                        "(default: none, no success rate is reported without a success definition)")
+    parser.add_argument("--max-episode-steps", type=int, default=None,
+                        help="env steps (action chunks) per episode" + checkpoint.format(10))
     parser.add_argument("--domain-name", type=_domain, default=None,
-                        help="embodiment name or id (default: the checkpoint's meta.json, else droid_lerobot)")
-    parser.add_argument("--raw-action-dim", type=int, default=None)
-    parser.add_argument("--chunk", type=int, default=None, help="default: meta.json, else 32")
-    parser.add_argument("--num-steps", type=int, default=4)
-    parser.add_argument("--guidance-scale", type=float, default=3.0)
-    parser.add_argument("--resolution-tier", type=int, default=None, help="default: meta.json, else 480")
+                        help="embodiment name or id" + checkpoint.format("droid_lerobot"))
+    parser.add_argument("--raw-action-dim", type=int, default=None,
+                        help="action width (default: the checkpoint's, else the domain table's)")
+    parser.add_argument("--chunk", type=int, default=None, help="actions per env step" + checkpoint.format(32))
+    parser.add_argument("--num-steps", type=int, default=None, help="denoising steps" + checkpoint.format(4))
+    parser.add_argument("--guidance-scale", type=float, default=None,
+                        help="classifier-free guidance scale" + checkpoint.format(3.0))
+    parser.add_argument("--resolution-tier", type=int, default=None, help="canvas tier" + checkpoint.format(480))
+    parser.add_argument("--fps", type=float, default=None, help="frame rate" + checkpoint.format(15))
+    parser.add_argument("--observation-size", type=_size, default=None,
+                        help="N or H,W: the size of the policy's observed image (default: the model's frame size)")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="env and policy seed")
     parser.add_argument("--max-videos", type=int, default=8, help="write mp4s of the first N episodes")
     parser.add_argument("--out", required=True, help="output directory (report.json and episode mp4s)")
 
@@ -211,15 +332,38 @@ def eval_options(args: argparse.Namespace) -> dict:
     return dict(
         checkpoint=args.checkpoint, out_dir=args.out, policy=args.policy, episodes=args.episodes,
         num_envs=args.num_envs, initial_states=args.initial_states, task=args.task, reward_model=args.reward_model,
-        success_threshold=args.success_threshold, success_return_threshold=args.success_return_threshold,
-        max_episode_steps=args.max_episode_steps, domain=args.domain_name, raw_action_dim=args.raw_action_dim,
-        chunk=args.chunk, num_steps=args.num_steps, guidance_scale=args.guidance_scale,
-        resolution_tier=args.resolution_tier, device=args.device, dtype=args.dtype, seed=args.seed,
+        reward_bounds=args.reward_bounds, success_threshold=args.success_threshold,
+        success_return_threshold=args.success_return_threshold, max_episode_steps=args.max_episode_steps,
+        domain=args.domain_name, raw_action_dim=args.raw_action_dim, chunk=args.chunk, num_steps=args.num_steps,
+        guidance_scale=args.guidance_scale, resolution_tier=args.resolution_tier, fps=args.fps,
+        observation_size=args.observation_size, device=args.device, dtype=args.dtype, seed=args.seed,
         max_videos=args.max_videos,
     )
 
 
+def _check_eval_arguments(args: argparse.Namespace) -> None:
+    """Checks that need no model: counts and files, so their errors come at once."""
+    for flag, value, least in (("--episodes", args.episodes, 1), ("--num-envs", args.num_envs, 1),
+                               ("--max-videos", args.max_videos, 0)):
+        if value < least:
+            raise InputError(f"{flag}: expected an integer >= {least}, got {value}")
+    if args.initial_states is not None and not Path(args.initial_states).exists():
+        raise InputError(f"--initial-states: not found: {args.initial_states}")
+    _check_local_checkpoint(args.checkpoint)
+
+
+def _check_local_checkpoint(checkpoint: str) -> None:
+    """A checkpoint written as a local path ('./x', '/x', '~/x', 'a/b/c') must exist; 'org/name' may be a hub id."""
+    local = checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1
+    if local and not Path(checkpoint).expanduser().exists():
+        raise InputError(f"--checkpoint: not found: {checkpoint}")
+
+
 def run_eval(args: argparse.Namespace) -> None:
+    _check_eval_arguments(args)
+    from .policy_specs import parse_policy_spec
+
+    parse_policy_spec(args.policy, allow_factory=True)  # a bad spec or policy file fails before the model loads
     from .evaluation import evaluate_checkpoint
 
     report = evaluate_checkpoint(**eval_options(args))
@@ -227,22 +371,81 @@ def run_eval(args: argparse.Namespace) -> None:
     print(f"wrote {Path(args.out) / 'report.json'} and {sum(e.video is not None for e in report.episodes)} videos")
 
 
-def run_eval_real(args: argparse.Namespace) -> None:
-    from .sim.compare import compare_with_simulator, format_comparison
+# ---------------------------------------------------------------------------------------------------------------
+# eval-real
+# ---------------------------------------------------------------------------------------------------------------
 
-    result = compare_with_simulator(args.policies, num_starts=args.starts, num_chunks=args.chunks,
-                                    first_sim_seed=args.first_sim_seed, assets_dir=args.assets, device=args.device,
-                                    seed=args.seed)
-    print(format_comparison(result))
+
+def add_eval_real_command(sub) -> None:
+    real = _add_command(sub, "eval-real", "run policies in the real PushT simulator (gym-pusht), alone "
+                        "(--real-only) or next to the PushT world model from the same starts, comparing scores and "
+                        "rankings")
+    real.add_argument("--policies", default="random,scripted:0,scripted:25,agent",
+                      help="comma-separated: random, agent (the checkpoint's policy), scripted:NOISE (px), "
+                      "file:PATH (a policy file of this package: BC / GRPO / SB3), sb3:PATH or ppo:PATH "
+                      "(a save_sb3_policy file)")
+    real.add_argument("--real-only", action="store_true",
+                      help="evaluate in gym-pusht alone: success rate and final coverage with 95%% CIs")
+    real.add_argument("--starts", type=int, default=4,
+                      help="simulator start states (episodes) per policy")
+    real.add_argument("--chunks", type=int, default=None,
+                      help="action chunks per episode (default: 4 next to the world model, the checkpoint's "
+                      "max_episode_steps with --real-only)")
+    real.add_argument("--first-sim-seed", type=int, default=10_000, help="gym-pusht reset seed of the first start")
+    real.add_argument("--assets", default=None, help="PushT model folder (default: the built-in one)")
+    real.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    real.add_argument("--seed", type=int, default=0, help="policy and world-model seed")
+    real.add_argument("--out", default=None, help="write the result as JSON to this file (default: none)")
+    real.set_defaults(func=run_eval_real)
+
+
+def run_eval_real(args: argparse.Namespace) -> None:
+    from .policy_specs import parse_policy_specs
+
+    parse_policy_specs(args.policies)  # bad specs and files fail before any model or simulator loads
+    if args.out and Path(args.out).is_dir():
+        raise InputError(f"--out: {args.out} is a folder; expected a JSON file path")
+    from .sim.compare import compare_with_simulator, evaluate_in_simulator, format_comparison, format_real_only
+
+    if args.real_only:
+        result = evaluate_in_simulator(args.policies, num_episodes=args.starts, num_chunks=args.chunks,
+                                       first_sim_seed=args.first_sim_seed, assets_dir=args.assets,
+                                       device=args.device, seed=args.seed)
+        print(format_real_only(result))
+    else:
+        result = compare_with_simulator(args.policies, num_starts=args.starts, num_chunks=args.chunks or 4,
+                                        first_sim_seed=args.first_sim_seed, assets_dir=args.assets,
+                                        device=args.device, seed=args.seed)
+        print(format_comparison(result))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# demo
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def add_demo_command(sub) -> None:
+    demo = _add_command(sub, "demo", "run a few short episodes of the default env and write their videos")
+    demo.add_argument("--checkpoint", default=None,
+                      help="checkpoint directory or hub id (default: the built-in PushT world model)")
+    demo.add_argument("--policy", default="random", choices=["random", "agent"],
+                      help="uniform random actions, or the checkpoint's own policy (PolicyAgent)")
+    demo.add_argument("--episodes", type=int, default=2, help="episodes to run")
+    demo.add_argument("--steps-per-episode", type=int, default=3, help="env steps (action chunks) per episode")
+    demo.add_argument("--seed", type=int, default=0, help="env and policy seed")
+    demo.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    demo.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
+    demo.add_argument("--out", required=True, help="output directory (report.json and one mp4 per episode)")
+    demo.set_defaults(func=run_demo)
+
+
 def run_demo(args: argparse.Namespace) -> None:
+    from .demo import cached_tiny_checkpoint, run_demo as demo
     from .envs.pusht import builtin_checkpoint_dir
-    from .evaluation import cached_tiny_checkpoint, run_demo as demo
 
     if args.checkpoint is None and builtin_checkpoint_dir() is not None:
         print(f"No --checkpoint given: using the built-in PushT world model ({builtin_checkpoint_dir()}), a small "
@@ -262,6 +465,11 @@ def run_demo(args: argparse.Namespace) -> None:
         print(f"and {side_by_side['path']}: {what}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# train-vae, train
+# ---------------------------------------------------------------------------------------------------------------
+
+
 def _json_object(text: str) -> dict:
     """A JSON object given inline or as the path of a JSON file."""
     try:
@@ -275,7 +483,7 @@ def _json_object(text: str) -> dict:
 
 def add_training_commands(sub) -> None:
     """``train-vae`` and ``train`` (cosmos3_gym.training); flags left out keep the config dataclass defaults."""
-    vae = sub.add_parser("train-vae", help="train a small Wan2.2-layout VAE on an episode dataset")
+    vae = _add_command(sub, "train-vae", "train a small Wan2.2-layout VAE on an episode dataset")
     vae.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py) "
                      "or lerobot:PATH (a LeRobot v3.0 / v2.1 dataset)")
     vae.add_argument("--out", required=True, help="output folder (AutoencoderKLWan.save_pretrained)")
@@ -291,15 +499,16 @@ def add_training_commands(sub) -> None:
         ("--init-vae", str, "fine-tune this AutoencoderKLWan folder"),
         ("--camera", str, "LeRobot datasets: the video feature to train on"),
     ):
-        vae.add_argument(flag, type=kind, default=None, help=text)
+        vae.add_argument(flag, type=kind, default=None,
+                         help=text if "default" in text else f"{text} (default: VAETrainConfig's)")
     vae.add_argument("--decoder-only", action="store_true",
                      help="with --init-vae: train the decoder only (the latent space, and world models on it, stay)")
     vae.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     vae.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
     vae.set_defaults(func=run_train_vae)
 
-    train = sub.add_parser(
-        "train", help="flow-matching training of a Cosmos3 policy world model; exports a checkpoint "
+    train = _add_command(
+        sub, "train", "flow-matching training of a Cosmos3 policy world model; exports a checkpoint "
         "(multi-GPU: torchrun --nproc_per_node=N -m cosmos3_gym.cli train ...)"
     )
     train.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py) "
@@ -332,14 +541,19 @@ def add_training_commands(sub) -> None:
         ("--lora-rank", int, "train rank-r LoRA adapters on the GEN tower (0: full fine-tuning)"),
         ("--lora-alpha", float, "LoRA alpha (default: the rank)"),
     ):
-        train.add_argument(flag, type=kind, default=None, help=text)
-    train.add_argument("--model", type=_json_object, default=None, help="transformer config overrides (JSON)")
-    train.add_argument("--mode-probs", type=_json_object, default=None, help='e.g. {"policy": 0.4, ...}')
+        train.add_argument(flag, type=kind, default=None,
+                           help=text if "default" in text else f"{text} (default: WorldModelTrainConfig's)")
+    train.add_argument("--model", type=_json_object, default=None,
+                       help="transformer config overrides (JSON; default: none)")
+    train.add_argument("--mode-probs", type=_json_object, default=None,
+                       help='mode sampling probabilities, e.g. {"policy": 0.4, ...} '
+                       "(default: WorldModelTrainConfig's)")
     train.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     train.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
-    train.add_argument("--gradient-checkpointing", action="store_true")
+    train.add_argument("--gradient-checkpointing", action="store_true",
+                       help="recompute activations in the backward pass (less memory, slower)")
     train.add_argument("--fsdp-cpu-offload", action="store_true", help="fsdp: sharded states on the host")
-    train.add_argument("--freeze-text-tower", action="store_true")
+    train.add_argument("--freeze-text-tower", action="store_true", help="do not train the text tower")
     train.add_argument("--resume", action="store_true", help="continue from the saved training state")
     train.set_defaults(func=run_train)
 

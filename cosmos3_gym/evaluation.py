@@ -1,8 +1,8 @@
-"""Policy evaluation in the world model (success rate and returns per task, with confidence intervals, and videos)
-and the ``cosmos3-gym demo`` run.
+"""Policy evaluation in a Gymnasium env (success rate and returns per task, with confidence intervals, and videos).
 
 ``evaluate_policy(env, policy, episodes)`` runs ``episodes`` episodes of a ``WorldModelEnv`` or across the slots of
-a ``WorldModelVectorEnv`` (any Gymnasium env / vector env works) and returns an ``EvalReport``.
+a ``WorldModelVectorEnv`` (any Gymnasium env / vector env works) and returns an ``EvalReport``;
+``evaluate_checkpoint`` builds the env from a checkpoint and its own settings first (the CLI's ``eval``).
 
 Which episodes count. Counting the first ``episodes`` episodes to finish would favour short ones: in a world-model
 env successful episodes usually end early (termination) while failures run to the time limit, so the success rate
@@ -12,28 +12,29 @@ rule of Stable-Baselines3's ``evaluate_policy``). Slots that have run their quot
 since they share one batched model call, but their episodes are ignored. Videos are written for the episodes
 ``0 .. max_videos - 1``.
 
-Statistics (``confidence`` = 0.95 by default):
+Success must be defined, never guessed: ``info["success"]`` of an episode's last step when the env sets it (a reward
+model with a ``success_threshold``, given or from the checkpoint), else ``return > success_return_threshold`` when
+that threshold is given. Without either the report has no success rate (None), rather than one that means nothing.
 
-* success rate: Wilson score interval, which stays inside [0, 1] and keeps its coverage for small samples and rates
-  near 0 or 1, where the normal (Wald) interval fails;
-* mean return: Student-t interval, mean +- t(confidence, n - 1) * s / sqrt(n) with the sample standard deviation
-  ``s`` (None for a single episode).
+Statistics (``cosmos3_gym.statistics``, ``confidence`` = 0.95 by default): the success rate's Wilson interval; the
+mean return's Student-t interval, clipped to the return's bounds when the per-step reward bounds are known
+(``reward_bounds``: a return of an episode of up to ``L`` steps lies in ``[min(lo, L lo), max(hi, L hi)]``), else
+marked approximate.
 
-Success is ``info["success"]`` of an episode's last step when the env sets it (a reward model with a
-``success_threshold``), else ``return > success_return_threshold``.
+Progress is counted in env steps (chunks) of the counted episodes, out of ``episodes * max_episode_steps``; an
+episode that ends early adds its unused steps, so the bar ends exactly at 100 % and its ETA stays right when episodes
+run batched and end at different times.
+
+The policy-spec registry lives in ``cosmos3_gym.policy_specs``, the intervals in ``cosmos3_gym.statistics`` and the
+demo in ``cosmos3_gym.demo``; their public names are re-exported here.
 """
 
 from __future__ import annotations
 
-import copy
-import importlib
-import importlib.util
 import json
-import math
 import os
-import shutil
 import statistics
-import tempfile
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +48,8 @@ from tqdm.auto import tqdm
 from .agents import PolicyAgent
 from .errors import CheckpointError, InputError
 from .media import write_video
+from .policy_specs import RandomPolicy, load_policy
+from .statistics import check_confidence, describe_mean_interval, mean_interval, student_t_quantile, wilson_interval
 
 __all__ = [
     "DEMO_IMAGE",
@@ -56,100 +59,29 @@ __all__ = [
     "RandomPolicy",
     "Summary",
     "cached_tiny_checkpoint",
+    "checkpoint_env_defaults",
     "evaluate_checkpoint",
     "evaluate_policy",
     "load_policy",
     "mean_interval",
+    "resolve_checkpoint_name",
     "run_demo",
     "student_t_quantile",
+    "tiny_checkpoint_cache_dir",
     "wilson_interval",
 ]
 
 REPORT_FORMAT = "cosmos3_gym.eval_report/1"
-# The demo's initial state ships inside the package (a copy of examples/assets/tabletop.png) so that the demo also
-# runs from an installed wheel.
-DEMO_IMAGE = Path(__file__).parent / "assets" / "tabletop.png"
-DEMO_TASK = "push the T-shaped block onto the target"
+_DEMO_NAMES = ("DEMO_IMAGE", "DEMO_TASK", "cached_tiny_checkpoint", "run_demo", "tiny_checkpoint_cache_dir")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Confidence intervals
-# ---------------------------------------------------------------------------------------------------------------
+def __getattr__(name: str) -> Any:
+    # The demo builds on this module; its names are re-exported lazily so neither module imports the other at load.
+    if name in _DEMO_NAMES:
+        from . import demo
 
-
-def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson score interval ``(low, high)`` for a success rate of ``successes`` out of ``trials``."""
-    if trials < 1 or not 0 <= successes <= trials:
-        raise InputError(f"successes/trials: expected 0 <= successes <= trials and trials >= 1, got "
-                         f"{successes}/{trials}.")
-    z = statistics.NormalDist().inv_cdf(0.5 + _check_confidence(confidence) / 2)
-    rate = successes / trials
-    denominator = 1 + z * z / trials
-    center = (rate + z * z / (2 * trials)) / denominator
-    half_width = z / denominator * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials))
-    # At 0 and `trials` successes the bound is exactly 0 (1); the formula gives it up to rounding.
-    low = 0.0 if successes == 0 else center - half_width
-    high = 1.0 if successes == trials else center + half_width
-    return low, high
-
-
-def student_t_quantile(probability: float, df: int) -> float:
-    """The ``probability`` quantile (0.5 < probability < 1) of Student's t with ``df`` degrees of freedom.
-
-    Bisection on the exact CDF for integer ``df`` (Abramowitz & Stegun 26.7.3 / 26.7.4), so no SciPy is needed.
-    """
-    if not 0.5 < probability < 1 or isinstance(df, bool) or not isinstance(df, int) or df < 1:
-        raise InputError(f"probability/df: expected 0.5 < probability < 1 and an integer df >= 1, got "
-                         f"{probability!r}, {df!r}.")
-    target = 2 * probability - 1  # P(|T| <= t)
-    high = 1.0
-    while _t_central_probability(high, df) < target:
-        high *= 2
-    low = 0.0
-    for _ in range(200):
-        middle = (low + high) / 2
-        if _t_central_probability(middle, df) < target:
-            low = middle
-        else:
-            high = middle
-        if high - low <= 1e-12 * high:
-            break
-    return (low + high) / 2
-
-
-def _t_central_probability(t: float, df: int) -> float:
-    """``P(|T| <= t)`` for Student's t with integer ``df`` (A&S 26.7.3 for odd df, 26.7.4 for even df)."""
-    theta = math.atan(t / math.sqrt(df))
-    cos2 = math.cos(theta) ** 2
-    term = total = 1.0
-    if df % 2:
-        for k in range(1, (df - 1) // 2):  # 1 + 2/3 cos^2 + (2*4)/(3*5) cos^4 + ... up to cos^(df-3)
-            term *= cos2 * (2 * k) / (2 * k + 1)
-            total += term
-        series = math.sin(theta) * math.cos(theta) * total if df > 1 else 0.0
-        return 2 / math.pi * (theta + series)
-    for k in range(1, df // 2):  # 1 + 1/2 cos^2 + (1*3)/(2*4) cos^4 + ... up to cos^(df-2)
-        term *= cos2 * (2 * k - 1) / (2 * k)
-        total += term
-    return math.sin(theta) * total
-
-
-def mean_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:
-    """Student-t confidence interval ``(low, high)`` for the mean of ``values``; None for fewer than 2 values."""
-    confidence = _check_confidence(confidence)
-    if len(values) < 2:
-        return None
-    mean = statistics.fmean(values)
-    half_width = student_t_quantile(0.5 + confidence / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(
-        len(values)
-    )
-    return mean - half_width, mean + half_width
-
-
-def _check_confidence(confidence: Any) -> float:
-    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
-        raise InputError(f"confidence: expected a number strictly between 0 and 1, got {confidence!r}.")
-    return float(confidence)
+        return getattr(demo, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,14 +91,15 @@ def _check_confidence(confidence: Any) -> float:
 
 @dataclass
 class EpisodeResult:
-    """One evaluated episode. ``episode`` is its identity ``k * num_envs + slot`` (see the module docstring)."""
+    """One evaluated episode. ``episode`` is its identity ``k * num_envs + slot`` (see the module docstring);
+    ``success`` is None when no success definition was given."""
 
     episode: int
     slot: int
     task: str
     episode_return: float
     length: int  # env steps (chunks)
-    success: bool
+    success: bool | None
     terminated: bool
     truncated: bool
     initial_state_index: int | None
@@ -175,29 +108,32 @@ class EpisodeResult:
 
 @dataclass
 class Summary:
-    """Statistics over a group of episodes (all of them, or one task's)."""
+    """Statistics over a group of episodes (all of them, or one task's). The success fields are None when success is
+    undefined (no success threshold given)."""
 
     episodes: int
-    successes: int
-    success_rate: float
-    success_rate_interval: tuple[float, float]  # Wilson
+    successes: int | None
+    success_rate: float | None
+    success_rate_interval: tuple[float, float] | None  # Wilson
     mean_return: float
     return_std: float | None  # sample standard deviation; None for one episode
-    mean_return_interval: tuple[float, float] | None  # Student t; None for one episode
+    mean_return_interval: tuple[float, float] | None  # Student t (clipped to return_bounds); None for one episode
     mean_length: float
 
     @classmethod
-    def of(cls, results: Sequence[EpisodeResult], confidence: float) -> "Summary":
+    def of(cls, results: Sequence[EpisodeResult], confidence: float,
+           return_bounds: tuple[float, float] | None = None) -> "Summary":
         returns = [result.episode_return for result in results]
-        successes = sum(result.success for result in results)
+        defined = all(result.success is not None for result in results)
+        successes = sum(bool(result.success) for result in results) if defined else None
         return cls(
             episodes=len(results),
             successes=successes,
-            success_rate=successes / len(results),
-            success_rate_interval=wilson_interval(successes, len(results), confidence),
+            success_rate=successes / len(results) if defined else None,
+            success_rate_interval=wilson_interval(successes, len(results), confidence) if defined else None,
             mean_return=statistics.fmean(returns),
             return_std=statistics.stdev(returns) if len(returns) > 1 else None,
-            mean_return_interval=mean_interval(returns, confidence),
+            mean_return_interval=mean_interval(returns, confidence, return_bounds),
             mean_length=statistics.fmean(result.length for result in results),
         )
 
@@ -206,8 +142,8 @@ class Summary:
 class EvalReport:
     """What ``evaluate_policy`` measured: every episode, the totals and the per-task statistics.
 
-    ``settings`` records how the run was made (episodes, num_envs, seed, policy, confidence, interval methods,
-    wall time); callers may add entries (the CLI adds the checkpoint and env settings).
+    ``settings`` records how the run was made (episodes, num_envs, seed, policy, confidence, success definition,
+    interval methods, wall time); callers may add entries (the CLI adds the checkpoint and env settings).
     """
 
     episodes: list[EpisodeResult]
@@ -231,22 +167,32 @@ class EvalReport:
         return path
 
     def table(self) -> str:
-        """A short plain-text table: episodes, success rate and mean return per task and overall, with intervals."""
+        """A plain-text table: episodes, success rate and mean return per task and overall, with intervals. Task
+        names are never cut; a mean-return interval marked ``~`` is approximate (reward bounds unknown)."""
         level = f"{round(100 * self.settings.get('confidence', 0.95))}% CI"
-        rows = [("task", "episodes", f"success rate [{level}]", f"mean return [{level}]")]
+        approximate = self.settings.get("return_bounds") is None
+        rows = [("task", "episodes", f"success rate [{level}]", f"mean return [{level}{', ~' if approximate else ''}]")]
         for name, summary in [*self.per_task.items(), ("(all)", self.overall)]:
-            low, high = summary.success_rate_interval
+            if summary.success_rate is None:
+                success = "n/a"
+            else:
+                success = "{:.2f} [{:.2f}, {:.2f}]".format(summary.success_rate, *summary.success_rate_interval)
             ret = f"{summary.mean_return:.4g}"
             if summary.mean_return_interval is not None:
                 ret += " [{:.4g}, {:.4g}]".format(*summary.mean_return_interval)
-            rows.append((_shorten(name or '""', 40), str(summary.episodes),
-                         f"{summary.success_rate:.2f} [{low:.2f}, {high:.2f}]", ret))
+            rows.append((name or '""', str(summary.episodes), success, ret))
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
-        return "\n".join(
+        lines = [
             "  ".join(cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in
                       enumerate(zip(row, widths))).rstrip()
             for row in rows
-        )
+        ]
+        if self.overall.success_rate is None:
+            lines.append("success rate: n/a, no success definition (give a success threshold, or a checkpoint or "
+                         "env that defines one)")
+        if approximate:
+            lines.append("~: the reward's bounds are unknown, so the mean-return interval is approximate")
+        return "\n".join(lines)
 
 
 def _json_default(value: Any) -> Any:
@@ -257,92 +203,20 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def _shorten(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
+def return_bounds(reward_bounds: tuple[float, float] | None, max_length: int | None) -> tuple[float, float] | None:
+    """The bounds of an episode's return for per-step rewards in ``reward_bounds`` and episodes of 1 ..
+    ``max_length`` steps; None when either is unknown."""
+    if reward_bounds is None or max_length is None:
+        return None
+    low, high = (float(bound) for bound in reward_bounds)
+    if not low <= high:
+        raise InputError(f"reward_bounds: expected (low, high) with low <= high, got {reward_bounds!r}.")
+    return min(low, max_length * low), max(high, max_length * high)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Policies
+# Evaluation
 # ---------------------------------------------------------------------------------------------------------------
-
-
-class RandomPolicy:
-    """Uniformly random actions from (a seeded copy of) an action space; batched for a vector env's space."""
-
-    name = "random"
-
-    def __init__(self, action_space: gym.Space, seed: int | None = 0):
-        self.action_space = copy.deepcopy(action_space)
-        self.action_space.seed(seed)
-
-    def __call__(self, observation: Any) -> Any:
-        return self.action_space.sample()
-
-
-def load_policy(spec: str, env: gym.Env | VectorEnv, *, seed: int | None = 0) -> Any:
-    """A policy for ``env`` from a spec string.
-
-    * ``"random"``: ``RandomPolicy`` over the env's action space (batched for a vector env), seeded with ``seed``;
-    * ``"agent"``: the checkpoint's own policy, a ``PolicyAgent`` on the env's engine with the env's settings
-      (domain, chunk, sampling steps, guidance, resolution tier, fps), seeded with ``seed``;
-    * ``"module:factory"`` or ``"path/to/file.py:factory"``: imports ``factory`` and returns ``factory(env)``, which
-      must be a callable ``obs -> action`` or an object with Stable-Baselines3's ``predict`` (e.g.
-      ``PPO.load(...)``). Dotted names (``"module:Class.build"``) are followed.
-    """
-    if not isinstance(spec, str) or not spec:
-        raise InputError(f"policy: expected 'random', 'agent' or 'module:factory', got {spec!r}.")
-    if spec == "random":
-        return RandomPolicy(env.action_space, seed)
-    if spec == "agent":
-        return PolicyAgent(**_agent_settings(env), seed=seed)
-    module_name, colon, attribute = spec.rpartition(":")
-    if not colon or not module_name or not attribute:
-        raise InputError(
-            f"policy: expected 'random', 'agent', 'module:factory' or 'path/to/file.py:factory', got {spec!r}."
-        )
-    factory = _import_attribute(module_name, attribute, spec)
-    if not callable(factory):
-        raise InputError(f"policy: {spec!r} is a {type(factory).__name__}, not a callable factory(env) -> policy.")
-    policy = factory(env)
-    if not (callable(policy) or callable(getattr(policy, "predict", None))):
-        raise InputError(
-            f"policy: the factory {spec!r} returned a {type(policy).__name__}; expected a callable obs -> action or "
-            "an object with a Stable-Baselines3 predict() method."
-        )
-    return policy
-
-
-def _import_attribute(module_name: str, attribute: str, spec: str) -> Any:
-    if module_name.endswith(".py"):
-        path = Path(module_name).expanduser()
-        if not path.is_file():
-            raise InputError(f"policy: file not found: {path} (in {spec!r}).")
-        module_spec = importlib.util.spec_from_file_location(f"cosmos3_gym_policy_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as error:
-            raise InputError(f"policy: cannot import module {module_name!r} from {spec!r}: {error}.") from error
-    value = module
-    for name in attribute.split("."):
-        if not hasattr(value, name):
-            raise InputError(f"policy: {module_name!r} has no attribute {attribute!r} (from {spec!r}).")
-        value = getattr(value, name)
-    return value
-
-
-def _agent_settings(env: Any) -> dict[str, Any]:
-    """The ``PolicyAgent`` arguments that match a world-model env's own settings (``env.settings``)."""
-    base = getattr(env, "unwrapped", env)
-    settings = getattr(base, "settings", None)
-    if settings is None:
-        raise InputError(
-            f"policy: 'agent' needs a cosmos3_gym world-model env (WorldModelEnv / WorldModelVectorEnv), got "
-            f"{type(env).__name__}."
-        )
-    return dict(engine=base.engine, settings=settings)
 
 
 def _policy_name(policy: Any) -> str:
@@ -410,10 +284,11 @@ class _RunningEpisode:
 class _EpisodeBook:
     """Which episode runs in each slot, and the results of the finished ones that count."""
 
-    def __init__(self, num_envs: int, episodes: int, success_return_threshold: float, max_videos: int,
-                 video_dir: Path | None, fps: float, bar):
+    def __init__(self, num_envs: int, episodes: int, success_return_threshold: float | None, max_videos: int,
+                 video_dir: Path | None, fps: float, bar, max_episode_steps: int | None):
         self.num_envs, self.episodes, self.success_return_threshold = num_envs, episodes, success_return_threshold
         self.max_videos, self.video_dir, self.fps, self.bar = max_videos, video_dir, fps, bar
+        self.max_episode_steps = max_episode_steps
         self.started = [0] * num_envs
         self.running: list[_RunningEpisode | None] = [None] * num_envs
         self.finished: list[EpisodeResult] = []
@@ -431,12 +306,19 @@ class _EpisodeBook:
         self.running[slot] = _RunningEpisode(episode, str(_slot_value(info, "task", slot, "")),
                                              None if index is None else int(index), clips)
 
+    def counts(self, slot: int) -> bool:
+        """Whether the episode running in ``slot`` is one of the evaluated ones (within the slot's quota)."""
+        return self.running[slot] is not None and self.running[slot].episode < self.episodes
+
     def finish(self, slot: int, step_info: dict, terminated: bool, truncated: bool) -> None:
         current = self.running[slot]
         if current.episode >= self.episodes:  # beyond this slot's quota: not part of the evaluation
             return
         success = step_info.get("success")
-        success = bool(success) if success is not None else current.episode_return > self.success_return_threshold
+        if success is not None:
+            success = bool(success)
+        elif self.success_return_threshold is not None:
+            success = current.episode_return > self.success_return_threshold
         video = None
         if current.clips:
             video = f"episode_{current.episode:04d}.mp4"
@@ -445,7 +327,9 @@ class _EpisodeBook:
             current.episode, slot, current.task, current.episode_return, current.length, success, terminated,
             truncated, current.initial_state_index, video,
         ))
-        self.bar.update(1)
+        if self.max_episode_steps is not None and current.length < self.max_episode_steps:
+            self.bar.update(self.max_episode_steps - current.length)  # the steps this episode will not take
+        self.bar.set_postfix(episodes=f"{len(self.finished)}/{self.episodes}", refresh=False)
 
 
 def evaluate_policy(
@@ -456,10 +340,12 @@ def evaluate_policy(
     seed: int | None = 0,
     video_dir: str | os.PathLike | None = None,
     max_videos: int = 8,
-    success_return_threshold: float = 0.0,
+    success_return_threshold: float | None = None,
     confidence: float = 0.95,
     deterministic: bool = True,
     progress: bool = True,
+    max_episode_steps: int | None = None,
+    reward_bounds: tuple[float, float] | None = None,
 ) -> EvalReport:
     """Run ``episodes`` episodes of ``policy`` in ``env`` and report success and return per task.
 
@@ -470,13 +356,17 @@ def evaluate_policy(
     ``video_dir``: write ``episode_NNNN.mp4`` for the episodes ``0 .. max_videos - 1``; frames come from
     ``info["frames"]`` (make the env with ``return_frames=True``) or else from ``render()`` (``render_mode=
     "rgb_array"``: one frame per step; under SAME_STEP autoreset an episode's last frame is then missing).
+    ``success_return_threshold``: where the env sets no ``info["success"]``, an episode succeeds when its return
+    exceeds this; with neither, success (and the success rate) is None. ``max_episode_steps``: the episodes' step
+    limit for the progress bar and the return's bounds (default: the env's spec or settings). ``reward_bounds``:
+    the per-step reward's ``(low, high)``, to clip the mean-return interval to the return's bounds.
     See the module docstring for which episodes count, success and the intervals.
     """
     if isinstance(episodes, bool) or not isinstance(episodes, (int, np.integer)) or episodes < 1:
         raise InputError(f"episodes: expected an integer >= 1, got {episodes!r}.")
     if isinstance(max_videos, bool) or not isinstance(max_videos, (int, np.integer)) or max_videos < 0:
         raise InputError(f"max_videos: expected an integer >= 0, got {max_videos!r}.")
-    confidence = _check_confidence(confidence)
+    confidence = check_confidence(confidence)
     episodes = int(episodes)
     if video_dir is not None:
         video_dir = Path(video_dir)
@@ -490,12 +380,18 @@ def evaluate_policy(
     act = _act_function(policy, batched, deterministic)
     num_envs = vector_env.num_envs
     fps = float(vector_env.metadata.get("render_fps") or 15.0)
+    if max_episode_steps is None:
+        max_episode_steps = _max_episode_steps(env)
+    elif isinstance(max_episode_steps, bool) or not isinstance(max_episode_steps, (int, np.integer)) or \
+            max_episode_steps < 1:
+        raise InputError(f"max_episode_steps: expected an integer >= 1 or None, got {max_episode_steps!r}.")
 
     wall_start = time.perf_counter()
     vector_steps = 0
-    with tqdm(total=episodes, unit="episode", desc="evaluating", disable=not progress) as bar:
+    total = None if max_episode_steps is None else episodes * int(max_episode_steps)
+    with tqdm(total=total, unit="step", desc="evaluating (env steps)", disable=not progress, file=sys.stderr) as bar:
         book = _EpisodeBook(num_envs, episodes, success_return_threshold,
-                            int(max_videos) if video_dir is not None else 0, video_dir, fps, bar)
+                            int(max_videos) if video_dir is not None else 0, video_dir, fps, bar, max_episode_steps)
         observations, info = vector_env.reset(seed=seed)
         for slot in range(num_envs):
             book.start(slot, info, observations)
@@ -519,6 +415,8 @@ def evaluate_policy(
                 current = book.running[slot]
                 current.episode_return += float(rewards[slot])
                 current.length += 1
+                if book.counts(slot):
+                    bar.update(1)
                 if current.clips is not None:
                     if "frames" in step_info:
                         current.clips.append(np.asarray(step_info["frames"]))
@@ -540,25 +438,37 @@ def evaluate_policy(
 
     finished = sorted(book.finished, key=lambda result: result.episode)
     tasks = sorted({result.task for result in finished})
+    longest = max(result.length for result in finished)
+    bounds = return_bounds(reward_bounds, max(int(max_episode_steps or 0), longest))
+    if success_return_threshold is not None:
+        success_rule = (f"info['success'] of the last step when the env sets it, else return > "
+                        f"{success_return_threshold}")
+    elif all(result.success is not None for result in finished):
+        success_rule = "info['success'] of the last step (the env's success threshold)"
+    else:
+        success_rule = None
     settings = {
         "episodes": episodes,
         "num_envs": num_envs,
         "seed": seed,
         "policy": _policy_name(policy),
         "autoreset_mode": autoreset.value,
-        "success": "info['success'] of the last step when the env sets it, else return > success_return_threshold",
+        "success": success_rule,
         "success_return_threshold": success_return_threshold,
         "confidence": confidence,
-        "success_rate_interval": "wilson",
-        "mean_return_interval": "student_t",
+        "success_rate_interval": "wilson" if success_rule is not None else None,
+        "mean_return_interval": describe_mean_interval(bounds),
+        "reward_bounds": None if reward_bounds is None else [float(b) for b in reward_bounds],
+        "return_bounds": None if bounds is None else list(bounds),
+        "max_episode_steps": max_episode_steps,
         "video_dir": None if video_dir is None else str(video_dir),
         "env_steps": vector_steps,
         "wall_s": time.perf_counter() - wall_start,
     }
     return EvalReport(
         episodes=finished,
-        overall=Summary.of(finished, confidence),
-        per_task={task: Summary.of([r for r in finished if r.task == task], confidence) for task in tasks},
+        overall=Summary.of(finished, confidence, bounds),
+        per_task={task: Summary.of([r for r in finished if r.task == task], confidence, bounds) for task in tasks},
         settings=settings,
     )
 
@@ -605,14 +515,51 @@ def _concatenate_clips(clips: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([clip for clip in clips if clip.shape[1:] == size])
 
 
+
+
+def _max_episode_steps(env: Any) -> int | None:
+    """The env's episode step limit: its registered spec's, else its settings' (None when unbounded/unknown)."""
+    spec = getattr(env, "spec", None)
+    if getattr(spec, "max_episode_steps", None):
+        return int(spec.max_episode_steps)
+    unwrapped = getattr(env, "unwrapped", env)
+    settings = getattr(unwrapped, "settings", None) or getattr(unwrapped, "_core", None)
+    # `settings` is the WorldModelSettings of issue 19; `_core` the envs' shared core before it (same attribute).
+    value = getattr(settings, "max_episode_steps", None)
+    return int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else None
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Evaluating a checkpoint (the CLI's `eval` and `demo`)
+# Evaluating a checkpoint (the CLI's `eval`)
 # ---------------------------------------------------------------------------------------------------------------
+
+BUILTIN_NAMES = ("pusht", "builtin:pusht")
+# meta.json keys a checkpoint may carry for the env; the rest of meta.json describes training.
+_META_ENV_KEYS = ("domain", "raw_action_dim", "chunk", "resolution_tier", "fps", "num_steps", "guidance_scale",
+                  "task", "success_threshold", "max_episode_steps")
+# Used where neither the user nor the checkpoint gives a setting.
+FALLBACK_ENV_SETTINGS = dict(domain="droid_lerobot", chunk=32, resolution_tier=480, fps=15.0, num_steps=4,
+                             guidance_scale=3.0, max_episode_steps=10)
+
+
+def resolve_checkpoint_name(checkpoint: str | os.PathLike) -> str | os.PathLike:
+    """``"pusht"`` / ``"builtin:pusht"`` -> the built-in PushT checkpoint folder; anything else unchanged."""
+    if str(checkpoint) not in BUILTIN_NAMES:
+        return checkpoint
+    from .envs.pusht import load_pusht_assets
+
+    return load_pusht_assets().checkpoint  # CheckpointError saying how to get it when it is not installed
 
 
 def checkpoint_env_defaults(checkpoint: str | os.PathLike) -> dict[str, Any]:
-    """Env settings a trained checkpoint records in ``meta.json`` (domain, raw_action_dim, chunk, resolution_tier,
-    fps); empty for checkpoints without one (hub ids, converted releases)."""
+    """The env settings a checkpoint carries: the ``meta.json`` entries domain, raw_action_dim, chunk,
+    resolution_tier, fps, num_steps, guidance_scale, task, success_threshold and max_episode_steps; for a checkpoint
+    inside a PushT model folder (the built-in one, or one of ``benchmarks/recipes/train_pusht.py``) also its reward
+    model, start frames and action statistics. Empty for checkpoints without a ``meta.json`` (hub ids, converted
+    releases).
+
+    (A local reader until ``checkpoint.checkpoint_defaults`` of issue 20 is merged.)"""
+    checkpoint = resolve_checkpoint_name(checkpoint)
     path = Path(checkpoint).expanduser() / "meta.json"
     if not path.is_file():
         return {}
@@ -620,7 +567,29 @@ def checkpoint_env_defaults(checkpoint: str | os.PathLike) -> dict[str, Any]:
         meta = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"checkpoint: cannot read {path}: {error}") from error
-    return {key: meta[key] for key in ("domain", "raw_action_dim", "chunk", "resolution_tier", "fps") if key in meta}
+    defaults = {key: meta[key] for key in _META_ENV_KEYS if key in meta}
+    root = path.parent.parent
+    if (root / "reward_model" / "config.json").is_file() and (root / "initial_states.npz").is_file():
+        from .envs.pusht import load_pusht_assets, pusht_env_defaults
+
+        pusht = pusht_env_defaults(load_pusht_assets(root))
+        defaults.update({key: pusht[key] for key in ("reward_model", "initial_states", "action_stats") if key in pusht})
+    return defaults
+
+
+def _initial_states_argument(initial_states: Any) -> Any:
+    """An ``.npz`` of start frames ``[N, H, W, 3]`` (the PushT layout) becomes its N states; the env would read the
+    file as one state and start every episode from its first frame."""
+    if isinstance(initial_states, (str, os.PathLike)) and str(initial_states).endswith(".npz"):
+        path = Path(initial_states).expanduser()
+        if path.is_file():
+            with np.load(path, allow_pickle=False) as archive:
+                multiple = "frames" in archive.files and archive["frames"].ndim == 4
+            if multiple:
+                from .envs.pusht import read_initial_states
+
+                return read_initial_states(path)
+    return initial_states
 
 
 def evaluate_checkpoint(
@@ -630,160 +599,95 @@ def evaluate_checkpoint(
     policy: str = "agent",
     episodes: int = 10,
     num_envs: int = 1,
-    initial_states: Any,
+    initial_states: Any = None,
     task: str | None = None,
     reward_model: Any = None,
+    reward_bounds: tuple[float, float] | None = None,
     success_threshold: float | None = None,
-    success_return_threshold: float = 0.0,
-    max_episode_steps: int = 10,
+    success_return_threshold: float | None = None,
+    max_episode_steps: int | None = None,
     domain: str | int | None = None,
     raw_action_dim: int | None = None,
     chunk: int | None = None,
-    num_steps: int = 4,
-    guidance_scale: float = 3.0,
+    num_steps: int | None = None,
+    guidance_scale: float | None = None,
     resolution_tier: int | None = None,
     fps: float | None = None,
+    observation_size: int | tuple[int, int] | None = None,
     device: str | None = None,
     dtype: str | None = None,
     seed: int = 0,
     max_videos: int = 8,
     progress: bool = True,
     extra_settings: dict[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> EvalReport:
-    """Load ``checkpoint`` into a ``WorldModelVectorEnv`` of ``num_envs`` slots, evaluate ``policy`` (a
-    ``load_policy`` spec) for ``episodes`` episodes and write ``out_dir/report.json`` and the episode videos.
+    """Load ``checkpoint`` (a folder, hub id, or ``"pusht"`` for the built-in model) into a ``WorldModelVectorEnv``
+    of ``num_envs`` slots, evaluate ``policy`` (a ``policy_specs`` spec) for ``episodes`` episodes and write
+    ``out_dir/report.json`` and the episode videos.
 
-    Settings left at None come from the checkpoint's ``meta.json`` when it has one, else: domain "droid_lerobot",
-    chunk 32, resolution tier 480, 15 fps. ``extra_settings`` are added to the report's settings.
+    Settings left at None come from the checkpoint (``checkpoint_env_defaults``: its meta.json, and for a PushT
+    model folder its reward model and start frames), else ``FALLBACK_ENV_SETTINGS``; each setting given that differs
+    from the checkpoint's is reported through ``log`` (default: stderr) and in the report's ``overrides``.
+    ``observation_size``: the policy's image size (an int for square images), as ``WorldModelEnv``'s.
+    ``reward_bounds``: the per-step reward's range (default: [0, 1] for a classifier reward model, which scores
+    with a sigmoid; else unknown). ``extra_settings`` are added to the report's settings.
     """
     from .envs import WorldModelVectorEnv
 
+    log = log if log is not None else (lambda message: print(message, file=sys.stderr))
+    checkpoint = resolve_checkpoint_name(checkpoint)
     recorded = checkpoint_env_defaults(checkpoint)
-    settings = dict(
-        domain=domain if domain is not None else recorded.get("domain", "droid_lerobot"),
-        raw_action_dim=raw_action_dim if raw_action_dim is not None else recorded.get("raw_action_dim"),
-        chunk=chunk if chunk is not None else recorded.get("chunk", 32),
-        resolution_tier=resolution_tier if resolution_tier is not None else recorded.get("resolution_tier", 480),
-        fps=fps if fps is not None else recorded.get("fps", 15.0),
-        num_steps=num_steps, guidance_scale=guidance_scale, task=task, reward_model=reward_model,
-        success_threshold=success_threshold, max_episode_steps=max_episode_steps,
-    )
+    given = dict(domain=domain, raw_action_dim=raw_action_dim, chunk=chunk, resolution_tier=resolution_tier, fps=fps,
+                 num_steps=num_steps, guidance_scale=guidance_scale, task=task, reward_model=reward_model,
+                 success_threshold=success_threshold, max_episode_steps=max_episode_steps,
+                 initial_states=initial_states)
+    settings, overrides = {}, {}
+    for key, value in given.items():
+        if value is not None:
+            settings[key] = value
+            if key in recorded and key != "initial_states" and recorded[key] != value:
+                overrides[key] = {"checkpoint": recorded[key], "used": value}
+                log(f"eval: using {key}={value!r} instead of the checkpoint's {recorded[key]!r}")
+        elif key in recorded:
+            settings[key] = recorded[key]
+        elif key in FALLBACK_ENV_SETTINGS:
+            settings[key] = FALLBACK_ENV_SETTINGS[key]
+        else:
+            settings[key] = None
+    if settings["initial_states"] is None:
+        raise InputError("initial_states: this checkpoint ships no start states; give an image, video or folder "
+                         "(--initial-states).")
+    if settings["reward_model"] is None and settings["success_threshold"] is not None and success_threshold is None:
+        settings["success_threshold"] = None  # the checkpoint's threshold applies to its reward model only
+    if reward_bounds is None and str(settings["reward_model"] or "").startswith("classifier:"):
+        reward_bounds = (0.0, 1.0)
+    if recorded.get("action_stats") is not None:
+        settings["action_stats"] = recorded["action_stats"]
+    if isinstance(observation_size, (int, np.integer)) and not isinstance(observation_size, bool):
+        observation_size = (int(observation_size), int(observation_size))
     out_dir = Path(out_dir)
     env = WorldModelVectorEnv(
-        num_envs, checkpoint, initial_states=initial_states, return_frames=max_videos > 0, device=device,
-        dtype=dtype, **settings,
+        num_envs, checkpoint, **{**settings, "initial_states": _initial_states_argument(settings["initial_states"])},
+        observation_size=observation_size, return_frames=max_videos > 0, device=device, dtype=dtype,
     )
     try:
         agent = load_policy(policy, env, seed=seed)
         report = evaluate_policy(
             env, agent, episodes, seed=seed, video_dir=out_dir if max_videos > 0 else None, max_videos=max_videos,
             success_return_threshold=success_return_threshold, progress=progress,
+            max_episode_steps=settings["max_episode_steps"], reward_bounds=reward_bounds,
         )
     finally:
         env.close()
     report.settings.update(
-        policy=policy, checkpoint=str(checkpoint),
-        initial_states=str(initial_states) if isinstance(initial_states, (str, os.PathLike)) else "<in memory>",
+        policy=policy, checkpoint=str(checkpoint), overrides=overrides,
+        initial_states=str(settings["initial_states"])
+        if isinstance(settings["initial_states"], (str, os.PathLike)) else "<from the checkpoint or in memory>",
+        observation_size=None if observation_size is None else list(observation_size),
         env={key: (value if isinstance(value, (str, int, float, type(None))) else str(value))
-             for key, value in settings.items()},
+             for key, value in settings.items() if key != "initial_states"},
         **(extra_settings or {}),
     )
-    report.to_json(out_dir / "report.json")
-    return report
-
-
-def tiny_checkpoint_cache_dir() -> Path:
-    """Where ``cached_tiny_checkpoint`` keeps its checkpoint: ``$XDG_CACHE_HOME/cosmos3_gym`` (default
-    ``~/.cache/cosmos3_gym``), one directory per package version."""
-    from . import __version__
-
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
-    return root / "cosmos3_gym" / f"tiny-checkpoint-{__version__}"
-
-
-def cached_tiny_checkpoint() -> Path:
-    """The tiny RANDOM-weight checkpoint (``testing.build_tiny_checkpoint(seed=0)``), built once into
-    ``tiny_checkpoint_cache_dir()`` and reused. Built in a temporary sibling folder and renamed into place, so an
-    interrupted or concurrent build never leaves a half-written checkpoint behind."""
-    from .checkpoint import validate_checkpoint
-    from .testing import build_tiny_checkpoint
-
-    target = tiny_checkpoint_cache_dir()
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        building = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-        try:
-            build_tiny_checkpoint(building, seed=0)
-            building.rename(target)
-        except OSError:
-            if not target.exists():  # not a concurrent build that got there first
-                raise
-        finally:
-            if building.exists():
-                shutil.rmtree(building, ignore_errors=True)
-    try:
-        validate_checkpoint(target)
-    except CheckpointError as error:
-        raise CheckpointError(f"{error}\nThe cached tiny checkpoint {target} is damaged; delete it to rebuild.") \
-            from error
-    return target
-
-
-def run_demo(
-    out_dir: str | os.PathLike,
-    *,
-    checkpoint: str | os.PathLike | None = None,
-    policy: str = "random",
-    episodes: int = 2,
-    steps_per_episode: int = 3,
-    chunk: int | None = None,
-    num_steps: int = 4,
-    seed: int = 0,
-    device: str | None = None,
-    dtype: str | None = None,
-    progress: bool = True,
-) -> EvalReport:
-    """A few short episodes with a ``"random"`` or ``"agent"`` policy; writes ``out_dir/report.json`` and one mp4 per
-    episode. Without ``checkpoint``: the built-in PushT world model (its start frames, reward model and settings),
-    plus ``out_dir/side_by_side.mp4`` (the real simulator next to the world model where gym-pusht is installed);
-    if the built-in model is not installed, ``cached_tiny_checkpoint()`` (random weights) on the tabletop image."""
-    from .envs.pusht import builtin_checkpoint_dir
-
-    if policy not in ("random", "agent"):
-        raise InputError(f"policy: the demo takes 'random' or 'agent', got {policy!r}.")
-    if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
-        raise InputError(f"episodes: expected an integer >= 1, got {episodes!r}.")
-    if checkpoint is None and builtin_checkpoint_dir() is not None:
-        return _pusht_demo(Path(out_dir), policy, episodes, steps_per_episode, num_steps, seed, device, dtype,
-                           progress)
-    random_weights = checkpoint is None
-    checkpoint = cached_tiny_checkpoint() if checkpoint is None else checkpoint
-    recorded = checkpoint_env_defaults(checkpoint)
-    return evaluate_checkpoint(
-        checkpoint, out_dir, policy=policy, episodes=episodes, num_envs=min(episodes, 8), initial_states=DEMO_IMAGE,
-        task=DEMO_TASK, max_episode_steps=steps_per_episode, domain=recorded.get("domain", "pusht"),
-        chunk=chunk if chunk is not None else recorded.get("chunk", 8), num_steps=num_steps, resolution_tier=256,
-        device=device, dtype=dtype, seed=seed, max_videos=episodes, progress=progress,
-        extra_settings={"random_weights": random_weights},
-    )
-
-
-def _pusht_demo(out_dir: Path, policy, episodes, steps_per_episode, num_steps, seed, device, dtype, progress):
-    """The built-in PushT world model: episodes in the vector env, then the side-by-side video on the same engine."""
-    from .envs.pusht import builtin_checkpoint_dir, make_pusht_vector_env
-    from .sim.pusht import side_by_side
-
-    env = make_pusht_vector_env(num_envs=min(episodes, 8), max_episode_steps=steps_per_episode, num_steps=num_steps,
-                                return_frames=True, device=device, dtype=dtype)
-    try:
-        agent = load_policy(policy, env, seed=seed)
-        report = evaluate_policy(env, agent, episodes, seed=seed, video_dir=out_dir, max_videos=episodes,
-                                 progress=progress)
-        video = side_by_side(out_dir / "side_by_side.mp4", seed=seed, num_chunks=steps_per_episode,
-                             engine=env.engine, num_steps=num_steps)
-    finally:
-        env.close()
-    report.settings.update(policy=policy, checkpoint=str(builtin_checkpoint_dir()), random_weights=False,
-                           side_by_side=video)
     report.to_json(out_dir / "report.json")
     return report

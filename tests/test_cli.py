@@ -1,5 +1,6 @@
 """``cosmos3-gym infer`` / ``make-tiny-checkpoint``: outputs, parity of saved frames with diffusers, bad input."""
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -148,3 +149,69 @@ def test_make_tiny_checkpoint_command(tmp_path, capsys):
     assert "RANDOM" in capsys.readouterr().out
     assert (tmp_path / "ckpt" / "transformer" / "config.json").exists()
     assert main(["make-tiny-checkpoint", str(tmp_path / "ckpt")]) == 2  # refuses to overwrite
+
+
+def test_inverse_dynamics_video_of_the_wrong_length_is_an_error_naming_the_count(tiny_checkpoint, tmp_path, capsys):
+    """Issue 20: a video whose frame count does not match the chunk ran anyway."""
+    video = np.random.default_rng(2).integers(0, 256, (7, 64, 64, 3), dtype=np.uint8)
+    iio.imwrite(tmp_path / "clip.gif", video, duration=60, loop=0)
+    assert infer(tiny_checkpoint, tmp_path / "inv", "--video", str(tmp_path / "clip.gif"),
+                 "--mode", "inverse_dynamics", "--no-decode") == 2
+    err = capsys.readouterr().err.strip()
+    assert "--video: inverse_dynamics with chunk 4 needs 5 frames" in err and "has 7" in err
+    assert len(err.splitlines()) == 1
+
+
+def _all_parsers():
+    from cosmos3_gym.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, subparsers.choices
+
+
+def test_every_option_has_help_and_a_shown_default_and_no_rst_markup():
+    from cosmos3_gym.cli import HelpFormatter
+
+    parser, commands = _all_parsers()
+    assert "`" not in parser.format_help()
+    for name, command in commands.items():
+        text = command.format_help()
+        assert "`" not in text, name
+        formatter = HelpFormatter(name)
+        for action in command._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            assert action.help, (name, action.option_strings)
+            shown = formatter._get_help_string(action)
+            assert action.required or "default" in shown, (name, action.option_strings, shown)
+
+
+def test_version_flag(capsys):
+    from cosmos3_gym import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"cosmos3-gym {__version__}"
+
+
+def test_cli_import_help_and_argument_errors_do_not_import_torch(tmp_path):
+    """Issue 20: the CLI imported torch (12-19 s on a loaded machine) before checking that a file exists."""
+    script = (
+        "import sys\n"
+        "from cosmos3_gym.cli import build_parser, main\n"
+        "build_parser().format_help()\n"
+        f"codes = [main(['infer', '--checkpoint', 'pusht', '--image', {str(tmp_path / 'no.png')!r}, '--out', 'x']),\n"
+        f"         main(['eval', '--initial-states', {str(tmp_path / 'none')!r}, '--out', 'x']),\n"
+        f"         main(['eval', '--checkpoint', {str(tmp_path / 'no' / 'ckpt')!r}, '--out', 'x']),\n"
+        "         main(['eval-real', '--policies', 'nope'])]\n"
+        "heavy = ('torch', 'diffusers', 'stable_baselines3', 'cosmos3_gym.engine')\n"
+        "heavy = sorted(m for m in heavy if m in sys.modules)\n"
+        "print(codes, heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[2, 2, 2, 2] []"
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 4 and all("error:" in line for line in errors)
+    assert "no.png" in errors[0] and "--initial-states" in errors[1] and "--checkpoint" in errors[2]

@@ -1,9 +1,10 @@
-"""Policy evaluation: confidence intervals, episode counting over vector-env slots in every autoreset mode, per-task
-statistics, the report JSON, videos, policy loading, and the ``eval`` / ``demo`` commands.
+"""Policy evaluation: confidence intervals (bounded where the values are), episode counting over vector-env slots in
+every autoreset mode, per-task statistics, the report JSON, videos, policy loading, and the ``eval`` / ``demo``
+commands.
 
 Episodes end deterministically: a reward model scores 1 for the task "finish" and 0 otherwise; with
 ``success_threshold=0.5`` a "finish" slot terminates (successfully) after every chunk and the others run to
-``max_episode_steps``.
+``max_episode_steps``. Without a success definition there is no success rate.
 """
 
 import json
@@ -22,6 +23,7 @@ from cosmos3_gym.cli import main
 from cosmos3_gym.engine import Cosmos3Engine
 from cosmos3_gym.envs import WorldModelEnv, WorldModelVectorEnv
 from cosmos3_gym.errors import InputError
+from cosmos3_gym import evaluation, policy_specs, statistics
 from cosmos3_gym.evaluation import (
     RandomPolicy,
     cached_tiny_checkpoint,
@@ -109,6 +111,29 @@ def test_mean_interval_is_the_student_t_interval():
     assert mean_interval([1.0]) is None
 
 
+def test_mean_interval_respects_known_bounds():
+    """Issue 20: two returns 0.0 and 0.007 of rewards in [0, 1] gave [-1.458, 1.713]; with the bounds it stays in."""
+    plain = mean_interval([0.0, 0.007])
+    assert plain[0] < 0
+    low, high = mean_interval([0.0, 0.007], bounds=(0.0, 1.0))
+    assert low == 0.0 and high == pytest.approx(plain[1])
+    assert mean_interval([0.9, 1.0, 1.0], bounds=(0.0, 1.0))[1] == 1.0
+    with pytest.raises(InputError, match="outside the given bounds"):
+        mean_interval([0.5, 2.0], bounds=(0.0, 1.0))
+    summary = statistics.mean_summary([0.0, 0.007], bounds=(0.0, 1.0))
+    assert (summary["low"], summary["n"]) == (0.0, 2) and "clipped" in summary["interval"]
+    assert "approximate" in statistics.mean_summary([1.0, 2.0])["interval"]
+
+
+def test_one_interval_implementation_everywhere():
+    """The evaluation, the simulator comparison and the benchmarks use the statistics module's functions."""
+    from cosmos3_gym.sim import compare
+
+    assert evaluation.wilson_interval is statistics.wilson_interval
+    assert evaluation.mean_interval is compare.mean_interval is statistics.mean_interval
+    assert compare.parse_policy_specs is policy_specs.parse_policy_specs
+
+
 # ------------------------------------------------------------------ evaluate_policy
 
 
@@ -147,7 +172,8 @@ def test_report_json_schema(engine, tmp_path):
     assert document["format"] == "cosmos3_gym.eval_report/1"
     settings = document["settings"]
     assert settings["episodes"] == 3 and settings["num_envs"] == 2 and settings["seed"] == 5
-    assert settings["success_rate_interval"] == "wilson" and settings["mean_return_interval"] == "student_t"
+    assert settings["success_rate_interval"] == "wilson"
+    assert settings["mean_return_interval"].startswith("student_t (approximate")  # no reward bounds given
     assert settings["confidence"] == 0.95 and settings["policy"] == "function"
     summary_keys = {"episodes", "successes", "success_rate", "success_rate_interval", "mean_return", "return_std",
                     "mean_return_interval", "mean_length"}
@@ -160,6 +186,71 @@ def test_report_json_schema(engine, tmp_path):
     assert set(document["episodes"][0]) == {"episode", "slot", "task", "episode_return", "length", "success",
                                             "terminated", "truncated", "initial_state_index", "video"}
     assert "go" in report.table() and "(all)" in report.table()
+    env.close()
+
+
+def test_no_success_rate_without_a_success_definition(engine):
+    """Issue 20: without a threshold, success was "return > 0" and a mean return of 0.0035 read as 100 % success."""
+    env = make_vec_env(engine, num_envs=2, success_threshold=None, reward_model=None, task="go")
+    report = evaluate_policy(env, zero_actions, 2, progress=False)
+    assert [e.success for e in report.episodes] == [None, None]
+    assert report.overall.success_rate is None and report.overall.success_rate_interval is None
+    assert report.settings["success"] is None
+    assert "n/a" in report.table() and "no success definition" in report.table()
+    explicit = evaluate_policy(env, zero_actions, 2, progress=False, success_return_threshold=-1.0)
+    assert explicit.overall.success_rate == 1.0 and "return > -1.0" in explicit.settings["success"]
+    env.close()
+
+
+def test_return_interval_is_clipped_to_the_return_bounds(engine):
+    """Per-step rewards in [0, 1] over at most 2 steps: the mean return's interval lies in [0, 2]."""
+    env = make_vec_env(engine, num_envs=3)
+    report = evaluate_policy(env, zero_actions, 4, progress=False, reward_bounds=(0.0, 1.0))
+    assert report.settings["return_bounds"] == [0.0, 2.0]
+    low, high = report.overall.mean_return_interval
+    assert low == 0.0 and high <= 2.0
+    assert low == max(0.0, mean_interval([e.episode_return for e in report.episodes])[0])
+    assert "clipped" in report.settings["mean_return_interval"] and "~" not in report.table()
+    env.close()
+
+
+def test_table_never_cuts_task_names(engine):
+    long_task = "push the T-shaped block onto the green target and keep it there until the episode ends"
+    env = make_vec_env(engine, num_envs=1, task=long_task)
+    assert long_task in evaluate_policy(env, zero_actions, 1, progress=False).table()
+    env.close()
+
+
+def test_progress_counts_env_steps_with_a_total_that_ends_at_100_percent(engine, monkeypatch):
+    """Issue 20: the bar counted whole episodes, 0 % for a whole batched run. Now: env steps of the counted episodes
+    out of episodes x max_episode_steps; an episode that ends early adds the steps it will not take."""
+    bars = []
+
+    class RecordingBar:
+        def __init__(self, total=None, **kwargs):
+            self.total, self.n, self.history = total, 0, []
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n=1):
+            self.n += n
+            self.history.append(self.n)
+
+        def set_postfix(self, **kwargs):
+            pass
+
+    monkeypatch.setattr(evaluation, "tqdm", RecordingBar)
+    env = make_vec_env(engine, num_envs=3)  # "finish" ends after 1 of 2 steps, "go" runs 2
+    evaluate_policy(env, zero_actions, 6)
+    (bar,) = bars
+    assert bar.total == 6 * 2 and bar.n == bar.total
+    # The first vector step already moves the bar (3 slots x 1 step, plus the finished episode's unused step).
+    assert bar.history[:4] == [1, 2, 3, 4]
     env.close()
 
 
@@ -244,7 +335,8 @@ def test_load_policy_builtins_and_factories(engine, tmp_path, monkeypatch):
 
     for spec, message in [
         ("", "expected 'random', 'agent'"),
-        ("greedy", "expected 'random', 'agent'"),
+        ("greedy", "is not one of 'random', 'agent'"),
+        ("scripted:0", "eval-real"),
         ("no_such_module_xyz:make", "cannot import module 'no_such_module_xyz'"),
         ("my_policies:missing", "has no attribute 'missing'"),
         ("my_policies:constant", "not a callable factory"),
@@ -279,7 +371,7 @@ def test_eval_command_writes_report_and_videos(tiny_checkpoint, image_path, tmp_
 
     assert main(["eval", "--checkpoint", str(tiny_checkpoint), "--policy", "nope", "--initial-states",
                  str(image_path), "--out", str(out), *FAST_FLAGS]) == 2
-    assert "cosmos3-gym eval: error: policy: expected 'random', 'agent'" in capsys.readouterr().err
+    assert "cosmos3-gym eval: error: policy: 'nope' is not one of 'random', 'agent'" in capsys.readouterr().err
 
 
 def test_eval_takes_env_settings_from_meta_json(tiny_checkpoint, image_path, tmp_path):
@@ -337,3 +429,123 @@ def test_demo_command_builds_the_cached_tiny_checkpoint_once(tmp_path, monkeypat
 
     with pytest.raises(SystemExit):  # argparse: the demo takes only the built-in policies
         main(["demo", "--out", str(out), "--policy", "my_module:make"])
+
+
+# ------------------------------------------------------------------ policy specs: files, mismatches
+
+
+class ConstantFileAgent:
+    """A frame agent as a policy-file loader returns it: act(frames [N, H, W, 3]) -> [N, chunk, 2]."""
+
+    def __init__(self, path, chunk=4):
+        self.path, self.action_shape, self.frames_seen = path, (chunk, 2), []
+
+    def act(self, frames):
+        self.frames_seen.append(np.asarray(frames).shape)
+        return np.full((len(frames), *self.action_shape), 0.5, np.float32)
+
+
+def write_policy_file(path, **metadata):
+    import safetensors.numpy
+
+    safetensors.numpy.save_file({"weight": np.zeros(2, np.float32)}, str(path), metadata=metadata)
+    return path
+
+
+def test_file_spec_dispatches_on_the_file_metadata(engine, tmp_path, monkeypatch):
+    loaded = []
+
+    def load_fake(path):
+        loaded.append(ConstantFileAgent(path))
+        return loaded[-1]
+
+    monkeypatch.setitem(policy_specs.POLICY_FILE_LOADERS, "fake_for_test", load_fake)
+    good = write_policy_file(tmp_path / "bc.safetensors", format="cosmos3_gym.policy", kind="fake_for_test")
+    spec = policy_specs.parse_policy_spec(f"file:{good}")
+    assert (spec.kind, spec.file_kind, spec.acts_on_frames) == ("file", "fake_for_test", True)
+
+    env = make_vec_env(engine, num_envs=2)
+    report = evaluate_policy(env, load_policy(f"file:{good}", env), 2, progress=False)
+    assert loaded[0].path == str(good) and loaded[0].frames_seen[0] == (2, 96, 128, 3)  # batched frames
+    assert report.settings["policy"] == f"file:{good}"
+    env.close()
+
+    # Loaders are named by a module path string and imported lazily: "module:function".
+    monkeypatch.setitem(policy_specs.POLICY_FILE_LOADERS, "fake_for_test", "tests.no_such_module:load")
+    with pytest.raises(InputError, match="'tests.no_such_module:load' of kind 'fake_for_test' is not available"):
+        policy_specs.load_frame_agent(f"file:{good}")
+    # The built-in kind points at the RL package's loader.
+    assert policy_specs.POLICY_FILE_LOADERS["pixel_gaussian"] == "cosmos3_gym.rl.policy:load_policy_file"
+
+    unknown = write_policy_file(tmp_path / "x.safetensors", format="cosmos3_gym.policy", kind="transformer_xl")
+    foreign = write_policy_file(tmp_path / "y.safetensors", format="someone_else")
+    not_safetensors = tmp_path / "z.safetensors"
+    not_safetensors.write_text("garbage")
+    for text, message in [(f"file:{unknown}", "kind 'transformer_xl'; known kinds"),
+                          (f"file:{foreign}", "no policy metadata this package knows"),
+                          (f"file:{not_safetensors}", "not a readable safetensors file"),
+                          (f"file:{tmp_path / 'absent.safetensors'}", "file not found"),
+                          (f"sb3:{good}", "not written by save_sb3_policy")]:
+        with pytest.raises(InputError, match=message):
+            policy_specs.parse_policy_spec(text)
+
+
+def test_sb3_policy_files_load_through_file_and_sb3_specs(engine, tiny_ppo_model, tmp_path):
+    """An SB3 PPO trained at another observation size gives a one-line InputError naming the fix, not a traceback."""
+    from cosmos3_gym.agents import save_sb3_policy
+
+    path = save_sb3_policy(tiny_ppo_model, tmp_path / "ppo.safetensors")  # 48 x 48 images, [8, 2] actions
+    assert policy_specs.parse_policy_spec(f"file:{path}").file_kind == "sb3"
+    assert policy_specs.parse_policy_spec(f"ppo:{path}").is_sb3_file
+    fits = make_vec_env(engine, num_envs=2, chunk=8, observation_size=(48, 48))
+    for spec in (f"file:{path}", f"sb3:{path}"):
+        report = evaluate_policy(fits, load_policy(spec, fits), 2, progress=False)
+        assert len(report.episodes) == 2
+    fits.close()
+
+    other_size = make_vec_env(engine, num_envs=2, chunk=8, observation_size=(32, 32))
+    with pytest.raises(InputError) as error:
+        load_policy(f"file:{path}", other_size)
+    assert "[48, 48, 3], the env gives [32, 32, 3]; pass --observation-size 48" in str(error.value)
+    assert "\n" not in str(error.value)
+    other_size.close()
+    other_chunk = make_vec_env(engine, num_envs=2, chunk=4, observation_size=(48, 48))
+    with pytest.raises(InputError, match=r"actions of shape \[8, 2\], the env takes \[4, 2\]"):
+        load_policy(f"sb3:{path}", other_chunk)
+    other_chunk.close()
+
+
+def test_eval_command_with_an_sb3_policy_and_observation_size(tiny_checkpoint, image_path, tiny_ppo_model, tmp_path,
+                                                              capsys):
+    from cosmos3_gym.agents import save_sb3_policy
+
+    path = save_sb3_policy(tiny_ppo_model, tmp_path / "ppo.safetensors")
+    flags = ["eval", "--checkpoint", str(tiny_checkpoint), "--policy", f"sb3:{path}", "--episodes", "1",
+             "--initial-states", str(image_path), "--max-episode-steps", "1", "--max-videos", "0",
+             "--out", str(tmp_path / "eval"), "--domain-name", "pusht", "--chunk", "8", "--num-steps", "2",
+             "--resolution-tier", "256", "--device", "cpu"]
+    assert main(flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cosmos3-gym eval: error: policy:") and "--observation-size 48" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert main([*flags, "--observation-size", "48"]) == 0
+    assert json.loads((tmp_path / "eval" / "report.json").read_text())["settings"]["observation_size"] == [48, 48]
+
+
+def test_eval_command_on_the_builtin_model_uses_its_settings(tmp_path, capsys):
+    """Issue 20: eval on the built-in model needed --checkpoint and --initial-states, started every episode from
+    state 0 and used guidance 3.0 instead of the model's 1.0."""
+    out = tmp_path / "eval"
+    assert main(["eval", "--policy", "random", "--episodes", "4", "--num-envs", "4", "--max-episode-steps", "1",
+                 "--num-steps", "1", "--max-videos", "0", "--device", "cpu", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "using num_steps=1 instead of the checkpoint's 4" in captured.err
+    settings = json.loads((out / "report.json").read_text())["settings"]
+    assert settings["checkpoint"].endswith("assets/pusht/checkpoint")
+    assert (settings["env"]["guidance_scale"], settings["env"]["success_threshold"], settings["env"]["chunk"]) == (
+        1.0, 0.95, 8)
+    assert set(settings["overrides"]) == {"num_steps", "max_episode_steps"}
+    assert settings["return_bounds"] == [0.0, 1.0]  # the classifier reward model scores in [0, 1]
+    episodes = json.loads((out / "report.json").read_text())["episodes"]
+    assert len({e["initial_state_index"] for e in episodes}) > 1
+    assert "success rate" in captured.out and "n/a" not in captured.out

@@ -29,9 +29,11 @@ def test_train_ppo_in_world_model(tiny_checkpoint, start_image, tmp_path, capsys
         "--checkpoint", str(tiny_checkpoint), "--initial-states", start_image, "--goal", start_image,
         "--num-envs", "2", "--n-steps", "2", "--total-timesteps", "4", "--max-episode-steps", "2",
         "--observation-size", "36", "--eval-episodes", "2", "--policy-device", "cpu", "--out",
-        str(tmp_path / "ppo"), *TINY,
+        str(tmp_path / "ppo.safetensors"), *TINY,
     ])
-    assert (tmp_path / "ppo.zip").is_file()
+    from cosmos3_gym.policy_specs import parse_policy_spec
+
+    assert parse_policy_spec(f"file:{tmp_path / 'ppo.safetensors'}").is_sb3_file  # loadable by eval / eval-real
     assert "success rate" in capsys.readouterr().out
 
 

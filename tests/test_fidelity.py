@@ -69,8 +69,8 @@ def test_parse_policy_specs():
     runs = parse_policy_specs("random, scripted:0,scripted:12.5,agent")
     assert [(r.kind, r.noise) for r in runs] == [("random", 0.0), ("scripted", 0.0), ("scripted", 12.5),
                                                  ("agent", 0.0)]
-    assert [r.closed_loop_in_world_model for r in runs] == [False, False, False, True]
-    for bad in ("", "scripted:-1", "scripted:x", "ppo", "random,random"):
+    assert [r.acts_on_frames for r in runs] == [False, False, False, True]
+    for bad in ("", "scripted:-1", "scripted:x", "ppo", "random,random", "file:/missing.safetensors"):
         with pytest.raises(InputError, match="policies"):
             parse_policy_specs(bad)
 
@@ -215,3 +215,40 @@ def test_cli_eval_real_runs_the_builtin_model(tmp_path, capsys, tiny_ppo_model):
     result = json.loads(out.read_text())
     assert set(result["policies"]) == {"random", "scripted:0", ppo}
     assert result["policies"][ppo]["evaluated_in_world_model"] == "closed loop"
+
+
+def test_real_episode_scores_end_at_the_first_success():
+    from cosmos3_gym.sim.compare import real_episode_scores
+
+    coverage = np.array([[0.0, 0.5, 0.96, 0.2],   # succeeds at step 2; gym-pusht ends the episode there
+                         [0.0, 0.1, 0.3, 0.4]])   # never: its last coverage counts
+    success, final = real_episode_scores(coverage)
+    assert success.tolist() == [True, False] and final.tolist() == [0.96, 0.4]
+
+
+def test_cli_eval_real_real_only_in_gym_pusht_alone(tmp_path, capsys, tiny_ppo_model):
+    """Issue 17: eval-real --real-only evaluates in gym-pusht alone (success rate with a Wilson CI, final coverage
+    with a CI in [0, 1]), takes file:PATH policies and reproduces its numbers for the same seeds."""
+    pytest.importorskip("gym_pusht")
+    from cosmos3_gym.agents import save_sb3_policy
+    from cosmos3_gym.cli import main
+    from cosmos3_gym.statistics import wilson_interval
+
+    policy = f"file:{save_sb3_policy(tiny_ppo_model, tmp_path / 'ppo.safetensors')}"
+    runs = []
+    for name in ("a.json", "b.json"):
+        assert main(["eval-real", "--real-only", "--policies", f"scripted:0,random,{policy}", "--starts", "3",
+                     "--chunks", "2", "--device", "cpu", "--out", str(tmp_path / name)]) == 0
+        runs.append(json.loads((tmp_path / name).read_text()))
+    assert runs[0] == runs[1]  # seeded: the same numbers again
+    printed = capsys.readouterr().out
+    assert policy in printed and "success rate [95% CI]" in printed
+    result = runs[0]
+    assert result["mode"] == "real_only" and set(result["policies"]) == {"scripted:0", "random", policy}
+    for entry in result["policies"].values():
+        assert entry["episodes"] == 3
+        assert entry["success_rate_interval"] == list(wilson_interval(entry["successes"], 3))
+        low, high = entry["final_coverage_interval"]
+        assert 0.0 <= low <= entry["final_coverage"] <= high <= 1.0
+    # The scripted pusher makes progress in 16 steps; random actions do not beat it.
+    assert result["policies"]["scripted:0"]["final_coverage"] >= result["policies"]["random"]["final_coverage"]

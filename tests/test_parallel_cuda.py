@@ -19,7 +19,9 @@ from cosmos3_gym.parallel.overlap import overlap_communication
 from cosmos3_gym.parallel.tensor_parallel import apply_tensor_parallel
 
 TOL = 1e-5
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def needs_two_gpus(test):
+    """GPU tests carry the ``gpu`` marker (``pytest -m "not gpu"`` leaves them out) and skip without 2 GPUs."""
+    return pytest.mark.gpu(pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")(test))
 
 
 def test_symm_mem_all_reduce_needs_cuda_and_bad_names_are_named(tiny_checkpoint):

@@ -325,7 +325,7 @@ def test_video_falls_back_to_opencv_without_imageio_ffmpeg(tmp_path, monkeypatch
 def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_assets, tmp_path):
     import sys
 
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks" / "recipes")
     sys.path.insert(0, benchmarks)
     try:
         import train_pusht

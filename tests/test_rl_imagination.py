@@ -1,4 +1,4 @@
-"""RL in imagination (benchmarks/rl_imagination_pusht.py) end to end at smoke size, and the simulator env it trains
+"""RL in imagination (benchmarks/recipes/rl_imagination_pusht.py) end to end at smoke size, and the simulator env it trains
 the comparison agent in (cosmos3_gym.sim.pusht_env.PushTSimEnv)."""
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ def test_sim_env_matches_the_world_model_spaces_starts_and_compare_rollouts():
 
 
 def test_smoke_run_writes_learning_curves(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "recipes"))
     try:
         import rl_imagination_pusht as bench
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "recipes"))
 
     bench.main(["--smoke", "--device", "cpu", "--no-progress", "--out", str(tmp_path)])
     path = tmp_path / "rl_imagination_pusht_cpu.json"

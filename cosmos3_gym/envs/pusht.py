@@ -18,7 +18,7 @@ simulator (gym-pusht), a reward model and a few dozen start frames held out from
 The same model is ``checkpoint="pusht"`` (or ``"builtin:pusht"``) wherever a checkpoint is accepted.
 ``assets_dir=`` (or the environment variable
 ``COSMOS3_GYM_PUSHT_ASSETS``) points to another folder of that layout, e.g. one written by
-``benchmarks/train_pusht.py``.
+``benchmarks/recipes/train_pusht.py``.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def load_pusht_assets(assets_dir: str | os.PathLike | None = None) -> PushTAsset
         )
         raise CheckpointError(
             f"{PUSHT_ENV_ID}: the built-in PushT world model is not installed ({where} lacks {', '.join(missing)}). "
-            f"Train one with `python benchmarks/train_pusht.py --out DIR` and pass assets_dir='DIR/assets/pusht' "
+            f"Train one with `python benchmarks/recipes/train_pusht.py --out DIR` and pass assets_dir='DIR/assets/pusht' "
             f"or set {ASSETS_ENV_VAR}, or use cosmos3_gym/WorldModel-v0 with checkpoint=."
         )
     meta = _read_json(checkpoint / META_FILE)

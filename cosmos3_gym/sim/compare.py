@@ -6,14 +6,17 @@
   world model orders them opposite to the real simulator, and MMRV is the mean over ``i`` of the largest violation
   of ``i``. All in numpy (no SciPy).
 * ``compare_policies``: each policy from the same simulator start states, in gym-pusht and in the world model.
+* ``evaluate_in_simulator`` (``cosmos3-gym eval-real --real-only``): policies in gym-pusht alone, success rate
+  (Wilson interval) and mean final coverage (Student-t interval clipped to [0, 1]) over many seeded episodes.
 
-Policy specs (``parse_policy_specs``), comma-separated: ``random`` (uniform random actions), ``scripted:NOISE`` (the
-scripted pusher with NOISE px of target noise), ``agent`` (the checkpoint's own policy mode) and ``ppo:PATH`` (a
-Stable-Baselines3 PPO policy saved by ``cosmos3_gym.agents.save_sb3_policy``, e.g. one trained in the world model by
-benchmarks/rl_imagination_pusht.py; it acts deterministically, its mean action).
+Policy specs come from the one registry, ``cosmos3_gym.policy_specs`` (comma-separated): ``random``,
+``scripted:NOISE`` (the scripted pusher with NOISE px of target noise), ``agent`` (the checkpoint's own policy mode),
+``file:PATH`` (any policy file this package saves: the BC / GRPO pixel policies of ``cosmos3_gym.rl`` and SB3
+policies; the file's metadata says which) and ``sb3:PATH`` / ``ppo:PATH`` (a ``save_sb3_policy`` file). File
+policies act deterministically (their mean action).
 
-How a policy runs in the world model. Policies that see images (``agent`` and ``ppo:PATH``) run closed loop in both
-worlds: in the simulator on its frames, in the world model on the model's own frames. The
+How a policy runs in the world model. Policies that see images (``agent`` and the policy files) run closed loop in
+both worlds: in the simulator on its frames, in the world model on the model's own frames. The
 simulator's reference policies (``scripted:NOISE``, which reads the true block pose, and ``random``) cannot observe
 the world model's state, so the world model replays, open loop, the action chunks they produced in the simulator
 from the same start: it predicts what those actions do. The world model's score of an episode is the reward
@@ -23,19 +26,19 @@ model's estimate of coverage on its frames; in the simulator it is gym-pusht's t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..agents.sb3_policy import SB3PolicyAgent, read_sb3_policy_metadata
 from ..errors import InputError
+from ..policy_specs import PolicySpec, load_frame_agent, parse_policy_specs
+from ..statistics import mean_interval, wilson_interval
 from . import pusht
 
 __all__ = [
-    "PolicyRun", "compare_policies", "compare_with_simulator", "format_comparison", "mmrv", "parse_policy_specs",
-    "pearson", "spearman", "ssim",
+    "PolicyRun", "compare_policies", "compare_with_simulator", "evaluate_in_simulator", "format_comparison",
+    "format_real_only", "mmrv", "parse_policy_specs", "pearson", "spearman", "ssim",
 ]
 
 
@@ -133,64 +136,16 @@ def _pair(x: Sequence[float], y: Sequence[float]) -> tuple[np.ndarray, np.ndarra
 # ---------------------------------------------------------------------------------------------------------------
 
 
-FRAME_POLICY_KINDS = ("agent", "ppo")  # policies that act on the frames they see (an agent's act(frames))
+PolicyRun = PolicySpec  # the name before the spec registry moved to cosmos3_gym.policy_specs
 
 
-@dataclass(frozen=True)
-class PolicyRun:
-    """One policy spec: ``"random"``, ``"scripted:NOISE"`` (``ScriptedPusher`` with NOISE px target noise),
-    ``"agent"`` (the checkpoint's policy mode) or ``"ppo:PATH"`` (an SB3 PPO policy file of ``save_sb3_policy``)."""
-
-    spec: str
-    kind: str  # random | scripted | agent | ppo
-    noise: float = 0.0
-    path: str | None = None  # the policy file of kind "ppo"
-
-    @property
-    def closed_loop_in_world_model(self) -> bool:
-        return self.kind in FRAME_POLICY_KINDS
-
-
-def parse_policy_specs(specs: str | Sequence[str]) -> list[PolicyRun]:
-    """``"random,scripted:0,scripted:25,agent,ppo:PATH"`` (or a list of such items) -> ``PolicyRun``s.
-
-    A ``ppo:PATH`` file must exist and carry ``save_sb3_policy``'s metadata (its header is read, not its weights),
-    so a bad file is reported before any model is loaded."""
-    items = [item.strip() for item in (specs.split(",") if isinstance(specs, str) else specs) if item.strip()]
-    if not items:
-        raise InputError("policies: expected a comma-separated list such as 'random,scripted:0,agent', got none")
-    runs = []
-    for item in items:
-        if item in ("random", "agent"):
-            runs.append(PolicyRun(item, item))
-            continue
-        name, _, argument = item.partition(":")
-        if name == "ppo" and argument:
-            try:
-                read_sb3_policy_metadata(argument)
-            except InputError as error:
-                raise InputError(f"policies: {item!r}: {error}") from error
-            runs.append(PolicyRun(item, "ppo", path=argument))
-            continue
-        try:
-            value = float(argument or 0.0)
-        except ValueError:
-            value = -1.0
-        if name != "scripted" or value < 0:
-            raise InputError(f"policies: {item!r} is not 'random', 'agent', 'scripted:NOISE' (NOISE px >= 0) or "
-                             f"'ppo:PATH' (a policy file of save_sb3_policy)")
-        runs.append(PolicyRun(item, "scripted", value))
-    if len({run.spec for run in runs}) != len(runs):
-        raise InputError(f"policies: each policy may appear once, got {items}")
-    return runs
-
-
-def simulate_policy(run: PolicyRun, sim_seeds: Sequence[int], num_chunks: int, chunk: int, image_size, stats,
-              agent: Any, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def simulate_policy(run: PolicySpec, sim_seeds: Sequence[int], num_chunks: int, chunk: int, image_size, stats,
+                    agent: Any, seed: int, progress: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``run`` in one gym-pusht simulator per start: start frames ``[N, H, W, 3]``, the normalised action chunks it
     took ``[N, num_chunks, chunk, 2]`` and the true coverage after every step ``[N, num_chunks * chunk + 1]``.
-    ``agent``: for the kinds that act on frames ("agent", "ppo"), ``act(frames [N, H, W, 3]) -> [N, chunk, 2]``,
-    called once per chunk on the current frames."""
+    ``agent``: for the policies that act on frames (``run.acts_on_frames``), ``act(frames [N, H, W, 3]) -> [N,
+    chunk, 2]``, called once per chunk on the current frames. ``progress``: a tqdm bar advanced by the env steps
+    taken."""
     sims = [pusht.PushTSim(image_size) for _ in sim_seeds]
     try:
         frames = np.stack([sim.reset(s) for sim, s in zip(sims, sim_seeds)])
@@ -200,7 +155,7 @@ def simulate_policy(run: PolicyRun, sim_seeds: Sequence[int], num_chunks: int, c
         pushers = [pusht.ScriptedPusher(np.random.default_rng([seed, s]), noise=run.noise) for s in sim_seeds]
         taken = np.zeros((len(sims), num_chunks, chunk, 2), np.float32)
         for k in range(num_chunks):
-            if run.kind in FRAME_POLICY_KINDS:
+            if run.acts_on_frames:
                 taken[:, k] = np.clip(agent.act(frames), -1.0, 1.0)
             elif run.kind == "random":
                 taken[:, k] = rng.uniform(-1.0, 1.0, size=taken[:, k].shape)
@@ -213,6 +168,8 @@ def simulate_policy(run: PolicyRun, sim_seeds: Sequence[int], num_chunks: int, c
                         raw = stats.denormalize(taken[i, k, t])
                     frames[i] = sim.step(np.clip(raw, 0.0, pusht.TABLE_SIZE))
                     coverage[i].append(sim.coverage)
+            if progress is not None:
+                progress.update(len(sims) * chunk)
     finally:
         for sim in sims:
             sim.close()
@@ -245,15 +202,14 @@ def compare_policies(
     ``vector_env``: a world-model vector env (``reset(options={"frames": [...]})``, ``step(actions)`` with
     ``info["frames"] [slots, chunk, H, W, 3]``) with one slot per (policy, start), in policy-major order;
     ``score_frames``: frames ``[M, H, W, 3]`` uint8 -> predicted coverage ``[M]`` (the reward model);
-    ``stats``: the checkpoint's ``ActionStats``; ``make_agent()``: the ``PolicyAgent`` for ``"agent"``. A
-    ``"ppo:PATH"`` policy is loaded from its file (``SB3PolicyAgent``, deterministic, on the CPU).
+    ``stats``: the checkpoint's ``ActionStats``; ``make_agent()``: the ``PolicyAgent`` for ``"agent"``. Policy files
+    (``file:PATH``, ``sb3:PATH``) are loaded by ``policy_specs.load_frame_agent`` (deterministic, on the CPU).
 
     Returns per policy the real and predicted final coverage (mean, Student-t CI) and success (rate, Wilson CI),
     then Pearson / Spearman / MMRV / mean absolute error between the per-policy mean predicted and real final
-    coverage. Success: coverage > 0.95 at any step (real) or at any chunk's last frame (predicted).
+    coverage. Success: coverage > 0.95 at any step (real) or at any chunk's last frame (predicted). Coverage
+    intervals are clipped to [0, 1].
     """
-    from ..evaluation import mean_interval, wilson_interval
-
     runs = parse_policy_specs(policies)
     sim_seeds = [int(s) for s in sim_seeds]
     slots = len(runs) * len(sim_seeds)
@@ -261,8 +217,7 @@ def compare_policies(
         raise InputError(f"vector_env: expected {slots} slots (policies x starts), got {vector_env.num_envs}")
     chunk = vector_env.single_action_space.shape[0]
     image_size = tuple(vector_env.single_observation_space["image"].shape[:2])
-    agents = [_frame_policy_agent(run, make_agent, chunk) if run.closed_loop_in_world_model else None
-              for run in runs]
+    agents = [_frame_policy_agent(run, make_agent, chunk) if run.acts_on_frames else None for run in runs]
 
     simulated = [simulate_policy(run, sim_seeds, num_chunks, chunk, image_size, stats, agent, seed)
                  for run, agent in zip(runs, agents)]
@@ -286,9 +241,9 @@ def compare_policies(
     per_policy = {}
     for index, (run, (_, _, coverage)) in enumerate(zip(runs, simulated)):
         per_policy[run.spec] = {
-            "world_model": _scores(predicted[index], confidence, mean_interval, wilson_interval),
-            "simulator": _scores(coverage, confidence, mean_interval, wilson_interval),
-            "evaluated_in_world_model": "closed loop" if run.closed_loop_in_world_model else
+            "world_model": _scores(predicted[index], confidence),
+            "simulator": _scores(coverage, confidence),
+            "evaluated_in_world_model": "closed loop" if run.acts_on_frames else
             "open loop: the simulator's action chunks replayed",
         }
     real = np.array([entry["simulator"]["final_coverage"] for entry in per_policy.values()])
@@ -309,30 +264,24 @@ def compare_policies(
     }
 
 
-def _frame_policy_agent(run: PolicyRun, make_agent: Callable[[], Any] | None, chunk: int) -> Any:
-    """The agent of a policy that acts on frames: ``make_agent()`` for "agent", the policy file for "ppo" (which
-    must act in chunks of the world model's length)."""
-    if run.kind == "ppo":
-        try:
-            agent = SB3PolicyAgent.from_file(run.path)
-        except InputError as error:
-            raise InputError(f"policies: {run.spec!r}: {error}") from error
-        if agent.action_shape != (chunk, 2):
-            raise InputError(f"policies: {run.spec!r} acts in chunks of shape {list(agent.action_shape)}; the world "
-                             f"model takes [{chunk}, 2]")
-        return agent
-    if make_agent is None:
-        raise InputError("make_agent: the 'agent' policy needs make_agent() -> the checkpoint's PolicyAgent")
-    return make_agent()
+def _frame_policy_agent(run: PolicySpec, make_agent: Callable[[], Any] | None, chunk: int) -> Any:
+    """The agent of a policy that acts on frames (``make_agent()`` for "agent", else its file), which must act in
+    chunks of the world model's length."""
+    agent = load_frame_agent(run, make_agent=make_agent)
+    shape = getattr(agent, "action_shape", None)
+    if run.kind != "agent" and shape is not None and tuple(shape) != (chunk, 2):
+        raise InputError(f"policies: {run.spec!r} acts in chunks of shape {list(shape)}; the world model takes "
+                         f"[{chunk}, 2]")
+    return agent
 
 
-def _scores(coverage: np.ndarray, confidence: float, mean_interval, wilson_interval) -> dict[str, Any]:
-    """Coverage ``[starts, T]`` -> final coverage (mean, CI) and success (rate, Wilson CI)."""
+def _scores(coverage: np.ndarray, confidence: float) -> dict[str, Any]:
+    """Coverage ``[starts, T]`` -> final coverage (mean, CI in [0, 1]) and success (rate, Wilson CI)."""
     final = coverage[:, -1].astype(float)
     successes = int((coverage > pusht.SUCCESS_COVERAGE).any(axis=1).sum())
     return {
         "final_coverage": float(final.mean()),
-        "final_coverage_interval": mean_interval(list(final), confidence),
+        "final_coverage_interval": mean_interval(list(final), confidence, bounds=(0.0, 1.0)),
         "success_rate": successes / len(final),
         "success_rate_interval": wilson_interval(successes, len(final), confidence),
     }
@@ -406,3 +355,134 @@ def compare_with_simulator(
         env.close()
     result["assets"] = str(assets.root)
     return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real simulator alone
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def real_episode_scores(coverage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Coverage after every step ``[N, T + 1]`` -> (success ``[N]`` bool, final coverage ``[N]``) of gym-pusht
+    episodes: an episode succeeds, and ends, at the first step whose coverage passes ``SUCCESS_COVERAGE``
+    (gym-pusht's termination); its final coverage is the coverage where it ended."""
+    coverage = np.asarray(coverage, dtype=np.float64)
+    passed = coverage > pusht.SUCCESS_COVERAGE
+    success = passed.any(axis=1)
+    end = np.where(success, passed.argmax(axis=1), coverage.shape[1] - 1)
+    return success, coverage[np.arange(len(coverage)), end]
+
+
+def evaluate_in_simulator(
+    policies: str | Sequence[str],
+    *,
+    num_episodes: int = 200,
+    num_chunks: int | None = None,
+    first_sim_seed: int = 10_000,
+    assets_dir: Any = None,
+    device: str | None = None,
+    seed: int = 0,
+    confidence: float = 0.95,
+    batch_size: int = 50,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Each policy for ``num_episodes`` episodes in gym-pusht alone, from the reset seeds ``first_sim_seed ..
+    first_sim_seed + num_episodes - 1`` (the same starts for every policy): success rate (Wilson interval) and mean
+    final coverage (Student-t interval clipped to [0, 1]); see ``real_episode_scores``.
+
+    Episodes last at most ``num_chunks`` chunks (default: the PushT model's ``max_episode_steps``) of the model's
+    chunk length; actions are the model's normalised chunks mapped to table pixels by its action statistics, so a
+    policy acts exactly as it does in the world model. Runs ``batch_size`` simulators at a time. Deterministic for
+    given arguments (file policies act with their mean action, on the CPU). Needs gym-pusht; the world model is
+    loaded only for the ``agent`` policy."""
+    from tqdm.auto import tqdm
+
+    from ..envs.pusht import load_pusht_assets, pusht_env_defaults
+    from ..processor import ActionStats
+    from ..statistics import check_confidence
+
+    runs = parse_policy_specs(policies)
+    confidence = check_confidence(confidence)
+    pusht.require_gym_pusht()
+    assets = load_pusht_assets(assets_dir)
+    defaults = pusht_env_defaults(assets)
+    num_chunks = int(defaults.get("max_episode_steps") or 38) if num_chunks is None else num_chunks
+    for name, value in (("num_episodes", num_episodes), ("num_chunks", num_chunks), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name}: expected an integer >= 1, got {value!r}")
+    chunk = int(defaults["chunk"])
+    image_size = tuple(assets.meta.get("image_size", (256, 256)))
+    stats = ActionStats.from_json(defaults["action_stats"], mode=assets.meta.get("action_normalization", "minmax"))
+    engine = None
+    if any(run.kind == "agent" for run in runs):
+        from ..engine import Cosmos3Engine
+
+        engine = Cosmos3Engine.from_pretrained(assets.checkpoint, device=device, progress=False)
+
+    def make_agent() -> Any:
+        from ..agents import PolicyAgent
+
+        return PolicyAgent(
+            engine, task=defaults["task"], domain=defaults["domain"], raw_action_dim=defaults["raw_action_dim"],
+            chunk=chunk, num_steps=defaults["num_steps"], guidance_scale=defaults["guidance_scale"],
+            resolution_tier=defaults["resolution_tier"], fps=defaults["fps"], seed=seed,
+        )
+
+    sim_seeds = list(range(first_sim_seed, first_sim_seed + num_episodes))
+    per_policy = {}
+    try:
+        with tqdm(total=len(runs) * num_episodes * num_chunks * chunk, unit="step", desc="gym-pusht (env steps)",
+                  disable=not progress) as bar:
+            for run in runs:
+                agent = _frame_policy_agent(run, make_agent, chunk) if run.acts_on_frames else None
+                coverage = []
+                for batch, start in enumerate(range(0, num_episodes, batch_size)):
+                    # The batch index joins the seed so the random policy's draws differ between batches.
+                    _, _, batch_coverage = simulate_policy(run, sim_seeds[start:start + batch_size], num_chunks,
+                                                           chunk, image_size, stats, agent, seed + batch, bar)
+                    coverage.append(batch_coverage)
+                success, final = real_episode_scores(np.concatenate(coverage))
+                successes = int(success.sum())
+                per_policy[run.spec] = {
+                    "episodes": num_episodes,
+                    "successes": successes,
+                    "success_rate": successes / num_episodes,
+                    "success_rate_interval": wilson_interval(successes, num_episodes, confidence),
+                    "final_coverage": float(final.mean()),
+                    "final_coverage_interval": mean_interval(list(final), confidence, bounds=(0.0, 1.0)),
+                }
+    finally:
+        if engine is not None:
+            engine.close()
+    return {
+        "mode": "real_only",
+        "simulator": pusht.SIM_ENV_ID,
+        "policies": per_policy,
+        "num_episodes": num_episodes,
+        "num_chunks": num_chunks,
+        "chunk": chunk,
+        "sim_seeds": [sim_seeds[0], sim_seeds[-1]],
+        "seed": seed,
+        "confidence": confidence,
+        "success": f"coverage > {pusht.SUCCESS_COVERAGE} at any step (the episode ends there)",
+        "intervals": {"success_rate": "wilson", "final_coverage": "student_t clipped to [0, 1]"},
+        "assets": str(assets.root),
+    }
+
+
+def format_real_only(result: dict[str, Any]) -> str:
+    """A plain-text table of ``evaluate_in_simulator``'s result (policy names never cut)."""
+    level = f"{round(100 * result['confidence'])}% CI"
+    rows = [("policy", "episodes", f"success rate [{level}]", f"final coverage [{level}]")]
+    for spec, entry in result["policies"].items():
+        interval = entry["final_coverage_interval"]
+        coverage = f"{entry['final_coverage']:.3f}" + (" [{:.3f}, {:.3f}]".format(*interval) if interval else "")
+        rows.append((spec, str(entry["episodes"]),
+                     "{:.3f} [{:.3f}, {:.3f}]".format(entry["success_rate"], *entry["success_rate_interval"]),
+                     coverage))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in
+                       enumerate(zip(row, widths))).rstrip() for row in rows]
+    lines.append(f"{result['simulator']}, seeds {result['sim_seeds'][0]}..{result['sim_seeds'][1]}, "
+                 f"{result['num_chunks']} chunks of {result['chunk']} steps; success: {result['success']}")
+    return "\n".join(lines)

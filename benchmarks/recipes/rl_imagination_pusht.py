@@ -1,9 +1,9 @@
 """RL in imagination on PushT: PPO trained only inside the world model, evaluated in the real simulator, against
 random actions and against PPO trained in the real simulator for the same number of env steps.
 
-    python benchmarks/rl_imagination_pusht.py --smoke              # CPU, under a minute: checks the pipeline only
-    python benchmarks/rl_imagination_pusht.py --timesteps 512 --num-envs 8 --eval-episodes 16 --threads 2   # CPU
-    python benchmarks/rl_imagination_pusht.py --timesteps 16384 --num-envs 64 --n-steps 16 --eval-points 8 \\
+    python benchmarks/recipes/rl_imagination_pusht.py --smoke      # CPU, under a minute: checks the pipeline only
+    python benchmarks/recipes/rl_imagination_pusht.py --timesteps 512 --num-envs 8 --eval-episodes 16 --threads 2  # CPU
+    python benchmarks/recipes/rl_imagination_pusht.py --timesteps 16384 --num-envs 64 --n-steps 16 --eval-points 8 \\
         --eval-episodes 64 --device cuda                             # GPU
 
 Needs gym-pusht (the ``sim`` extra). Writes ``rl_imagination_pusht_<cpu|gpu>.json`` (e.g. ``..._h100.json``),
@@ -15,7 +15,7 @@ and, where matplotlib is installed, ``rl_imagination_pusht_<card>.png`` (the lea
 
 The policy files are safetensors (``cosmos3_gym.agents.save_sb3_policy``; SB3's own .zip would pickle): load one with
 ``cosmos3_gym.agents.SB3PolicyAgent.from_file`` or rank it against the other policies in the world model and the
-simulator with ``benchmarks/fidelity_pusht.py --policies ...,ppo:PATH`` / ``cosmos3-gym eval-real``.
+simulator with ``benchmarks/recipes/fidelity_pusht.py --policies ...,ppo:PATH`` / ``cosmos3-gym eval-real``.
 
 **The two training worlds share one interface.** Both agents see the PushT world-model env's spaces: observation
 ``{"image": uint8 [s, s, 3]}`` (the 256 x 256 frame downscaled to ``--obs-size`` with the env's ``resize_frame``)
@@ -66,14 +66,14 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+RECIPES = Path(__file__).resolve().parent
+sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
-from common import provenance, results_dir, write_results  # noqa: E402
+from common import add_output_arguments, provenance, results_dir, write_results  # noqa: E402
 from fidelity_pusht_chunks import coverage_summary  # noqa: E402
 
 from cosmos3_gym.agents import SB3PolicyAgent, save_sb3_policy  # noqa: E402
-from cosmos3_gym.evaluation import wilson_interval  # noqa: E402
+from cosmos3_gym.statistics import wilson_interval  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
 from cosmos3_gym.sim.compare import PolicyRun, simulate_policy  # noqa: E402
 from cosmos3_gym.sim.pusht_env import make_pusht_sim_env, pusht_sim_env_arguments  # noqa: E402
@@ -227,7 +227,7 @@ def train_and_evaluate(world: str, vec_env, args, segments: int, steps_per_segme
         bar.close()
         env.close()
     save_sb3_policy(model, policy_path, world=world, env_steps=int(model.num_timesteps), seed=args.seed,
-                    trained_by="benchmarks/rl_imagination_pusht.py")
+                    trained_by="benchmarks/recipes/rl_imagination_pusht.py")
     print(f"wrote {policy_path}", flush=True)
     return {
         "policy_file": policy_path.name,
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--out", default=None, help="results folder (default: $OUT or benchmarks/results)")
+    add_output_arguments(parser)
     parser.add_argument("--results-name", default=None, help="default: rl_imagination_pusht_<cpu|gpu>.json")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -412,11 +412,11 @@ def main(argv: list[str] | None = None) -> dict:
         "agents": agents,
         "timings": timings,
     }
-    results = {"provenance": provenance(["benchmarks/rl_imagination_pusht.py",
+    results = {"provenance": provenance(["benchmarks/recipes/rl_imagination_pusht.py",
                                          *(sys.argv[1:] if argv is None else argv)]), **results}
-    path = write_results(results, name, str(out))
+    path = write_results(results, name, str(out), args.overwrite)
     results["plot"] = plot_curves(results, path.with_suffix(".png"))
-    write_results(results, name, str(out))
+    write_results(results, name, str(out), args.overwrite)
     print_summary(results)
     return results
 

@@ -1,7 +1,7 @@
 """Is the PushT world model a faithful simulator? Action following, policy evaluation and inverse dynamics against
 gym-pusht, at a scale that runs on a CPU in minutes.
 
-    python benchmarks/fidelity_pusht.py                 # CPU defaults, writes benchmarks/results/fidelity_pusht_cpu.json
+    python benchmarks/recipes/fidelity_pusht.py --out /tmp/fidelity   # CPU defaults; fidelity_pusht_cpu.json there
 
 Needs gym-pusht (the ``sim`` extra). Held-out episodes are simulated fresh (dataset seed ``--heldout-seed``, not a
 training seed). Four measurements:
@@ -22,7 +22,7 @@ training seed). Four measurements:
    (one line); like ``agent`` they run closed loop in both worlds.
 3. **Inverse dynamics.** ``InverseDynamicsAgent`` on the simulator's chunk + 1 frame windows: MSE of its actions
    against the true ones (normalised space), against predicting the dataset's mean action.
-4. **RL in imagination**: ``benchmarks/rl_imagination_pusht.py`` (its own script: it needs GPU time).
+4. **RL in imagination**: ``benchmarks/recipes/rl_imagination_pusht.py`` (its own script: it needs GPU time).
 
 Default sizes (8 held-out episodes x 4 chunks; 6 policies x 8 starts x 4 chunks of 8 steps, one 48-slot vector env)
 keep the run to minutes on 2 CPU cores; 32 steps is too short for the scripted pusher to finish the task (it needs
@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+RECIPES = Path(__file__).resolve().parent
+sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
-from common import provenance, write_results  # noqa: E402
+from common import add_output_arguments, provenance, write_results  # noqa: E402
 from fidelity_pusht_chunks import load_episodes, mean_ci95  # noqa: E402
 
 from cosmos3_gym.agents import InverseDynamicsAgent  # noqa: E402
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="results folder (default: $OUT or benchmarks/results)")
+    add_output_arguments(parser)
     parser.add_argument("--results-name", default=None, help="default: fidelity_pusht_<cpu|cuda>.json")
     args = parser.parse_args(argv)
     if args.threads:
@@ -180,11 +180,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"inverse dynamics: {timings['inverse_dynamics_s']:.0f} s", flush=True)
     finally:
         engine.close()
-    results["rl_in_imagination"] = "benchmarks/rl_imagination_pusht.py (its own results: rl_imagination_pusht_<card>.json)"
+    results["rl_in_imagination"] = ("benchmarks/recipes/rl_imagination_pusht.py (its own results: "
+                                    "rl_imagination_pusht_<card>.json)")
     results["timings"] = timings
     card = "cpu" if args.device == "cpu" else "cuda"
-    results = {"provenance": provenance(["benchmarks/fidelity_pusht.py", *(argv or sys.argv[1:])]), **results}
-    write_results(results, args.results_name or f"fidelity_pusht_{card}.json", args.out)
+    results = {"provenance": provenance(["benchmarks/recipes/fidelity_pusht.py", *(argv or sys.argv[1:])]), **results}
+    write_results(results, args.results_name or f"fidelity_pusht_{card}.json", args.out, args.overwrite)
     return results
 
 

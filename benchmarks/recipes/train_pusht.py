@@ -1,8 +1,8 @@
 """Train the built-in PushT world model in one GPU call, export it in the layout of cosmos3_gym/assets/pusht, and
 evaluate it against the real simulator.
 
-    python benchmarks/train_pusht.py --out $OUT                        # one H100/H200, 16 cores: about 9 minutes
-    python benchmarks/train_pusht.py --smoke --out /tmp/pusht_smoke    # the same pipeline scaled down, CPU, minutes
+    python benchmarks/recipes/train_pusht.py --out $OUT                      # one H100/H200, 16 cores: about 9 min
+    python benchmarks/recipes/train_pusht.py --smoke --out /tmp/pusht_smoke  # the same pipeline scaled down, CPU
 
 Needs gym-pusht (the ``sim`` extra). Stages:
 
@@ -23,15 +23,15 @@ Needs gym-pusht (the ``sim`` extra). Stages:
 Stage 6 is skipped when less than ``--eval-reserve-s`` of ``--deadline-s`` is left. A run too long for one call
 splits in two, over the same simulated data (episodes depend only on the seed)::
 
-    python benchmarks/train_pusht.py --part first --out $OUT     # stages 1, 2, 4 -> $OUT/first_part.tar.gz
-    python benchmarks/train_pusht.py --part second --first-part first_part.tar.gz --out $OUT   # stages 1, 3, 5, 6
+    python benchmarks/recipes/train_pusht.py --part first --out $OUT     # stages 1, 2, 4 -> $OUT/first_part.tar.gz
+    python benchmarks/recipes/train_pusht.py --part second --first-part first_part.tar.gz --out $OUT  # 1, 3, 5, 6
 
 Two parts improve an installed model (``--assets``): ``--part decoder`` fine-tunes its VAE decoder on chunk + 1 frame
 clips (encoder, latent space and world model unchanged), retrains its reward model on its rollouts, packs and
 evaluates it; ``--part reward-model`` only retrains the reward model. ``--wm-init`` with ``--part second`` fine-tunes
 an installed world model; ``--first-part`` then can be the installed model folder itself (its VAE and start frames)::
 
-    python benchmarks/train_pusht.py --part second --first-part cosmos3_gym/assets/pusht \
+    python benchmarks/recipes/train_pusht.py --part second --first-part cosmos3_gym/assets/pusht \
         --wm-init cosmos3_gym/assets/pusht/checkpoint --wm-cond-noise 0.3 --wm-lr 2e-4 --out $OUT
 
 (``--wm-rollout-prob`` conditions part of each batch on the model's own frames, ``training/rollout.py``.)
@@ -60,8 +60,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+RECIPES = Path(__file__).resolve().parent
+sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
 from common import provenance, write_results  # noqa: E402
 import fidelity_pusht_chunks  # noqa: E402
@@ -107,7 +107,9 @@ FIRST_PART_ARCHIVE = "first_part.tar.gz"  # what --part first hands to --part se
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="results folder ($OUT on the device)")
+    parser.add_argument("--out", required=True, help="results folder ($OUT on the device): results JSON, checkpoints")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a result of the same name already in benchmarks/results")
     parser.add_argument("--work", default=None, help="bulky intermediates (default: a temporary folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny settings for a CPU check of the pipeline")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -150,8 +152,8 @@ class Stages:
     """Times each stage and collects what it reports into one results dict, written to ``out`` after every stage
     (so a run cut off by a time limit still tells how far it got)."""
 
-    def __init__(self, out: Path, filename: str):
-        self.out, self.filename = out, filename
+    def __init__(self, out: Path, filename: str, overwrite: bool = False):
+        self.out, self.filename, self.overwrite = out, filename, overwrite
         self.started = time.perf_counter()
         self.results: dict[str, Any] = {"stages": {}}
 
@@ -165,7 +167,7 @@ class Stages:
         self.results["stages"][name] = {"seconds": round(time.perf_counter() - start, 2), **(report or {})}
         self.results["total_seconds"] = round(self.elapsed(), 2)
         print(f"== {name}: {self.results['stages'][name]['seconds']} s", flush=True)
-        write_results(self.results, self.filename, str(self.out))
+        write_results(self.results, self.filename, str(self.out), self.overwrite)
         return report
 
 
@@ -409,7 +411,7 @@ def evaluate_stage(args, work: Path, assets: Path, out: Path) -> dict:
         policy_chunks=args.policy_chunks, workers=args.workers,
     )
     results = {"provenance": provenance(), **results}
-    write_results(results, "fidelity_pusht_chunks.json", str(out))
+    write_results(results, "fidelity_pusht_chunks.json", str(out), args.overwrite)
     video = pusht.side_by_side(out / "side_by_side.mp4", seed=int(args.seed + 3), num_chunks=args.video_chunks,
                                assets_dir=assets, device=args.device)
     return {
@@ -440,7 +442,7 @@ def main(argv: list[str] | None = None) -> dict:
     if assets.exists():
         shutil.rmtree(assets)
     assets.mkdir(parents=True)
-    stages = Stages(out, "train_pusht.json" if args.part == "all" else f"train_pusht_{args.part}.json")
+    stages = Stages(out, "train_pusht.json" if args.part == "all" else f"train_pusht_{args.part}.json", args.overwrite)
     stages.results.update(provenance=provenance(), arguments=vars(args), work=str(work))
 
     try:
@@ -478,7 +480,7 @@ def main(argv: list[str] | None = None) -> dict:
             if source.is_file():
                 shutil.copyfile(source, out / name)
         stages.results["total_seconds"] = round(stages.elapsed(), 2)
-        write_results(stages.results, stages.filename, str(out))
+        write_results(stages.results, stages.filename, str(out), args.overwrite)
     return stages.results
 
 

@@ -1,6 +1,6 @@
 """How faithful is the PushT world model to the real simulator, and does its policy mode push the T?
 
-    python benchmarks/fidelity_pusht_chunks.py --assets cosmos3_gym/assets/pusht --out $OUT
+    python benchmarks/recipes/fidelity_pusht_chunks.py --assets cosmos3_gym/assets/pusht --out $OUT
 
 Needs gym-pusht (the ``sim`` extra). Three measurements, on start states held out from training:
 
@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+RECIPES = Path(__file__).resolve().parent
+sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
-from common import provenance, write_results  # noqa: E402
+from common import add_output_arguments, check_results_target, provenance, write_results  # noqa: E402
 
 from cosmos3_gym.agents import PolicyAgent  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
@@ -45,14 +45,22 @@ from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env, pus
 from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.rewards import ClassifierRewardModel  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
+from cosmos3_gym.statistics import mean_interval, wilson_interval  # noqa: E402
 
 
-def mean_ci95(values) -> dict[str, float]:
-    """Mean and its 95 % confidence interval (normal approximation, sample standard deviation)."""
-    values = np.asarray(values, dtype=np.float64)
-    mean = float(values.mean())
-    half = 1.96 * float(values.std(ddof=1)) / math.sqrt(len(values)) if len(values) > 1 else math.nan
-    return {"mean": mean, "ci95_low": mean - half, "ci95_high": mean + half, "n": int(len(values))}
+def mean_ci95(values, bounds: tuple[float, float] | None = None) -> dict[str, float]:
+    """Mean and its 95 % confidence interval: ``cosmos3_gym.statistics.mean_interval`` (Student t, clipped to
+    ``bounds`` when the values have known bounds; NaN for fewer than 2 values)."""
+    values = np.asarray(values, dtype=np.float64).ravel().tolist()
+    low, high = mean_interval(values, 0.95, bounds) or (math.nan, math.nan)
+    return {"mean": float(np.mean(values)), "ci95_low": low, "ci95_high": high, "n": len(values)}
+
+
+def rate_ci95(outcomes) -> dict[str, float]:
+    """A success rate and its 95 % Wilson interval (``cosmos3_gym.statistics.wilson_interval``), as ``mean_ci95``."""
+    outcomes = np.asarray(outcomes, dtype=bool).ravel()
+    low, high = wilson_interval(int(outcomes.sum()), len(outcomes))
+    return {"mean": float(outcomes.mean()), "ci95_low": low, "ci95_high": high, "n": len(outcomes)}
 
 
 def load_episodes(dataset_dir: Path, count: int) -> list[dict[str, np.ndarray]]:
@@ -162,9 +170,9 @@ def _baseline_coverage(job) -> np.ndarray:
 
 def coverage_summary(coverage: np.ndarray) -> dict[str, Any]:
     return {
-        "final_coverage": mean_ci95(coverage[:, -1]),
-        "max_coverage": mean_ci95(coverage.max(axis=1)),
-        "success_rate": mean_ci95((coverage > pusht.SUCCESS_COVERAGE).any(axis=1).astype(float)),
+        "final_coverage": mean_ci95(coverage[:, -1], bounds=(0.0, 1.0)),
+        "max_coverage": mean_ci95(coverage.max(axis=1), bounds=(0.0, 1.0)),
+        "success_rate": rate_ci95((coverage > pusht.SUCCESS_COVERAGE).any(axis=1)),
     }
 
 
@@ -266,9 +274,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--policy-chunks", type=int, default=16)
     parser.add_argument("--workers", type=int, default=None, help="simulator processes (default: CPU cores)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None, help="results folder (default: $OUT or benchmarks/results)")
+    add_output_arguments(parser)
     parser.add_argument("--results-name", default="fidelity_pusht_chunks.json")
     args = parser.parse_args(argv)
+    check_results_target(args.results_name, args.out, args.overwrite)
 
     assets = load_pusht_assets(args.assets)
     heldout = Path(args.heldout) if args.heldout else None
@@ -286,9 +295,9 @@ def main(argv: list[str] | None = None) -> dict:
         fidelity_chunks=args.fidelity_chunks, policy_episodes=args.policy_episodes, policy_chunks=args.policy_chunks,
         workers=args.workers or (os.cpu_count() or 1),
     )
-    results = {"provenance": provenance(["benchmarks/fidelity_pusht_chunks.py", *(argv or sys.argv[1:])]),
+    results = {"provenance": provenance(["benchmarks/recipes/fidelity_pusht_chunks.py", *(argv or sys.argv[1:])]),
                **results}
-    write_results(results, args.results_name, args.out)
+    write_results(results, args.results_name, args.out, args.overwrite)
     return results
 
 
