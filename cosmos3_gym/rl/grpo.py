@@ -17,8 +17,9 @@ Readable top to bottom, CleanRL-style: the hyper-parameters are ``GRPOConfig``; 
    the KL to the reference policy (the behaviour-cloned start; keeps the policy near states the world model knows).
 4. **Guard** (every ``guard_every`` iterations, when a ``guard`` is given): the action chunks of this iteration's
    episodes are replayed from the same starts in the real simulator (``guard(start_indices, action_chunks,
-   lengths) -> real_success``); imagined success is logged next to replayed-real success, so reward hacking in the
-   world model shows in the curves.
+   lengths) -> {"success": [N], "final_coverage": [N]}``); imagined success is logged next to replayed-real success,
+   and the imagined final score next to the real final coverage (Pearson, MAE), so reward hacking in the world model
+   shows in the curves.
 
 ``save(path)`` writes a safetensors checkpoint (policy, Adam state, the RNG states, iteration, history);
 ``GRPOTrainer.load(path, env)`` continues exactly where it stopped: the same starts, seeds and noise follow.
@@ -182,14 +183,23 @@ class GRPOTrainer:
         }
         if self.guard is not None and config.guard_every and self.iteration % config.guard_every == 0:
             guard_started = time.perf_counter()
-            real = np.asarray(self.guard(start_indices, taken, lengths), bool)
+            replayed = self.guard(start_indices, taken, lengths)
+            real = np.asarray(replayed["success"], bool)
+            real_coverage = np.asarray(replayed["final_coverage"], float)
             imagined = int(success.sum())
+            spread = final_score.std() * real_coverage.std()
             stats.update({
                 "guard": True,
                 "imagined_success_rate": float(success.mean()),
                 "replayed_success_rate": float(real.mean()),
                 "false_success_rate": float((success & ~real).sum() / imagined) if imagined else math.nan,
                 "success_agreement": float((success == real).mean()),
+                "imagined_final_score": float(final_score.mean()),
+                "replayed_final_coverage": float(real_coverage.mean()),
+                "score_coverage_pearson": float(np.mean((final_score - final_score.mean())
+                                                        * (real_coverage - real_coverage.mean())) / spread)
+                if spread > 0 else math.nan,
+                "score_coverage_mae": float(np.abs(final_score - real_coverage).mean()),
                 "guard_s": time.perf_counter() - guard_started,
             })
         return Rollout(

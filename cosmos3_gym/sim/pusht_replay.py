@@ -30,22 +30,23 @@ def _check_env(env: Any, count: int) -> None:
 
 
 def replay_in_simulator(env: PushTSimVectorEnv, start_indices: np.ndarray, action_chunks: np.ndarray,
-                        lengths: np.ndarray) -> np.ndarray:
-    """bool ``[N]``: whether episode ``i`` (start ``start_indices[i]``, chunks ``action_chunks[i, :lengths[i]]``)
-    succeeds in gym-pusht."""
+                        lengths: np.ndarray) -> dict[str, np.ndarray]:
+    """Episode ``i`` (start ``start_indices[i]``, chunks ``action_chunks[i, :lengths[i]]``) in gym-pusht:
+    ``{"success": bool [N], "final_coverage": [N]}`` (coverage after its last replayed step)."""
     start_indices = np.asarray(start_indices, np.int64)
     action_chunks = np.asarray(action_chunks, np.float32)
     lengths = np.asarray(lengths, np.int64)
     _check_env(env, len(start_indices))
-    env.reset(seed=0, options={"initial_state_index": start_indices})
     success = np.zeros(len(start_indices), bool)
-    done = np.zeros(len(start_indices), bool)
+    done = lengths <= 0
+    final = np.asarray(env.reset(seed=0, options={"initial_state_index": start_indices})[1]["coverage"], float)
     for t in range(int(lengths.max(initial=0))):
-        _, _, terminated, truncated, _ = env.step(action_chunks[:, t])
-        running = ~done & (t < lengths)
+        _, _, terminated, truncated, info = env.step(action_chunks[:, t])
+        running = ~done
         success |= running & terminated
+        final[running] = np.asarray(info["coverage"])[running]
         done |= terminated | truncated | (t + 1 >= lengths)
-    return success
+    return {"success": success, "final_coverage": final}
 
 
 def evaluate_in_simulator(policy: Any, env: PushTSimVectorEnv, start_indices: np.ndarray, num_chunks: int,
