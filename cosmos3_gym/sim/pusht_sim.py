@@ -42,7 +42,9 @@ class PushTSim:
     (the same pixels; a policy acting once per chunk needs one frame per chunk, and drawing costs 5x a step).
 
     ``sim_state`` (float64 ``[10]``, ``SIM_STATE_FIELDS``) is everything the physics integrates; ``restore(state)``
-    puts the simulator back there, so an episode can restart from any recorded step.
+    puts the simulator back there, so an episode can restart from any recorded step (the same frame; the same
+    motion up to pymunk's cached contact impulses, which are not part of the state: paths in contact part by
+    hundredths of a pixel).
     """
 
     def __init__(self, image_size: tuple[int, int] = (256, 256), render_every_step: bool = True):
