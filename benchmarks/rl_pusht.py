@@ -66,8 +66,8 @@ STAGES = ("demos", "bc", "eval_bc", "grpo_sim", "grpo_wm", "eval")
 WORLDS = {"grpo_sim": "grpo_simulator", "grpo_wm": "grpo_world_model"}
 RESULTS_NAME = "rl_pusht.json"
 REPO_POLICY_DIR = "benchmarks/results/policies"
-FULL = dict(demo_episodes=400, demo_max_steps=300, demo_stride=2, start_stride=8, bc_steps=4000, bc_batch_size=256,
-            eval_episodes=200, eval_chunks=38, num_envs=64, group_size=8, horizon=10, iterations=16, minibatch_size=512,
+FULL = dict(demo_episodes=400, demo_max_steps=300, demo_stride=1, start_stride=8, bc_steps=4000, bc_batch_size=256,
+            eval_episodes=200, eval_chunks=38, num_envs=64, group_size=8, horizon=10, iterations=20, minibatch_size=512,
             workers=16)
 TINY = dict(demo_episodes=3, demo_max_steps=24, demo_stride=4, start_stride=8, bc_steps=4, bc_batch_size=8,
             eval_episodes=3, eval_chunks=2, num_envs=4, group_size=2, horizon=2, iterations=2, minibatch_size=8,
@@ -279,7 +279,7 @@ def stage_grpo(run: Run, stage: str) -> None:
             policy = load_policy_file(run.policy_path("bc"), device=args.device)
             trainer = GRPOTrainer(policy, env, config, reference=reference, num_starts=len(starts), guard=guard)
         started = time.perf_counter()
-        history = trainer.train(checkpoint_path=checkpoint, progress=not args.no_progress,
+        history = trainer.train(args.iterations, checkpoint_path=checkpoint, progress=not args.no_progress,
                                 on_iteration=lambda r: print(_iteration_line(key, r), flush=True))
         train_s = time.perf_counter() - started
     finally:
@@ -301,6 +301,21 @@ def stage_grpo(run: Run, stage: str) -> None:
         "update_s": float(sum(r["update_s"] for r in history)),
         "guard_s": float(sum(r.get("guard_s", 0.0) for r in history)),
     }
+    guarded = [r for r in history if r.get("guard")]
+    if guarded:  # the world model's reward, checked against gym-pusht over every replayed episode
+        imagined = sum(r["imagined_successes"] for r in guarded)
+        false = sum(r["false_successes"] for r in guarded)
+        run.results[key]["reward_check"] = {
+            "replayed_episodes": sum(r["episodes"] for r in guarded),
+            "imagined_success_rate": float(np.mean([r["imagined_success_rate"] for r in guarded])),
+            "replayed_success_rate": float(np.mean([r["replayed_success_rate"] for r in guarded])),
+            "imagined_successes": imagined,
+            "false_successes": false,
+            "false_success_rate": false / imagined if imagined else None,
+            "mean_score_coverage_pearson": float(np.nanmean([r["score_coverage_pearson"] for r in guarded]))
+            if any(np.isfinite(r["score_coverage_pearson"]) for r in guarded) else None,
+            "mean_score_coverage_mae": float(np.mean([r["score_coverage_mae"] for r in guarded])),
+        }
 
 
 def _iteration_line(key: str, record: dict) -> str:
@@ -382,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, default in FULL.items():
         if name != "workers":
             parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {default}")
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--update-epochs", type=int, default=4)
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--entropy-coef", type=float, default=0.0)

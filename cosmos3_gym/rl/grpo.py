@@ -54,7 +54,7 @@ class GRPOConfig:
     iterations: int = 20
     group_size: int = 8  # slots sharing a start; num_envs must be a multiple
     horizon: int = 8  # chunks per rollout at most (the env may truncate earlier)
-    learning_rate: float = 1e-4
+    learning_rate: float = 3e-4
     update_epochs: int = 4
     minibatch_size: int = 256  # chunks per gradient step
     clip_coef: float = 0.2
@@ -62,8 +62,8 @@ class GRPOConfig:
     entropy_coef: float = 0.0
     coverage_weight: float = 0.1  # return = 1[success] + coverage_weight * final score
     max_grad_norm: float = 1.0
-    min_log_std: float = -3.0  # the Gaussian's log std is clamped here (no collapse, no blow-up)
-    max_log_std: float = -0.5
+    min_log_std: float = -4.0  # the Gaussian's log std is clamped here (no collapse, no blow-up)
+    max_log_std: float = -1.0
     guard_every: int = 1  # iterations between guard replays (0: never)
     seed: int = 0
 
@@ -193,6 +193,9 @@ class GRPOTrainer:
                 "imagined_success_rate": float(success.mean()),
                 "replayed_success_rate": float(real.mean()),
                 "false_success_rate": float((success & ~real).sum() / imagined) if imagined else math.nan,
+                "imagined_successes": imagined,
+                "false_successes": int((success & ~real).sum()),
+                "episodes": int(n),
                 "success_agreement": float((success == real).mean()),
                 "imagined_final_score": float(final_score.mean()),
                 "replayed_final_coverage": float(real_coverage.mean()),
