@@ -31,7 +31,8 @@ Writes ``rl_pusht.json`` (card, commit, command; ``policies``: ``bc``, ``grpo_si
 repo-relative policy files; every stage's numbers and wall clock; per-iteration histories) and ``rl_pusht.png``
 (curves) to ``--out`` (default ``$OUT`` or benchmarks/results), and the three policy files (under 1 MB each) to
 ``<out>/policies/`` (commit them as ``benchmarks/results/policies/``). Intermediate files (demonstrations, GRPO
-checkpoints) go to ``--work`` (default /tmp/cosmos3_gym_rl_pusht), which stages run separately share.
+checkpoints) and a copy of the results and policies go to ``--work`` (default /tmp/cosmos3_gym_rl_pusht), which
+stages run separately share (the results of earlier stages are read back from ``--out``, else from ``--work``).
 Needs gym-pusht (the ``sim`` extra).
 """
 
@@ -86,10 +87,12 @@ class Run:
         self.out = results_dir(args.out)
         self.work = Path(args.work)
         self.work.mkdir(parents=True, exist_ok=True)
-        self.policy_dir = self.out / "policies"
-        self.results_path = self.out / RESULTS_NAME
-        self.results: dict[str, Any] = json.loads(self.results_path.read_text()) if self.results_path.is_file() \
-            else {}
+        # Policies and results live in --work (stages run in separate processes, even machines with a fresh --out,
+        # share it) and are copied to --out after every stage.
+        self.policy_dir = self.work / "policies"
+        self.results_path = self.work / RESULTS_NAME
+        earlier = self.out / RESULTS_NAME if (self.out / RESULTS_NAME).is_file() else self.results_path
+        self.results: dict[str, Any] = json.loads(earlier.read_text()) if earlier.is_file() else {}
         self.results.setdefault("policies", {})
         self.results.setdefault("timings", {})
         from cosmos3_gym.envs.pusht import load_pusht_assets
@@ -109,7 +112,12 @@ class Run:
     def save(self) -> None:
         self.results["provenance"] = provenance(["benchmarks/rl_pusht.py", *self.args.argv])
         self.results["settings"] = {key: value for key, value in vars(self.args).items() if key != "argv"}
+        self.results_path.write_text(json.dumps(self.results, indent=2, default=str))
         write_results(self.results, RESULTS_NAME, str(self.out))
+        if self.policy_dir.is_dir():
+            (self.out / "policies").mkdir(exist_ok=True)
+            for path in self.policy_dir.glob("*.safetensors"):
+                shutil.copy2(path, self.out / "policies" / path.name)
 
     def starts(self):
         from cosmos3_gym.sim.starts import DemoStartStates
@@ -378,7 +386,8 @@ def plot(run: Run) -> None:
                             "y": [e["success_rate_wilson95"][0], e["success_rate"], e["success_rate_wilson95"][1]]}
                            for i, (key, e) in enumerate(evals)]})
     if panels:
-        path = line_chart(run.out / "rl_pusht.png", panels, title="PushT: BC -> GRPO in gym-pusht / in the world model")
+        path = line_chart(run.out / "rl_pusht.png", panels,
+                          title="PushT: BC -> GRPO in gym-pusht / in the world model")
         run.results["plot"] = path.name
 
 

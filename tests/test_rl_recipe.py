@@ -21,9 +21,10 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     out, work = tmp_path / "out", tmp_path / "work"
-    common = ["--tiny", "--out", str(out), "--work", str(work), "--no-progress", "--device", "cpu"]
-    recipe.main([*common, "--stages", "demos,bc,eval_bc"])
-    results = recipe.main([*common, "--stages", "grpo_sim,grpo_wm,eval"])  # a second run reads --work
+    common = ["--tiny", "--work", str(work), "--no-progress", "--device", "cpu"]
+    recipe.main([*common, "--out", str(tmp_path / "first"), "--stages", "demos,bc,eval_bc"])
+    # A second run with a fresh --out (another GPU call) continues from --work.
+    results = recipe.main([*common, "--out", str(out), "--stages", "grpo_sim,grpo_wm,eval"])
 
     assert set(results["policies"]) == {"bc", "grpo_simulator", "grpo_world_model"}
     for key, path in results["policies"].items():
