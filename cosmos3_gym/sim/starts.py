@@ -86,8 +86,10 @@ class DemoStartStates(InitialStateSource):
             if "sim_states" not in episode:
                 raise InputError(f"episodes[{index}]: has no 'sim_states' (record episodes with rollout_episode).")
             recorded = np.asarray(episode["sim_states"])
-            last = len(recorded) - 1 if max_step is None else min(len(recorded) - 1, max_step + 1)
-            chosen = np.arange(0, max(last, 1), stride)
+            # The last frame has no action after it (an episode of one frame keeps it).
+            chosen = np.arange(0, max(len(recorded) - 1, 1), stride)
+            if max_step is not None:
+                chosen = chosen[chosen <= max_step]
             states.append(recorded[chosen])
             episode_ids.append(np.full(len(chosen), index))
             steps.append(chosen)
