@@ -46,7 +46,7 @@ from .policy import PixelGaussianPolicy, PolicyConfig
 __all__ = ["GRPOConfig", "GRPOTrainer", "group_advantages"]
 
 CHECKPOINT_FORMAT = "cosmos3_gym.grpo_checkpoint"
-Guard = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+Guard = Callable[[np.ndarray, np.ndarray, np.ndarray], dict[str, np.ndarray]]  # (starts, chunks, lengths) -> replay
 
 
 @dataclass
