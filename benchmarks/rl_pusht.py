@@ -242,7 +242,8 @@ def world_model_env(run: Run, starts, guard_horizon: int):
     from cosmos3_gym.sim.starts import DemoStartStates
 
     args = run.args
-    common = dict(reward_model="pusht_geometric", success_threshold=0.95, max_episode_steps=guard_horizon,
+    common = dict(reward_model=f"pusht_geometric?min_iou={args.min_iou}", success_threshold=0.95,
+                  max_episode_steps=guard_horizon,
                   observation_size=(96, 96), device=args.device)
     if "group_size" in inspect.signature(WorldModelVectorEnv.__init__).parameters:
         common["group_size"] = args.group_size  # starts are passed per slot anyway; this adds info["group"]
@@ -412,6 +413,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--entropy-coef", type=float, default=0.0)
     parser.add_argument("--coverage-weight", type=float, default=0.1)
     parser.add_argument("--guard-every", type=int, default=1)
+    parser.add_argument("--min-iou", type=float, default=0.8,
+                        help="world-model frames whose block fits a rigid T worse than this score 0")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
