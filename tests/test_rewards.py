@@ -223,7 +223,7 @@ def test_entry_point_lookup(tmp_path, monkeypatch):
             importlib.metadata.EntryPoint("other_group", "cosmos3_gym_test_plugin:make", "another.group"),
         ),
     )
-    assert available_reward_models() == ["broken", "classifier", "constant", "goal_image"]
+    assert available_reward_models() == ["broken", "classifier", "constant", "goal_image", "pusht_geometric"]
     model = resolve_reward_model("constant?value=2.5")
     assert model.name == "constant?value=2.5"
     assert model(torch.rand(2, 1, 3, 8, 8), ["a", "b"]).tolist() == [2.5, 2.5]
@@ -287,7 +287,7 @@ def _goal_path(tmp_path):
 BAD_RESOLVE_SPECS = [
     (42, "reward_model: expected None"),
     (ClassifierRewardModel, "reward_model: got the class ClassifierRewardModel"),
-    ("no_such_model", r"unknown reward model 'no_such_model'; known: \['classifier', 'goal_image', 'returns_text'\]"),
+    ("no_such_model", r"unknown reward model 'no_such_model'; known: \['classifier', 'goal_image', 'pusht_geometric', 'returns_text'\]"),
     ("bad name!", "reward_model: cannot parse 'bad name!'"),
     ("returns_text", r"reward_model 'returns_text': the factory of 'returns_text' returned str, not a reward model"),
     ("classifier", r"expected 'classifier:PATH"),
@@ -389,3 +389,118 @@ def test_goal_image_and_registration_check_inputs(tmp_path):
         resolve_reward_model(lambda frames, tasks: [0.0] * len(tasks), device="graphics card")
     with pytest.raises(InputError, match="reward_model 'text_rm': expected numeric rewards"):
         CallableRewardModel(lambda f, t: "high", name="text_rm")(torch.rand(1, 1, 3, 8, 8), ["a"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pusht_geometric: coverage of a rigid T fitted to the frame; deformed blocks flagged
+# ---------------------------------------------------------------------------------------------------------------
+
+_BLOCK_FILL = np.array([143, 163, 184], np.uint8)  # gym-pusht's block fill colour
+
+
+def _body_coordinates(size: int, pose) -> tuple[np.ndarray, np.ndarray]:
+    centres = (np.arange(size) + 0.5) * 512 / size
+    x, y = np.meshgrid(centres, centres)
+    dx, dy = x - pose[0], y - pose[1]
+    cos, sin = np.cos(pose[2]), np.sin(pose[2])
+    return cos * dx + sin * dy, -sin * dx + cos * dy
+
+
+def _tee_parts(bx, by):
+    return (np.abs(bx) <= 60) & (by >= 0) & (by <= 30), (np.abs(bx) <= 15) & (by >= 30) & (by <= 120)
+
+
+def _repaint(frame, shape):
+    """The frame with its block erased (table white) and ``shape`` painted in the block's colour."""
+    pixels = frame.astype(int)
+    r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    block = (np.abs(r - 135) < 40) & (np.abs(g - 153) < 40) & (np.abs(b - 175) < 40) & (b - r > 15) & (b - r < 70)
+    out = frame.copy()
+    out[block] = 255
+    out[shape] = _BLOCK_FILL
+    return out
+
+
+def _bent(frame, pose):  # the stem turned 50 degrees about its joint with the bar
+    bx, by = _body_coordinates(frame.shape[0], pose)
+    bar, _ = _tee_parts(bx, by)
+    angle = np.radians(50.0)
+    sx = np.cos(angle) * bx + np.sin(angle) * (by - 30)
+    sy = -np.sin(angle) * bx + np.cos(angle) * (by - 30) + 30
+    _, stem = _tee_parts(sx, sy)
+    return _repaint(frame, bar | (stem & (sy > 30)))
+
+
+def _melted(frame, pose):  # the T smeared into a blob of about its size
+    bx, by = _body_coordinates(frame.shape[0], pose)
+    return _repaint(frame, (bx / 70) ** 2 + ((by - 45) / 55) ** 2 <= 1.0)
+
+
+def _split(frame, pose):  # the stem torn 45 px off the bar
+    bx, by = _body_coordinates(frame.shape[0], pose)
+    bar, _ = _tee_parts(bx, by)
+    _, stem = _tee_parts(bx, by - 45)
+    return _repaint(frame, bar | stem)
+
+
+@pytest.fixture(scope="module")
+def pusht_frames():
+    """Real gym-pusht frames (96 x 96) along scripted pushes, their true coverage and block poses."""
+    pytest.importorskip("gym_pusht")
+    from cosmos3_gym.sim import pusht
+
+    sim = pusht.PushTSim((96, 96))
+    frames, coverage, poses = [], [], []
+    try:
+        for seed in range(4):
+            episode = pusht.rollout_episode(sim, pusht.ScriptedPusher(np.random.default_rng(seed)), seed, 150)
+            steps = np.arange(0, 151, 15)
+            frames.append(episode["frames"][steps])
+            coverage.append(episode["coverage"][steps])
+            poses.append(episode["sim_states"][steps][:, 4:7])
+    finally:
+        sim.close()
+    return np.concatenate(frames), np.concatenate(coverage), np.concatenate(poses)
+
+
+def test_geometric_coverage_agrees_with_the_simulator(pusht_frames):
+    from cosmos3_gym.rewards import fit_tee
+
+    frames, coverage, poses = pusht_frames
+    assert coverage.max() > 0.9 and coverage.min() < 0.3  # the set spans the range
+    fit = fit_tee(frames)
+    estimate = fit.coverage.numpy()
+    assert np.corrcoef(estimate, coverage)[0, 1] > 0.99
+    assert np.abs(estimate - coverage).mean() < 0.02
+    position_error = np.hypot(*(fit.pose.numpy()[:, :2] - poses[:, :2]).T)
+    assert np.median(position_error) < 2.0  # table px (a 96 x 96 pixel is 5.3 px)
+    assert fit.rigidity.min() > 0.85  # real blocks are rigid Ts
+
+
+def test_deformed_blocks_are_flagged_and_pay_nothing(pusht_frames):
+    from cosmos3_gym.rewards import fit_tee, resolve_reward_model, rigidity
+
+    frames, coverage, poses = pusht_frames
+    chosen = np.argsort(-coverage)[:4]  # blocks on or near the target: a deformed one could fake coverage
+    for deform in (_bent, _melted, _split):
+        deformed = np.stack([deform(frames[i], poses[i]) for i in chosen])
+        assert rigidity(deformed).max() < 0.75, deform.__name__
+    reward = resolve_reward_model("pusht_geometric?min_iou=0.8")
+    melted = np.stack([_melted(frames[i], poses[i]) for i in chosen])
+    as_chunks = torch.from_numpy(np.stack([frames[chosen], melted])).permute(0, 1, 4, 2, 3).float() / 255.0
+    scores = reward(as_chunks.reshape(2 * 4, 1, 3, 96, 96), ["t"] * 8)
+    np.testing.assert_allclose(scores[:4].numpy(), fit_tee(frames[chosen]).coverage.numpy(), atol=1e-6)
+    assert (scores[4:] == 0).all()
+
+
+def test_geometric_reward_options_and_empty_frames():
+    from cosmos3_gym.rewards import PushTGeometricReward, available_reward_models, resolve_reward_model
+
+    assert "pusht_geometric" in available_reward_models()
+    model = resolve_reward_model("pusht_geometric?reduce=max&min_iou=0.5")
+    assert isinstance(model, PushTGeometricReward) and model.reduce == "max" and model.min_iou == 0.5
+    assert torch.equal(model(torch.ones(2, 3, 3, 32, 32), ["a", "b"]), torch.zeros(2))  # no block: 0
+    with pytest.raises(InputError, match="unknown option"):
+        resolve_reward_model("pusht_geometric?iou=1")
+    with pytest.raises(InputError, match="reduce"):
+        PushTGeometricReward(reduce="mean")

@@ -36,6 +36,7 @@ from ..errors import CheckpointError, InputError
 __all__ = ["SB3PolicyAgent", "load_sb3_policy", "read_sb3_policy_metadata", "save_sb3_policy"]
 
 FORMAT = "cosmos3_gym.sb3_policy.v1"
+KIND = "sb3_ppo"  # what cosmos3_gym.rl.policy.load_policy_file dispatches on (files written before it lack it)
 # The metadata keys save_sb3_policy writes itself; the caller's own metadata may not reuse them.
 ARCHITECTURE_KEYS = (
     "format", "policy_class", "observation_space", "action_space", "net_arch", "activation_fn",
@@ -64,11 +65,12 @@ def save_sb3_policy(model_or_policy: Any, path: str | os.PathLike, **metadata: A
     activation = policy.activation_fn.__name__
     if getattr(torch.nn, activation, None) is not policy.activation_fn:
         raise InputError(f"policy: the activation must be a torch.nn class, got {policy.activation_fn!r}")
-    clashing = sorted(set(metadata) & set(ARCHITECTURE_KEYS))
+    clashing = sorted(set(metadata) & {*ARCHITECTURE_KEYS, "kind"})
     if clashing:
         raise InputError(f"metadata: {clashing} are written by save_sb3_policy itself; use other names")
     architecture = {
         "format": FORMAT,
+        "kind": KIND,
         "policy_class": type(policy).__name__,
         "observation_space": {key: _box_to_json(space, f"observation_space[{key!r}]")
                               for key, space in policy.observation_space.spaces.items()},

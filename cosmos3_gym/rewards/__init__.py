@@ -9,6 +9,7 @@ from .base import RewardModel, check_frames, reward_model_name, validate_reward
 from .callable import CallableRewardModel
 from .classifier import ClassifierRewardModel, train_classifier
 from .goal_image import GoalImageRewardModel
+from .pusht_geometric import PushTGeometricReward, fit_tee, rigidity
 from .registry import (
     ENTRY_POINT_GROUP,
     RewardModelSpec,
@@ -22,13 +23,16 @@ __all__ = [
     "CallableRewardModel",
     "ClassifierRewardModel",
     "GoalImageRewardModel",
+    "PushTGeometricReward",
     "RewardModel",
     "RewardModelSpec",
     "available_reward_models",
     "check_frames",
+    "fit_tee",
     "register_reward_model",
     "resolve_reward_model",
     "reward_model_name",
+    "rigidity",
     "train_classifier",
     "validate_reward",
 ]

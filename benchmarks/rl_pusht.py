@@ -1,0 +1,471 @@
+"""RL in the PushT world model that transfers to the real simulator (issue 17): behaviour cloning, then GRPO in
+gym-pusht and GRPO in the world model from the same BC policy with the same env-step budget, all checked in
+gym-pusht on held-out seeds.
+
+    python benchmarks/rl_pusht.py --tiny                          # CPU dry run of every stage (about a minute)
+    python benchmarks/rl_pusht.py --out $OUT                      # one GPU + 16 CPU cores, all stages
+    python benchmarks/rl_pusht.py --stages demos,bc,eval_bc       # parts; later stages read --work
+    python benchmarks/rl_pusht.py --stages grpo_wm,eval --resume  # continue a GRPO run from its checkpoint
+
+Stages (``--stages``, comma-separated, in this order):
+
+1. ``demos``: ``--demo-episodes`` scripted-pusher demonstrations in gym-pusht (``sim.pusht_demos``; seeds 0..,
+   ``--workers`` processes): 96 x 96 observations and the next 8 normalised actions of every ``--demo-stride``-th
+   step for BC, and the simulator state of every step, from which ``--start-stride``-spaced steps become the RL
+   start states (``DemoStartStates``: rollouts start mid-task too).
+2. ``bc``: ``PixelGaussianPolicy`` fitted to the demonstrations (``rl.bc``).
+3. ``eval_bc``: the BC policy in gym-pusht from ``--eval-episodes`` held-out starts (gym-pusht seeds
+   ``--eval-seed``.., none used in training) for ``--eval-chunks`` chunks: success (coverage >= 0.95 at some step,
+   gym-pusht's success) with a Wilson 95 % CI and mean final coverage with a t 95 % CI.
+4. ``grpo_sim``: GRPO (``rl.grpo``) in ``PushTSimVectorEnv`` (gym-pusht, ``--num-envs`` slots in groups of
+   ``--group-size`` sharing a demonstration start, ``--horizon`` chunks) for ``--iterations`` iterations.
+5. ``grpo_wm``: the same GRPO in ``cosmos3_gym/PushT-v0`` (the built-in world model on ``--device``), the same
+   starts (frames rendered from the same simulator states), the reward ``pusht_geometric`` (coverage of a rigid T
+   fitted to the imagined frame; 0 for deformed blocks), success at 0.95. Every ``--guard-every`` iterations the
+   iteration's action chunks are replayed from the same starts in gym-pusht: imagined vs replayed-real success,
+   false-success rate and the correlation of imagined score and real coverage, per iteration.
+6. ``eval``: both GRPO policies on the same held-out starts as BC, with the paired difference to BC (per seed,
+   t 95 % CI).
+
+Writes ``rl_pusht.json`` (card, commit, command; ``policies``: ``bc``, ``grpo_simulator``, ``grpo_world_model`` ->
+repo-relative policy files; every stage's numbers and wall clock; per-iteration histories) and ``rl_pusht.png``
+(curves) to ``--out`` (default ``$OUT`` or benchmarks/results), and the three policy files (under 1 MB each) to
+``<out>/policies/`` (commit them as ``benchmarks/results/policies/``). Intermediate files (demonstrations, GRPO
+checkpoints) and a copy of the results and policies go to ``--work`` (default /tmp/cosmos3_gym_rl_pusht), which
+stages run separately share (the results of earlier stages are read back from ``--out``, else from ``--work``).
+Needs gym-pusht (the ``sim`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+import inspect
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import provenance, results_dir, write_results  # noqa: E402
+
+from cosmos3_gym.evaluation import mean_interval, wilson_interval  # noqa: E402
+from cosmos3_gym.rl.bc import BCConfig, train_bc  # noqa: E402
+from cosmos3_gym.rl.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from cosmos3_gym.rl.plots import line_chart  # noqa: E402
+from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig, load_policy_file, save_policy_file  # noqa: E402
+
+STAGES = ("demos", "bc", "eval_bc", "grpo_sim", "grpo_wm", "eval")
+WORLDS = {"grpo_sim": "grpo_simulator", "grpo_wm": "grpo_world_model"}
+RESULTS_NAME = "rl_pusht.json"
+REPO_POLICY_DIR = "benchmarks/results/policies"
+FULL = dict(demo_episodes=400, demo_max_steps=300, demo_stride=1, start_stride=8, bc_steps=4000, bc_batch_size=256,
+            eval_episodes=200, eval_chunks=38, num_envs=64, group_size=8, horizon=10, iterations=20, minibatch_size=512,
+            workers=16)
+TINY = dict(demo_episodes=3, demo_max_steps=24, demo_stride=4, start_stride=8, bc_steps=4, bc_batch_size=8,
+            eval_episodes=3, eval_chunks=2, num_envs=4, group_size=2, horizon=2, iterations=2, minibatch_size=8,
+            workers=2)
+TINY_POLICY = dict(channels=(8, 8, 8, 8), hidden=16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Context shared by the stages
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Run:
+    def __init__(self, args):
+        self.args = args
+        self.out = results_dir(args.out)
+        self.work = Path(args.work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        # Policies and results live in --work (stages run in separate processes, even machines with a fresh --out,
+        # share it) and are copied to --out after every stage.
+        self.policy_dir = self.work / "policies"
+        self.results_path = self.work / RESULTS_NAME
+        earlier = self.out / RESULTS_NAME if (self.out / RESULTS_NAME).is_file() else self.results_path
+        self.results: dict[str, Any] = json.loads(earlier.read_text()) if earlier.is_file() else {}
+        self.results.setdefault("policies", {})
+        self.results.setdefault("timings", {})
+        from cosmos3_gym.envs.pusht import load_pusht_assets
+        from cosmos3_gym.processor import ActionStats
+
+        self.assets = load_pusht_assets(args.assets)
+        self.action_stats = ActionStats.from_json(self.assets.checkpoint / "action_stats.json", mode="minmax")
+        self.image_size = tuple(self.assets.meta.get("image_size", (256, 256)))
+        self.chunk = int(self.assets.meta.get("chunk", 8))
+
+    def policy_path(self, name: str) -> Path:
+        return self.policy_dir / f"rl_pusht_{name}.safetensors"
+
+    def record_policy(self, key: str, name: str) -> None:
+        self.results["policies"][key] = f"{REPO_POLICY_DIR}/{self.policy_path(name).name}"
+
+    def save(self) -> None:
+        self.results["provenance"] = provenance(["benchmarks/rl_pusht.py", *self.args.argv])
+        self.results["settings"] = {key: value for key, value in vars(self.args).items() if key != "argv"}
+        self.results_path.write_text(json.dumps(self.results, indent=2, default=str))
+        write_results(self.results, RESULTS_NAME, str(self.out))
+        if self.policy_dir.is_dir():
+            (self.out / "policies").mkdir(exist_ok=True)
+            for path in self.policy_dir.glob("*.safetensors"):
+                shutil.copy2(path, self.out / "policies" / path.name)
+
+    def starts(self):
+        from cosmos3_gym.sim.starts import DemoStartStates
+
+        path = self.work / "starts.npz"
+        if not path.is_file():
+            raise SystemExit(f"{path} is missing: run the 'demos' stage first (with the same --work).")
+        return DemoStartStates.load(path)
+
+    def eval_starts(self):
+        from cosmos3_gym.sim.starts import DemoStartStates
+
+        seeds = range(self.args.eval_seed, self.args.eval_seed + self.args.eval_episodes)
+        return DemoStartStates.from_seeds(seeds, image_size=self.image_size)
+
+    def sim_env(self, starts, num_envs: int, group_size: int, max_episode_steps: int):
+        from cosmos3_gym.sim.pusht_vector_env import PushTSimVectorEnv
+
+        return PushTSimVectorEnv(num_envs, starts=starts, action_stats=self.action_stats, group_size=group_size,
+                                 chunk=self.chunk, image_size=self.image_size, observation_size=(96, 96),
+                                 max_episode_steps=max_episode_steps, workers=self.args.workers)
+
+    def new_policy(self) -> PixelGaussianPolicy:
+        extra = TINY_POLICY if self.args.tiny else {}
+        return PixelGaussianPolicy(PolicyConfig(chunk=self.chunk, **extra)).to(self.args.device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def stage_demos(run: Run) -> None:
+    from cosmos3_gym.sim.pusht_demos import generate_demonstrations
+    from cosmos3_gym.sim.starts import DemoStartStates
+
+    args = run.args
+    demos = generate_demonstrations(
+        args.demo_episodes, action_stats=run.action_stats, seed=args.seed, max_steps=args.demo_max_steps,
+        stride=args.demo_stride, chunk=run.chunk, image_size=run.image_size, workers=args.workers,
+        progress=not args.no_progress)
+    np.save(run.work / "demo_observations.npy", demos["observations"])
+    np.save(run.work / "demo_action_chunks.npy", demos["action_chunks"])
+    # Starts: every start_stride-th step of the successful demonstrations, up to their last (solved) step.
+    episodes = [e for e in demos["episodes"] if e["steps"] > 0]
+    starts = DemoStartStates.from_episodes(episodes, stride=args.start_stride, image_size=run.image_size)
+    starts.save(run.work / "starts.npz")
+    run.results["demos"] = {
+        "episodes": args.demo_episodes, "seeds": [args.seed, args.seed + args.demo_episodes - 1],
+        "scripted_success_rate": demos["success_rate"],
+        "scripted_mean_final_coverage": float(np.mean([e["final_coverage"] for e in demos["episodes"]])),
+        "mean_steps": float(np.mean([e["steps"] for e in demos["episodes"]])),
+        "bc_samples": int(len(demos["observations"])), "rl_starts": len(starts),
+    }
+
+
+def stage_bc(run: Run) -> None:
+    args = run.args
+    observations = np.load(run.work / "demo_observations.npy")
+    chunks = np.load(run.work / "demo_action_chunks.npy")
+    torch.manual_seed(args.seed)
+    policy = run.new_policy()
+    losses = train_bc(policy, observations, chunks, BCConfig(steps=args.bc_steps, batch_size=args.bc_batch_size,
+                                                            seed=args.seed), progress=not args.no_progress)
+    save_policy_file(policy, run.policy_path("bc"), trained_by="benchmarks/rl_pusht.py (bc)", samples=len(chunks),
+                     steps=args.bc_steps)
+    run.record_policy("bc", "bc")
+    every = max(1, len(losses) // 50)
+    run.results["bc"] = {"loss": losses[::every] + [losses[-1]], "final_loss": losses[-1],
+                         "samples": int(len(chunks)), "steps": args.bc_steps}
+
+
+def evaluate(run: Run, name: str) -> dict[str, Any]:
+    """The policy file ``name`` in gym-pusht from the held-out starts: success and final coverage with CIs."""
+    from cosmos3_gym.sim.pusht_replay import evaluate_in_simulator
+
+    args = run.args
+    policy = load_policy_file(run.policy_path(name), device=args.device)
+    env = run.sim_env(run.eval_starts(), args.eval_episodes, 1, args.eval_chunks)
+    try:
+        started = time.perf_counter()
+        episodes = evaluate_in_simulator(policy, env, np.arange(args.eval_episodes), args.eval_chunks)
+        seconds = time.perf_counter() - started
+    finally:
+        env.close()
+    success = episodes["success"]
+    coverage = episodes["final_coverage"]
+    return {
+        "episodes": int(len(success)),
+        "eval_seeds": [args.eval_seed, args.eval_seed + args.eval_episodes - 1],
+        "success_rate": float(success.mean()),
+        "success_rate_wilson95": list(wilson_interval(int(success.sum()), len(success))),
+        "mean_final_coverage": float(coverage.mean()),
+        "mean_final_coverage_t95": mean_interval(coverage.tolist()),
+        "mean_max_coverage": float(episodes["max_coverage"].mean()),
+        "per_episode_success": success.astype(int).tolist(),
+        "per_episode_final_coverage": [round(float(c), 4) for c in coverage],
+        "eval_s": seconds,
+    }
+
+
+def paired_difference(run: Run, key: str) -> dict[str, Any]:
+    """Per-seed difference of ``key``'s evaluation and BC's: success and final coverage, t 95 % CIs."""
+    ours, bc = run.results[key]["eval"], run.results["bc"]["eval"]
+    success = np.asarray(ours["per_episode_success"], float) - np.asarray(bc["per_episode_success"], float)
+    coverage = np.asarray(ours["per_episode_final_coverage"]) - np.asarray(bc["per_episode_final_coverage"])
+    return {
+        "success_rate_difference": float(success.mean()),
+        "success_rate_difference_t95": mean_interval(success.tolist()),
+        "final_coverage_difference": float(coverage.mean()),
+        "final_coverage_difference_t95": mean_interval(coverage.tolist()),
+    }
+
+
+def stage_eval_bc(run: Run) -> None:
+    run.results.setdefault("bc", {})["eval"] = evaluate(run, "bc")
+
+
+def world_model_env(run: Run, starts, guard_horizon: int):
+    """``cosmos3_gym/PushT-v0`` (or, with --tiny, the tiny random checkpoint) with the demonstration starts."""
+    from cosmos3_gym.envs.vector_env import WorldModelVectorEnv
+    from cosmos3_gym.sim.starts import DemoStartStates
+
+    args = run.args
+    common = dict(reward_model=f"pusht_geometric?min_iou={args.min_iou}", success_threshold=0.95,
+                  max_episode_steps=guard_horizon,
+                  observation_size=(96, 96), device=args.device)
+    if "group_size" in inspect.signature(WorldModelVectorEnv.__init__).parameters:
+        common["group_size"] = args.group_size  # starts are passed per slot anyway; this adds info["group"]
+    if args.tiny:
+        from cosmos3_gym.evaluation import cached_tiny_checkpoint
+
+        size = (64, 64)  # the tiny model's frame size at tier 256
+        wm_starts = DemoStartStates(starts.sim_states, episodes=starts.episodes, steps=starts.steps, image_size=size)
+        return WorldModelVectorEnv(args.num_envs, checkpoint=cached_tiny_checkpoint(), domain="pusht",
+                                   raw_action_dim=2, chunk=run.chunk, num_steps=1, guidance_scale=1.0,
+                                   resolution_tier=256, fps=10.0, initial_states=wm_starts, **common)
+    from cosmos3_gym.envs.pusht import make_pusht_vector_env
+
+    return make_pusht_vector_env(args.num_envs, assets_dir=args.assets, initial_states=starts, **common)
+
+
+def stage_grpo(run: Run, stage: str) -> None:
+    from cosmos3_gym.sim.pusht_replay import replay_in_simulator
+
+    args = run.args
+    key = WORLDS[stage]
+    starts = run.starts()
+    config = GRPOConfig(iterations=args.iterations, group_size=args.group_size, horizon=args.horizon,
+                        learning_rate=args.learning_rate, update_epochs=args.update_epochs,
+                        minibatch_size=args.minibatch_size, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
+                        coverage_weight=args.coverage_weight, guard_every=args.guard_every, seed=args.seed)
+    started = time.perf_counter()
+    # Simulator workers fork before anything touches CUDA.
+    replay_env = run.sim_env(starts, args.num_envs, 1, args.horizon) if stage == "grpo_wm" else None
+    env = run.sim_env(starts, args.num_envs, args.group_size, args.horizon) if stage == "grpo_sim" else None
+    reference = load_policy_file(run.policy_path("bc"), device=args.device)
+    if stage == "grpo_wm":
+        env = world_model_env(run, starts, args.horizon)
+    guard = (lambda s, a, n: replay_in_simulator(replay_env, s, a, n)) if replay_env is not None else None
+    setup_s = time.perf_counter() - started
+    checkpoint = run.work / f"{key}_checkpoint.safetensors"
+    try:
+        if args.resume and checkpoint.is_file():
+            trainer = GRPOTrainer.load(checkpoint, env, device=args.device, reference=reference, guard=guard)
+            print(f"{key}: resumed at iteration {trainer.iteration}", flush=True)
+        else:
+            policy = load_policy_file(run.policy_path("bc"), device=args.device)
+            trainer = GRPOTrainer(policy, env, config, reference=reference, num_starts=len(starts), guard=guard)
+        started = time.perf_counter()
+        history = trainer.train(args.iterations, checkpoint_path=checkpoint, progress=not args.no_progress,
+                                on_iteration=lambda r: print(_iteration_line(key, r), flush=True))
+        train_s = time.perf_counter() - started
+    finally:
+        env.close()
+        if replay_env is not None:
+            replay_env.close()
+    save_policy_file(trainer.policy, run.policy_path(key), trained_by=f"benchmarks/rl_pusht.py ({stage})",
+                     iterations=trainer.iteration, world=key.removeprefix("grpo_"),
+                     env_steps=history[-1]["env_steps_total"])
+    run.record_policy(key, key)
+    run.results[key] = {
+        "world": "gym-pusht" if stage == "grpo_sim" else "cosmos3_gym/PushT-v0 (reward pusht_geometric)",
+        "config": asdict(config),
+        "history": history,
+        "env_steps": history[-1]["env_steps_total"],
+        "train_s": train_s,
+        "setup_s": setup_s,
+        "env_s": float(sum(r["env_s"] for r in history)),
+        "update_s": float(sum(r["update_s"] for r in history)),
+        "guard_s": float(sum(r.get("guard_s", 0.0) for r in history)),
+    }
+    guarded = [r for r in history if r.get("guard")]
+    if guarded:  # the world model's reward, checked against gym-pusht over every replayed episode
+        imagined = sum(r["imagined_successes"] for r in guarded)
+        false = sum(r["false_successes"] for r in guarded)
+        run.results[key]["reward_check"] = {
+            "replayed_episodes": sum(r["episodes"] for r in guarded),
+            "imagined_success_rate": float(np.mean([r["imagined_success_rate"] for r in guarded])),
+            "replayed_success_rate": float(np.mean([r["replayed_success_rate"] for r in guarded])),
+            "imagined_successes": imagined,
+            "false_successes": false,
+            "false_success_rate": false / imagined if imagined else None,
+            "mean_score_coverage_pearson": float(np.nanmean([r["score_coverage_pearson"] for r in guarded]))
+            if any(np.isfinite(r["score_coverage_pearson"]) for r in guarded) else None,
+            "mean_score_coverage_mae": float(np.mean([r["score_coverage_mae"] for r in guarded])),
+        }
+
+
+def _iteration_line(key: str, record: dict) -> str:
+    line = (f"{key} it {record['iteration']}: success {record['success_rate']:.2f} return {record['mean_return']:.3f}"
+            f" informative groups {record['informative_groups']:.2f} kl {record['kl_to_reference']:.3f} "
+            f"env {record['env_s']:.1f}s update {record['update_s']:.1f}s")
+    if record.get("guard"):
+        line += (f" | imagined {record['imagined_success_rate']:.2f} vs replayed-real "
+                 f"{record['replayed_success_rate']:.2f}")
+    return line
+
+
+def stage_eval(run: Run) -> None:
+    for key in WORLDS.values():
+        if not run.policy_path(key).is_file():
+            print(f"eval: no {key} policy yet; skipped", flush=True)
+            continue
+        run.results.setdefault(key, {})["eval"] = evaluate(run, key)
+        if "eval" in run.results.get("bc", {}):
+            run.results[key]["vs_bc"] = paired_difference(run, key)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def plot(run: Run) -> None:
+    panels = []
+    series = []
+    for key, label in (("grpo_simulator", "GRPO in gym-pusht"), ("grpo_world_model", "GRPO in world model")):
+        history = run.results.get(key, {}).get("history")
+        if history:
+            steps = [r["env_steps_total"] for r in history]
+            series.append({"label": f"{label}: training success", "x": steps, "y": [r["success_rate"] for r in
+                                                                                     history]})
+            guarded = [r for r in history if r.get("guard")]
+            if guarded:
+                series.append({"label": "world model rollouts replayed in gym-pusht",
+                               "x": [r["env_steps_total"] for r in guarded],
+                               "y": [r["replayed_success_rate"] for r in guarded], "dashed": True})
+    if series:
+        panels.append({"title": "success per iteration (imagined vs real)", "xlabel": "env steps (chunks)",
+                       "ylabel": "success rate", "series": series})
+    history = run.results.get("grpo_world_model", {}).get("history", [])
+    guarded = [r for r in history if r.get("guard")]
+    if guarded:
+        panels.append({"title": "guard: world-model reward vs replay", "xlabel": "iteration", "ylabel": "",
+                       "series": [
+                           {"label": "false-success rate", "x": [r["iteration"] for r in guarded],
+                            "y": [r["false_success_rate"] for r in guarded]},
+                           {"label": "imagined score", "x": [r["iteration"] for r in guarded],
+                            "y": [r["imagined_final_score"] for r in guarded]},
+                           {"label": "replayed real coverage", "x": [r["iteration"] for r in guarded],
+                            "y": [r["replayed_final_coverage"] for r in guarded]}]})
+    evals = [(key, run.results.get(key, {}).get("eval")) for key in ("bc", "grpo_simulator", "grpo_world_model")]
+    evals = [(key, e) for key, e in evals if e]
+    if evals:
+        panels.append({"title": "held-out gym-pusht success (Wilson 95 %)", "xlabel": "policy (bc, sim, wm)",
+                       "ylabel": "success rate", "series": [
+                           {"label": f"{key}: {e['success_rate']:.3f}", "x": [i, i, i],
+                            "y": [e["success_rate_wilson95"][0], e["success_rate"], e["success_rate_wilson95"][1]]}
+                           for i, (key, e) in enumerate(evals)]})
+    if panels:
+        path = line_chart(run.out / "rl_pusht.png", panels,
+                          title="PushT: BC -> GRPO in gym-pusht / in the world model")
+        run.results["plot"] = path.name
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run: tiny sizes and the tiny random model")
+    parser.add_argument("--out", default=None, help="results folder (default: $OUT or benchmarks/results)")
+    parser.add_argument("--work", default="/tmp/cosmos3_gym_rl_pusht", help="intermediate files, shared by stages")
+    parser.add_argument("--assets", default=None, help="PushT world model folder (default: the built-in one)")
+    parser.add_argument("--resume", action="store_true", help="continue GRPO from its checkpoint in --work")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workers", type=int, default=None, help="simulator processes (default 16; --tiny 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-seed", type=int, default=100_000, help="first held-out gym-pusht seed")
+    for name, default in FULL.items():
+        if name != "workers":
+            parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {default}")
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--update-epochs", type=int, default=4)
+    parser.add_argument("--kl-coef", type=float, default=0.05)
+    parser.add_argument("--entropy-coef", type=float, default=0.0)
+    parser.add_argument("--coverage-weight", type=float, default=0.1)
+    parser.add_argument("--guard-every", type=int, default=1)
+    parser.add_argument("--min-iou", type=float, default=0.8,
+                        help="world-model frames whose block fits a rigid T worse than this score 0")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    for name, value in (TINY if args.tiny else FULL).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    stages = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        parser.error(f"--stages: unknown {unknown}; expected some of {list(STAGES)}")
+    if args.num_envs % args.group_size:
+        parser.error("--num-envs must be a multiple of --group-size")
+    if args.eval_seed < args.seed + args.demo_episodes:
+        parser.error("--eval-seed: held-out seeds must not overlap the demonstration seeds")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the simulator worker processes
+
+    run = Run(args)
+    for stage in STAGES:
+        if stage not in stages:
+            continue
+        print(f"== stage {stage}", flush=True)
+        started = time.perf_counter()
+        {"demos": stage_demos, "bc": stage_bc, "eval_bc": stage_eval_bc, "eval": stage_eval}.get(
+            stage, lambda r: stage_grpo(r, stage))(run)
+        run.results["timings"][f"{stage}_s"] = time.perf_counter() - started
+        run.save()
+    plot(run)
+    run.save()
+    print_summary(run.results)
+    return run.results
+
+
+def print_summary(results: dict) -> None:
+    for key in ("bc", "grpo_simulator", "grpo_world_model"):
+        entry = results.get(key, {})
+        if "eval" in entry:
+            e = entry["eval"]
+            low, high = e["success_rate_wilson95"]
+            line = f"{key:17s} real success {e['success_rate']:.3f} [{low:.3f}, {high:.3f}], final coverage " \
+                   f"{e['mean_final_coverage']:.3f}"
+            if "vs_bc" in entry:
+                d = entry["vs_bc"]
+                ci = d["success_rate_difference_t95"] or (float("nan"), float("nan"))
+                line += f", vs BC {d['success_rate_difference']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+            if "train_s" in entry:
+                line += f", trained {entry['train_s']:.0f} s for {entry['env_steps']} env steps"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()

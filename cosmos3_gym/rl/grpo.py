@@ -1,0 +1,361 @@
+"""GRPO (group-relative policy optimisation) for ``PixelGaussianPolicy`` on any vector env with group resets.
+
+Readable top to bottom, CleanRL-style: the hyper-parameters are ``GRPOConfig``; one iteration is
+
+1. **Rollouts.** ``num_envs / group_size`` start states are drawn (``initial_state_index``, each repeated for the
+   ``group_size`` slots of its group) and every slot acts for at most ``horizon`` chunks, sampling from the Gaussian
+   policy. A slot's episode ends at ``terminated`` (success) or ``truncated``; what the env returns for it afterwards
+   (an autoreset, or a group slot *waiting* for its group) is masked out. The env is any Gymnasium vector env that
+   takes ``reset(options={"initial_state_index": [...]})``: ``cosmos3_gym/PushT-v0`` (the world model) or
+   ``PushTSimVectorEnv`` (gym-pusht), so the trainer runs unchanged in both worlds.
+2. **Returns and advantages.** An episode's return is ``1[success] + coverage_weight * final score`` (sparse success,
+   with a small dense term that separates failures: the score is ``info["coverage"]``, or the reward model's
+   ``info["score"]``). Its advantage is the return minus its group's mean over the group's std (no value network);
+   every chunk of the episode gets it. Groups whose returns are all equal teach nothing and get advantage 0.
+3. **Update.** ``update_epochs`` passes of minibatches over the chunks of the rollouts: PPO's clipped ratio
+   objective on the chunk's log-probability, minus ``entropy_coef`` x entropy, plus ``kl_coef`` x the k3 estimate of
+   the KL to the reference policy (the behaviour-cloned start; keeps the policy near states the world model knows).
+4. **Guard** (every ``guard_every`` iterations, when a ``guard`` is given): the action chunks of this iteration's
+   episodes are replayed from the same starts in the real simulator (``guard(start_indices, action_chunks,
+   lengths) -> {"success": [N], "final_coverage": [N]}``); imagined success is logged next to replayed-real success,
+   and the imagined final score next to the real final coverage (Pearson, MAE), so reward hacking in the world model
+   shows in the curves.
+
+``save(path)`` writes a safetensors checkpoint (policy, Adam state, the RNG states, iteration, history);
+``GRPOTrainer.load(path, env)`` continues exactly where it stopped: the same starts, seeds and noise follow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+
+from ..errors import CheckpointError, InputError
+from .policy import PixelGaussianPolicy, PolicyConfig
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "group_advantages"]
+
+CHECKPOINT_FORMAT = "cosmos3_gym.grpo_checkpoint"
+Guard = Callable[[np.ndarray, np.ndarray, np.ndarray], dict[str, np.ndarray]]  # (starts, chunks, lengths) -> replay
+
+
+@dataclass
+class GRPOConfig:
+    iterations: int = 20
+    group_size: int = 8  # slots sharing a start; num_envs must be a multiple
+    horizon: int = 8  # chunks per rollout at most (the env may truncate earlier)
+    learning_rate: float = 3e-4
+    update_epochs: int = 4
+    minibatch_size: int = 256  # chunks per gradient step
+    clip_coef: float = 0.2
+    kl_coef: float = 0.05  # KL to the reference (behaviour-cloned) policy; 0 turns it off
+    entropy_coef: float = 0.0
+    coverage_weight: float = 0.1  # return = 1[success] + coverage_weight * final score
+    max_grad_norm: float = 1.0
+    min_log_std: float = -4.0  # the Gaussian's log std is clamped here (no collapse, no blow-up)
+    max_log_std: float = -1.0
+    guard_every: int = 1  # iterations between guard replays (0: never)
+    seed: int = 0
+
+
+def group_advantages(returns: np.ndarray, group_size: int) -> np.ndarray:
+    """``(return - group mean) / group std`` per slot (0 for groups whose returns are all equal)."""
+    grouped = np.asarray(returns, np.float64).reshape(-1, group_size)
+    std = grouped.std(axis=1, keepdims=True)
+    advantages = np.where(std > 1e-8, (grouped - grouped.mean(axis=1, keepdims=True)) / np.maximum(std, 1e-8), 0.0)
+    return advantages.reshape(-1)
+
+
+@dataclass
+class Rollout:
+    images: torch.Tensor  # uint8 [C, H, W, 3] on the CPU: the observation of every live chunk
+    actions: torch.Tensor  # [C, chunk * D]: the sampled (unclipped) Gaussian actions
+    log_probs: torch.Tensor  # [C]
+    reference_log_probs: torch.Tensor | None  # [C]
+    advantages: torch.Tensor  # [C]
+    stats: dict[str, Any]
+
+
+class GRPOTrainer:
+    """GRPO on ``env`` (a vector env of ``num_envs`` slots); see the module docstring.
+
+    ``reference``: the policy the KL term pulls towards (default: a frozen copy of ``policy`` as given: the BC
+    start). ``num_starts``: how many start states ``initial_state_index`` can pick (default
+    ``len(env.initial_states)``). ``guard``: replays action chunks in the real simulator (module docstring).
+    """
+
+    def __init__(self, policy: PixelGaussianPolicy, env: Any, config: GRPOConfig | None = None, *,
+                 reference: PixelGaussianPolicy | None = None, num_starts: int | None = None,
+                 guard: Guard | None = None):
+        self.config = config or GRPOConfig()
+        self.policy = policy
+        self.env = env
+        self.num_envs = int(env.num_envs)
+        if self.num_envs % self.config.group_size:
+            raise InputError(f"group_size: num_envs ({self.num_envs}) must be a multiple of group_size "
+                             f"({self.config.group_size}).")
+        if num_starts is None:
+            starts = getattr(env, "initial_states", None)
+            if starts is None:
+                raise InputError("num_starts: the env exposes no initial_states; pass num_starts=.")
+            num_starts = len(starts)
+        self.num_starts = int(num_starts)
+        if reference is None and self.config.kl_coef > 0:
+            reference = PixelGaussianPolicy(policy.config).to(policy.device)
+            reference.load_state_dict(policy.state_dict())
+        self.reference = reference.eval() if reference is not None else None
+        if self.reference is not None:
+            self.reference.requires_grad_(False)
+        self.guard = guard
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=self.config.learning_rate, eps=1e-5)
+        self.rng = np.random.default_rng(self.config.seed)  # starts and env seeds
+        self.generator = torch.Generator().manual_seed(self.config.seed)  # action noise and minibatches
+        self.iteration = 0
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ 1-2: rollouts, returns, advantages
+
+    @torch.no_grad()
+    def collect(self) -> Rollout:
+        config, policy, n = self.config, self.policy, self.num_envs
+        started = time.perf_counter()
+        groups = n // config.group_size
+        start_indices = np.repeat(self.rng.integers(self.num_starts, size=groups), config.group_size)
+        observations, _ = self.env.reset(seed=int(self.rng.integers(2**31 - n)),
+                                         options={"initial_state_index": start_indices})
+        alive = np.ones(n, bool)
+        success = np.zeros(n, bool)
+        final_score = np.zeros(n)
+        lengths = np.zeros(n, np.int64)
+        chunk_shape = policy.action_shape
+        taken = np.zeros((n, config.horizon, *chunk_shape), np.float32)
+        images, actions, log_probs, reference_log_probs, owners = [], [], [], [], []
+        env_seconds = 0.0
+        for t in range(config.horizon):
+            live = np.flatnonzero(alive)
+            pixels = policy.preprocess(observations["image"])
+            distribution = policy.distribution(pixels)
+            noise = torch.randn(distribution.mean.shape, generator=self.generator).to(pixels.device)
+            sample = distribution.mean + distribution.stddev * noise
+            log_prob = distribution.log_prob(sample).sum(-1)
+            images.append(torch.from_numpy(np.asarray(observations["image"])[live]))
+            actions.append(sample[live].cpu())
+            log_probs.append(log_prob[live].cpu())
+            if self.reference is not None:
+                reference_log_probs.append(self.reference.distribution(pixels).log_prob(sample).sum(-1)[live].cpu())
+            owners.append(live)
+            chunks = sample.clamp(-1.0, 1.0).view(n, *chunk_shape).cpu().numpy()
+            taken[live, t] = chunks[live]
+            env_started = time.perf_counter()
+            observations, _, terminated, truncated, info = self.env.step(chunks)
+            env_seconds += time.perf_counter() - env_started
+            score = np.asarray(info["coverage"] if "coverage" in info else info.get("score", np.zeros(n)), float)
+            final_score[live] = score[live]
+            success[live] |= np.asarray(terminated)[live]
+            lengths[live] += 1
+            alive &= ~(np.asarray(terminated) | np.asarray(truncated))
+            if not alive.any():
+                break
+
+        returns = success.astype(np.float64) + config.coverage_weight * final_score
+        advantages = group_advantages(returns, config.group_size)
+        owner = np.concatenate(owners)
+        stats = {
+            "success_rate": float(success.mean()),
+            "mean_return": float(returns.mean()),
+            "mean_final_score": float(final_score.mean()),
+            "mean_length": float(lengths.mean()),
+            "informative_groups": float((returns.reshape(groups, -1).std(axis=1) > 1e-8).mean()),
+            "chunks": int(len(owner)),
+            "env_steps": int(lengths.sum()),
+            "rollout_s": time.perf_counter() - started,
+            "env_s": env_seconds,
+        }
+        if self.guard is not None and config.guard_every and self.iteration % config.guard_every == 0:
+            guard_started = time.perf_counter()
+            replayed = self.guard(start_indices, taken, lengths)
+            real = np.asarray(replayed["success"], bool)
+            real_coverage = np.asarray(replayed["final_coverage"], float)
+            imagined = int(success.sum())
+            spread = final_score.std() * real_coverage.std()
+            stats.update({
+                "guard": True,
+                "imagined_success_rate": float(success.mean()),
+                "replayed_success_rate": float(real.mean()),
+                "false_success_rate": float((success & ~real).sum() / imagined) if imagined else math.nan,
+                "imagined_successes": imagined,
+                "false_successes": int((success & ~real).sum()),
+                "episodes": int(n),
+                "success_agreement": float((success == real).mean()),
+                "imagined_final_score": float(final_score.mean()),
+                "replayed_final_coverage": float(real_coverage.mean()),
+                "score_coverage_pearson": float(np.mean((final_score - final_score.mean())
+                                                        * (real_coverage - real_coverage.mean())) / spread)
+                if spread > 0 else math.nan,
+                "score_coverage_mae": float(np.abs(final_score - real_coverage).mean()),
+                "guard_s": time.perf_counter() - guard_started,
+            })
+        return Rollout(
+            images=torch.cat(images), actions=torch.cat(actions), log_probs=torch.cat(log_probs),
+            reference_log_probs=torch.cat(reference_log_probs) if reference_log_probs else None,
+            advantages=torch.from_numpy(advantages[owner]).float(), stats=stats,
+        )
+
+    # ------------------------------------------------------------------ 3: the clipped-ratio update
+
+    def update(self, rollout: Rollout) -> dict[str, float]:
+        config, policy = self.config, self.policy
+        device = policy.device
+        started = time.perf_counter()
+        policy.train()
+        count = len(rollout.actions)
+        totals = {"policy_loss": 0.0, "kl_to_reference": 0.0, "entropy": 0.0, "clip_fraction": 0.0,
+                  "approx_kl": 0.0}
+        batches = 0
+        for _ in range(config.update_epochs):
+            order = torch.randperm(count, generator=self.generator)
+            for begin in range(0, count, config.minibatch_size):
+                index = order[begin:begin + config.minibatch_size]
+                pixels = policy.preprocess(rollout.images[index])
+                distribution = policy.distribution(pixels)
+                actions = rollout.actions[index].to(device)
+                log_prob = distribution.log_prob(actions).sum(-1)
+                log_ratio = log_prob - rollout.log_probs[index].to(device)
+                ratio = log_ratio.exp()
+                advantages = rollout.advantages[index].to(device)
+                policy_loss = torch.max(-advantages * ratio,
+                                        -advantages * ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)).mean()
+                entropy = distribution.entropy().sum(-1).mean()
+                loss = policy_loss - config.entropy_coef * entropy
+                kl = torch.zeros((), device=device)
+                if rollout.reference_log_probs is not None and config.kl_coef > 0:
+                    # k3 estimator of KL(policy || reference) on the sampled actions (Schulman 2020), as in GRPO.
+                    log_ref_ratio = rollout.reference_log_probs[index].to(device) - log_prob
+                    kl = (log_ref_ratio.exp() - log_ref_ratio - 1).mean()
+                    loss = loss + config.kl_coef * kl
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+                self.optimizer.step()
+                with torch.no_grad():
+                    policy.log_std.clamp_(config.min_log_std, config.max_log_std)
+                    totals["policy_loss"] += float(policy_loss)
+                    totals["kl_to_reference"] += float(kl)
+                    totals["entropy"] += float(entropy)
+                    totals["clip_fraction"] += float(((ratio - 1).abs() > config.clip_coef).float().mean())
+                    totals["approx_kl"] += float(((ratio - 1) - log_ratio).mean())
+                batches += 1
+        policy.eval()
+        stats = {key: value / max(batches, 1) for key, value in totals.items()}
+        stats["log_std"] = float(policy.log_std.detach().mean())
+        stats["update_s"] = time.perf_counter() - started
+        return stats
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self, iterations: int | None = None, *, checkpoint_path: str | os.PathLike | None = None,
+              checkpoint_every: int = 1, progress: bool = True,
+              on_iteration: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+        """Run until ``iterations`` (default ``config.iterations``) iterations are done in total (a resumed trainer
+        continues its count); checkpoint to ``checkpoint_path`` every ``checkpoint_every`` iterations."""
+        from tqdm.auto import tqdm
+
+        total = self.config.iterations if iterations is None else int(iterations)
+        bar = tqdm(total=total, initial=self.iteration, desc="GRPO", disable=not progress)
+        try:
+            while self.iteration < total:
+                rollout = self.collect()
+                record = {"iteration": self.iteration, **rollout.stats, **self.update(rollout)}
+                record["env_steps_total"] = record["env_steps"] + (self.history[-1]["env_steps_total"]
+                                                                   if self.history else 0)
+                self.history.append(record)
+                self.iteration += 1
+                if checkpoint_path is not None and (self.iteration % checkpoint_every == 0 or self.iteration == total):
+                    self.save(checkpoint_path)
+                bar.set_postfix(success=f"{record['success_rate']:.2f}", ret=f"{record['mean_return']:.2f}",
+                                kl=f"{record['kl_to_reference']:.3f}")
+                bar.update()
+                if on_iteration is not None:
+                    on_iteration(record)
+        finally:
+            bar.close()
+        return self.history
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Everything ``load`` needs to continue exactly: policy, Adam state, RNG states, iteration, history."""
+        tensors = {f"policy.{name}": t.detach().cpu().contiguous() for name, t in self.policy.state_dict().items()}
+        optimizer = self.optimizer.state_dict()
+        for index, state in optimizer["state"].items():
+            for key, value in state.items():
+                tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+        tensors["rng.torch"] = self.generator.get_state()
+        metadata = {
+            "format": CHECKPOINT_FORMAT,
+            "kind": "grpo_checkpoint",
+            "iteration": self.iteration,
+            "config": asdict(self.config),
+            "policy_config": asdict(self.policy.config),
+            "optimizer_param_groups": optimizer["param_groups"],
+            "rng_numpy": self.rng.bit_generator.state,
+            "history": self.history,
+            "num_starts": self.num_starts,
+        }
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(path.suffix + ".tmp")
+        safetensors.torch.save_file(tensors, str(temporary),
+                                    metadata={key: json.dumps(value, default=_json_number)
+                                              for key, value in metadata.items()})
+        os.replace(temporary, path)  # a crash mid-write leaves the previous checkpoint intact
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, env: Any, *, device: torch.device | str = "cpu",
+             reference: PixelGaussianPolicy | None = None, guard: Guard | None = None) -> "GRPOTrainer":
+        """A trainer continuing the checkpoint at ``path`` on ``env``. ``reference``: the KL reference (default:
+        the one the checkpoint's run started from is not stored, so pass the BC policy when ``kl_coef`` > 0)."""
+        try:
+            with safetensors.safe_open(str(path), framework="pt") as handle:
+                metadata = {key: json.loads(value) for key, value in (handle.metadata() or {}).items()}
+            tensors = safetensors.torch.load_file(str(path))
+        except Exception as error:  # a missing or damaged file: safetensors raises several error types
+            raise CheckpointError(f"grpo checkpoint: cannot read {path} ({error}).") from error
+        if metadata.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"grpo checkpoint: {path} is not a GRPO checkpoint (format "
+                                  f"{metadata.get('format')!r}).")
+        policy = PixelGaussianPolicy(PolicyConfig(**metadata["policy_config"]))
+        policy.load_state_dict({name[len("policy."):]: t for name, t in tensors.items() if name.startswith("policy.")})
+        policy.to(device)
+        if reference is None and metadata["config"]["kl_coef"] > 0:
+            raise InputError("reference: the checkpoint trains with a KL term; pass the reference (BC) policy.")
+        trainer = cls(policy, env, GRPOConfig(**metadata["config"]), reference=reference,
+                      num_starts=metadata["num_starts"], guard=guard)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors.items():
+            if name.startswith("optimizer."):
+                _, index, key = name.split(".", 2)
+                state.setdefault(int(index), {})[key] = tensor.to(device) if key != "step" else tensor
+        trainer.optimizer.load_state_dict({"state": state, "param_groups": metadata["optimizer_param_groups"]})
+        trainer.generator.set_state(tensors["rng.torch"])
+        trainer.rng.bit_generator.state = metadata["rng_numpy"]
+        trainer.iteration = int(metadata["iteration"])
+        trainer.history = metadata["history"]
+        return trainer
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")

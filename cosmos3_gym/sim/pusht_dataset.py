@@ -1,0 +1,175 @@
+"""Simulated PushT datasets in the episode layout ``cosmos3_gym.training`` reads (layout: ``cosmos3_gym.sim.pusht``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from .pusht_geometry import DOMAIN, RAW_ACTION_DIM, SIM_ENV_ID, SIM_FPS, TASK
+from .pusht_policies import REPLAY_NOISE, SCRIPTED_NOISE_LEVELS, RandomWaypoints, Replay, ScriptedPusher
+from .pusht_sim import PushTSim, _check_image_size, require_gym_pusht, rollout_episode
+
+__all__ = ["DEFAULT_POLICY_MIX", "POLICIES", "action_statistics", "episode_policy", "generate_pusht_dataset",
+           "write_dataset_files"]
+
+POLICIES = ("random", "scripted", "replay")
+DEFAULT_POLICY_MIX = {"random": 0.2, "scripted": 0.6, "replay": 0.2}
+
+
+def generate_pusht_dataset(
+    out_dir: str | os.PathLike,
+    episodes: int,
+    *,
+    steps_per_episode: int = 128,
+    image_size: tuple[int, int] = (256, 256),
+    policy_mix: dict[str, float] | None = None,
+    seed: int = 0,
+    workers: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """Simulate ``episodes`` episodes of ``steps_per_episode`` actions into ``out_dir`` (layout: module docstring).
+
+    Frames are rendered by gym-pusht at ``image_size`` (256 x 256 is the model's tier-256 canvas, a downscale of the
+    512 x 512 table). ``policy_mix`` gives each policy's share (default ``DEFAULT_POLICY_MIX``); each episode draws
+    its policy, noise level and start state from ``(seed, episode index)`` alone, so the data does not depend on
+    ``workers`` (processes; default one per CPU core, 0 or 1 runs in this process). Returns ``out_dir``.
+    """
+    require_gym_pusht()  # fail here, not in every worker
+    for name, value, minimum in (("episodes", episodes, 1), ("steps_per_episode", steps_per_episode, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise InputError(f"{name}: expected an integer >= {minimum}, got {value!r}.")
+    image_size = _check_image_size(image_size)
+    mix = _check_policy_mix(policy_mix)
+    out_dir = Path(out_dir)
+    episode_dir = out_dir / "episodes"
+    if episode_dir.exists() and any(episode_dir.iterdir()):
+        raise InputError(f"out_dir: {out_dir} already holds episodes; give a new or empty folder.")
+    episode_dir.mkdir(parents=True, exist_ok=True)
+
+    jobs = [(str(episode_dir), index, int(seed), int(steps_per_episode), image_size, mix) for index in range(episodes)]
+    workers = min(os.cpu_count() or 1, episodes) if workers is None else int(workers)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=episodes, desc="simulating PushT episodes", disable=not progress)
+    summaries = []
+    if workers <= 1:
+        for job in jobs:
+            summaries.append(_simulate_and_write(job))
+            bar.update()
+    else:
+        # Workers run only the simulator (numpy, pymunk, pygame), never torch or CUDA, so forking is safe and spares
+        # each worker re-importing cosmos3_gym (torch, diffusers: seconds each); spawn where fork does not exist.
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            for summary in pool.map(_simulate_and_write, jobs):
+                summaries.append(summary)
+                bar.update()
+    bar.close()
+
+    policies: dict[str, int] = {}
+    for summary in summaries:
+        policies[summary["policy"]] = policies.get(summary["policy"], 0) + 1
+    meta = {
+        "domain": DOMAIN,
+        "raw_action_dim": RAW_ACTION_DIM,
+        "fps": SIM_FPS,
+        "image_size": list(image_size),
+        "action_normalization": "minmax",
+        "num_episodes": int(episodes),
+        "source": SIM_ENV_ID,
+        "policies": dict(sorted(policies.items())),
+        "task": TASK,
+        "steps_per_episode": int(steps_per_episode),
+        "seed": int(seed),
+        "success_rate": float(np.mean([summary["success"] for summary in summaries])),
+        "mean_final_coverage": float(np.mean([summary["final_coverage"] for summary in summaries])),
+    }
+    write_dataset_files(out_dir, meta, np.concatenate([summary["actions"] for summary in summaries]))
+    return out_dir
+
+
+
+def action_statistics(actions: np.ndarray) -> dict[str, list[float]]:
+    """Per-dimension ``min, max, mean, std, q01, q99`` of raw actions ``[N, D]`` (the stats.json ``action`` block)."""
+    actions = np.asarray(actions, dtype=np.float64)
+    if actions.ndim != 2 or actions.shape[0] < 1:
+        raise InputError(f"actions: expected a non-empty [N, D] array, got shape {actions.shape}.")
+    return {
+        "min": actions.min(axis=0).tolist(),
+        "max": actions.max(axis=0).tolist(),
+        "mean": actions.mean(axis=0).tolist(),
+        "std": actions.std(axis=0).tolist(),
+        "q01": np.quantile(actions, 0.01, axis=0).tolist(),
+        "q99": np.quantile(actions, 0.99, axis=0).tolist(),
+    }
+
+
+def write_dataset_files(out_dir: str | os.PathLike, meta: dict[str, Any], actions: np.ndarray) -> None:
+    """Write ``meta.json`` and ``stats.json`` (statistics of all the dataset's raw ``actions [N, D]``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (out_dir / "stats.json").write_text(json.dumps({"action": action_statistics(actions)}, indent=2) + "\n")
+
+
+def episode_policy(seed: int, index: int, policy_mix: dict[str, float]) -> tuple[str, float, np.random.Generator]:
+    """``(family, noise, rng)`` of episode ``index``: drawn from ``(seed, index)`` only."""
+    rng = np.random.default_rng([seed, index])
+    names = list(policy_mix)
+    family = names[int(rng.choice(len(names), p=np.asarray([policy_mix[name] for name in names])))]
+    noise = {"random": 0.0, "replay": REPLAY_NOISE}.get(family)
+    if noise is None:
+        noise = float(rng.choice(SCRIPTED_NOISE_LEVELS))
+    return family, noise, rng
+
+
+_WORKER_SIMS: dict[tuple[int, int], PushTSim] = {}  # one simulator per process and frame size
+
+
+def _simulate_and_write(job) -> dict[str, Any]:
+    episode_dir, index, seed, steps, image_size, policy_mix = job
+    family, noise, rng = episode_policy(seed, index, policy_mix)
+    sim = _WORKER_SIMS.get(image_size) or _WORKER_SIMS.setdefault(image_size, PushTSim(image_size))
+    sim_seed = int(rng.integers(2**31))
+    if family == "random":
+        policy, name = RandomWaypoints(rng), "random"
+    elif family == "scripted":
+        policy, name = ScriptedPusher(rng, noise=noise), f"scripted(noise={noise:g})"
+    else:  # a noise-free scripted episode from the same start, replayed with noise
+        reference = rollout_episode(sim, ScriptedPusher(rng), sim_seed, steps)
+        policy, name = Replay(reference["actions"], rng, noise), f"replay(noise={noise:g})"
+    episode = rollout_episode(sim, policy, sim_seed, steps)
+    np.savez_compressed(
+        Path(episode_dir) / f"episode_{index:06d}.npz", **episode, task=np.asarray(TASK), policy=np.asarray(name)
+    )
+    return {
+        "index": index,
+        "policy": name,
+        "actions": episode["actions"],
+        "success": bool(episode["success"]),
+        "final_coverage": float(episode["coverage"][-1]),
+    }
+
+
+def _check_policy_mix(policy_mix: dict[str, float] | None) -> dict[str, float]:
+    if policy_mix is None:
+        return dict(DEFAULT_POLICY_MIX)
+    if not isinstance(policy_mix, dict) or not policy_mix:
+        raise InputError(f"policy_mix: expected a dict of policy shares, some of {list(POLICIES)}; got {policy_mix!r}.")
+    unknown = sorted(set(policy_mix) - set(POLICIES))
+    if unknown:
+        raise InputError(f"policy_mix: unknown policies {unknown}; expected some of {list(POLICIES)}.")
+    shares = {name: float(share) for name, share in policy_mix.items()}
+    total = sum(shares.values())
+    if any(not math.isfinite(share) or share < 0 for share in shares.values()) or total <= 0:
+        raise InputError(f"policy_mix: expected non-negative shares with a positive sum, got {policy_mix!r}.")
+    return {name: share / total for name, share in shares.items()}

@@ -1,0 +1,76 @@
+"""Checking policies and imagined episodes in the real simulator: evaluation and open-loop replay on
+``PushTSimVectorEnv`` (gym-pusht).
+
+``evaluate_in_simulator``: a policy (``act(observations, deterministic) -> [N, chunk, 2]``, e.g.
+``PixelGaussianPolicy``) closed loop from given starts for ``num_chunks`` chunks; per episode: success (coverage
+above 0.95 at some step, where gym-pusht ends it), final and best coverage.
+
+``replay_in_simulator``: the world-model guard. Action chunks ``[N, T, chunk, 2]`` an agent took in imagination are
+stepped, open loop, from the same starts (``DemoStartStates`` indices: the world model's start frames are renders
+of these simulator states) for each episode's imagined length; returns whether each really succeeded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from .pusht_vector_env import PushTSimVectorEnv
+
+__all__ = ["evaluate_in_simulator", "replay_in_simulator"]
+
+
+def _check_env(env: Any, count: int) -> None:
+    if not isinstance(env, PushTSimVectorEnv) or env.group_size != 1 or env.num_envs != count:
+        raise InputError(f"env: expected a PushTSimVectorEnv with group_size 1 and num_envs {count}, got "
+                         f"{type(env).__name__} ({getattr(env, 'num_envs', '?')} slots, group_size "
+                         f"{getattr(env, 'group_size', '?')}).")
+
+
+def replay_in_simulator(env: PushTSimVectorEnv, start_indices: np.ndarray, action_chunks: np.ndarray,
+                        lengths: np.ndarray) -> dict[str, np.ndarray]:
+    """Episode ``i`` (start ``start_indices[i]``, chunks ``action_chunks[i, :lengths[i]]``) in gym-pusht:
+    ``{"success": bool [N], "final_coverage": [N]}`` (coverage after its last replayed step)."""
+    start_indices = np.asarray(start_indices, np.int64)
+    action_chunks = np.asarray(action_chunks, np.float32)
+    lengths = np.asarray(lengths, np.int64)
+    _check_env(env, len(start_indices))
+    success = np.zeros(len(start_indices), bool)
+    done = lengths <= 0
+    final = np.asarray(env.reset(seed=0, options={"initial_state_index": start_indices})[1]["coverage"], float)
+    for t in range(int(lengths.max(initial=0))):
+        _, _, terminated, truncated, info = env.step(action_chunks[:, t])
+        running = ~done
+        success |= running & terminated
+        final[running] = np.asarray(info["coverage"])[running]
+        done |= terminated | truncated | (t + 1 >= lengths)
+    return {"success": success, "final_coverage": final}
+
+
+def evaluate_in_simulator(policy: Any, env: PushTSimVectorEnv, start_indices: np.ndarray, num_chunks: int,
+                          deterministic: bool = True) -> dict[str, np.ndarray]:
+    """Per episode (one per start): ``success`` bool, ``final_coverage`` (after its last step: at success, or
+    after ``num_chunks`` chunks), ``max_coverage``, ``chunks`` (taken)."""
+    start_indices = np.asarray(start_indices, np.int64)
+    count = len(start_indices)
+    _check_env(env, count)
+    observations, info = env.reset(seed=0, options={"initial_state_index": start_indices})
+    success = np.zeros(count, bool)
+    done = np.zeros(count, bool)
+    final = np.asarray(info["coverage"], float).copy()
+    best = final.copy()
+    chunks = np.zeros(count, np.int64)
+    for _ in range(num_chunks):
+        actions = np.asarray(policy.act(observations, deterministic=deterministic), np.float32)
+        observations, _, terminated, truncated, info = env.step(np.clip(actions, -1.0, 1.0))
+        running = ~done
+        final[running] = np.asarray(info["coverage"])[running]
+        best[running] = np.maximum(best[running], np.asarray(info["max_coverage"])[running])
+        success |= running & terminated
+        chunks[running] += 1
+        done |= terminated | truncated
+        if done.all():
+            break
+    return {"success": success, "final_coverage": final, "max_coverage": best, "chunks": chunks}

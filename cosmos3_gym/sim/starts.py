@@ -1,0 +1,173 @@
+"""Episode starts from demonstrations: frames AND gym-pusht simulator states from any step of recorded episodes.
+
+``DemoStartStates`` is an ``InitialStateSource`` (what the world-model envs take as ``initial_states``): item ``i``
+is a ``SimInitialState``, an ``InitialState`` (frame, task) that also carries the simulator state
+(``PushTSim.sim_state``, float64 ``[10]``) the frame shows, and where it came from (episode, step). The same index
+restarts ``PushTSimVectorEnv`` (``cosmos3_gym.sim.pusht_vector_env``) in that state, so a world-model rollout and
+its replay in the simulator start from one state (RLinf / WMPO start rollouts from mid-trajectory keyframes of
+demonstrations: shorter rollouts, less drift).
+
+Frames are rendered from the simulator state when an item is read (gym-pusht draws the same pixels from the same
+state; a test checks it), so a source of thousands of starts costs 80 bytes each. A source built from recorded
+frames keeps them instead and needs no simulator to read them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from ..envs.initial_states import InitialState, InitialStateSource
+from ..errors import InputError
+from .pusht_geometry import TASK
+from .pusht_sim import SIM_STATE_FIELDS, PushTSim
+
+__all__ = ["DemoStartStates", "SimInitialState"]
+
+
+@dataclass(frozen=True)
+class SimInitialState(InitialState):
+    """An ``InitialState`` with the simulator state its frame shows and its place in the demonstrations."""
+
+    sim_state: np.ndarray = field(default_factory=lambda: np.zeros(len(SIM_STATE_FIELDS)))
+    episode: int = -1  # index of the recorded episode (-1: a simulator reset, not a recording)
+    step: int = 0  # the step of that episode (0: its first frame)
+
+
+class DemoStartStates(InitialStateSource):
+    """Start states ``[N]``: simulator states, their (episode, step) and optionally recorded frames.
+
+    Build with ``from_episodes`` (recorded episodes with ``sim_states``, every ``stride``-th step), ``from_seeds``
+    (gym-pusht resets: step 0 of fresh episodes, e.g. held-out evaluation starts) or ``load`` (an ``.npz`` written by
+    ``save``). ``image_size``: the size frames are rendered at (the world model's, 256 x 256 for PushT).
+    """
+
+    def __init__(self, sim_states: np.ndarray, *, episodes: Sequence[int] | None = None,
+                 steps: Sequence[int] | None = None, frames: np.ndarray | None = None, task: str = TASK,
+                 image_size: tuple[int, int] = (256, 256), description: str = "demonstration starts"):
+        states = np.asarray(sim_states, dtype=np.float64)
+        if states.ndim != 2 or states.shape[1] != len(SIM_STATE_FIELDS) or not np.isfinite(states).all():
+            raise InputError(f"sim_states: expected finite [N, {len(SIM_STATE_FIELDS)}] ({SIM_STATE_FIELDS}), got "
+                             f"shape {states.shape}.")
+        count = len(states)
+        self.sim_states = states
+        self.episodes = np.full(count, -1, np.int64) if episodes is None else np.asarray(episodes, np.int64)
+        self.steps = np.zeros(count, np.int64) if steps is None else np.asarray(steps, np.int64)
+        if self.episodes.shape != (count,) or self.steps.shape != (count,):
+            raise InputError(f"episodes/steps: expected one entry per state ({count}), got {self.episodes.shape} "
+                             f"and {self.steps.shape}.")
+        if frames is not None:
+            frames = np.asarray(frames)
+            if frames.dtype != np.uint8 or frames.ndim != 4 or len(frames) != count or frames.shape[-1] != 3:
+                raise InputError(f"frames: expected uint8 [{count}, H, W, 3], got {frames.dtype} {frames.shape}.")
+            image_size = frames.shape[1:3]
+        self.frames = frames
+        self.task = task
+        self.image_size = (int(image_size[0]), int(image_size[1]))
+        self._sim: PushTSim | None = None  # renders frames on demand (made at the first read)
+        super().__init__(list(range(count)), description)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_episodes(cls, episodes: Iterable[dict[str, Any]], *, stride: int = 1, max_step: int | None = None,
+                      keep_frames: bool = False, image_size: tuple[int, int] = (256, 256)) -> "DemoStartStates":
+        """Every ``stride``-th step (up to ``max_step``, excluding each episode's last frame: it has no action) of
+        recorded episodes, each a dict with ``sim_states [T+1, 10]`` (``rollout_episode`` / dataset ``.npz``) and,
+        with ``keep_frames``, ``frames [T+1, H, W, 3]``."""
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise InputError(f"stride: expected an integer >= 1, got {stride!r}.")
+        states, episode_ids, steps, frames = [], [], [], []
+        for index, episode in enumerate(episodes):
+            if "sim_states" not in episode:
+                raise InputError(f"episodes[{index}]: has no 'sim_states' (record episodes with rollout_episode).")
+            recorded = np.asarray(episode["sim_states"])
+            # The last frame has no action after it (an episode of one frame keeps it).
+            chosen = np.arange(0, max(len(recorded) - 1, 1), stride)
+            if max_step is not None:
+                chosen = chosen[chosen <= max_step]
+            states.append(recorded[chosen])
+            episode_ids.append(np.full(len(chosen), index))
+            steps.append(chosen)
+            if keep_frames:
+                frames.append(np.asarray(episode["frames"])[chosen])
+        if not states:
+            raise InputError("episodes: expected at least one episode.")
+        return cls(np.concatenate(states), episodes=np.concatenate(episode_ids), steps=np.concatenate(steps),
+                   frames=np.concatenate(frames) if keep_frames else None, image_size=image_size,
+                   description=f"{len(states)} demonstrations, every {stride} steps")
+
+    @classmethod
+    def from_seeds(cls, seeds: Sequence[int], image_size: tuple[int, int] = (256, 256)) -> "DemoStartStates":
+        """The first state of gym-pusht episodes reset with ``seeds`` (held-out evaluation starts, for example)."""
+        seeds = [int(seed) for seed in seeds]
+        if not seeds:
+            raise InputError("seeds: expected at least one gym-pusht seed.")
+        sim = PushTSim(image_size, render_every_step=False)
+        try:
+            states = []
+            for seed in seeds:
+                sim.reset(seed)
+                states.append(sim.sim_state)
+        finally:
+            sim.close()
+        return cls(np.stack(states), episodes=np.full(len(seeds), -1), steps=np.zeros(len(seeds), np.int64),
+                   image_size=image_size, description=f"{len(seeds)} gym-pusht resets (seeds {seeds[0]}..)")
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """An ``.npz`` with ``sim_states``, ``episodes``, ``steps``, ``task``, ``image_size`` (and ``frames``)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        arrays = dict(sim_states=self.sim_states, episodes=self.episodes, steps=self.steps,
+                      task=np.asarray(self.task), image_size=np.asarray(self.image_size))
+        if self.frames is not None:
+            arrays["frames"] = self.frames
+        np.savez_compressed(path, **arrays)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "DemoStartStates":
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                arrays = {key: archive[key] for key in archive.files}
+        except (OSError, ValueError) as error:
+            raise InputError(f"starts: cannot read {path} as an .npz of DemoStartStates.save ({error}).") from error
+        if "sim_states" not in arrays:
+            raise InputError(f"starts: {path} has no 'sim_states'.")
+        return cls(arrays["sim_states"], episodes=arrays.get("episodes"), steps=arrays.get("steps"),
+                   frames=arrays.get("frames"), task=str(arrays.get("task", TASK)),
+                   image_size=tuple(int(n) for n in arrays.get("image_size", (256, 256))), description=str(path))
+
+    # ------------------------------------------------------------------ InitialStateSource
+
+    def __getitem__(self, index: int) -> SimInitialState:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < len(self):
+            raise InputError(f"initial_state_index: expected an integer in [0, {len(self)}), got {index!r}.")
+        index = int(index)
+        return SimInitialState(self.frame(index), self.task, f"{self.description}[{index}]",
+                               sim_state=self.sim_states[index].copy(), episode=int(self.episodes[index]),
+                               step=int(self.steps[index]))
+
+    def frame(self, index: int) -> np.ndarray:
+        """The frame of start ``index``, uint8 ``[H, W, 3]`` (recorded, or rendered from its simulator state)."""
+        if self.frames is not None:
+            return self.frames[index]
+        if self._sim is None:
+            self._sim = PushTSim(self.image_size, render_every_step=False)
+        self._sim.restore(self.sim_states[index])
+        return self._sim.render()
+
+    def subset(self, indices: Sequence[int]) -> "DemoStartStates":
+        indices = np.asarray(indices, dtype=np.int64)
+        return DemoStartStates(self.sim_states[indices], episodes=self.episodes[indices], steps=self.steps[indices],
+                               frames=None if self.frames is None else self.frames[indices], task=self.task,
+                               image_size=self.image_size, description=f"{self.description} (subset)")
+
+    def __getstate__(self):  # picklable for worker processes: the simulator is made again where it is needed
+        state = dict(self.__dict__)
+        state["_sim"] = None
+        return state

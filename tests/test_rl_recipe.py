@@ -1,0 +1,41 @@
+"""benchmarks/rl_pusht.py --tiny: every stage of the RL recipe on the CPU (tiny sizes, the tiny random model)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gym_pusht")
+
+RECIPE = Path(__file__).resolve().parent.parent / "benchmarks" / "rl_pusht.py"
+
+
+def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
+    from cosmos3_gym.rl.policy import load_policy_file
+
+    monkeypatch.setenv("COSMOS3_GYM_COMMIT", "test")
+    spec = importlib.util.spec_from_file_location("rl_pusht_recipe", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    out, work = tmp_path / "out", tmp_path / "work"
+    common = ["--tiny", "--work", str(work), "--no-progress", "--device", "cpu"]
+    recipe.main([*common, "--out", str(tmp_path / "first"), "--stages", "demos,bc,eval_bc"])
+    # A second run with a fresh --out (another GPU call) continues from --work.
+    results = recipe.main([*common, "--out", str(out), "--stages", "grpo_sim,grpo_wm,eval"])
+
+    assert set(results["policies"]) == {"bc", "grpo_simulator", "grpo_world_model"}
+    for key, path in results["policies"].items():
+        assert path == f"benchmarks/results/policies/rl_pusht_{key}.safetensors"
+        assert load_policy_file(out / "policies" / Path(path).name).action_shape == (8, 2)
+    saved = json.loads((out / "rl_pusht.json").read_text())
+    assert saved["provenance"]["commit"] == "test" and "rl_pusht.py" in saved["provenance"]["command"]
+    assert saved["bc"]["eval"]["episodes"] == 3 and "demos" in saved  # kept from the first run
+    world_model = saved["grpo_world_model"]
+    assert len(world_model["history"]) == 2 and all(r["guard"] for r in world_model["history"])
+    assert world_model["reward_check"]["replayed_episodes"] == 8
+    assert saved["grpo_simulator"]["env_steps"] == world_model["env_steps"] == 16
+    assert "success_rate_difference_t95" in saved["grpo_world_model"]["vs_bc"]
+    assert (out / "rl_pusht.png").stat().st_size > 0

@@ -1,0 +1,166 @@
+"""Starts from demonstrations (frames + simulator states from any step) and the gym-pusht vector env with group
+resets: the simulator side of the RL recipe."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode
+
+pytest.importorskip("gym_pusht")
+
+from cosmos3_gym.envs.initial_states import InitialStateSource, resize_frame  # noqa: E402
+from cosmos3_gym.errors import InputError  # noqa: E402
+from cosmos3_gym.processor import ActionStats  # noqa: E402
+from cosmos3_gym.sim import pusht  # noqa: E402
+from cosmos3_gym.sim.pusht_replay import evaluate_in_simulator, replay_in_simulator  # noqa: E402
+from cosmos3_gym.sim.pusht_vector_env import PushTSimVectorEnv  # noqa: E402
+from cosmos3_gym.sim.starts import DemoStartStates, SimInitialState  # noqa: E402
+
+STATS = ActionStats.from_json({"action": {"min": [0.0, 0.0], "max": [512.0, 512.0]}}, mode="minmax")
+
+
+@pytest.fixture(scope="module")
+def episode():
+    sim = pusht.PushTSim((64, 64))
+    try:
+        return pusht.rollout_episode(sim, pusht.ScriptedPusher(np.random.default_rng(0)), 5, 40)
+    finally:
+        sim.close()
+
+
+def make_env(starts, num_envs=4, **kwargs):
+    return PushTSimVectorEnv(num_envs, starts=starts, action_stats=STATS, image_size=(64, 64),
+                             observation_size=(32, 32), **kwargs)
+
+
+def test_restore_continues_a_recorded_episode(episode):
+    sim = pusht.PushTSim((64, 64), render_every_step=False)
+    try:
+        sim.restore(episode["sim_states"][17])
+        np.testing.assert_array_equal(sim.render(), episode["frames"][17])
+        for action in episode["actions"][17:]:
+            sim.step(action)
+        # pymunk's cached contact impulses are not part of the state: in contact the paths part by hundredths of a px.
+        np.testing.assert_allclose(sim.sim_state[[0, 1, 4, 5]], episode["sim_states"][-1][[0, 1, 4, 5]], atol=0.5)
+        assert sim.sim_state[6] == pytest.approx(episode["sim_states"][-1][6], abs=0.01)
+        assert sim.coverage == pytest.approx(float(episode["coverage"][-1]), abs=0.01)
+        with pytest.raises(InputError, match="sim_state"):
+            sim.restore(np.zeros(3))
+    finally:
+        sim.close()
+
+
+def test_demo_starts_yield_frames_and_simulator_states_from_any_step(episode, tmp_path):
+    starts = DemoStartStates.from_episodes([episode], stride=8, image_size=(64, 64))
+    assert isinstance(starts, InitialStateSource)
+    assert starts.steps.tolist() == [0, 8, 16, 24, 32]
+    item = starts[2]
+    assert isinstance(item, SimInitialState) and item.step == 16 and item.task == pusht.TASK
+    np.testing.assert_array_equal(item.frame, episode["frames"][16])  # rendered from the state: the same pixels
+    np.testing.assert_array_equal(item.sim_state, episode["sim_states"][16])
+    loaded = DemoStartStates.load(starts.save(tmp_path / "starts.npz"))
+    np.testing.assert_array_equal(loaded.sim_states, starts.sim_states)
+    np.testing.assert_array_equal(loaded[4].frame, starts[4].frame)
+    with pytest.raises(InputError, match="initial_state_index"):
+        starts[5]
+    with pytest.raises(InputError, match="sim_states"):
+        DemoStartStates.from_episodes([{"frames": episode["frames"]}])
+
+
+def test_group_resets_share_starts_and_survive_autoreset(episode):
+    starts = DemoStartStates.from_episodes([episode], stride=4, image_size=(64, 64))
+    with pytest.raises(InputError, match="multiple of group_size"):
+        make_env(starts, num_envs=6, group_size=4)
+    env = make_env(starts, num_envs=6, group_size=3, max_episode_steps=2)
+    try:
+        observations, info = env.reset(seed=3)
+        assert info["group"].tolist() == [0, 0, 0, 1, 1, 1]
+        index = info["initial_state_index"]
+        assert len(set(index[:3])) == 1 and len(set(index[3:])) == 1
+        np.testing.assert_array_equal(observations["image"][0], observations["image"][2])
+        expected = resize_frame(starts.frame(int(index[0])), (32, 32))
+        np.testing.assert_array_equal(observations["image"][0], expected)
+
+        still = np.zeros((6, 8, 2), np.float32)  # all slots truncate together after two chunks
+        env.step(still)
+        _, _, terminated, truncated, info = env.step(still)
+        assert (truncated | terminated).all()
+        _, rewards, terminated, truncated, info = env.step(still)  # NEXT_STEP: the groups restart
+        assert not (terminated | truncated).any() and (info["elapsed_steps"] == 0).all()
+        new = info["initial_state_index"]
+        assert len(set(new[:3])) == 1 and len(set(new[3:])) == 1
+    finally:
+        env.close()
+
+
+def test_a_finished_slot_waits_for_its_group(episode):
+    starts = DemoStartStates.from_episodes([episode], stride=8, image_size=(64, 64))
+    env = make_env(starts, num_envs=4, group_size=2, max_episode_steps=3)
+    try:
+        env.reset(seed=0, options={"initial_state_index": [1, 1, 2, 2]})
+        env._elapsed[0] = 2  # slot 0 is one chunk before its limit: it finishes first
+        _, _, _, truncated, info = env.step(np.zeros((4, 8, 2), np.float32))
+        assert truncated.tolist() == [True, False, False, False]
+        observations, rewards, terminated, truncated, info = env.step(np.zeros((4, 8, 2), np.float32))
+        assert info["waiting"].tolist() == [True, False, False, False]
+        assert rewards[0] == 0 and not terminated[0] and not truncated[0]
+        assert info["elapsed_steps"][0] == 3 and info["elapsed_steps"][1] == 2
+        with pytest.raises(InputError, match="whole groups"):
+            env.reset(options={"reset_mask": np.array([True, False, False, False])})
+        with pytest.raises(InputError, match="equal indices within each group"):
+            env.reset(options={"initial_state_index": [0, 1, 2, 2]})
+    finally:
+        env.close()
+
+
+def test_same_step_autoreset_reports_final_observations(episode):
+    starts = DemoStartStates.from_episodes([episode], stride=8, image_size=(64, 64))
+    env = make_env(starts, num_envs=2, group_size=2, max_episode_steps=1, autoreset_mode=AutoresetMode.SAME_STEP)
+    try:
+        env.reset(seed=1)
+        _, _, _, truncated, info = env.step(np.zeros((2, 8, 2), np.float32))
+        assert truncated.all() and info["_final_obs"].all()
+        assert info["final_obs"][0]["image"].shape == (32, 32, 3)
+        assert (info["elapsed_steps"] == 0).all()  # already restarted
+    finally:
+        env.close()
+
+
+def test_worker_processes_give_the_same_rollouts(episode):
+    starts = DemoStartStates.from_episodes([episode], stride=8, image_size=(64, 64))
+    actions = np.random.default_rng(0).uniform(-1, 1, (3, 4, 8, 2)).astype(np.float32)
+    results = []
+    for workers in (0, 2):
+        env = make_env(starts, num_envs=4, group_size=2, max_episode_steps=3, workers=workers)
+        try:
+            observations, _ = env.reset(seed=0)
+            frames = [observations["image"]]
+            for chunk in actions:
+                frames.append(env.step(chunk)[0]["image"])
+            results.append(np.stack(frames))
+        finally:
+            env.close()
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_replay_and_evaluation_in_the_simulator(episode):
+    starts = DemoStartStates.from_episodes([episode], stride=8, image_size=(64, 64))
+    env = make_env(starts, num_envs=2, max_episode_steps=5)
+    try:
+        # The scripted pusher's own actions (normalised), replayed from step 0: the recorded coverage comes back.
+        recorded = episode["actions"][:40].reshape(5, 8, 2) / 512.0 * 2 - 1
+        chunks = np.stack([recorded, recorded])
+        replayed = replay_in_simulator(env, np.array([0, 0]), chunks, np.array([5, 2]))
+        coverage = float(episode["coverage"][40])
+        assert replayed["final_coverage"][0] == pytest.approx(coverage, abs=2e-3)
+        assert replayed["final_coverage"][1] == pytest.approx(float(episode["coverage"][16]), abs=2e-3)
+
+        class Still:
+            def act(self, observations, deterministic=True):
+                return np.zeros((len(observations["image"]), 8, 2), np.float32)
+
+        result = evaluate_in_simulator(Still(), env, np.array([0, 4]), num_chunks=2)
+        assert result["chunks"].tolist() == [2, 2] and result["success"].dtype == bool
+    finally:
+        env.close()
