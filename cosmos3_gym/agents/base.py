@@ -100,7 +100,7 @@ class EngineAgent:
             domain=self.domain,
             raw_action_dim=self.raw_action_dim,
             chunk=self.chunk if chunk is None else chunk,
-            num_steps=self.num_steps,
+            num_inference_steps=self.num_steps,
             guidance_scale=self.guidance_scale,
             fps=self.fps,
             seed=self._next_seed(),

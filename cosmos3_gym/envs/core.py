@@ -32,6 +32,8 @@ from gymnasium import spaces
 
 from .. import processor
 from ..engine import Cosmos3Engine, Cosmos3Request
+from ..engine_protocol import WorldModelEngine
+from ..launcher import load_engine
 from ..parallel.mesh import ParallelConfig
 from ..errors import InputError
 from ..media import to_uint8
@@ -128,7 +130,7 @@ class WorldModelCore:
         )
 
         self.owns_engine = engine is None
-        self.engine = _resolve_engine(checkpoint, engine, device, dtype, ParallelConfig(dp=dp, cfg=cfg, tp=tp))
+        self.engine = _resolve_engine(checkpoint, engine, device, dtype, ParallelConfig(dp=dp, cfg_parallel=cfg, tp=tp))
         try:
             temporal = self.engine.temporal_compression
             if self.chunk % temporal:
@@ -284,7 +286,7 @@ class WorldModelCore:
                 domain=self.domain,
                 raw_action_dim=self.raw_action_dim,
                 chunk=self.chunk,
-                num_steps=self.num_steps,
+                num_inference_steps=self.num_steps,
                 guidance_scale=self.guidance_scale,
                 fps=self.fps,
                 seed=seed,
@@ -381,19 +383,21 @@ class WorldModelCore:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _resolve_engine(checkpoint, engine, device, dtype, parallel: ParallelConfig):
-    """The env's engine: the one given, or one loaded from ``checkpoint``. With tp/cfg/dp > 1 (outside torchrun)
-    ``from_pretrained`` starts worker processes and returns a client with the same ``step`` API."""
+def _resolve_engine(checkpoint, engine, device, dtype, parallel: ParallelConfig, *, optimize: bool = False,
+                    vae_dtype: torch.dtype | str | None = None, backend: str = "auto"):
+    """The env's engine: the one given (any ``WorldModelEngine``), or ``load_engine(checkpoint, ...)``. With
+    tp/cfg_parallel/dp > 1 (outside torchrun) that starts worker processes and returns a client with the same API."""
     if engine is not None:
         if checkpoint is not None:
             raise InputError("checkpoint: give either checkpoint= or engine=, not both.")
-        # A Cosmos3Engine, its client-mode handle, or RayEngineReplicas (the vector env's slots spread over them).
-        if not all(callable(getattr(engine, name, None)) for name in ("step", "close", "offload", "onload")):
-            raise InputError(f"engine: expected a Cosmos3Engine, got {type(engine).__name__}.")
+        # A Cosmos3Engine, its client-mode handle, RayEngineReplicas, or another WorldModelEngine.
+        if not isinstance(engine, WorldModelEngine):
+            raise InputError(f"engine: expected a WorldModelEngine (e.g. a Cosmos3Engine), got {type(engine).__name__}.")
         return engine
     if checkpoint is None:
         raise InputError("checkpoint: required (a checkpoint directory or hub id), unless engine= is given.")
-    return Cosmos3Engine.from_pretrained(checkpoint, device=device, dtype=dtype, progress=False, parallel=parallel)
+    return load_engine(checkpoint, parallel=parallel, backend=backend, optimize=optimize, vae_dtype=vae_dtype,
+                       device=device, dtype=dtype, progress=False)
 
 
 def _resolve_reward_model(spec: Any, engine: Cosmos3Engine):
