@@ -106,7 +106,8 @@ class _Worker:
                 how = f"was killed by signal {-exitcode} (exit code {exitcode})"
         else:
             how = f"exited with code {exitcode}"
-        tail = "".join(self.stderr_tail).strip()
+        # A worker that exited on its own may have printed why (a traceback before it could report one).
+        tail = "".join(self.stderr_tail).strip() if exitcode > 0 else ""
         return f"worker rank {self.rank} (pid {self.pid}) {how}" + (f"; its stderr ended with:\n{tail}\n" if tail
                                                                      else "")
 
