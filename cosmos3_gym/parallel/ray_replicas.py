@@ -124,10 +124,18 @@ class RayEngineReplicas:
         except BaseException:
             self.close()
             raise
-        self.action_dim: int = facts["action_dim"]
-        self.temporal_compression: int = facts["temporal_compression"]
+        self._action_dim: int = facts["action_dim"]
+        self._temporal_compression: int = facts["temporal_compression"]
 
     # ------------------------------------------------------------------ WorldModelEngine (engine_protocol.py)
+
+    @property
+    def action_dim(self) -> int:
+        return self._action_dim
+
+    @property
+    def temporal_compression(self) -> int:
+        return self._temporal_compression
 
     @property
     def device(self) -> torch.device:
