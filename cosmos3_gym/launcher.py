@@ -89,6 +89,11 @@ def load_engine(
     engine_kwargs = dict(device=device, dtype=dtype, vae_dtype=vae_dtype, decode_video=decode_video,
                          progress=progress, optimize=optimize)
     if resolved == "inprocess":
+        if config.world_size > 1 and not in_process_group() and not isinstance(parallel, ParallelContext):
+            raise InputError(
+                f"backend 'inprocess': parallel config {config} needs {config.world_size} processes: run under "
+                f"torchrun --nproc_per_node={config.world_size}, or use backend 'mp' (or 'auto'), which starts them"
+            )
         return Cosmos3Engine.from_pretrained(path_or_id, parallel=parallel if parallel is not None else config,
                                              **engine_kwargs)
     if isinstance(parallel, ParallelContext):

@@ -89,7 +89,7 @@ def test_engine_with_cuda_graphs_matches_plain_engine_and_survives_offload(tiny_
     frame = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
 
     def request(seed):
-        return Cosmos3Request(mode="policy", observation=frame, task="push the block", chunk=8, num_steps=3,
+        return Cosmos3Request(mode="policy", observation=frame, task="push the block", chunk=8, num_inference_steps=3,
                               guidance_scale=2.0, fps=15.0, seed=seed, resolution_tier=256, domain="pusht")
 
     plain = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", dtype="fp32", progress=False)
