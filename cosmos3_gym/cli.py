@@ -131,9 +131,10 @@ def run_infer(args: argparse.Namespace) -> None:
         else None
 
     request = Cosmos3Request(
-        mode=args.mode, observation=observation, task=args.prompt, actions=actions, domain=args.domain_name,
+        mode=args.mode, observation=observation, task=args.prompt, action=actions, domain=args.domain_name,
         raw_action_dim=args.raw_action_dim, chunk=args.chunk, cond_frame_indexes=args.condition_frames,
-        num_inference_steps=args.num_steps, guidance_scale=args.guidance_scale, flow_shift=args.flow_shift, fps=args.fps,
+        num_inference_steps=args.num_steps, guidance_scale=args.guidance_scale, flow_shift=args.flow_shift,
+        fps=args.fps,
         seed=args.seed, resolution_tier=args.resolution_tier, view_point=args.view_point,
         negative_prompt=args.negative_prompt,
     )

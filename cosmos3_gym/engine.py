@@ -10,9 +10,9 @@ Multi-GPU (SPMD): under torchrun (or any initialised process group) every rank b
 results. ``parallel/plan.py`` shards and speeds up the transformer, ``parallel/collectives.py`` keeps the ranks in
 step.
 - tp: both towers are tensor-parallel (``parallel/tensor_parallel.py``), text K/V sharded by KV head;
-- cfg_parallel: the rows of the batched pass (conditional rows, then the unconditional rows of guided requests) are split
-  between the two cfg rank groups, and one all-gather per denoising step gives every rank all velocities; CFG and
-  the sampler then run redundantly, so latents stay bit-identical on every rank;
+- cfg_parallel: the rows of the batched pass (conditional rows, then the unconditional rows of guided requests) are
+  split between the two cfg rank groups, and one all-gather per denoising step gives every rank all velocities; CFG
+  and the sampler then run redundantly, so latents stay bit-identical on every rank;
 - dp: the requests are dealt round-robin to the dp replicas and the results all-gathered once at the end;
 - VAE encode, noise and sampler state are replicated (same seed everywhere); the decode is split over the cfg*tp
   ranks of a replica.
@@ -61,12 +61,14 @@ class Cosmos3Request:
     """One inference request. Defaults follow the native RoboLab DROID policy server (4 steps, guidance 3, chunk
     32, 15 fps); the flow shift defaults to the checkpoint's scheduler config.
 
-    ``num_steps=`` is the deprecated name of ``num_inference_steps`` (diffusers' name), kept for one release."""
+    Names follow diffusers' ``Cosmos3OmniPipeline`` and Gymnasium: ``action`` is the action chunk in (forward
+    dynamics) as ``Cosmos3Result.action`` is the chunk out, ``num_inference_steps`` the denoising steps. The old
+    names ``actions=`` and ``num_steps=`` still work for one release, with a ``DeprecationWarning``."""
 
     mode: str
     observation: Any  # image / video / path / frames, see processor.load_frames
     task: str = ""
-    actions: Any = None  # [T, raw_action_dim], forward_dynamics only (normalised model space)
+    action: Any = None  # [T, raw_action_dim] chunk, forward_dynamics only (normalised model space)
     domain: str | int = "droid_lerobot"
     raw_action_dim: int | None = None
     chunk: int = 32
@@ -82,30 +84,43 @@ class Cosmos3Request:
     negative_prompt: str | None = None
 
 
-def _accept_num_steps(dataclass_init):
-    """``Cosmos3Request(num_steps=...)``: the deprecated keyword, mapped onto ``num_inference_steps``."""
+# Deprecated keyword -> its current name on Cosmos3Request (kept for one release).
+_REQUEST_ALIASES = {"num_steps": "num_inference_steps", "actions": "action"}
+
+
+def _accept_deprecated_names(dataclass_init):
+    """Wrap ``Cosmos3Request.__init__`` so that the ``_REQUEST_ALIASES`` keywords still work, with a warning."""
 
     @functools.wraps(dataclass_init)
-    def __init__(self, *args, num_steps=None, **kwargs):
-        if num_steps is not None:
-            warnings.warn("Cosmos3Request(num_steps=) is deprecated; use num_inference_steps=", DeprecationWarning,
-                          stacklevel=2)
-            if kwargs.get("num_inference_steps", num_steps) != num_steps:
-                raise InputError(f"num_steps: {num_steps} contradicts num_inference_steps="
-                                 f"{kwargs['num_inference_steps']}; give one or the other")
-            kwargs["num_inference_steps"] = num_steps
+    def __init__(self, *args, **kwargs):
+        for old, new in _REQUEST_ALIASES.items():
+            if old not in kwargs:
+                continue
+            value = kwargs.pop(old)
+            warnings.warn(f"Cosmos3Request({old}=) is deprecated; use {new}=", DeprecationWarning, stacklevel=2)
+            if new in kwargs and not _same(kwargs[new], value):
+                raise InputError(f"{old}: contradicts {new}={kwargs[new]!r}; give one or the other")
+            kwargs[new] = value
         dataclass_init(self, *args, **kwargs)
 
     return __init__
 
 
-def _num_steps_alias(self) -> int:
-    warnings.warn("Cosmos3Request.num_steps is deprecated; use num_inference_steps", DeprecationWarning, stacklevel=2)
-    return self.num_inference_steps
+def _same(a, b) -> bool:
+    return a is b or (np.shape(a) == np.shape(b) and bool(np.all(np.asarray(a) == np.asarray(b))))
 
 
-Cosmos3Request.__init__ = _accept_num_steps(Cosmos3Request.__init__)
-Cosmos3Request.num_steps = property(_num_steps_alias, doc="Deprecated name of ``num_inference_steps``.")
+def _deprecated_alias(old: str, new: str) -> property:
+    def get(self):
+        warnings.warn(f"Cosmos3Request.{old} is deprecated; use {new}", DeprecationWarning, stacklevel=2)
+        return getattr(self, new)
+
+    return property(get, doc=f"Deprecated name of ``{new}``.")
+
+
+Cosmos3Request.__init__ = _accept_deprecated_names(Cosmos3Request.__init__)
+for _old, _new in _REQUEST_ALIASES.items():
+    setattr(Cosmos3Request, _old, _deprecated_alias(_old, _new))
 
 
 @dataclass
@@ -413,8 +428,8 @@ class Cosmos3Engine:
             raise InputError(f"fps: expected a positive number, got {r.fps!r}")
         if r.flow_shift is not None and (not np.isfinite(r.flow_shift) or r.flow_shift <= 0):
             raise InputError(f"flow_shift: expected a positive number, got {r.flow_shift!r}")
-        if r.mode == "forward_dynamics" and r.actions is None:
-            raise InputError("actions: mode 'forward_dynamics' needs an action chunk [T, raw_action_dim]")
+        if r.mode == "forward_dynamics" and r.action is None:
+            raise InputError("action: mode 'forward_dynamics' needs an action chunk [T, raw_action_dim]")
         action_dim = self.transformer.config.action_dim
         domain_id, raw_dim = processor.resolve_domain(r.domain, r.raw_action_dim, action_dim=action_dim)
 
@@ -430,7 +445,7 @@ class Cosmos3Engine:
         h, w = cond.latent_hw
 
         if r.mode == "forward_dynamics":
-            x0_actions = processor.prepare_action_chunk(r.actions, r.chunk, raw_dim, action_dim)
+            x0_actions = processor.prepare_action_chunk(r.action, r.chunk, raw_dim, action_dim)
             clean_rows = list(range(r.chunk))
         else:
             x0_actions = torch.zeros(r.chunk, action_dim)

@@ -43,7 +43,7 @@ def requests() -> list[Cosmos3Request]:
     actions = np.random.default_rng(1).uniform(-1, 1, (4, 2)).astype(np.float32)
     return [
         Cosmos3Request("policy", image(1), "push the T", guidance_scale=2.5, seed=1, **BASE),
-        Cosmos3Request("forward_dynamics", image(2), "push", actions=actions, guidance_scale=3.0, seed=2, **BASE),
+        Cosmos3Request("forward_dynamics", image(2), "push", action=actions, guidance_scale=3.0, seed=2, **BASE),
         Cosmos3Request("policy", image(3), "reach", guidance_scale=1.0, seed=3, **BASE),
     ]
 

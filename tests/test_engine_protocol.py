@@ -51,9 +51,9 @@ class FakeWorldModel:
     def _one(self, request: Cosmos3Request) -> Cosmos3Result:
         self.requests.append(request)
         frame = torch.as_tensor(np.asarray(request.observation), dtype=torch.float32).permute(2, 0, 1) / 255
-        shift = self.BRIGHTEN * float(np.mean(request.actions))
+        shift = self.BRIGHTEN * float(np.mean(request.action))
         pixels = torch.stack([frame + shift * k for k in range(request.chunk + 1)], dim=1).clamp(0, 1)
-        return Cosmos3Result(request.mode, np.asarray(request.actions, np.float32), torch.zeros(1), pixels,
+        return Cosmos3Result(request.mode, np.asarray(request.action, np.float32), torch.zeros(1), pixels,
                              request.seed)
 
     def optimize(self, **options):
@@ -180,13 +180,26 @@ def test_num_steps_is_a_deprecated_alias_of_num_inference_steps():
     assert request.num_inference_steps == 7
     with pytest.warns(DeprecationWarning):
         assert request.num_steps == 7
-    with pytest.raises(InputError, match="num_steps: 7 contradicts num_inference_steps=3"):
+    with pytest.raises(InputError, match="num_steps: contradicts num_inference_steps=3"):
         with pytest.warns(DeprecationWarning):
             Cosmos3Request("policy", None, num_steps=7, num_inference_steps=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new name, and copies of a request, warn about nothing
         copy = dataclasses.replace(Cosmos3Request("policy", None, num_inference_steps=5), seed=1)
     assert copy.num_inference_steps == 5
+
+
+def test_actions_is_a_deprecated_alias_of_action():
+    """``action`` in (as ``Cosmos3Result.action`` out, diffusers' and Gymnasium's name); ``actions`` still works."""
+    chunk = np.zeros((4, 2), np.float32)
+    with pytest.warns(DeprecationWarning, match="use action="):
+        request = Cosmos3Request("forward_dynamics", None, actions=chunk)
+    assert request.action is chunk
+    with pytest.warns(DeprecationWarning):
+        assert request.actions is chunk
+    with pytest.raises(InputError, match="actions: contradicts action="):
+        with pytest.warns(DeprecationWarning):
+            Cosmos3Request("forward_dynamics", None, actions=chunk, action=chunk + 1)
 
 
 def test_cfg_is_a_deprecated_alias_of_cfg_parallel():

@@ -45,13 +45,13 @@ def batches() -> dict[str, tuple[list[Cosmos3Request], bool]]:
         # The three modes, all guided: cond rows on cfg rank 0, uncond rows on cfg rank 1; decoded tile-parallel.
         "modes": ([
             Cosmos3Request("policy", image(1), "push the T", guidance_scale=2.5, seed=1, **BASE),
-            Cosmos3Request("forward_dynamics", image(2), "push", actions=acts, guidance_scale=3.0, seed=2, **BASE),
+            Cosmos3Request("forward_dynamics", image(2), "push", action=acts, guidance_scale=3.0, seed=2, **BASE),
             Cosmos3Request("inverse_dynamics", video, "a much longer task text", guidance_scale=2.0, seed=3, **BASE),
         ], True),
         # Mixed guidance (cfg rows split unevenly, padded), a second latent shape (chunk 8) and a seed drawn on rank 0.
         "mixed": ([
             Cosmos3Request("policy", image(4), "push the T", guidance_scale=1.0, seed=4, **BASE),
-            Cosmos3Request("forward_dynamics", image(5), "push", actions=acts, guidance_scale=3.0, seed=5, **BASE),
+            Cosmos3Request("forward_dynamics", image(5), "push", action=acts, guidance_scale=3.0, seed=5, **BASE),
             Cosmos3Request("policy", image(6), "reach", guidance_scale=1.5, seed=None, **BASE),
             Cosmos3Request("policy", image(7), "push the T", guidance_scale=2.0, seed=6, **{**BASE, "chunk": 8}),
             Cosmos3Request("inverse_dynamics", video, "a much longer task text", guidance_scale=1.0, seed=7, **BASE),
@@ -59,7 +59,7 @@ def batches() -> dict[str, tuple[list[Cosmos3Request], bool]]:
         # No guidance anywhere: cfg=2 splits the batch rows between the two cfg groups.
         "unguided": ([
             Cosmos3Request("policy", image(8), "push the T", guidance_scale=1.0, seed=8, **BASE),
-            Cosmos3Request("forward_dynamics", image(9), "push", actions=acts, guidance_scale=1.0, seed=9, **BASE),
+            Cosmos3Request("forward_dynamics", image(9), "push", action=acts, guidance_scale=1.0, seed=9, **BASE),
             Cosmos3Request("inverse_dynamics", video, "push", guidance_scale=1.0, seed=10, **BASE),
         ], False),
         # One unguided row: cfg rank 1 (and dp replica 1) have nothing to compute but must still join.
@@ -379,8 +379,8 @@ def test_parallel_shorthands_and_launcher_dispatch(tiny_checkpoint, monkeypatch)
 
 
 def test_cli_under_torchrun_matches_single_process(tiny_checkpoint, tmp_path):
-    """``torchrun --nproc_per_node=4 -m cosmos3_gym.cli infer --tp 2 --cfg-parallel 2``: rank 0 alone writes the files, and
-    the actions equal a single-process run of the same command."""
+    """``torchrun --nproc_per_node=4 -m cosmos3_gym.cli infer --tp 2 --cfg-parallel 2``: rank 0 alone writes the files,
+    and the actions equal a single-process run of the same command."""
     from cosmos3_gym.cli import main
 
     image(3).save(tmp_path / "obs.png")

@@ -282,7 +282,7 @@ class WorldModelCore:
                 mode="forward_dynamics",
                 observation=self._frames[slot],
                 task=self._tasks[slot],
-                actions=action,
+                action=action,
                 domain=self.domain,
                 raw_action_dim=self.raw_action_dim,
                 chunk=self.chunk,
@@ -392,7 +392,9 @@ def _resolve_engine(checkpoint, engine, device, dtype, parallel: ParallelConfig,
             raise InputError("checkpoint: give either checkpoint= or engine=, not both.")
         # A Cosmos3Engine, its client-mode handle, RayEngineReplicas, or another WorldModelEngine.
         if not isinstance(engine, WorldModelEngine):
-            raise InputError(f"engine: expected a WorldModelEngine (e.g. a Cosmos3Engine), got {type(engine).__name__}.")
+            raise InputError(
+                f"engine: expected a WorldModelEngine (e.g. a Cosmos3Engine), got {type(engine).__name__}."
+            )
         return engine
     if checkpoint is None:
         raise InputError("checkpoint: required (a checkpoint directory or hub id), unless engine= is given.")

@@ -148,9 +148,8 @@ def init_parallel(config: ParallelConfig, device: str | torch.device | None = No
     world = dist.get_world_size()
     if world != config.world_size:
         raise InputError(
-            f"parallel config: dp*cfg_parallel*tp = {config.dp}*{config.cfg_parallel}*{config.tp} = {config.world_size} "
-            f"must equal the "
-            f"number of processes ({world})"
+            f"parallel config: dp*cfg_parallel*tp = {config.dp}*{config.cfg_parallel}*{config.tp} = "
+            f"{config.world_size} must equal the number of processes ({world})"
         )
     if device is None:
         if torch.cuda.is_available() and dist.get_backend() == "nccl":
@@ -159,7 +158,8 @@ def init_parallel(config: ParallelConfig, device: str | torch.device | None = No
         else:
             device = torch.device("cpu")
     device = torch.device(device)
-    mesh = init_device_mesh(device.type, (config.dp, config.cfg_parallel, config.tp), mesh_dim_names=("dp", "cfg", "tp"))
+    mesh = init_device_mesh(device.type, (config.dp, config.cfg_parallel, config.tp),
+                            mesh_dim_names=("dp", "cfg", "tp"))
     # new_group is collective over the world: every rank creates every replica's group, in the same order.
     replica_size = config.cfg_parallel * config.tp
     replica_group = None
