@@ -137,6 +137,23 @@ def test_a_worker_that_fails_at_startup_reports_its_own_exception(tiny_checkpoin
     assert "nodevice" in message and "Traceback (most recent call last)" in message
 
 
+def test_a_worker_that_dies_before_connecting_reports_its_stderr(tiny_checkpoint, tmp_path, monkeypatch):
+    """A worker that cannot even start the engine code (here: an interpreter that prints a traceback and exits) is
+    reported with the end of its stderr."""
+    import cosmos3_gym.parallel.client as client_module
+
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho 'Traceback (most recent call last):' >&2\n"
+                           "echo 'ModuleNotFoundError: No module named cosmos3_gym' >&2\nexit 1\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setattr(client_module.sys, "executable", str(fake_python))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)worker rank \d \(pid \d+\) exited with code 1 during startup; its "
+                                           r"stderr ended with:.*ModuleNotFoundError: No module named cosmos3_gym"):
+        start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **ENGINE_KWARGS)
+    assert time.monotonic() - start < 10
+
+
 def test_killed_worker_fails_the_next_step_quickly(tiny_checkpoint):
     client = start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **ENGINE_KWARGS)
     pids = client.worker_pids

@@ -23,7 +23,7 @@ the workers.
 
 from __future__ import annotations
 
-import collections
+import codecs
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -50,7 +50,7 @@ _DIVERGENCE_TIMEOUT_S = 60.0
 _SHUTDOWN_GRACE_S = 10.0
 _PEER_DEATH_WAIT_S = 2.0
 _POLL_S = 0.2  # how often a waiting client checks that its workers are alive
-_STDERR_TAIL_LINES = 30
+_STDERR_TAIL_BYTES = 8192  # what an error message quotes of a worker's stderr (its traceback)
 # The directory that holds this package, put on the workers' path so that they import the same cosmos3_gym.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -63,26 +63,34 @@ def start_engine_client(path_or_id: str | Path, config: ParallelConfig, **engine
 
 class _Worker:
     """One worker process: its ``Popen``, its connection once it has connected, and the tail of its stderr (which
-    is passed through to this process's stderr as it comes)."""
+    is passed through to this process's stderr as it comes, so that warnings and progress bars show where the caller
+    looks, a notebook included)."""
 
     def __init__(self, rank: int, address, authkey: bytes, env: dict[str, str]):
         self.rank = rank
         self.connection: multiprocessing.connection.Connection | None = None
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
+        self.stderr_tail = bytearray()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "cosmos3_gym.parallel.worker", str(address)],
-            env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
         )
-        self.process.stdin.write(authkey.hex() + "\n")
-        self.process.stdin.close()
+        try:
+            self.process.stdin.write(authkey.hex().encode() + b"\n")
+            self.process.stdin.close()
+        except BrokenPipeError:
+            pass  # it exited already: the client reports how, with its stderr
         self._pump = threading.Thread(target=self._pump_stderr, name=f"cosmos3-worker-{rank}-stderr", daemon=True)
         self._pump.start()
 
     def _pump_stderr(self) -> None:
-        for line in self.process.stderr:
-            self.stderr_tail.append(line)
+        # Raw chunks, not lines: a progress bar's carriage returns pass through as they are.
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while chunk := os.read(self.process.stderr.fileno(), 65536):
+            self.stderr_tail += chunk
+            del self.stderr_tail[:-_STDERR_TAIL_BYTES]
             try:
-                sys.stderr.write(line)
+                sys.stderr.write(decoder.decode(chunk))
+                sys.stderr.flush()
             except (OSError, ValueError):
                 pass  # this process's stderr is closed (interpreter exit): keep only the tail
         self.process.stderr.close()
@@ -95,8 +103,9 @@ class _Worker:
     def exitcode(self) -> int | None:
         return self.process.poll()
 
-    def describe_exit(self) -> str:
-        """How the worker ended, with the last lines it wrote to stderr (its traceback, if it printed one)."""
+    def describe_exit(self, context: str = "") -> str:
+        """How the worker ended, then ``context`` (e.g. " during startup"), then the last lines it wrote to stderr
+        (its traceback, if it printed one)."""
         self._pump.join(timeout=2.0)  # the rest of its stderr
         exitcode = self.process.returncode
         if exitcode < 0:
@@ -107,9 +116,10 @@ class _Worker:
         else:
             how = f"exited with code {exitcode}"
         # A worker that exited on its own may have printed why (a traceback before it could report one).
-        tail = "".join(self.stderr_tail).strip() if exitcode > 0 else ""
-        return f"worker rank {self.rank} (pid {self.pid}) {how}" + (f"; its stderr ended with:\n{tail}\n" if tail
-                                                                     else "")
+        lines = self.stderr_tail.decode(errors="replace").strip().splitlines()[-30:] if exitcode > 0 else []
+        tail = "\n".join(lines)
+        return f"worker rank {self.rank} (pid {self.pid}) {how}{context}" + (f"; its stderr ended with:\n{tail}\n"
+                                                                               if tail else "")
 
 
 class Cosmos3EngineClient:
@@ -255,7 +265,7 @@ class Cosmos3EngineClient:
                 except queue.Empty:
                     for worker in self._workers:
                         if worker.rank in pending and worker.exitcode is not None:
-                            self._fail(f"{worker.describe_exit()} during startup")
+                            self._fail(worker.describe_exit(" during startup"))
                     continue
                 _, rank, _ = receive(connection)
                 self._workers[rank].connection = connection
@@ -297,7 +307,7 @@ class Cosmos3EngineClient:
                 for worker in self._workers:
                     if worker.rank not in replies and worker.exitcode is not None:
                         consequence = f" (then rank {crashes[0][0]} raised: {crashes[0][1][2]})" if crashes else ""
-                        self._fail(f"{worker.describe_exit()} during {what}{consequence}")
+                        self._fail(worker.describe_exit(f" during {what}{consequence}"))
                 if crashes:
                     rank, (_, kind, message, worker_traceback) = crashes[0]
                     self._fail(f"worker rank {rank} raised during {what}: {kind}: {message}\n{worker_traceback}")
@@ -347,7 +357,7 @@ class Cosmos3EngineClient:
         except subprocess.TimeoutExpired:
             pass
         if worker.exitcode is not None:
-            self._fail(f"{worker.describe_exit()} (could not send {what}: {error})")
+            self._fail(worker.describe_exit(f" (could not send {what}: {error})"))
         exits = {w.rank: w.exitcode for w in self._workers if w.exitcode is not None}
         self._fail(f"could not send {what} to worker rank {worker.rank}: {error}; "
                    + (f"exit codes by rank: {exits}" if exits else "all workers still running"))
