@@ -62,9 +62,11 @@ def serve(connection: Connection, rank: int) -> None:
                 elif name == "optimize":
                     engine.optimize(**args[0])
                     value = None
-                else:  # offload, onload
+                elif name in ("offload", "onload"):
                     getattr(engine, name)()
                     value = None
+                else:
+                    raise RuntimeError(f"unknown command {name!r}")
             except BaseException as error:  # noqa: BLE001 - reported to the client
                 _reply(connection, error_reply(error))
                 if not isinstance(error, InputError):
