@@ -105,7 +105,7 @@ def test_vector_env_slots_spread_over_ray_replicas(replicas, tiny_checkpoint):
     from cosmos3_gym.envs import WorldModelVectorEnv
 
     frames = [np.asarray(image(i, (96, 128))) for i in range(4)]
-    kwargs = dict(domain="pusht", task="push", chunk=4, num_inference_steps=2, guidance_scale=2.0, resolution_tier=256,
+    kwargs = dict(domain="pusht", task="push", chunk=4, num_steps=2, guidance_scale=2.0, resolution_tier=256,
                   initial_states=frames)
     observations = []
     for engine in (replicas, Cosmos3Engine.from_pretrained(tiny_checkpoint, **ENGINE_KWARGS)):
