@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import add_output_arguments, check_results_target, provenance, timed, write_results  # noqa: E402
 
-from cosmos3_gym.checkpoint import build_tiny_checkpoint  # noqa: E402
+from cosmos3_gym.testing import build_tiny_checkpoint  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
 
 

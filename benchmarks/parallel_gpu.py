@@ -108,7 +108,7 @@ def parse_layout(name: str) -> tuple[ParallelConfig, set[str]]:
     match = re.fullmatch(r"(?:cfg(\d+))?(?:tp(\d+))?", mesh)
     if not mesh or not match or not all(re.fullmatch(r"symm|graphs|overlap\d+|optimize", o) for o in options):
         raise SystemExit(f"--layouts: expected names like tp4, cfg2, cfg2tp2, tp4+symm+graphs+overlap2; got {name!r}")
-    return ParallelConfig(cfg=int(match.group(1) or 1), tp=int(match.group(2) or 1)), set(options)
+    return ParallelConfig(cfg_parallel=int(match.group(1) or 1), tp=int(match.group(2) or 1)), set(options)
 
 
 def default_layouts(world: int) -> list[str]:

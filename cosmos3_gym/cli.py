@@ -149,11 +149,12 @@ def add_infer_command(sub) -> None:
                        "compiles)")
     infer.add_argument("--out", required=True, help="output prefix")
     parallel = infer.add_argument_group(
-        "parallel", "under torchrun --nproc_per_node=dp*cfg*tp every rank runs this command and rank 0 writes the "
-        "files; without torchrun a config of several ranks starts its own worker processes"
+        "parallel", "under torchrun --nproc_per_node=dp*cfg_parallel*tp every rank runs this command and rank 0 "
+        "writes the files; without torchrun a config of several ranks starts its own worker processes"
     )
     parallel.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (must divide the KV heads)")
-    parallel.add_argument("--cfg", type=int, default=1, help="1, or 2 to run the CFG branches on two rank groups")
+    parallel.add_argument("--cfg-parallel", "--cfg", dest="cfg_parallel", type=int, default=1,
+                          help="1, or 2 to run the CFG branches on two rank groups (--cfg: deprecated alias)")
     parallel.add_argument("--dp", type=int, default=1, help="data-parallel replicas (split a batch of requests)")
     infer.set_defaults(func=run_infer)
 
@@ -195,6 +196,7 @@ def run_infer(args: argparse.Namespace) -> None:
     from . import processor
     from .engine import Cosmos3Engine, Cosmos3Request
     from .evaluation import resolve_checkpoint_name
+    from .launcher import load_engine
     from .media import write_video
 
     args.checkpoint = str(resolve_checkpoint_name(args.checkpoint))
@@ -211,16 +213,17 @@ def run_infer(args: argparse.Namespace) -> None:
         else None
 
     request = Cosmos3Request(
-        mode=args.mode, observation=observation, task=args.prompt, actions=actions, domain=settings["domain"],
+        mode=args.mode, observation=observation, task=args.prompt, action=actions, domain=settings["domain"],
         raw_action_dim=settings["raw_action_dim"], chunk=settings["chunk"], cond_frame_indexes=args.condition_frames,
-        num_steps=settings["num_steps"], guidance_scale=settings["guidance_scale"], flow_shift=args.flow_shift,
-        fps=settings["fps"], seed=args.seed, resolution_tier=settings["resolution_tier"], view_point=args.view_point,
+        num_inference_steps=settings["num_steps"], guidance_scale=settings["guidance_scale"],
+        flow_shift=args.flow_shift, fps=settings["fps"], seed=args.seed, resolution_tier=settings["resolution_tier"],
+        view_point=args.view_point,
         negative_prompt=args.negative_prompt,
     )
-    engine = Cosmos3Engine.from_pretrained(
+    engine = load_engine(
         args.checkpoint, device=args.device, dtype=args.dtype, vae_dtype=args.vae_dtype,
-        decode_video=not args.no_decode, tp=args.tp, cfg=args.cfg, dp=args.dp, optimize=args.optimize,
-        precision=args.precision,
+        decode_video=not args.no_decode, tp=args.tp, cfg_parallel=args.cfg_parallel, dp=args.dp,
+        optimize=args.optimize, precision=args.precision,
     )
     try:
         if isinstance(engine, Cosmos3Engine):
@@ -229,7 +232,7 @@ def run_infer(args: argparse.Namespace) -> None:
         result = engine.step(request)
         # Under torchrun every rank holds the same result and only global rank 0 writes and prints; a client-mode
         # engine (workers started for us) has no ranks here, this process is the output.
-        is_output_rank = getattr(engine, "is_output_rank", True)
+        is_output_rank = engine.is_output_rank
     finally:
         engine.close()
     if not is_output_rank:

@@ -34,10 +34,11 @@ def tiny_checkpoint_cache_dir() -> Path:
 
 
 def cached_tiny_checkpoint() -> Path:
-    """The tiny RANDOM-weight checkpoint (``checkpoint.build_tiny_checkpoint(seed=0)``), built once into
+    """The tiny RANDOM-weight checkpoint (``testing.build_tiny_checkpoint(seed=0)``), built once into
     ``tiny_checkpoint_cache_dir()`` and reused. Built in a temporary sibling folder and renamed into place, so an
     interrupted or concurrent build never leaves a half-written checkpoint behind."""
-    from .checkpoint import build_tiny_checkpoint, validate_checkpoint
+    from .checkpoint import validate_checkpoint
+    from .testing import build_tiny_checkpoint
 
     target = tiny_checkpoint_cache_dir()
     if not target.exists():

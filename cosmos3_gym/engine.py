@@ -6,23 +6,29 @@ shape and step count in one batched GEN-tower pass per step (conditional and unc
 Text K/V come from a per-prompt cache, so a prompt's UND tower runs once for the engine's lifetime.
 
 Multi-GPU (SPMD): under torchrun (or any initialised process group) every rank builds the engine with the same
-``ParallelConfig(dp, cfg, tp)`` and calls ``step`` with the same requests; every rank returns the same results.
+``ParallelConfig(dp, cfg_parallel, tp)`` and calls ``step`` with the same requests; every rank returns the same
+results. ``parallel/plan.py`` shards and speeds up the transformer, ``parallel/collectives.py`` keeps the ranks in
+step.
 - tp: both towers are tensor-parallel (``parallel/tensor_parallel.py``), text K/V sharded by KV head;
-- cfg: the rows of the batched pass (conditional rows, then the unconditional rows of guided requests) are split
-  between the two cfg rank groups, and one all-gather per denoising step gives every rank all velocities; CFG and
-  the sampler then run redundantly, so latents stay bit-identical on every rank;
+- cfg_parallel: the rows of the batched pass (conditional rows, then the unconditional rows of guided requests) are
+  split between the two cfg rank groups, and one all-gather per denoising step gives every rank all velocities; CFG
+  and the sampler then run redundantly, so latents stay bit-identical on every rank;
 - dp: the requests are dealt round-robin to the dp replicas and the results all-gathered once at the end;
 - VAE encode, noise and sampler state are replicated (same seed everywhere); the decode is split over the cfg*tp
   ranks of a replica.
-Without a process group, a config with more than one rank starts worker processes (``parallel/client.py``).
+This class is the in-process engine. ``cosmos3_gym.load_engine`` (``launcher.py``) picks it or another
+implementation of ``WorldModelEngine`` (``engine_protocol.py``): outside a process group, several ranks run as worker
+processes (``parallel/client.py``), several engines as Ray actors (``parallel/ray_replicas.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import importlib
 import math
 import os
 import secrets
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +37,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
@@ -40,31 +45,36 @@ from .checkpoint import resolve_checkpoint, validate_checkpoint
 from .errors import InputError
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
 from .models.vae import Cosmos3VAE
-from .parallel.mesh import ParallelConfig, ParallelContext, init_parallel
-from .parallel.tensor_parallel import RowParallelLinear, apply_tensor_parallel, check_tensor_parallel
+from .parallel.collectives import (
+    agree_on_seeds, dp_share, gather_cfg_rows, gather_dp_results, run_on_every_rank,
+)
+from .parallel.mesh import ParallelConfig, ParallelContext, init_parallel, resolve_parallel_config
+from .parallel.plan import parallelize_transformer
+from .parallel.tensor_parallel import check_tensor_parallel, release_symmetric_buffers
 from .quantization import apply_precision, check_precision
 from .sampling import FlowUniPCSampler, Schedule, cfg_combine, make_schedule
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; torch 2.11 has only the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 @dataclass
 class Cosmos3Request:
     """One inference request. Defaults follow the native RoboLab DROID policy server (4 steps, guidance 3, chunk
-    32, 15 fps); the flow shift defaults to the checkpoint's scheduler config."""
+    32, 15 fps); the flow shift defaults to the checkpoint's scheduler config.
+
+    Names follow diffusers' ``Cosmos3OmniPipeline`` and Gymnasium: ``action`` is the action chunk in (forward
+    dynamics) as ``Cosmos3Result.action`` is the chunk out, ``num_inference_steps`` the denoising steps. The old
+    names ``actions=`` and ``num_steps=`` still work for one release, with a ``DeprecationWarning``."""
 
     mode: str
     observation: Any  # image / video / path / frames, see processor.load_frames
     task: str = ""
-    actions: Any = None  # [T, raw_action_dim], forward_dynamics only (normalised model space)
+    action: Any = None  # [T, raw_action_dim] chunk, forward_dynamics only (normalised model space)
     domain: str | int = "droid_lerobot"
     raw_action_dim: int | None = None
     chunk: int = 32
     cond_frame_indexes: Sequence[int] | None = None  # clean latent frames; default [0] (all for inverse dynamics)
-    num_steps: int = 4
+    num_inference_steps: int = 4
     guidance_scale: float = 3.0
     flow_shift: float | None = None
     use_karras_sigmas: bool | None = None
@@ -73,6 +83,45 @@ class Cosmos3Request:
     resolution_tier: int = 480
     view_point: str = "ego_view"
     negative_prompt: str | None = None
+
+
+# Deprecated keyword -> its current name on Cosmos3Request (kept for one release).
+_REQUEST_ALIASES = {"num_steps": "num_inference_steps", "actions": "action"}
+
+
+def _accept_deprecated_names(dataclass_init):
+    """Wrap ``Cosmos3Request.__init__`` so that the ``_REQUEST_ALIASES`` keywords still work, with a warning."""
+
+    @functools.wraps(dataclass_init)
+    def __init__(self, *args, **kwargs):
+        for old, new in _REQUEST_ALIASES.items():
+            if old not in kwargs:
+                continue
+            value = kwargs.pop(old)
+            warnings.warn(f"Cosmos3Request({old}=) is deprecated; use {new}=", DeprecationWarning, stacklevel=2)
+            if new in kwargs and not _same(kwargs[new], value):
+                raise InputError(f"{old}: contradicts {new}={kwargs[new]!r}; give one or the other")
+            kwargs[new] = value
+        dataclass_init(self, *args, **kwargs)
+
+    return __init__
+
+
+def _same(a, b) -> bool:
+    return a is b or (np.shape(a) == np.shape(b) and bool(np.all(np.asarray(a) == np.asarray(b))))
+
+
+def _deprecated_alias(old: str, new: str) -> property:
+    def get(self):
+        warnings.warn(f"Cosmos3Request.{old} is deprecated; use {new}", DeprecationWarning, stacklevel=2)
+        return getattr(self, new)
+
+    return property(get, doc=f"Deprecated name of ``{new}``.")
+
+
+Cosmos3Request.__init__ = _accept_deprecated_names(Cosmos3Request.__init__)
+for _old, _new in _REQUEST_ALIASES.items():
+    setattr(Cosmos3Request, _old, _deprecated_alias(_old, _new))
 
 
 @dataclass
@@ -105,7 +154,7 @@ class _Prepared:
 
     @property
     def group_key(self):
-        return (self.latent_thw, self.request.chunk, self.request.num_steps)
+        return (self.latent_thw, self.request.chunk, self.request.num_inference_steps)
 
 
 class Cosmos3Engine:
@@ -152,47 +201,55 @@ class Cosmos3Engine:
         progress: bool = True,
         parallel: ParallelConfig | ParallelContext | None = None,
         tp: int | None = None,
-        cfg: int | None = None,
+        cfg_parallel: int | None = None,
         dp: int | None = None,
         optimize: bool = False,
+        cfg: int | None = None,
         precision: str = "bf16",
     ) -> "Cosmos3Engine":
-        """Load a diffusers-layout Cosmos3 checkpoint (local directory or hub id).
+        """Load a diffusers-layout Cosmos3 checkpoint (local directory or hub id) into this process.
 
         ``dtype`` is the transformer's (default bf16 on CUDA, fp32 on CPU); the VAE runs in fp32 unless
         ``vae_dtype`` says otherwise (diffusers' docs load AutoencoderKLWan in fp32).
 
-        ``parallel`` (or the shorthands ``tp``/``cfg``/``dp``) spreads the engine over dp*cfg*tp ranks. Inside a
-        process group (torchrun, or ``dist.init_process_group`` already called) every rank calls this and gets its
-        shard of the SPMD engine; ``device`` "cuda" then means this rank's GPU (LOCAL_RANK). Outside one, a
-        multi-rank config returns a ``Cosmos3EngineClient`` that runs the ranks as worker processes.
+        ``parallel`` (or the shorthands ``tp``/``cfg_parallel``/``dp``) makes this process one rank of an SPMD
+        engine of dp*cfg_parallel*tp ranks: inside a process group (torchrun, or ``dist.init_process_group`` already
+        called) every rank calls this and gets its shard; ``device`` "cuda" then means this rank's GPU (LOCAL_RANK).
+        To start the ranks as worker processes from one process, use ``cosmos3_gym.load_engine``; a multi-rank config
+        here outside a process group still does that, with a ``DeprecationWarning`` (for one release).
+        ``cfg`` is the deprecated name of ``cfg_parallel``.
 
-        ``optimize`` applies ``optimize()`` (torch.compile; worth it on a GPU, where the first step of each shape
-        compiles).
+        ``optimize`` applies ``optimize()`` (torch.compile, and CUDA graphs on a GPU; worth it on a GPU, where the
+        first step of each shape compiles).
 
         ``precision`` "fp8" runs the GEN tower's GEMMs in FP8 (``quantization.apply_fp8``; Hopper-class GPUs, tp=1,
         the ``fp8`` extra); "bf16" (default) keeps them in ``dtype``.
         """
-        config = resolve_parallel_config(parallel, tp=tp, cfg=cfg, dp=dp)
+        config = resolve_parallel_config(parallel, tp=tp, cfg_parallel=cfg_parallel, dp=dp, cfg=cfg)
         check_precision(precision, tp=config.tp)
-        layout = validate_checkpoint(resolve_checkpoint(path_or_id))
-        # Checked from config.json before any weights are read or workers started, on every rank alike.
-        check_tensor_parallel(Cosmos3TransformerConfig.from_dict(layout.transformer_config), config.tp)
         context = parallel if isinstance(parallel, ParallelContext) else None
         in_process_group = dist.is_initialized() or "RANK" in os.environ
         if context is None and config.world_size > 1 and not in_process_group:
-            from .parallel.client import start_engine_client
-
-            return start_engine_client(
-                layout.root, config, device=device, dtype=dtype, vae_dtype=vae_dtype, decode_video=decode_video,
-                progress=progress, optimize=optimize, precision=precision,
+            warnings.warn(
+                "Cosmos3Engine.from_pretrained with several ranks outside a process group is deprecated: it builds "
+                "in-process engines only from the next release. Use cosmos3_gym.load_engine(path, tp=..., "
+                "cfg_parallel=..., dp=...), which starts the worker processes.", DeprecationWarning, stacklevel=2,
             )
+            # Late-bound: the launcher imports this module, and this shim goes away with the deprecation.
+            load_engine = importlib.import_module(f"{__package__}.launcher").load_engine
+            return load_engine(
+                path_or_id, parallel=config, backend="mp", device=device, dtype=dtype, vae_dtype=vae_dtype,
+                decode_video=decode_video, progress=progress, optimize=optimize, precision=precision,
+            )
+        layout = validate_checkpoint(resolve_checkpoint(path_or_id))
+        # Checked from config.json before any weights are read, on every rank alike.
+        check_tensor_parallel(Cosmos3TransformerConfig.from_dict(layout.transformer_config), config.tp)
 
         launched_world = int(os.environ.get("WORLD_SIZE", "1"))
         if context is None and not dist.is_initialized() and config.world_size not in (1, launched_world):
             raise InputError(
-                f"parallel config: dp*cfg*tp = {config.dp}*{config.cfg}*{config.tp} = {config.world_size} must equal "
-                f"the number of processes torchrun started (WORLD_SIZE={launched_world})"
+                f"parallel config: dp*cfg_parallel*tp = {config.dp}*{config.cfg_parallel}*{config.tp} = "
+                f"{config.world_size} must equal the number of processes torchrun started (WORLD_SIZE={launched_world})"
             )
         owns_process_group = False
         if context is None:
@@ -208,8 +265,7 @@ class Cosmos3Engine:
         transformer = Cosmos3Transformer.from_pretrained(layout.transformer_dir, device=device, dtype=dtype)
         if not transformer.config.action_gen:
             raise InputError(f"checkpoint {path_or_id}: transformer has action_gen=False; not a Cosmos3 policy model")
-        if config.tp > 1:
-            apply_tensor_parallel(transformer, context.group("tp"))
+        parallelize_transformer(transformer, context)  # tensor parallel; optimize() adds the rest of the plan
         apply_precision(transformer, precision)  # before optimize(): compile and CUDA graphs capture the FP8 GEMMs
         vae = Cosmos3VAE.from_pretrained(layout.vae_dir, device=device, dtype=vae_dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(layout.text_tokenizer_dir))
@@ -227,6 +283,7 @@ class Cosmos3Engine:
 
         ``tp_overlap`` (tp > 1; default: on a GPU): the GEN layers' all-reduces overlap the next row block's compute
         (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce where the tp group is on one GPU host.
+        ``parallel/plan.py`` applies all of it to the transformer.
 
         The same math up to float rounding; each new input shape pays a compile and a capture on its first step
         (about 5-11 s at the full Nano size on an H200). Calling it again changes nothing."""
@@ -236,23 +293,11 @@ class Cosmos3Engine:
         if use_graphs and self.device.type != "cuda":
             raise InputError(f"cuda_graphs: needs a CUDA device; this engine runs on {self.device}")
         overlap = self.device.type == "cuda" if tp_overlap is None else tp_overlap
-        if overlap and self.parallel.config.tp > 1 and not self.transformer.blocks_compiled:
-            from .parallel.overlap import overlap_communication
-
-            # Symmetric memory maps the peers' buffers over NVLink: only for a tp group inside one host (tp ranks are
-            # adjacent, so a host's LOCAL_WORLD_SIZE ranks hold whole groups when tp divides it).
-            tp = self.parallel.config.tp
-            if self.device.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", tp)) % tp == 0:
-                for module in self.transformer.modules():
-                    if isinstance(module, RowParallelLinear):
-                        module.set_all_reduce("symm_mem")
-            overlap_communication(self.transformer)
-        self.transformer.compile_blocks()
+        self._graphed_forward = parallelize_transformer(
+            self.transformer, self.parallel, compile=True, tp_overlap=overlap, cuda_graphs=use_graphs,
+            graphed_forward=self._graphed_forward,
+        )
         self.vae.fuse_decoder_norms()
-        if use_graphs and self._graphed_forward is None:
-            from .cuda_graphs import GraphedGenForward
-
-            self._graphed_forward = GraphedGenForward(self.transformer)
         return self
 
     @property
@@ -278,15 +323,17 @@ class Cosmos3Engine:
         """
         if self._closed:
             raise RuntimeError("Cosmos3Engine is closed")
+        self.onload()  # after offload(): back to the device first
         single = isinstance(requests, Cosmos3Request)
         batch = [requests] if single else list(requests)
         if not batch:
             raise InputError("requests: expected at least one Cosmos3Request")
         decode = self.decode_video if decode is None else decode
         with torch.inference_mode():
-            batch = self._agree_on_seeds(batch)
-            share = self._dp_share(len(batch))
-            prepared = self._prepare_share([batch[i] for i in share])
+            batch = agree_on_seeds(batch, self.parallel)
+            prepared = run_on_every_rank(
+                lambda: self._prepare_batch([batch[i] for i in dp_share(len(batch), self.parallel)]), self.parallel
+            )
             local_results: list[Cosmos3Result | None] = [None] * len(prepared)
             groups: dict[Any, list[int]] = {}
             for i, p in enumerate(prepared):
@@ -294,7 +341,7 @@ class Cosmos3Engine:
             for indexes in groups.values():
                 for i, result in zip(indexes, self._denoise([prepared[i] for i in indexes], decode)):
                     local_results[i] = result
-            results = self._gather_dp_results(local_results, len(batch))
+            results = gather_dp_results(local_results, len(batch), self.parallel)
         return results[0] if single else results
 
     @property
@@ -314,18 +361,25 @@ class Cosmos3Engine:
         self._text_cache.clear()
 
     def offload(self) -> None:
-        """Move the model to host memory between rollouts (frees the GPU for a policy update); ``onload`` undoes it."""
+        """Move the model to host memory between rollouts (frees the GPU for a policy update); ``onload`` or the next
+        ``step`` undoes it. Under tensor parallelism every rank of the engine must call it (the client and the
+        torchrun SPMD loop do)."""
         if self._home_device is None:
             self._home_device = self.device
         self.transformer.to("cpu")
         self.vae.to("cpu")
         if self._graphed_forward is not None:
             self._graphed_forward.reset()  # its graphs read the weights at their device addresses, which are gone
+        tp_group = self.parallel.group("tp")
+        if tp_group is not None:
+            # Only now that no graph holds them: the symmetric all-reduce buffers (re-made on the next forward).
+            release_symmetric_buffers(tp_group.group_name)
         self._text_cache.clear()  # cached K/V live on the device; they are recomputed on demand
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def onload(self) -> None:
+        """Move the model back to its device after ``offload`` (nothing to do otherwise)."""
         if self._home_device is not None:
             self.transformer.to(self._home_device)
             self.vae.to(self._home_device)
@@ -373,16 +427,16 @@ class Cosmos3Engine:
             raise InputError(f"mode: expected one of {list(MODES)}, got {r.mode!r}")
         if not isinstance(r.chunk, int) or r.chunk < 1:
             raise InputError(f"chunk: expected an integer >= 1, got {r.chunk!r}")
-        if not isinstance(r.num_steps, int) or r.num_steps < 1:
-            raise InputError(f"num_steps: expected an integer >= 1, got {r.num_steps!r}")
+        if not isinstance(r.num_inference_steps, int) or r.num_inference_steps < 1:
+            raise InputError(f"num_inference_steps: expected an integer >= 1, got {r.num_inference_steps!r}")
         if not np.isfinite(r.guidance_scale) or r.guidance_scale < 0:
             raise InputError(f"guidance_scale: expected a finite number >= 0, got {r.guidance_scale!r}")
         if not np.isfinite(r.fps) or r.fps <= 0:
             raise InputError(f"fps: expected a positive number, got {r.fps!r}")
         if r.flow_shift is not None and (not np.isfinite(r.flow_shift) or r.flow_shift <= 0):
             raise InputError(f"flow_shift: expected a positive number, got {r.flow_shift!r}")
-        if r.mode == "forward_dynamics" and r.actions is None:
-            raise InputError("actions: mode 'forward_dynamics' needs an action chunk [T, raw_action_dim]")
+        if r.mode == "forward_dynamics" and r.action is None:
+            raise InputError("action: mode 'forward_dynamics' needs an action chunk [T, raw_action_dim]")
         action_dim = self.transformer.config.action_dim
         domain_id, raw_dim = processor.resolve_domain(r.domain, r.raw_action_dim, action_dim=action_dim)
 
@@ -398,7 +452,7 @@ class Cosmos3Engine:
         h, w = cond.latent_hw
 
         if r.mode == "forward_dynamics":
-            x0_actions = processor.prepare_action_chunk(r.actions, r.chunk, raw_dim, action_dim)
+            x0_actions = processor.prepare_action_chunk(r.action, r.chunk, raw_dim, action_dim)
             clean_rows = list(range(r.chunk))
         else:
             x0_actions = torch.zeros(r.chunk, action_dim)
@@ -414,7 +468,7 @@ class Cosmos3Engine:
             height=canvas_h,
             width=canvas_w,
         )
-        schedule = self._schedule(r.num_steps, r.flow_shift, r.use_karras_sigmas)
+        schedule = self._schedule(r.num_inference_steps, r.flow_shift, r.use_karras_sigmas)
         seed = r.seed if r.seed is not None else secrets.randbelow(2**63)
         prepared = _Prepared(
             r, seed, domain_id, raw_dim, cond_ids, uncond_ids, clean_frames, clean_rows,
@@ -474,64 +528,11 @@ class Cosmos3Engine:
         )
         return video_noise, action_noise
 
-    # ------------------------------------------------------------------ SPMD bookkeeping (once per step call)
-
-    def _agree_on_seeds(self, batch: list) -> list:
-        """Give each request without a seed one drawn on rank 0, so that every rank draws the same noise."""
-        missing = [i for i, r in enumerate(batch) if isinstance(r, Cosmos3Request) and r.seed is None]
-        if not missing:
-            return batch
-        seeds = torch.tensor([secrets.randbelow(2**63) for _ in missing], dtype=torch.int64)
-        if self.parallel.config.world_size > 1:
-            seeds = seeds.to(self.parallel.device)
-            dist.broadcast(seeds, src=0)
-        batch = list(batch)
-        for i, seed in zip(missing, seeds.tolist()):
-            batch[i] = dataclasses.replace(batch[i], seed=seed)
-        return batch
-
-    def _dp_share(self, num_requests: int) -> list[int]:
-        """The request indexes this rank's dp replica runs: dealt round-robin (replica d gets d, d+dp, ...)."""
-        return list(range(self.parallel.dp_rank, num_requests, self.parallel.config.dp))
-
-    def _prepare_share(self, requests: list) -> list[_Prepared]:
-        """``prepare`` each request; with several ranks, an error on any rank is raised on all of them (a rank
-        that raised alone would leave the others waiting in the next collective)."""
-        if self.parallel.config.world_size == 1:
-            prepared = [self.prepare(r, encode=False) for r in requests]
-            self._encode_conditions(prepared)
-            return prepared
-        error, prepared = None, []
-        try:
-            prepared = [self.prepare(r, encode=False) for r in requests]
-            self._encode_conditions(prepared)
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-            error = e
-        failed = torch.tensor([int(error is not None)], device=self.parallel.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item():
-            reports = [None] * dist.get_world_size()
-            dist.all_gather_object(reports, None if error is None else (isinstance(error, InputError), str(error)))
-            if error is not None:
-                raise error
-            rank, (is_input_error, message) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
-            if is_input_error:
-                raise InputError(message)
-            raise RuntimeError(f"rank {rank} failed to prepare its requests: {message}")
+    def _prepare_batch(self, requests: list) -> list[_Prepared]:
+        """``prepare`` each request, then VAE-encode all their conditioning frames in shape-batched passes."""
+        prepared = [self.prepare(r, encode=False) for r in requests]
+        self._encode_conditions(prepared)
         return prepared
-
-    def _gather_dp_results(self, local_results: list[Cosmos3Result], num_requests: int) -> list[Cosmos3Result]:
-        """Every replica's results, back in request order, on every rank (one object all-gather per step call)."""
-        dp = self.parallel.config.dp
-        if dp == 1:
-            return local_results
-        shares: list[list[Cosmos3Result] | None] = [None] * dp
-        dist.all_gather_object(shares, local_results, group=self.parallel.group("dp"))
-        results: list[Cosmos3Result | None] = [None] * num_requests
-        for replica, replica_results in enumerate(shares):
-            for i, result in zip(range(replica, num_requests, dp), replica_results):
-                results[i] = result
-        return results
 
     # ------------------------------------------------------------------ the batched denoising loop
 
@@ -570,7 +571,7 @@ class Cosmos3Engine:
         # (each prompt's text K/V only where it is needed), and an unguided batch is split instead of idling a rank.
         guided = [b for b, p in enumerate(group) if p.request.guidance_scale != 1.0]
         branches = [(b, False) for b in range(batch)] + [(b, True) for b in guided]
-        cfg_size, cfg_rank = self.parallel.config.cfg, self.parallel.cfg_rank
+        cfg_size, cfg_rank = self.parallel.config.cfg_parallel, self.parallel.cfg_rank
         rows_per_cfg_rank = math.ceil(len(branches) / cfg_size)
         local_branches = branches[cfg_rank * rows_per_cfg_rank : (cfg_rank + 1) * rows_per_cfg_rank]
         rows = [b for b, _ in local_branches]
@@ -588,7 +589,7 @@ class Cosmos3Engine:
 
         video_sampler = FlowUniPCSampler([p.schedule for p in group], device)
         action_sampler = FlowUniPCSampler([p.schedule for p in group], device)
-        steps = group[0].request.num_steps
+        steps = group[0].request.num_inference_steps
         gen_forward = self.gen_forward
         show_progress = self.progress and self.is_output_rank
         for i in tqdm(range(steps), desc="denoising", disable=not show_progress, leave=False):
@@ -601,7 +602,7 @@ class Cosmos3Engine:
             else:  # a single unguided request under cfg=2: cfg rank 1 has no row, it only sends padding
                 v_video, v_action = video[:0], actions[:0]
             if cfg_size > 1:
-                v_video, v_action = self._gather_cfg_rows(v_video, v_action, rows_per_cfg_rank, len(branches))
+                v_video, v_action = gather_cfg_rows(v_video, v_action, rows_per_cfg_rank, len(branches), self.parallel)
             v_video, v_action = self._combine(v_video, v_action, batch, guided_index, guidance)
             v_action = v_action * action_dim_mask
             video = video_sampler.step(i, v_video, video)
@@ -623,19 +624,6 @@ class Cosmos3Engine:
                 )
             )
         return results
-
-    def _gather_cfg_rows(self, v_video, v_action, rows_per_rank: int, num_rows: int):
-        """All-gather the velocity rows of both cfg rank groups: one collective per step (video and action rows
-        packed side by side), every rank padded to ``rows_per_rank`` rows of the same dtype (fp32) so that the
-        shapes agree; returns all ``num_rows`` rows in branch order on every rank."""
-        video_shape, action_shape = v_video.shape[1:], v_action.shape[1:]
-        packed = torch.cat([v_video.flatten(1), v_action.flatten(1)], dim=1)
-        packed = F.pad(packed, (0, 0, 0, rows_per_rank - packed.shape[0]))
-        gathered = packed.new_empty(self.parallel.config.cfg * rows_per_rank, packed.shape[1])
-        _all_gather_single(gathered, packed, group=self.parallel.group("cfg"))
-        gathered = gathered[:num_rows]
-        split = video_shape.numel()
-        return gathered[:, :split].reshape(num_rows, *video_shape), gathered[:, split:].reshape(num_rows, *action_shape)
 
     def _decode(self, video: torch.Tensor) -> torch.Tensor:
         """VAE decode, split over the cfg*tp ranks of this replica when there are several (all hold the same
@@ -681,21 +669,3 @@ def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torc
     if dtype not in names:
         raise InputError(f"dtype: expected one of {sorted(names)}, got {dtype!r}")
     return names[dtype]
-
-
-def resolve_parallel_config(
-    parallel: ParallelConfig | ParallelContext | None, *, tp: int | None, cfg: int | None, dp: int | None
-) -> ParallelConfig:
-    """One ``ParallelConfig`` from ``parallel`` and/or the ``tp``/``cfg``/``dp`` shorthands (which must agree)."""
-    if parallel is None:
-        return ParallelConfig(dp=1 if dp is None else dp, cfg=1 if cfg is None else cfg, tp=1 if tp is None else tp)
-    if isinstance(parallel, ParallelContext):
-        config = parallel.config
-    elif isinstance(parallel, ParallelConfig):
-        config = parallel
-    else:
-        raise InputError(f"parallel: expected a ParallelConfig or ParallelContext, got {type(parallel).__name__}")
-    for name, value in (("tp", tp), ("cfg", cfg), ("dp", dp)):
-        if value is not None and value != getattr(config, name):
-            raise InputError(f"{name}: {value} contradicts parallel={config}; give one or the other")
-    return config

@@ -77,9 +77,8 @@ def test_policy_one_batched_step_with_seeded_requests_and_clipping():
     expected_seeds = np.random.default_rng(11)
     assert [r.seed for r in requests] == [int(expected_seeds.integers(0, 2**63)) for _ in range(3)]
     assert [r.task for r in requests] == ["a", "b", "c"] and decode is False
-    assert {(r.mode, r.chunk, r.num_steps, r.resolution_tier, r.domain, r.raw_action_dim) for r in requests} == {
-        ("policy", CHUNK, 2, 256, "pusht", RAW)
-    }
+    fields = {(r.mode, r.chunk, r.num_inference_steps, r.resolution_tier, r.domain, r.raw_action_dim) for r in requests}
+    assert fields == {("policy", CHUNK, 2, 256, "pusht", RAW)}
     PolicyAgent(fake, "push", **SETTINGS).act(images(1, seed=0)[0])
     assert fake.calls[1][0][0].seed is None  # no agent seed: the engine draws one
 
@@ -246,7 +245,7 @@ def test_from_env_acts_in_the_envs_action_space(engine):
     recording = RecordingEngine(0.5)
     PolicyAgent(recording, "t", settings=env.unwrapped.settings, num_steps=3).act(observation)
     request = recording.calls[0][0][0]
-    assert (request.chunk, request.domain, request.guidance_scale, request.fps, request.num_steps) == \
+    assert (request.chunk, request.domain, request.guidance_scale, request.fps, request.num_inference_steps) == \
         (4, "pusht", 1.0, 10.0, 3)  # keywords win over settings
 
     vector = WorldModelVectorEnv(2, engine=engine, initial_states=frame, **settings)

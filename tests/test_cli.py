@@ -117,7 +117,7 @@ def _bad_inputs(tmp_path, ckpt, image_path):
         (["--image", str(not_image)], "not_image.png"),
         (["--video", str(empty_video)], "empty.mp4"),
         ([*img, "--condition-frames", "0,7"], "cond_frame_indexes"),
-        ([*img, "--num-steps", "0"], "num_steps"),
+        ([*img, "--num-steps", "0"], "num_inference_steps"),
         ([*img, "--chunk", "0"], "chunk"),
     ]
 

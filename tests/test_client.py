@@ -3,9 +3,10 @@
 The clients use ``ParallelConfig(dp=2)`` (two gloo ranks, requests dealt between them) so that the results cross a
 real process group, and fp32 on CPU. References come from an in-process single engine: the dp split only changes
 batch composition (summation order), so results agree to ~1e-7 and 1e-5 relative is tight. Starting the workers
-dominates the cost, so one client serves the step tests, and the in-process tests fork their workers from a fork
-server that imported the engine once (``start_method="forkserver"``); the interpreter-exit test uses the default
-``spawn``.
+(fresh interpreters) dominates the cost, so one client serves the step tests.
+
+The launch-style tests run a user's script the ways users run them (an unguarded file, ``python -``, ``python -c``)
+with ``load_engine(..., tp=2)``: workers started by multiprocessing's spawn re-imported such a script and died.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.parallel.client import Cosmos3EngineClient, start_engine_client
 from cosmos3_gym.parallel.mesh import ParallelConfig
 
-BASE = dict(domain="pusht", chunk=4, num_steps=2, fps=15.0, resolution_tier=256)
+BASE = dict(domain="pusht", chunk=4, num_inference_steps=2, fps=15.0, resolution_tier=256)
 ENGINE_KWARGS = dict(device="cpu", dtype="fp32", progress=False)
-FAST_START = dict(start_method="forkserver")
 
 
 def image(seed: int, size=(200, 280)) -> Image.Image:
@@ -43,7 +43,7 @@ def requests() -> list[Cosmos3Request]:
     actions = np.random.default_rng(1).uniform(-1, 1, (4, 2)).astype(np.float32)
     return [
         Cosmos3Request("policy", image(1), "push the T", guidance_scale=2.5, seed=1, **BASE),
-        Cosmos3Request("forward_dynamics", image(2), "push", actions=actions, guidance_scale=3.0, seed=2, **BASE),
+        Cosmos3Request("forward_dynamics", image(2), "push", action=actions, guidance_scale=3.0, seed=2, **BASE),
         Cosmos3Request("policy", image(3), "reach", guidance_scale=1.0, seed=3, **BASE),
     ]
 
@@ -64,7 +64,7 @@ def engine(tiny_checkpoint) -> Cosmos3Engine:
 
 @pytest.fixture(scope="module")
 def client(tiny_checkpoint) -> Cosmos3EngineClient:
-    client = start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **FAST_START, **ENGINE_KWARGS)
+    client = start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **ENGINE_KWARGS)
     yield client
     client.close()
 
@@ -93,6 +93,18 @@ def test_bad_request_raises_input_error_and_client_stays_usable(client, engine):
     assert client.step(requests()[0], decode=False).action.shape == (4, 2)
 
 
+def test_client_forwards_optimize_offload_and_onload(client, engine):
+    """The WorldModelEngine methods run on the workers (not faked here): after optimize (compiled blocks on CPU) and
+    an offload, a step still gives the in-process result."""
+    assert client.optimize() is client
+    client.offload()
+    client.onload()
+    client.offload()  # the next step onloads by itself
+    result = client.step(requests()[0], decode=False)
+    assert relative_error(result.action, engine.step(requests()[0], decode=False).action) < 1e-5
+    assert (client.device, client.vae, client.is_output_rank) == (torch.device("cpu"), None, True)
+
+
 def test_close_stops_the_workers_and_is_idempotent(client):
     pids = client.worker_pids
     client.close()
@@ -109,15 +121,41 @@ def test_bad_checkpoint_raises_checkpoint_error(tmp_path):
         Cosmos3Engine.from_pretrained(tmp_path / "missing", **ENGINE_KWARGS)
     before = {child.pid for child in psutil.Process().children(recursive=True)}
     with pytest.raises(CheckpointError) as through_client:
-        start_engine_client(tmp_path / "missing", ParallelConfig(dp=2), **FAST_START, **ENGINE_KWARGS)
+        start_engine_client(tmp_path / "missing", ParallelConfig(dp=2), **ENGINE_KWARGS)
     assert str(through_client.value) == str(in_process.value)
-    # The fork server (a child of this process) stays; the workers it forked must be gone.
     workers = {child.pid for child in psutil.Process().children(recursive=True)} - before
-    assert all(gone(pid) or "forkserver" in " ".join(psutil.Process(pid).cmdline()) for pid in workers)
+    assert all(gone(pid) for pid in workers)
+
+
+def test_a_worker_that_fails_at_startup_reports_its_own_exception(tiny_checkpoint):
+    """Not a user error: the caller's RuntimeError carries the worker's exception and traceback, not just an exit
+    code. (An unknown device string fails inside torch, in the worker.)"""
+    with pytest.raises(RuntimeError) as failure:
+        start_engine_client(tiny_checkpoint, ParallelConfig(), device="nodevice", dtype="fp32", progress=False)
+    message = str(failure.value)
+    assert "worker rank 0 raised during startup: RuntimeError" in message
+    assert "nodevice" in message and "Traceback (most recent call last)" in message
+
+
+def test_a_worker_that_dies_before_connecting_reports_its_stderr(tiny_checkpoint, tmp_path, monkeypatch):
+    """A worker that cannot even start the engine code (here: an interpreter that prints a traceback and exits) is
+    reported with the end of its stderr."""
+    import cosmos3_gym.parallel.client as client_module
+
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho 'Traceback (most recent call last):' >&2\n"
+                           "echo 'ModuleNotFoundError: No module named cosmos3_gym' >&2\nexit 1\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setattr(client_module.sys, "executable", str(fake_python))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)worker rank \d \(pid \d+\) exited with code 1 during startup; its "
+                                           r"stderr ended with:.*ModuleNotFoundError: No module named cosmos3_gym"):
+        start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **ENGINE_KWARGS)
+    assert time.monotonic() - start < 10
 
 
 def test_killed_worker_fails_the_next_step_quickly(tiny_checkpoint):
-    client = start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **FAST_START, **ENGINE_KWARGS)
+    client = start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **ENGINE_KWARGS)
     pids = client.worker_pids
     os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
@@ -133,7 +171,7 @@ def test_killed_worker_fails_the_next_step_quickly(tiny_checkpoint):
 class _BrokenPipe:
     """A connection whose worker end is gone: what ``send`` sees when it beats the worker's exit being reaped."""
 
-    def send(self, message):
+    def send_bytes(self, message):
         raise BrokenPipeError(32, "Broken pipe")
 
     def close(self):
@@ -141,44 +179,67 @@ class _BrokenPipe:
 
 
 def test_a_broken_pipe_to_a_dead_worker_names_how_it_ended(tiny_checkpoint):
-    client = start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **FAST_START, **ENGINE_KWARGS)
+    client = start_engine_client(tiny_checkpoint, ParallelConfig(dp=2), **ENGINE_KWARGS)
     pids = client.worker_pids
     os.kill(pids[1], signal.SIGKILL)
-    client._connections[1] = _BrokenPipe()
+    client._workers[1].connection = _BrokenPipe()
+    client._check_open = lambda: None  # the window in which the send fails before the worker's exit is reaped
     with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL .*could not send"):
         client.step(requests()[0])
     assert all(gone(pid) for pid in pids)
     client.close()
 
 
-EXIT_SCRIPT = """
+# A user's script as CleanRL-style scripts are written: no ``if __name__ == "__main__":`` guard. It exits without
+# close(): the client's finalizer must stop the workers.
+UNGUARDED_SCRIPT = """
 import json, sys
-from cosmos3_gym.parallel.client import start_engine_client
-from cosmos3_gym.parallel.mesh import ParallelConfig
+import numpy as np
+from cosmos3_gym import Cosmos3Request, load_engine
 
-if __name__ == "__main__":
-    client = start_engine_client(sys.argv[1], ParallelConfig(), device="cpu", dtype="fp32", progress=False)
-    print(json.dumps(client.worker_pids), flush=True)
-    # Exit without close(): the client's finalizer must stop the worker.
+engine = load_engine(sys.argv[1], tp=2, device="cpu", dtype="fp32", progress=False)
+frame = np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8)
+result = engine.step(Cosmos3Request("policy", frame, "push", domain="pusht", chunk=4, num_inference_steps=2,
+                                    resolution_tier=256, seed=1), decode=False)
+print(json.dumps({"pids": engine.worker_pids, "action": result.action.tolist()}), flush=True)
 """
 
 
-def test_interpreter_exit_leaves_no_worker_behind(tiny_checkpoint, tmp_path):
-    script = tmp_path / "leave_open.py"
-    script.write_text(EXIT_SCRIPT)
+@pytest.fixture(scope="module")
+def tp2_reference_action(tiny_checkpoint) -> np.ndarray:
+    engine = Cosmos3Engine.from_pretrained(tiny_checkpoint, **ENGINE_KWARGS)
+    frame = np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8)
+    return engine.step(Cosmos3Request("policy", frame, "push", domain="pusht", chunk=4, num_inference_steps=2,
+                                      resolution_tier=256, seed=1), decode=False).action
+
+
+@pytest.mark.parametrize("style", ["file", "stdin", "dash_c"])
+def test_unguarded_scripts_start_tp2_workers_and_leave_none(style, tiny_checkpoint, tp2_reference_action, tmp_path):
+    """``python script.py``, ``python - < script`` and ``python -c script``: the workers start (they never import the
+    caller's __main__), the tp=2 result equals the single-process one, and at exit no worker and no leaked
+    semaphore (resource_tracker warning) is left."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, str(script), str(tiny_checkpoint)], env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    pids = json.loads(run.stdout.strip().splitlines()[-1])
+    if style == "file":
+        script = tmp_path / "unguarded.py"
+        script.write_text(UNGUARDED_SCRIPT)
+        command, stdin = [sys.executable, str(script), str(tiny_checkpoint)], None
+    elif style == "stdin":
+        command, stdin = [sys.executable, "-", str(tiny_checkpoint)], UNGUARDED_SCRIPT
+    else:
+        command, stdin = [sys.executable, "-c", UNGUARDED_SCRIPT, str(tiny_checkpoint)], None
+    run = subprocess.run(command, input=stdin, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "resource_tracker" not in run.stderr and "leaked" not in run.stderr, run.stderr[-3000:]
+    printed = json.loads(run.stdout.strip().splitlines()[-1])
+    assert relative_error(printed["action"], tp2_reference_action) < 1e-5
     deadline = time.monotonic() + 10
-    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+    while not all(gone(pid) for pid in printed["pids"]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(gone(pid) for pid in pids)
+    assert all(gone(pid) for pid in printed["pids"])
 
 
 def test_gym_make_with_cfg_2_runs_the_env_on_worker_processes(tiny_checkpoint):
-    """gym.make(..., cfg=2) starts the workers itself; its first step equals the in-process env's."""
+    """gym.make(..., cfg=2) starts the workers itself (load_engine); its first step equals the in-process env's."""
     import gymnasium as gym
 
     import cosmos3_gym  # noqa: F401  (registers the env ids)

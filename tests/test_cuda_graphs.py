@@ -91,7 +91,7 @@ def test_engine_with_cuda_graphs_matches_plain_engine_and_survives_offload(tiny_
     frame = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
 
     def request(seed):
-        return Cosmos3Request(mode="policy", observation=frame, task="push the block", chunk=8, num_steps=3,
+        return Cosmos3Request(mode="policy", observation=frame, task="push the block", chunk=8, num_inference_steps=3,
                               guidance_scale=2.0, fps=15.0, seed=seed, resolution_tier=256, domain="pusht")
 
     plain = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", dtype="fp32", progress=False)
@@ -106,3 +106,27 @@ def test_engine_with_cuda_graphs_matches_plain_engine_and_survives_offload(tiny_
     graphed.onload()
     again = graphed.step(request(0), decode=False)
     np.testing.assert_allclose(again.action, plain.step(request(0), decode=False).action, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_workers_with_graphs_and_symmetric_memory_survive_offload(tiny_checkpoint):
+    """load_engine(tp=2, optimize=True) from this process: two worker processes, CUDA graphs over the
+    symmetric-memory all-reduces. offload() drops the graphs and the symmetric buffers; the next step onloads by
+    itself, re-makes them and gives the same result as before, and as one GPU."""
+    from cosmos3_gym import load_engine
+
+    frame = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    request = Cosmos3Request(mode="policy", observation=frame, task="push the block", chunk=8, num_inference_steps=3,
+                             guidance_scale=2.0, fps=15.0, seed=0, resolution_tier=256, domain="pusht")
+    single = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", dtype="fp32", progress=False)
+    reference = single.step(request, decode=False)
+    engine = load_engine(tiny_checkpoint, tp=2, device="cuda", dtype="fp32", progress=False, optimize=True)
+    try:
+        first = engine.step(request, decode=False)
+        engine.offload()
+        again = engine.step(request, decode=False)
+    finally:
+        engine.close()
+    np.testing.assert_allclose(first.action, reference.action, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(again.action, first.action, rtol=1e-5, atol=1e-5)

@@ -54,7 +54,7 @@ def run_pipeline(pipe, mode, chunk, seed, guidance, obs, actions=None, output_ty
 
 def request(mode, chunk, seed, guidance, obs, actions=None, task="push the block", **kw):
     return Cosmos3Request(
-        mode=mode, observation=obs, task=task, actions=actions, domain="pusht", chunk=chunk, num_steps=STEPS,
+        mode=mode, observation=obs, task=task, action=actions, domain="pusht", chunk=chunk, num_inference_steps=STEPS,
         guidance_scale=guidance, fps=FPS, seed=seed, resolution_tier=TIER, **kw,
     )
 
@@ -153,10 +153,10 @@ def test_parity_checks_would_catch_wrong_cfg_and_noise(pipeline, engine, monkeyp
         (dict(domain="no_such_robot"), "domain"),
         (dict(domain=4), "raw_action_dim"),
         (dict(raw_action_dim=65), "raw_action_dim"),
-        (dict(mode="forward_dynamics"), "actions"),
-        (dict(mode="forward_dynamics", actions=np.full((4, 2), np.nan)), "actions"),
-        (dict(mode="forward_dynamics", actions=np.zeros((4, 3))), "actions"),
-        (dict(num_steps=0), "num_steps"),
+        (dict(mode="forward_dynamics"), "action"),
+        (dict(mode="forward_dynamics", action=np.full((4, 2), np.nan)), "action"),
+        (dict(mode="forward_dynamics", action=np.zeros((4, 3))), "action"),
+        (dict(num_inference_steps=0), "num_inference_steps"),
         (dict(chunk=0), "chunk"),
         (dict(cond_frame_indexes=[0, 5]), "cond_frame_indexes"),
         (dict(observation="/nonexistent/image.png"), "observation"),
@@ -164,7 +164,7 @@ def test_parity_checks_would_catch_wrong_cfg_and_noise(pipeline, engine, monkeyp
     ],
 )
 def test_bad_requests_name_the_field(engine, kwargs, field):
-    base = dict(mode="policy", observation=image(0), domain="pusht", chunk=4, num_steps=2, seed=0,
+    base = dict(mode="policy", observation=image(0), domain="pusht", chunk=4, num_inference_steps=2, seed=0,
                 resolution_tier=TIER)
     with pytest.raises(InputError, match=field):
         engine.step(Cosmos3Request(**{**base, **kwargs}), decode=False)

@@ -126,8 +126,8 @@ def test_step_is_the_engines_forward_dynamics(engine):
     chunk = actions(4)[0]
     obs, *_, info = env.step(chunk)
     expected = engine.step(Cosmos3Request(
-        mode="forward_dynamics", observation=frame["image"], task="push the T", actions=chunk, domain="pusht",
-        chunk=4, num_steps=2, resolution_tier=256, seed=info["noise_seed"],
+        mode="forward_dynamics", observation=frame["image"], task="push the T", action=chunk, domain="pusht",
+        chunk=4, num_inference_steps=2, resolution_tier=256, seed=info["noise_seed"],
     ))
     expected_frames = to_uint8(expected.pixels[:, 1:].permute(1, 2, 3, 0).numpy())
     assert np.array_equal(info["frames"], expected_frames)

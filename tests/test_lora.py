@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from cosmos3_gym.checkpoint import build_tiny_checkpoint, build_tiny_tokenizer
+from cosmos3_gym.testing import build_tiny_checkpoint
+from cosmos3_gym.tokenizer import build_tiny_tokenizer
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.models.transformer import Cosmos3Transformer
 from cosmos3_gym.training import WorldModelTrainer

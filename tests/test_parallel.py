@@ -24,12 +24,12 @@ import torch
 from dist_utils import free_port, run_distributed
 from PIL import Image
 
-from cosmos3_gym.checkpoint import build_tiny_checkpoint
+from cosmos3_gym.testing import build_tiny_checkpoint
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
 
 TOL = 1e-5
-BASE = dict(domain="pusht", chunk=4, num_steps=2, fps=15.0, resolution_tier=256)
+BASE = dict(domain="pusht", chunk=4, num_inference_steps=2, fps=15.0, resolution_tier=256)
 
 
 def image(seed: int, size=(200, 280)) -> Image.Image:
@@ -45,13 +45,13 @@ def batches() -> dict[str, tuple[list[Cosmos3Request], bool]]:
         # The three modes, all guided: cond rows on cfg rank 0, uncond rows on cfg rank 1; decoded tile-parallel.
         "modes": ([
             Cosmos3Request("policy", image(1), "push the T", guidance_scale=2.5, seed=1, **BASE),
-            Cosmos3Request("forward_dynamics", image(2), "push", actions=acts, guidance_scale=3.0, seed=2, **BASE),
+            Cosmos3Request("forward_dynamics", image(2), "push", action=acts, guidance_scale=3.0, seed=2, **BASE),
             Cosmos3Request("inverse_dynamics", video, "a much longer task text", guidance_scale=2.0, seed=3, **BASE),
         ], True),
         # Mixed guidance (cfg rows split unevenly, padded), a second latent shape (chunk 8) and a seed drawn on rank 0.
         "mixed": ([
             Cosmos3Request("policy", image(4), "push the T", guidance_scale=1.0, seed=4, **BASE),
-            Cosmos3Request("forward_dynamics", image(5), "push", actions=acts, guidance_scale=3.0, seed=5, **BASE),
+            Cosmos3Request("forward_dynamics", image(5), "push", action=acts, guidance_scale=3.0, seed=5, **BASE),
             Cosmos3Request("policy", image(6), "reach", guidance_scale=1.5, seed=None, **BASE),
             Cosmos3Request("policy", image(7), "push the T", guidance_scale=2.0, seed=6, **{**BASE, "chunk": 8}),
             Cosmos3Request("inverse_dynamics", video, "a much longer task text", guidance_scale=1.0, seed=7, **BASE),
@@ -59,7 +59,7 @@ def batches() -> dict[str, tuple[list[Cosmos3Request], bool]]:
         # No guidance anywhere: cfg=2 splits the batch rows between the two cfg groups.
         "unguided": ([
             Cosmos3Request("policy", image(8), "push the T", guidance_scale=1.0, seed=8, **BASE),
-            Cosmos3Request("forward_dynamics", image(9), "push", actions=acts, guidance_scale=1.0, seed=9, **BASE),
+            Cosmos3Request("forward_dynamics", image(9), "push", action=acts, guidance_scale=1.0, seed=9, **BASE),
             Cosmos3Request("inverse_dynamics", video, "push", guidance_scale=1.0, seed=10, **BASE),
         ], False),
         # One unguided row: cfg rank 1 (and dp replica 1) have nothing to compute but must still join.
@@ -192,7 +192,7 @@ def overlap_check(checkpoint: str) -> dict:
 def world2_program(checkpoint: str, variant_checkpoint: str) -> dict:
     out = {"transformer": transformer_tp_check(checkpoint), "variant": transformer_tp_check(variant_checkpoint),
            "overlap": overlap_check(checkpoint), "overlap_variant": overlap_check(variant_checkpoint)}
-    for name, parallel in (("tp2", dict(tp=2)), ("cfg2", dict(cfg=2)), ("dp2", dict(dp=2))):
+    for name, parallel in (("tp2", dict(tp=2)), ("cfg2", dict(cfg_parallel=2)), ("dp2", dict(dp=2))):
         engine = load(checkpoint, **parallel)
         out[name] = run_batches(engine)
         engine.close()
@@ -206,14 +206,14 @@ def world2_program(checkpoint: str, variant_checkpoint: str) -> dict:
     out["tp2_overlap_applied"] = all(type(layer.gen_forward).__name__ == "OverlappedGenForward"
                                      for layer in engine.transformer.gen_layers)
     engine.close()
-    out["mismatch"] = error_of(lambda: load(checkpoint, tp=2, cfg=2))
+    out["mismatch"] = error_of(lambda: load(checkpoint, tp=2, cfg_parallel=2))
     return out
 
 
 def world4_program(checkpoint: str, wide_checkpoint: str) -> dict:
     out = {}
     for name, path, parallel, names in (
-        ("tp2cfg2", checkpoint, dict(tp=2, cfg=2), ["modes", "mixed", "single_unguided"]),
+        ("tp2cfg2", checkpoint, dict(tp=2, cfg_parallel=2), ["modes", "mixed", "single_unguided"]),
         ("dp2tp2", checkpoint, dict(dp=2, tp=2), ["mixed"]),
         ("tp4", wide_checkpoint, dict(tp=4), ["modes"]),
     ):
@@ -350,36 +350,37 @@ def test_bad_layouts_raise_clear_errors(world2, world4):
         assert "InputError" in rank_out["tp4_kv_heads"] and "num_key_value_heads (2)" in rank_out["tp4_kv_heads"]
 
 
-def test_parallel_shorthands_and_client_dispatch(tiny_checkpoint, monkeypatch):
-    """Outside a process group a multi-rank config goes to client mode (parallel/client.py) with the engine kwargs."""
-    import types
-
+def test_parallel_shorthands_and_launcher_dispatch(tiny_checkpoint, monkeypatch):
+    """Outside a process group a multi-rank config goes to the worker processes (parallel/client.py) with the engine
+    kwargs; bad layouts fail before any worker starts. (The deprecated from_pretrained path: test_engine_protocol.)"""
+    from cosmos3_gym import launcher
     from cosmos3_gym.parallel.mesh import ParallelConfig
 
     calls = []
-    fake = types.ModuleType("cosmos3_gym.parallel.client")
-    fake.start_engine_client = lambda path, config, **kwargs: calls.append((path, config, kwargs)) or "client"
-    monkeypatch.setitem(sys.modules, "cosmos3_gym.parallel.client", fake)
+    monkeypatch.setattr(launcher, "Cosmos3EngineClient",
+                        lambda path, config, kwargs: calls.append((path, config, kwargs)) or "client")
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    assert Cosmos3Engine.from_pretrained(tiny_checkpoint, tp=2, cfg=2, dtype="fp32") == "client"
-    assert calls[0][1] == ParallelConfig(dp=1, cfg=2, tp=2) and calls[0][2]["dtype"] == "fp32"
+    assert launcher.load_engine(tiny_checkpoint, tp=2, cfg_parallel=2, dtype="fp32") == "client"
+    assert calls[0][1] == ParallelConfig(dp=1, cfg_parallel=2, tp=2) and calls[0][2]["dtype"] == "fp32"
     with pytest.raises(InputError, match="num_key_value_heads"):  # checked before any worker starts
-        Cosmos3Engine.from_pretrained(tiny_checkpoint, tp=4)
+        launcher.load_engine(tiny_checkpoint, tp=4)
     assert len(calls) == 1
     with pytest.raises(InputError, match="tp: 4 contradicts"):
-        Cosmos3Engine.from_pretrained(tiny_checkpoint, parallel=ParallelConfig(tp=2), tp=4)
-    with pytest.raises(InputError, match="cfg"):
-        Cosmos3Engine.from_pretrained(tiny_checkpoint, cfg=3)
+        launcher.load_engine(tiny_checkpoint, parallel=ParallelConfig(tp=2), tp=4)
+    with pytest.raises(InputError, match="cfg_parallel"):
+        launcher.load_engine(tiny_checkpoint, cfg_parallel=3)
+    with pytest.raises(InputError, match="needs 2 processes"):  # in-process asked for, but no process group
+        launcher.load_engine(tiny_checkpoint, tp=2, backend="inprocess")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(InputError, match="WORLD_SIZE=4"):
-        Cosmos3Engine.from_pretrained(tiny_checkpoint, tp=2)
+        launcher.load_engine(tiny_checkpoint, tp=2)  # "auto" under torchrun: this process is one rank
 
 
 def test_cli_under_torchrun_matches_single_process(tiny_checkpoint, tmp_path):
-    """``torchrun --nproc_per_node=4 -m cosmos3_gym.cli infer --tp 2 --cfg 2``: rank 0 alone writes the files, and
-    the actions equal a single-process run of the same command."""
+    """``torchrun --nproc_per_node=4 -m cosmos3_gym.cli infer --tp 2 --cfg-parallel 2``: rank 0 alone writes the files,
+    and the actions equal a single-process run of the same command."""
     from cosmos3_gym.cli import main
 
     image(3).save(tmp_path / "obs.png")
@@ -389,7 +390,7 @@ def test_cli_under_torchrun_matches_single_process(tiny_checkpoint, tmp_path):
     assert main([*args, "--no-decode", "--out", str(tmp_path / "single")]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "cosmos3_gym.cli", *args, "--tp", "2", "--cfg", "2",
+               f"--master_port={free_port()}", "-m", "cosmos3_gym.cli", *args, "--tp", "2", "--cfg-parallel", "2",
                "--out", str(tmp_path / "parallel")]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -32,7 +32,7 @@ except ImportError:
     ray = None
 needs_ray = pytest.mark.skipif(ray is None, reason='Ray is not installed (pip install "cosmos3_gym[ray]")')
 
-BASE = dict(domain="pusht", chunk=4, num_steps=2, fps=15.0, resolution_tier=256, guidance_scale=2.0)
+BASE = dict(domain="pusht", chunk=4, num_inference_steps=2, fps=15.0, resolution_tier=256, guidance_scale=2.0)
 ENGINE_KWARGS = dict(device="cpu", dtype="fp32", progress=False)
 # The cluster has 2 CPUs, both held by the module's replicas; a further actor must not reserve one, or Ray would
 # wait for a free CPU forever.
@@ -90,8 +90,8 @@ def test_step_splits_requests_and_keeps_their_order(replicas, tiny_checkpoint):
 
 @needs_ray
 def test_input_errors_come_back_unchanged(replicas, tiny_checkpoint, tmp_path):
-    bad = Cosmos3Request("policy", image(0), "push", **{**BASE, "num_steps": 0})
-    with pytest.raises(InputError, match=r"^num_steps: expected an integer >= 1, got 0$"):
+    bad = Cosmos3Request("policy", image(0), "push", **{**BASE, "num_inference_steps": 0})
+    with pytest.raises(InputError, match=r"^num_inference_steps: expected an integer >= 1, got 0$"):
         replicas.step([*requests(2), bad])
     assert len(replicas.step(requests(2), decode=False)) == 2
     with pytest.raises(CheckpointError, match="missing"):

@@ -35,7 +35,8 @@ from gymnasium import spaces
 from .. import processor
 from ..checkpoint import checkpoint_defaults, resolve_checkpoint
 from ..engine import Cosmos3Engine, Cosmos3Request
-from ..parallel.mesh import ParallelConfig
+from ..engine_protocol import WorldModelEngine
+from ..launcher import load_engine
 from ..errors import InputError
 from ..media import to_uint8
 from ..rewards import resolve_reward_model, validate_reward
@@ -47,7 +48,10 @@ _SEED_BOUND = 2**63 - 1
 # "Not given" for arguments whose None means "none" (initial_states, reward_model): not given -> the checkpoint's.
 _UNSET: Any = object()
 # Keyword arguments that say how to load the engine from a checkpoint (handed to ``_resolve_engine``).
-ENGINE_LOAD_KEYS = ("device", "dtype", "tp", "cfg", "dp")
+# How to load a checkpoint: ``load_engine``'s arguments (``cfg`` is the deprecated name of ``cfg_parallel``).
+ENGINE_LOAD_KEYS = (
+    "device", "dtype", "vae_dtype", "precision", "optimize", "backend", "tp", "cfg_parallel", "cfg", "dp",
+)
 
 
 @dataclass
@@ -112,10 +116,7 @@ class WorldModelCore:
         self.observation_size = self.settings.observation_size or self.frame_size
 
         self.owns_engine = engine is None
-        parallel = ParallelConfig(**{key: load_options.pop(key) for key in ("dp", "cfg", "tp") if key in load_options})
-        self.engine = _resolve_engine(
-            checkpoint, engine, load_options.get("device"), load_options.get("dtype"), parallel
-        )
+        self.engine = _resolve_engine(checkpoint, engine, **load_options)
         try:
             self.settings.check_engine(self.engine)
             self.reward_model = _resolve_reward_model(reward_model, self.engine)
@@ -255,7 +256,7 @@ class WorldModelCore:
                 mode="forward_dynamics",
                 observation=self._frames[slot],
                 task=self._tasks[slot],
-                actions=action,
+                action=action,
                 seed=seed,
                 **self.settings.request_fields(),
             )
@@ -356,19 +357,26 @@ class WorldModelCore:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _resolve_engine(checkpoint, engine, device, dtype, parallel: ParallelConfig):
-    """The env's engine: the one given, or one loaded from ``checkpoint``. With tp/cfg/dp > 1 (outside torchrun)
-    ``from_pretrained`` starts worker processes and returns a client with the same ``step`` API."""
+def _resolve_engine(checkpoint, engine, **load_options: Any):
+    """The env's engine: the one given (any ``WorldModelEngine``), or ``load_engine(checkpoint, **load_options)``
+    (``ENGINE_LOAD_KEYS``: device, dtype, vae_dtype, precision, optimize, backend, tp, cfg_parallel, dp). With
+    tp/cfg_parallel/dp > 1 (outside torchrun) that starts worker processes and returns a client with the same API."""
     if engine is not None:
         if checkpoint is not None:
             raise InputError("checkpoint: give either checkpoint= or engine=, not both.")
-        # A Cosmos3Engine, its client-mode handle, or RayEngineReplicas (the vector env's slots spread over them).
-        if not all(callable(getattr(engine, name, None)) for name in ("step", "close", "offload", "onload")):
-            raise InputError(f"engine: expected a Cosmos3Engine, got {type(engine).__name__}.")
+        if load_options:
+            raise InputError(
+                f"{sorted(load_options)}: options for loading a checkpoint; with engine= the engine is already loaded."
+            )
+        # A Cosmos3Engine, its client-mode handle, RayEngineReplicas, or another WorldModelEngine.
+        if not isinstance(engine, WorldModelEngine):
+            raise InputError(
+                f"engine: expected a WorldModelEngine (e.g. a Cosmos3Engine), got {type(engine).__name__}."
+            )
         return engine
     if checkpoint is None:
         raise InputError("checkpoint: required (a checkpoint directory or hub id), unless engine= is given.")
-    return Cosmos3Engine.from_pretrained(checkpoint, device=device, dtype=dtype, progress=False, parallel=parallel)
+    return load_engine(checkpoint, progress=False, **load_options)
 
 
 def _resolve_reward_model(spec: Any, engine: Cosmos3Engine):

@@ -180,9 +180,11 @@ class WorldModelSettings:
         processor.resolve_domain(self.domain, self.raw_action_dim, action_dim=engine.action_dim)
 
     def request_fields(self) -> dict[str, Any]:
-        """The ``Cosmos3Request`` fields these settings fix (everything but mode, observation, task, actions, seed)."""
+        """The ``Cosmos3Request`` fields these settings fix (everything but mode, observation, task, action, seed),
+        under the request's current names (``num_steps`` is ``num_inference_steps`` there)."""
         return dict(
-            domain=self.domain, raw_action_dim=self.raw_action_dim, chunk=self.chunk, num_steps=self.num_steps,
+            domain=self.domain, raw_action_dim=self.raw_action_dim, chunk=self.chunk,
+            num_inference_steps=self.num_steps,
             guidance_scale=self.guidance_scale, fps=self.fps, resolution_tier=self.resolution_tier,
             **self.request_options,
         )

@@ -48,9 +48,11 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
             ``(frames [B,T,3,H,W] in [0,1], tasks) -> [B]`` or a reward-model instance
             (``cosmos3_gym.rewards.resolve_reward_model``).
         render_mode: None, "rgb_array", "rgb_array_list" or "human" (see ``rendering``).
-        device, dtype: where and in which dtype a checkpoint is loaded.
-        tp, cfg, dp: tensor / CFG / data parallel degrees; above 1 the engine runs in worker processes that the
-            env starts (``Cosmos3Engine.from_pretrained(..., tp=, cfg=)``), the env process stays light.
+        device, dtype, vae_dtype, precision, optimize, backend: how a checkpoint is loaded (``load_engine``;
+            e.g. ``precision="fp8"``, ``optimize=True`` on a GPU). Not with ``engine=``.
+        tp, cfg_parallel, dp: tensor / CFG / data parallel degrees (``cfg`` is the deprecated name of
+            ``cfg_parallel``); above 1 the engine runs in worker processes that the env starts (``load_engine``),
+            the env process stays light.
 
     ``reward_mode``: "per_step" (the chunk's score), "terminal" (the score only on the step that ends the episode
     inside the env) or "relative" (score minus the previous chunk's score; the first chunk's minus 0). With a

@@ -1,5 +1,6 @@
-"""Multi-GPU inference: the (dp, cfg, tp) mesh, tensor parallel for the transformer, tile-parallel VAE decode and
-the client mode that starts SPMD workers. ``Cosmos3Engine.from_pretrained(..., tp=, cfg=, dp=)`` is the entry point.
+"""Multi-GPU inference: the (dp, cfg, tp) mesh, tensor parallel for the transformer and the plan that applies it
+(``plan.py``), the SPMD collectives, tile-parallel VAE decode, and the worker processes / Ray replicas that
+``cosmos3_gym.load_engine(..., tp=, cfg_parallel=, dp=, backend=)`` starts.
 """
 
 from .mesh import ParallelConfig, ParallelContext, init_parallel

@@ -3,10 +3,11 @@
 Install the extra: ``pip install "cosmos3_gym[ray]"`` (plain ``ray`` is enough for this module; ``ray[default]``
 adds the dashboard and cluster launcher).
 
-``RayEngineReplicas(path, num_replicas, replica_resources={"num_gpus": 1})`` starts one Ray actor per replica; each
-actor builds one engine with ``Cosmos3Engine.from_pretrained(path, **engine_kwargs)``. With ``tp``/``cfg`` in
-``engine_kwargs`` that engine is a client-mode engine (``parallel/client.py``): the actor starts the tp*cfg worker
-processes on its own node, so give the replica as many GPUs (``replica_resources={"num_gpus": tp * cfg}``); Ray sets
+``load_engine(path, backend="ray", num_replicas=R)`` or ``RayEngineReplicas(path, num_replicas,
+replica_resources={"num_gpus": 1})`` starts one Ray actor per replica; each actor builds one engine with
+``Cosmos3Engine.from_pretrained(path, **engine_kwargs)``. With ``tp``/``cfg_parallel`` in ``engine_kwargs`` that
+engine is a client-mode engine (``parallel/client.py``): the actor starts the tp*cfg_parallel worker processes on its
+own node, so give the replica as many GPUs (``replica_resources={"num_gpus": tp * cfg_parallel}``); Ray sets
 ``CUDA_VISIBLE_DEVICES`` for the actor and its workers take one visible GPU each.
 
 ``step(requests)`` splits the list into contiguous chunks, one per replica (sizes differ by at most one, the first
@@ -22,14 +23,15 @@ Multi-node, two ways that combine:
 * one tp x cfg engine across machines: torchrun's rendezvous starts the ranks, e.g. on each of 2 nodes with 4 GPUs::
 
       torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
-          -m cosmos3_gym.cli infer --tp 4 --cfg 2 --checkpoint ... --image ... --out ...
+          -m cosmos3_gym.cli infer --tp 4 --cfg-parallel 2 --checkpoint ... --image ... --out ...
 
   (mesh order dp, cfg, tp with tp innermost: ranks 0-3 on the first node are the cond branch's tp group, ranks 4-7
   the uncond branch's, so tensor-parallel all-reduces stay inside a node and only one all-gather per denoising step
   crosses nodes). The same command with ``--nnodes=1 --rdzv-endpoint=127.0.0.1:PORT`` runs on one machine.
 * many engines: ``ray start --head`` on one node, ``ray start --address=HEAD:6379`` on the others, then
-  ``RayEngineReplicas(..., num_replicas=R, replica_resources={"num_gpus": tp * cfg}, tp=..., cfg=...)`` from any
-  driver; Ray places each replica on a node with enough free GPUs (a replica never spans nodes).
+  ``load_engine(..., backend="ray", num_replicas=R, replica_resources={"num_gpus": tp * cfg_parallel}, tp=...,
+  cfg_parallel=...)`` from any driver; Ray places each replica on a node with enough free GPUs (a replica never spans
+  nodes).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from typing import Any
 
 import torch
 
-from ..engine import Cosmos3Request, resolve_parallel_config
+from ..engine import Cosmos3Request
 from ..errors import InputError
+from .mesh import resolve_parallel_config
 
 try:
     import ray
@@ -57,13 +60,22 @@ class _EngineReplica:
         self._engine = None
 
     def load(self) -> dict[str, int]:
-        from ..engine import Cosmos3Engine  # imported in the actor's process
+        kwargs = dict(self._engine_kwargs)
+        config = resolve_parallel_config(kwargs.pop("parallel", None), tp=kwargs.pop("tp", None),
+                                         cfg_parallel=kwargs.pop("cfg_parallel", None), dp=kwargs.pop("dp", None),
+                                         cfg=kwargs.pop("cfg", None))
+        if config.world_size > 1:  # the replica's ranks as worker processes on the actor's node
+            from .client import Cosmos3EngineClient
 
-        self._engine = Cosmos3Engine.from_pretrained(self._path_or_id, **self._engine_kwargs)
+            self._engine = Cosmos3EngineClient(self._path_or_id, config, kwargs)
+        else:
+            from ..engine import Cosmos3Engine
+
+            self._engine = Cosmos3Engine.from_pretrained(self._path_or_id, **kwargs)
         return {"action_dim": self._engine.action_dim, "temporal_compression": self._engine.temporal_compression}
 
-    def call(self, method: str) -> None:
-        getattr(self._engine, method)()
+    def call(self, method: str, kwargs: dict | None = None) -> None:
+        getattr(self._engine, method)(**(kwargs or {}))
 
     def step(self, requests, decode):
         return self._engine.step(requests, decode=decode)
@@ -94,8 +106,8 @@ class RayEngineReplicas:
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise InputError(f"num_replicas: expected an integer >= 1, got {num_replicas!r}")
         config = resolve_parallel_config(
-            engine_kwargs.get("parallel"), tp=engine_kwargs.get("tp"), cfg=engine_kwargs.get("cfg"),
-            dp=engine_kwargs.get("dp"),
+            engine_kwargs.get("parallel"), tp=engine_kwargs.get("tp"), cfg_parallel=engine_kwargs.get("cfg_parallel"),
+            dp=engine_kwargs.get("dp"), cfg=engine_kwargs.get("cfg"),
         )
         if not ray.is_initialized():
             ray.init()  # a local cluster, or the one RAY_ADDRESS names
@@ -112,16 +124,41 @@ class RayEngineReplicas:
         except BaseException:
             self.close()
             raise
-        self.action_dim: int = facts["action_dim"]
-        self.temporal_compression: int = facts["temporal_compression"]
+        self._action_dim: int = facts["action_dim"]
+        self._temporal_compression: int = facts["temporal_compression"]
 
-    # What an env needs to see of an engine (results come back on the CPU; no VAE in the caller's process).
-    device = torch.device("cpu")
-    vae = None
+    # ------------------------------------------------------------------ WorldModelEngine (engine_protocol.py)
+
+    @property
+    def action_dim(self) -> int:
+        return self._action_dim
+
+    @property
+    def temporal_compression(self) -> int:
+        return self._temporal_compression
+
+    @property
+    def device(self) -> torch.device:
+        """The CPU: results come back to this process on the CPU, where a caller's reward model runs."""
+        return torch.device("cpu")
+
+    @property
+    def vae(self) -> None:
+        """None: the VAEs live in the actors (latent-space reward models need an in-process engine)."""
+        return None
+
+    @property
+    def is_output_rank(self) -> bool:
+        return True
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def optimize(self, **options) -> "RayEngineReplicas":
+        """``optimize(**options)`` on every replica's engine; returns self."""
+        self._get([replica.call.remote("optimize", options) for replica in self._replicas], "optimize")
+        return self
 
     def offload(self) -> None:
         self._get([replica.call.remote("offload") for replica in self._replicas], "offload")

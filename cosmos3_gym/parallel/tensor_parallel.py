@@ -57,6 +57,14 @@ def _symm_buffer(group_name: str, numel: int, dtype: torch.dtype, device: torch.
     return buffers[-1][:numel]
 
 
+def release_symmetric_buffers(group_name: str) -> None:
+    """Drop the symmetric-memory buffers of ``group_name`` (``Cosmos3Engine.offload``). Every rank of the group must
+    call it together, and only after resetting any CUDA graph that captured the buffers; the next all-reduce
+    allocates them again (collectively, as the ranks run the same forwards)."""
+    for key in [key for key in _SYMM_BUFFERS if key[0] == group_name]:
+        del _SYMM_BUFFERS[key]
+
+
 def _linear_two_shot(x: torch.Tensor, weight: torch.Tensor, group_name: str, slot: int,
                      stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """``all_reduce(x @ weight^T)`` for the rows ``x`` ([rows, in_features]): the GEMM writes into the slot's
