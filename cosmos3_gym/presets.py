@@ -91,10 +91,13 @@ class Preset:
     flow_shift: float | None = None
     use_karras_sigmas: bool | None = None
     use_native_flow_schedule: bool | None = None
+    # Not a request field: whether the checkpoint's actions are in the normalised [-1, 1] space (agents clip them
+    # there) or raw units (the released DROID policy returns joint positions in radians and the gripper in [0, 1]).
+    normalized_actions: bool = True
 
     def settings(self) -> dict[str, Any]:
         """The ``Cosmos3Request`` fields this preset sets, with their values."""
-        skip = ("name", "description")
+        skip = ("name", "description", "normalized_actions")
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
@@ -139,6 +142,7 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             flow_shift=5.0,
             use_karras_sigmas=False,
             use_native_flow_schedule=True,
+            normalized_actions=False,
         ),
     }
 )

@@ -398,3 +398,26 @@ def test_edge_engine_matches_pipeline(edge_pipeline, edge_engine, mode, prompt_f
     assert relative_error(ours.video_latents, reference.video[0]) < 1e-4
     if mode != "forward_dynamics":
         assert relative_error(ours.action, reference.action[0]) < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The policy agent with a preset
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_policy_agent_with_the_robolab_preset(engine):
+    from cosmos3_gym.agents import PolicyAgent
+
+    obs = {**cameras(seed=6), "observation/joint_position": np.linspace(-1, 1, 7, dtype=np.float32),
+           "observation/gripper_position": np.array([0.25], np.float32)}
+    agent = PolicyAgent(engine, TASK, preset="droid_robolab", num_steps=1, seed=0)
+    assert (agent.raw_action_dim, agent.chunk, agent.fps, agent.action_history_length) == (8, 32, 15.0, 1)
+    action = agent.act(obs)
+    assert action.shape == (32, 8)
+    seed = int(np.random.default_rng(0).integers(0, 2**63))
+    state = np.concatenate([obs["observation/joint_position"], obs["observation/gripper_position"]])[None]
+    direct = engine.step(Cosmos3Request(mode="policy", observation=obs, task=TASK, action_history=state, num_steps=1,
+                                        seed=seed, preset="droid_robolab"), decode=False)
+    np.testing.assert_array_equal(action, direct.action)  # raw actions: not clipped
+    with pytest.raises(InputError, match="state"):
+        agent.act(cameras(seed=6))

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import presets
 from ..engine import Cosmos3Request
 from ..errors import InputError
 from ..processor import RESOLUTION_TIERS, VIEW_POINTS, resolve_domain
@@ -20,6 +21,10 @@ class EngineAgent:
     With ``seed`` set, every request gets the next seed of a ``np.random.Generator(seed)`` sequence, one request at a
     time in order, so a run reproduces and a batched call uses exactly the seeds the same calls made one by one
     would. With ``seed=None`` the engine draws a fresh random seed per request.
+
+    ``preset`` (``presets.PRESETS``, e.g. "droid_robolab") fills the settings left at their defaults, and the
+    engine the rest of it (canvas, camera composite, schedule). ``prompt_format``, ``use_system_prompt``,
+    ``flip_gripper`` and ``action_history_length`` go to every request as they are (``Cosmos3Request``).
     """
 
     mode: str
@@ -41,7 +46,23 @@ class EngineAgent:
         seed: int | None = None,
         view_point: str = "ego_view",
         negative_prompt: str | None = None,
+        preset: str | None = None,
+        prompt_format: str = "json",
+        use_system_prompt: bool | None = None,
+        flip_gripper: bool = False,
+        action_history_length: int = 0,
     ):
+        settings = presets.resolve_settings(preset, dict(
+            domain=domain, raw_action_dim=raw_action_dim, chunk=chunk, num_steps=num_steps,
+            guidance_scale=guidance_scale, resolution_tier=resolution_tier, fps=fps, view_point=view_point,
+            negative_prompt=negative_prompt, prompt_format=prompt_format, use_system_prompt=use_system_prompt,
+            flip_gripper=flip_gripper, action_history_length=action_history_length, observation_adapter=None,
+        ))
+        domain, raw_action_dim, chunk, num_steps = (settings[k] for k in ("domain", "raw_action_dim", "chunk",
+                                                                          "num_steps"))
+        guidance_scale, resolution_tier, fps, view_point = (settings[k] for k in ("guidance_scale",
+                                                                                  "resolution_tier", "fps",
+                                                                                  "view_point"))
         if not callable(getattr(engine, "step", None)):
             raise InputError(f"engine: expected a Cosmos3Engine, got {type(engine).__name__}")
         _check_int("chunk", chunk)
@@ -70,7 +91,15 @@ class EngineAgent:
         self.resolution_tier = resolution_tier
         self.fps = float(fps)
         self.view_point = view_point
-        self.negative_prompt = negative_prompt
+        self.negative_prompt = settings["negative_prompt"]
+        self.preset = None if preset is None else presets.get_preset(preset).name
+        self.prompt_format = settings["prompt_format"]
+        self.use_system_prompt = settings["use_system_prompt"]
+        self.flip_gripper = settings["flip_gripper"]
+        self.action_history_length = _check_count("action_history_length", settings["action_history_length"])
+        self.observation_adapter = settings["observation_adapter"]  # set by a preset only
+        # Actions in the model's normalised space are clipped to [-1, 1]; a preset's raw actions are not.
+        self.normalized_actions = preset is None or presets.get_preset(preset).normalized_actions
         self.reset(seed)
 
     def reset(self, seed: int | None = None) -> None:
@@ -92,7 +121,9 @@ class EngineAgent:
             raise InputError(f"task: expected one string or a list of {count} strings (one per observation)")
         return tasks
 
-    def _request(self, observation: Any, task: str, chunk: int | None = None) -> Cosmos3Request:
+    def _request(
+        self, observation: Any, task: str, chunk: int | None = None, action_history: Any = None
+    ) -> Cosmos3Request:
         return Cosmos3Request(
             mode=self.mode,
             observation=observation,
@@ -107,6 +138,12 @@ class EngineAgent:
             resolution_tier=self.resolution_tier,
             view_point=self.view_point,
             negative_prompt=self.negative_prompt,
+            preset=self.preset,
+            prompt_format=self.prompt_format,
+            use_system_prompt=self.use_system_prompt,
+            flip_gripper=self.flip_gripper,
+            action_history_length=self.action_history_length,
+            action_history=action_history,
         )
 
     def _run(self, requests: list[Cosmos3Request]) -> np.ndarray:
@@ -118,6 +155,12 @@ class EngineAgent:
 def _check_int(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InputError(f"{field}: expected an integer >= 1, got {value!r}")
+
+
+def _check_count(field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InputError(f"{field}: expected an integer >= 0, got {value!r}")
+    return value
 
 
 def _is_number(value: Any) -> bool:
