@@ -215,7 +215,7 @@ def _rgb_uint8(value: Any, key: str) -> np.ndarray:
 
 def _resize_bilinear_uint8(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """The RoboLab server's resize: float bilinear (half-pixel centres, no antialias), then a truncating uint8 cast."""
-    tensor = torch.from_numpy(image).permute(2, 0, 1)[None].float()
+    tensor = torch.tensor(image).permute(2, 0, 1)[None].float()  # a copy: env frames may be read-only arrays
     resized = F.interpolate(tensor, size=size, mode="bilinear", align_corners=False)
     return resized[0].permute(1, 2, 0).numpy().astype(np.uint8)
 

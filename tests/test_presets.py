@@ -421,3 +421,45 @@ def test_policy_agent_with_the_robolab_preset(engine):
     np.testing.assert_array_equal(action, direct.action)  # raw actions: not clipped
     with pytest.raises(InputError, match="state"):
         agent.act(cameras(seed=6))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The env with a preset keeps the executed actions as the state rows
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_env_sends_the_last_executed_rows_as_state(engine, monkeypatch):
+    import gymnasium as gym
+
+    import cosmos3_gym  # noqa: F401  (registers the envs)
+
+    from cosmos3_gym.engine import Cosmos3Result
+
+    sent = []
+
+    def record(requests, decode=None):  # the env's bookkeeping only: the model's frames do not matter here
+        sent.extend(requests)
+        return [Cosmos3Result(r.mode, r.actions, torch.zeros(1), torch.rand(3, r.chunk + 1, 528, 640), r.seed)
+                for r in requests]
+
+    monkeypatch.setattr(engine, "step", record)
+    frame = np.random.default_rng(7).integers(0, 256, (540, 640, 3), dtype=np.uint8)
+    env = gym.make("cosmos3_gym/WorldModel-v0", engine=engine, preset="droid_robolab", initial_states=frame,
+                   chunk=8, num_steps=1, task=TASK)
+    assert env.action_space.shape == (8, 8)  # the preset's 8-D joint positions
+    env.reset(seed=0)
+    first = np.random.default_rng(0).uniform(-1, 1, (8, 8)).astype(np.float32)
+    second = np.random.default_rng(1).uniform(-1, 1, (8, 8)).astype(np.float32)
+    obs, *_ = env.step(first)
+    env.step(second)
+    assert [r.preset for r in sent] == ["droid_robolab"] * 2 and all(r.action_history_length == 0 for r in sent)
+    np.testing.assert_array_equal(sent[0].action_history, first[:1])  # episode start: the first target
+    np.testing.assert_array_equal(sent[1].action_history, first[-1:])  # then the last executed row
+    assert obs["image"].shape == (528, 640, 3)
+    prepared = Cosmos3Engine.prepare(engine, sent[1], encode=False)  # what the real engine makes of the request
+    assert prepared.history_rows == 1 and prepared.latent_thw == (3, 33, 40) and prepared.raw_action_dim == 8
+    np.testing.assert_allclose(prepared.x0_actions[0, :8].numpy(), processor.flip_gripper(first[-1]))
+    env.reset(seed=1)
+    env.step(second)
+    np.testing.assert_array_equal(sent[2].action_history, second[:1])  # a new episode forgets the old state
+    env.close()

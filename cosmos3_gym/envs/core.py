@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from .. import processor
+from .. import presets, processor
 from ..engine import Cosmos3Engine, Cosmos3Request
 from ..parallel.mesh import ParallelConfig
 from ..errors import InputError
@@ -40,7 +40,10 @@ from .initial_states import InitialStateSource, check_task, first_frame, load_in
 
 REWARD_MODES = ("per_step", "terminal", "relative")
 # Cosmos3Request fields a user may set through ``request_options``; the env sets the others itself.
-REQUEST_OPTION_KEYS = ("flow_shift", "use_karras_sigmas", "view_point", "negative_prompt")
+REQUEST_OPTION_KEYS = (
+    "flow_shift", "use_karras_sigmas", "view_point", "negative_prompt", "prompt_format", "use_system_prompt",
+    "additional_view_description", "canvas", "flip_gripper", "action_history_length", "use_native_flow_schedule",
+)
 # Seeds for the engine's noise generator are drawn below 2**63 (torch.Generator.manual_seed takes any uint64).
 _SEED_BOUND = 2**63 - 1
 
@@ -100,7 +103,20 @@ class WorldModelCore:
         tp: int = 1,
         cfg: int = 1,
         dp: int = 1,
+        preset: str | None = None,
     ):
+        # A preset (presets.py) fills the settings left at their defaults; the engine applies the rest of it.
+        self.preset = None if preset is None else presets.get_preset(preset).name
+        resolved = presets.resolve_settings(preset, dict(
+            domain=domain, raw_action_dim=raw_action_dim, chunk=chunk, num_steps=num_steps,
+            guidance_scale=guidance_scale, resolution_tier=resolution_tier, fps=fps, **(request_options or {}),
+        ))
+        domain, raw_action_dim, chunk, num_steps, guidance_scale, resolution_tier, fps = (resolved[key] for key in (
+            "domain", "raw_action_dim", "chunk", "num_steps", "guidance_scale", "resolution_tier", "fps"))
+        # The state rows the checkpoint conditions on: the last executed action rows of each slot (see step_slots).
+        self.action_history_length = _check_int(
+            resolved.get("action_history_length", 0), "request_options['action_history_length']", minimum=0
+        )
         # Everything that does not need the model is checked before a checkpoint is loaded.
         self.num_slots = num_slots
         self.chunk = _check_int(chunk, "chunk", minimum=1)
@@ -153,6 +169,7 @@ class WorldModelCore:
         self.single_action_space = spaces.Box(-1.0, 1.0, (self.chunk, self.raw_action_dim), dtype=np.float32)
 
         self._frames: list[np.ndarray | None] = [None] * num_slots  # current frame per slot, uint8 [H, W, 3]
+        self._history: list[np.ndarray | None] = [None] * num_slots  # last executed action rows per slot
         self._tasks: list[str] = [""] * num_slots
         self._elapsed = np.zeros(num_slots, dtype=np.int64)
         self._last_score = np.zeros(num_slots, dtype=np.float64)
@@ -212,6 +229,7 @@ class WorldModelCore:
                 self._tasks[slot] = candidate
                 break
         self._frames[slot] = resize_frame(frame, self.frame_size)
+        self._history[slot] = None
         self._elapsed[slot] = 0
         self._last_score[slot] = 0.0
         return {"task": self._tasks[slot], "initial_state_index": int(index)}
@@ -289,6 +307,8 @@ class WorldModelCore:
                 fps=self.fps,
                 seed=seed,
                 resolution_tier=self.resolution_tier,
+                preset=self.preset,
+                action_history=self._action_history(slot, action),
                 **self.request_options,
             )
             for slot, action, seed in zip(slots, actions, seeds)
@@ -304,6 +324,8 @@ class WorldModelCore:
         steps = []
         for i, slot in enumerate(slots):
             self._frames[slot] = frames_uint8[i, -1].copy()
+            if self.action_history_length:
+                self._history[slot] = actions[i, -self.action_history_length :].copy()
             self._elapsed[slot] += 1
             info: dict[str, Any] = {
                 "task": self._tasks[slot],
@@ -332,6 +354,16 @@ class WorldModelCore:
                 info["raw_action"] = np.asarray(self.action_stats.denormalize(actions[i]), dtype=np.float32)
             steps.append(SlotStep(self.observation(slot), reward, bool(terminated), bool(truncated), info))
         return steps
+
+    def _action_history(self, slot: int, action: np.ndarray) -> np.ndarray | None:
+        """The state rows of the slot's next request when the checkpoint takes them: the last executed action rows
+        (joint-position actions: where the robot was sent), and at an episode's first step the chunk's first row
+        (the robot taken to be at its first target already)."""
+        if not self.action_history_length:
+            return None
+        if self._history[slot] is None:
+            return np.repeat(action[:1], self.action_history_length, axis=0)
+        return self._history[slot]
 
     def _score(self, frames: torch.Tensor, tasks: list[str]) -> np.ndarray | None:
         """Reward-model scores ``[B]`` for decoded frames ``[B, T, 3, H, W]`` in [0, 1] (None without a model)."""

@@ -75,6 +75,7 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
         tp: int = 1,
         cfg: int = 1,
         dp: int = 1,
+        preset: str | None = None,
     ):
         if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
             raise InputError(f"num_envs: expected an integer >= 1, got {num_envs!r}.")
@@ -88,6 +89,7 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
             max_episode_steps=max_episode_steps, chunk=chunk, num_steps=num_steps, guidance_scale=guidance_scale,
             resolution_tier=resolution_tier, fps=fps, action_stats=action_stats, return_frames=return_frames,
             request_options=request_options, device=device, dtype=dtype, tp=tp, cfg=cfg, dp=dp,
+            preset=preset,
         )
         self.metadata = {**self.metadata, "render_fps": self._core.fps, "autoreset_mode": self.autoreset_mode}
         self.single_observation_space = self._core.single_observation_space

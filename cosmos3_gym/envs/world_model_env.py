@@ -53,7 +53,11 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
             must be a multiple of 4. ``fps`` is also ``metadata["render_fps"]``.
         action_stats: ``ActionStats`` or a statistics JSON path/dict (minmax); adds ``info["raw_action"]`` only.
         return_frames: put the chunk's generated frames in ``info["frames"]`` (uint8 ``[chunk, H, W, 3]``).
-        request_options: extra ``Cosmos3Request`` fields: flow_shift, use_karras_sigmas, view_point, negative_prompt.
+        request_options: extra ``Cosmos3Request`` fields: flow_shift, use_karras_sigmas, view_point, negative_prompt,
+            prompt_format, use_system_prompt, additional_view_description, canvas, flip_gripper,
+            action_history_length (state rows: the env sends each slot's last executed action rows, and at an
+            episode's first step the chunk's first row), use_native_flow_schedule.
+        preset: a ``presets.PRESETS`` name (e.g. "droid_robolab"): fills the settings left at their defaults.
         render_mode: None or "rgb_array" (the current frame).
         device, dtype: where and in which dtype a checkpoint is loaded.
         tp, cfg, dp: tensor / CFG / data parallel degrees; above 1 the engine runs in worker processes that the
@@ -91,6 +95,7 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
         tp: int = 1,
         cfg: int = 1,
         dp: int = 1,
+        preset: str | None = None,
     ):
         if task is not None and not isinstance(task, str):
             raise InputError(f"task: expected a string, got {type(task).__name__} (a list needs the vector env).")
@@ -102,6 +107,7 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
             max_episode_steps=max_episode_steps, chunk=chunk, num_steps=num_steps, guidance_scale=guidance_scale,
             resolution_tier=resolution_tier, fps=fps, action_stats=action_stats, return_frames=return_frames,
             request_options=request_options, device=device, dtype=dtype, tp=tp, cfg=cfg, dp=dp,
+            preset=preset,
         )
         self.observation_space = self._core.single_observation_space
         self.action_space = self._core.single_action_space
