@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--fps", type=float, default=15.0)
     infer.add_argument("--view-point", default="ego_view")
     infer.add_argument("--resolution-tier", type=int, default=480)
+    infer.add_argument("--preset", default=None,
+                       help="settings bundle (cosmos3_gym.presets): droid_robolab (the released DROID policy as "
+                       "RoboLab serves it) | diffusers; options you set yourself win")
+    infer.add_argument("--prompt-format", default="json", help="json (diffusers) | plain (PhyAI PR49) | auto "
+                       "(from the checkpoint: plain for Nano/silu, json for Edge/relu2)")
+    infer.add_argument("--state", default=None,
+                       help="robot state rows for checkpoints trained with them (droid_robolab: 7 joint positions "
+                       "+ gripper): comma-separated values of one row, or an action JSON file")
     infer.add_argument("--action-stats", default=None, help="statistics JSON to denormalise the output actions")
     infer.add_argument("--action-normalization", default="minmax", help="meanstd | minmax | quantile | quantile_rot")
     infer.add_argument("--no-decode", action="store_true", help="skip the VAE decode (no mp4)")
@@ -124,6 +132,14 @@ def run_infer(args: argparse.Namespace) -> None:
     for flag, path in (("--image", args.image), ("--video", args.video)):
         if path and not Path(path).is_file():
             raise InputError(f"{flag}: file not found: {path}")
+    state = None
+    if args.state and Path(args.state).is_file():
+        state = processor.load_action_file(args.state)
+    elif args.state:
+        try:
+            state = np.asarray([[float(x) for x in args.state.split(",")]], dtype=np.float32)
+        except ValueError:
+            raise InputError(f"--state: expected comma-separated numbers or an action JSON file, got {args.state!r}")
     stats = processor.ActionStats.from_json(args.action_stats, mode=args.action_normalization) if args.action_stats \
         else None
 
@@ -132,7 +148,9 @@ def run_infer(args: argparse.Namespace) -> None:
         raw_action_dim=args.raw_action_dim, chunk=args.chunk, cond_frame_indexes=args.condition_frames,
         num_steps=args.num_steps, guidance_scale=args.guidance_scale, flow_shift=args.flow_shift, fps=args.fps,
         seed=args.seed, resolution_tier=args.resolution_tier, view_point=args.view_point,
-        negative_prompt=args.negative_prompt,
+        negative_prompt=args.negative_prompt, preset=args.preset, prompt_format=args.prompt_format,
+        # A preset knows how many state rows its checkpoint takes (the last ones are used); otherwise all given.
+        action_history=state, action_history_length=0 if state is None or args.preset else len(state),
     )
     engine = Cosmos3Engine.from_pretrained(
         args.checkpoint, device=args.device, dtype=args.dtype, vae_dtype=args.vae_dtype,

@@ -200,10 +200,14 @@ def _same(value: Any, default: Any) -> bool:
 
 
 def _rgb_uint8(value: Any, key: str) -> np.ndarray:
-    """One camera image as a contiguous ``[H, W, 3]`` uint8 array (as the server: other dtypes clipped to 0-255)."""
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
-    image = np.asarray(value)
+    """One camera image as a contiguous ``[H, W, 3]`` uint8 array. Arrays are taken as the server takes them (other
+    dtypes clipped to 0-255); anything else ``processor.load_frames`` reads (a path, a PIL image, a ``CHW`` tensor)
+    gives its first frame."""
+    if not isinstance(value, np.ndarray):
+        from .processor import load_frames
+
+        return np.ascontiguousarray(np.rint(load_frames(value)[0] * 255.0).astype(np.uint8))
+    image = value
     if image.ndim != 3 or image.shape[-1] != 3:
         raise InputError(f"observation[{key!r}]: expected an RGB image [H, W, 3], got shape {image.shape}.")
     if image.dtype != np.uint8:

@@ -463,3 +463,33 @@ def test_env_sends_the_last_executed_rows_as_state(engine, monkeypatch):
     env.step(second)
     np.testing.assert_array_equal(sent[2].action_history, second[:1])  # a new episode forgets the old state
     env.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The CLI
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_cli_preset_prompt_format_and_state(tiny_checkpoint, engine, tmp_path):
+    from cosmos3_gym.cli import main
+
+    frame = tmp_path / "robolab.png"
+    Image.fromarray(presets.robolab_composite(cameras(seed=8))).save(frame)
+    state = [0.1, -0.4, 0.0, -2.1, 0.0, 1.9, 0.8, 0.05]
+    args = ["infer", "--checkpoint", str(tiny_checkpoint), "--image", str(frame), "--prompt", TASK, "--device", "cpu",
+            "--no-decode", "--num-steps", "1", "--chunk", "8", "--seed", "3"]
+    assert main([*args, "--out", str(tmp_path / "robolab"), "--preset", "droid_robolab",
+                 "--state", ",".join(map(str, state))]) == 0
+    written = processor.load_action_file(tmp_path / "robolab_action.json")
+    expected = engine.step(Cosmos3Request(mode="policy", observation=str(frame), task=TASK, preset="droid_robolab",
+                                          action_history=[state], num_steps=1, chunk=8, seed=3), decode=False)
+    assert written.shape == (8, 8)
+    np.testing.assert_allclose(written, expected.action, atol=1e-6)
+
+    assert main([*args, "--out", str(tmp_path / "plain"), "--domain-name", "pusht", "--resolution-tier", "256",
+                 "--prompt-format", "plain"]) == 0
+    plain = engine.step(Cosmos3Request(mode="policy", observation=str(frame), task=TASK, domain="pusht",
+                                       resolution_tier=256, prompt_format="plain", num_steps=1, chunk=8, seed=3),
+                        decode=False)
+    np.testing.assert_allclose(processor.load_action_file(tmp_path / "plain_action.json"), plain.action, atol=1e-6)
+    assert main([*args, "--out", str(tmp_path / "bad"), "--preset", "droid_robolab", "--state", "a,b"]) == 2
