@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--preset", default=None,
                        help="settings bundle (cosmos3_gym.presets): droid_robolab (the released DROID policy as "
                        "RoboLab serves it) | diffusers; options you set yourself win")
-    infer.add_argument("--prompt-format", default="json", help="json (diffusers) | plain (PhyAI PR49) | auto "
-                       "(from the checkpoint: plain for Nano/silu, json for Edge/relu2)")
+    infer.add_argument("--prompt-format", default=None, help="json (diffusers; the default without a preset) | "
+                       "plain (PhyAI PR49) | auto (from the checkpoint: plain for Nano/silu, json for Edge/relu2)")
     infer.add_argument("--state", default=None,
                        help="robot state rows for checkpoints trained with them (droid_robolab: 7 joint positions "
                        "+ gripper): comma-separated values of one row, or an action JSON file")
@@ -150,7 +150,7 @@ def run_infer(args: argparse.Namespace) -> None:
         seed=args.seed, resolution_tier=args.resolution_tier, view_point=args.view_point,
         negative_prompt=args.negative_prompt, preset=args.preset, prompt_format=args.prompt_format,
         # A preset knows how many state rows its checkpoint takes (the last ones are used); otherwise all given.
-        action_history=state, action_history_length=0 if state is None or args.preset else len(state),
+        action_history=state, action_history_length=None if state is None or args.preset else len(state),
     )
     engine = Cosmos3Engine.from_pretrained(
         args.checkpoint, device=args.device, dtype=args.dtype, vae_dtype=args.vae_dtype,

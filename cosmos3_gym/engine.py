@@ -72,18 +72,18 @@ class Cosmos3Request:
     resolution_tier: int = 480
     view_point: str = "ego_view"
     negative_prompt: str | None = None
-    # How the released checkpoints were trained beyond diffusers' pipeline (processor.py, presets.py). The defaults
-    # are diffusers'; a preset ("droid_robolab", "diffusers") fills the fields left at these defaults.
+    # How the released checkpoints were trained beyond diffusers' pipeline (processor.py, presets.py). None means
+    # unset: a preset ("droid_robolab", "diffusers") fills it, else diffusers' behaviour (presets.UNSET_DEFAULTS).
     preset: str | None = None
-    prompt_format: str = "json"  # "json" | "plain" | "auto" (from the transformer's hidden_act, as PhyAI PR49)
+    prompt_format: str | None = None  # "json" (default) | "plain" | "auto" (from the transformer's hidden_act, PR49)
     use_system_prompt: bool | None = None  # None: on for JSON (diffusers), off for plain (PR49)
     additional_view_description: str | None = None  # appended to the viewpoint sentence (e.g. the camera layout)
-    canvas: str = "diffusers"  # "native": no snap to a multiple of 16 before the canvas (PR49)
+    canvas: str | None = None  # "diffusers" (default) | "native": no snap to a multiple of 16 first (PR49)
     observation_adapter: str | None = None  # e.g. "robolab_composite": dict of cameras -> one image
     action_history: Any = None  # [>= action_history_length, raw_action_dim] proprio state rows, oldest first
-    action_history_length: int = 0  # state rows prepended as clean action rows (dropped from the result)
-    flip_gripper: bool = False  # g -> 1 - g on the last action channel, in (history, actions) and out
-    use_native_flow_schedule: bool = False  # native cosmos' linear sigma grid (sampling.make_schedule)
+    action_history_length: int | None = None  # state rows prepended as clean action rows, dropped from the result
+    flip_gripper: bool | None = None  # g -> 1 - g on the last action channel, in (history, actions) and out
+    use_native_flow_schedule: bool | None = None  # native cosmos' linear sigma grid (sampling.make_schedule)
 
 
 @dataclass

@@ -15,9 +15,12 @@ wrong setting fails silently (worse actions, no error). A preset names one such 
   4 UniPC steps, guidance 3, flow shift 5 on native cosmos' linear flow sigmas (not Karras).
 
 How a preset applies (``resolve_request``, ``resolve_settings``): every setting the preset names takes the preset's
-value where the request still holds ``Cosmos3Request``'s default; a value you set yourself wins. (A value equal to the
-default cannot be told from the default: to force one under a preset, leave the preset out and set the fields.)
-The engine applies a request's ``preset``, else the engine's (``Cosmos3Engine.from_pretrained(preset=...)``).
+value where the request still holds ``Cosmos3Request``'s default; a value you set yourself wins. The fields added for
+the released checkpoints (``prompt_format``, ``canvas``, ``flip_gripper``, ...) default to None, "unset", so any value
+you give wins; the older ones (``chunk``, ``num_steps``, ...) have real defaults, and a value equal to the default
+cannot be told from it (to force ``num_steps=4`` under a preset whose steps differ, leave the preset out). Fields
+still unset afterwards get diffusers' behaviour (``UNSET_DEFAULTS``). The engine applies a request's ``preset``, else
+the engine's (``Cosmos3Engine.from_pretrained(preset=...)``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "OBSERVATION_ADAPTERS",
     "PRESETS",
     "ROBOLAB_CAMERA_KEYS",
+    "UNSET_DEFAULTS",
     "ROBOLAB_CONCAT_VIEW_DESCRIPTION",
     "ROBOLAB_IMAGE_HW",
     "Preset",
@@ -148,6 +152,17 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
 )
 
 
+# What the request fields that default to None mean when neither the request nor a preset sets them: diffusers'.
+# (use_system_prompt stays None: it then follows the prompt format, see processor.build_prompt_token_ids.)
+UNSET_DEFAULTS: Mapping[str, Any] = MappingProxyType({
+    "prompt_format": "json",
+    "canvas": "diffusers",
+    "action_history_length": 0,
+    "flip_gripper": False,
+    "use_native_flow_schedule": False,
+})
+
+
 def get_preset(name: str | Preset) -> Preset:
     if isinstance(name, Preset):
         return name
@@ -167,20 +182,21 @@ def resolve_settings(preset: str | Preset | None, settings: Mapping[str, Any]) -
     its value where ``settings`` lacks it or holds the request default. For envs and agents, which need the
     resolved action width and chunk before any request exists."""
     resolved = dict(settings)
-    if preset is None:
-        return resolved
-    defaults = _request_defaults()
-    for field, value in get_preset(preset).settings().items():
-        if field not in resolved or _same(resolved[field], defaults.get(field, dataclasses.MISSING)):
+    if preset is not None:
+        defaults = _request_defaults()
+        for field, value in get_preset(preset).settings().items():
+            if field not in resolved or _same(resolved[field], defaults.get(field, dataclasses.MISSING)):
+                resolved[field] = value
+    for field, value in UNSET_DEFAULTS.items():
+        if field in resolved and resolved[field] is None:
             resolved[field] = value
     return resolved
 
 
 def resolve_request(request: Any, default_preset: str | Preset | None = None) -> Any:
-    """``request`` with its preset (else ``default_preset``) applied, and ``preset`` cleared; unchanged without one."""
+    """``request`` with its preset (else ``default_preset``) applied, unset fields filled (``UNSET_DEFAULTS``) and
+    ``preset`` cleared."""
     name = request.preset if request.preset is not None else default_preset
-    if name is None:
-        return request
     fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
     resolved = resolve_settings(name, fields)
     return dataclasses.replace(request, **{**resolved, "preset": None})

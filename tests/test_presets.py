@@ -310,9 +310,17 @@ def test_presets_fill_defaults_and_explicit_values_win():
     assert (resolved.flow_shift, resolved.use_karras_sigmas, resolved.use_native_flow_schedule) == (5.0, False, True)
     assert (resolved.prompt_format, resolved.use_system_prompt, resolved.view_point) == ("auto", False, "concat_view")
     assert (resolved.action_history_length, resolved.flip_gripper, resolved.canvas) == (1, True, "native")
+    # A new field set explicitly wins even when it is diffusers' value.
+    explicit = Cosmos3Request(mode="policy", observation=None, preset="droid_robolab", prompt_format="json",
+                              flip_gripper=False, action_history_length=0)
+    resolved = presets.resolve_request(explicit)
+    assert (resolved.prompt_format, resolved.flip_gripper, resolved.action_history_length) == ("json", False, 0)
+    # Without a preset the unset fields mean diffusers' behaviour, which is also what the "diffusers" preset says.
     plain = Cosmos3Request(mode="policy", observation=None)
-    assert presets.resolve_request(plain) is plain
-    assert presets.resolve_request(plain, "diffusers") == dataclasses.replace(plain, use_system_prompt=True)
+    diffusers_like = dataclasses.replace(plain, prompt_format="json", canvas="diffusers", action_history_length=0,
+                                         flip_gripper=False, use_native_flow_schedule=False)
+    assert presets.resolve_request(plain) == diffusers_like
+    assert presets.resolve_request(plain, "diffusers") == dataclasses.replace(diffusers_like, use_system_prompt=True)
     settings = presets.resolve_settings("droid_robolab", {"domain": "droid_lerobot", "chunk": 16})
     assert settings["chunk"] == 16 and settings["raw_action_dim"] == 8 and settings["domain"] == "droid_lerobot"
     with pytest.raises(InputError, match="preset"):
@@ -452,7 +460,7 @@ def test_env_sends_the_last_executed_rows_as_state(engine, monkeypatch):
     second = np.random.default_rng(1).uniform(-1, 1, (8, 8)).astype(np.float32)
     obs, *_ = env.step(first)
     env.step(second)
-    assert [r.preset for r in sent] == ["droid_robolab"] * 2 and all(r.action_history_length == 0 for r in sent)
+    assert [r.preset for r in sent] == ["droid_robolab"] * 2 and all(r.action_history_length is None for r in sent)
     np.testing.assert_array_equal(sent[0].action_history, first[:1])  # episode start: the first target
     np.testing.assert_array_equal(sent[1].action_history, first[-1:])  # then the last executed row
     assert obs["image"].shape == (528, 640, 3)

@@ -47,10 +47,10 @@ class EngineAgent:
         view_point: str = "ego_view",
         negative_prompt: str | None = None,
         preset: str | None = None,
-        prompt_format: str = "json",
+        prompt_format: str | None = None,
         use_system_prompt: bool | None = None,
-        flip_gripper: bool = False,
-        action_history_length: int = 0,
+        flip_gripper: bool | None = None,
+        action_history_length: int | None = None,
     ):
         settings = presets.resolve_settings(preset, dict(
             domain=domain, raw_action_dim=raw_action_dim, chunk=chunk, num_steps=num_steps,
