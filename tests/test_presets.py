@@ -429,6 +429,13 @@ def test_policy_agent_with_the_robolab_preset(engine):
     np.testing.assert_array_equal(action, direct.action)  # raw actions: not clipped
     with pytest.raises(InputError, match="state"):
         agent.act(cameras(seed=6))
+    # An engine loaded with the preset gives its agents the same settings.
+    preset_engine = Cosmos3Engine(engine.transformer, engine.vae, engine.tokenizer, engine.scheduler_config,
+                                  progress=False)
+    preset_engine.preset = "droid_robolab"
+    inherited = PolicyAgent(preset_engine, TASK, num_steps=1, seed=0)
+    assert inherited.preset == "droid_robolab" and inherited.raw_action_dim == 8
+    np.testing.assert_array_equal(inherited.act(obs), action)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ class EngineAgent:
     time in order, so a run reproduces and a batched call uses exactly the seeds the same calls made one by one
     would. With ``seed=None`` the engine draws a fresh random seed per request.
 
-    ``preset`` (``presets.PRESETS``, e.g. "droid_robolab") fills the settings left at their defaults, and the
-    engine the rest of it (canvas, camera composite, schedule). ``prompt_format``, ``use_system_prompt``,
+    ``preset`` (``presets.PRESETS``, e.g. "droid_robolab"; default: the engine's) fills the settings left at their
+    defaults, and the engine the rest of it (canvas, camera composite, schedule). ``prompt_format``, ``use_system_prompt``,
     ``flip_gripper`` and ``action_history_length`` go to every request as they are (``Cosmos3Request``).
     """
 
@@ -52,6 +52,8 @@ class EngineAgent:
         flip_gripper: bool | None = None,
         action_history_length: int | None = None,
     ):
+        if preset is None:  # the engine's own (from_pretrained(preset=...)), so the agent resolves the same way
+            preset = getattr(engine, "preset", None)
         settings = presets.resolve_settings(preset, dict(
             domain=domain, raw_action_dim=raw_action_dim, chunk=chunk, num_steps=num_steps,
             guidance_scale=guidance_scale, resolution_tier=resolution_tier, fps=fps, view_point=view_point,

@@ -105,7 +105,10 @@ class WorldModelCore:
         dp: int = 1,
         preset: str | None = None,
     ):
-        # A preset (presets.py) fills the settings left at their defaults; the engine applies the rest of it.
+        # A preset (presets.py) fills the settings left at their defaults; the engine applies the rest of it. A
+        # shared engine's own preset (from_pretrained(preset=...)) is the env's unless it names another.
+        if preset is None and engine is not None:
+            preset = getattr(engine, "preset", None)
         self.preset = None if preset is None else presets.get_preset(preset).name
         resolved = presets.resolve_settings(preset, dict(
             domain=domain, raw_action_dim=raw_action_dim, chunk=chunk, num_steps=num_steps,
