@@ -93,8 +93,8 @@ PROMPT_FORMATS = ("json", "plain", "auto")
 # PR49 tells the checkpoints apart by their MLP: Nano (SwiGLU, "silu") takes plain prompts, Edge ("relu2") JSON.
 _PROMPT_FORMAT_BY_HIDDEN_ACT = {"silu": "plain", "relu2": "json"}
 # "diffusers": the frame is first snapped down to a multiple of 16 (VideoProcessor), then fitted on the tier's canvas.
-# "native": fitted as it is (PhyAI PR49 / the native server): a 540x640 RoboLab frame keeps its 540 rows of content on
-# the 544x736 canvas, so its latent grid is 33x40 rather than 528x640's 33x40 from fewer, resampled rows.
+# "native": fitted as it is (PhyAI PR49 / the native server): a 540x640 RoboLab frame keeps its 540 rows on the 544x736
+# canvas (latent cropped to 33x40) instead of being resampled to 528 rows first.
 CANVAS_MODES = ("diffusers", "native")
 _PLAIN_DURATION_TEMPLATE = "The video is {duration:.1f} seconds long and is of {fps:.0f} FPS."
 _PLAIN_RESOLUTION_TEMPLATE = "This video is of {height}x{width} resolution."
@@ -283,8 +283,9 @@ def prepare_conditioning(
     may be smaller than the clip, e.g. 1 to encode only the clean observation. ``device``/``dtype`` are where the
     resize runs; the pipeline runs it on its execution device in the transformer's dtype.
 
-    ``canvas="native"`` skips the snap to a multiple of 16, as PhyAI PR49 and the native server do (everything else
-    is the same): the content keeps its exact size when it fits the canvas.
+    ``canvas="native"`` skips the snap to a multiple of 16, as PhyAI PR49 and the native server do: the content
+    keeps its exact size when it fits the canvas. (A frame larger than the canvas is still downscaled with torch's
+    antialiased bicubic, where PR49 uses Pillow's bicubic; the RoboLab 540x640 composite never is.)
     """
     frames = load_frames(frames)
     if canvas not in CANVAS_MODES:
