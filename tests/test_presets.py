@@ -471,7 +471,7 @@ def test_env_sends_the_last_executed_rows_as_state(engine, monkeypatch):
     np.testing.assert_array_equal(sent[0].action_history, first[:1])  # episode start: the first target
     np.testing.assert_array_equal(sent[1].action_history, first[-1:])  # then the last executed row
     assert obs["image"].shape == (528, 640, 3)
-    prepared = Cosmos3Engine.prepare(engine, sent[1], encode=False)  # what the real engine makes of the request
+    prepared = engine.prepare(sent[1], encode=False)  # what the real engine makes of the request
     assert prepared.history_rows == 1 and prepared.latent_thw == (3, 33, 40) and prepared.raw_action_dim == 8
     np.testing.assert_allclose(prepared.x0_actions[0, :8].numpy(), processor.flip_gripper(first[-1]))
     env.reset(seed=1)
