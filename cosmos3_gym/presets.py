@@ -304,5 +304,7 @@ def adapt_observation(observation: Any, adapter: str | None) -> Any:
     if adapter is None:
         return observation
     if adapter not in OBSERVATION_ADAPTERS:
-        raise InputError(f"observation_adapter: got {adapter!r}; expected None or one of {sorted(OBSERVATION_ADAPTERS)}.")
+        raise InputError(
+            f"observation_adapter: got {adapter!r}; expected None or one of {sorted(OBSERVATION_ADAPTERS)}."
+        )
     return OBSERVATION_ADAPTERS[adapter](observation)

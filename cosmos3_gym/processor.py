@@ -298,7 +298,8 @@ def prepare_conditioning(
     snapped = frames.shape[1] % VAE_SPATIAL_FACTOR == 0 and frames.shape[2] % VAE_SPATIAL_FACTOR == 0
     if snapped or canvas == "native":
         # VideoProcessor's snap to a multiple of 16 is then the identity (PIL and torch alike), or the native canvas
-        # skips it, leaving its 2x - 1: computed here on one contiguous tensor it is bit-identical and ~10x cheaper than the per-frame PIL round trip.
+        # skips it, leaving its 2x - 1: computed here on one contiguous tensor it is bit-identical and ~10x cheaper
+        # than the per-frame PIL round trip.
         pixels = torch.from_numpy(frames).to(device=device).permute(3, 0, 1, 2)[None] * 2.0 - 1.0
         pixels = pixels.to(dtype=dtype)
     else:
@@ -599,7 +600,8 @@ def prepare_action_rows(
             )
         if state.shape[0] < history_length:
             raise InputError(
-                f"action_history: expected at least {history_length} rows (action_history_length), got {state.shape[0]}."
+                f"action_history: expected at least {history_length} rows (action_history_length), "
+                f"got {state.shape[0]}."
             )
         state = state[-history_length:]
         rows.append(torch.from_numpy(flip_gripper(state) if flip else state))

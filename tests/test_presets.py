@@ -252,8 +252,9 @@ def test_composite_geometry_wrist_on_top():
     image = presets.robolab_composite(obs)
     assert image.shape == (540, 640, 3) and image.dtype == np.uint8
     np.testing.assert_array_equal(image[:360], obs["observation/wrist_image_left"])
-    np.testing.assert_array_equal(image[360:, :320], server_resize(obs["observation/exterior_image_1_left"], (180, 320)))
-    np.testing.assert_array_equal(image[360:, 320:], server_resize(obs["observation/exterior_image_2_left"], (180, 320)))
+    left, right = obs["observation/exterior_image_1_left"], obs["observation/exterior_image_2_left"]
+    np.testing.assert_array_equal(image[360:, :320], server_resize(left, (180, 320)))
+    np.testing.assert_array_equal(image[360:, 320:], server_resize(right, (180, 320)))
 
     # DROID's own 180x320 cameras: the 270x320 composite is resized to 540x640; the short names work the same.
     small = cameras(seed=1)

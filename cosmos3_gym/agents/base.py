@@ -23,8 +23,9 @@ class EngineAgent:
     would. With ``seed=None`` the engine draws a fresh random seed per request.
 
     ``preset`` (``presets.PRESETS``, e.g. "droid_robolab"; default: the engine's) fills the settings left at their
-    defaults, and the engine the rest of it (canvas, camera composite, schedule). ``prompt_format``, ``use_system_prompt``,
-    ``flip_gripper`` and ``action_history_length`` go to every request as they are (``Cosmos3Request``).
+    defaults, and the engine the rest of it (canvas, camera composite, schedule). ``prompt_format``,
+    ``use_system_prompt``, ``flip_gripper`` and ``action_history_length`` go to every request as they are
+    (``Cosmos3Request``).
     """
 
     mode: str
