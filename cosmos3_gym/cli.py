@@ -133,6 +133,14 @@ def add_infer_command(sub) -> None:
     infer.add_argument("--view-point", default="ego_view", help="camera view point of the prompt")
     infer.add_argument("--resolution-tier", type=int, default=None, help="canvas tier (256, 480, ...)"
                        + from_checkpoint.format(INFER_FALLBACKS["resolution_tier"]))
+    infer.add_argument("--preset", default=None,
+                       help="settings bundle (cosmos3_gym.presets): droid_robolab (the released DROID policy as "
+                       "RoboLab serves it) | diffusers; options you set yourself win (default: none)")
+    infer.add_argument("--prompt-format", default=None, help="json (diffusers) | plain (PhyAI PR49) | auto (from the "
+                       "checkpoint: plain for Nano/silu, json for Edge/relu2) (default: the preset's, else json)")
+    infer.add_argument("--state", default=None,
+                       help="robot state rows for checkpoints trained with them (droid_robolab: 7 joint positions "
+                       "+ gripper): comma-separated values of one row, or an action JSON file (default: none)")
     infer.add_argument("--action-stats", default=None,
                        help="statistics JSON to denormalise the output actions (default: none, normalised output)")
     infer.add_argument("--action-normalization", default="minmax",
@@ -187,6 +195,22 @@ def _check_inverse_dynamics_video(path: str, chunk: int) -> None:
                          f"one per action), {path} has {len(frames)}; trim the video or pass --chunk {len(frames) - 1}")
 
 
+def _state_rows(spec: str | None):
+    """``--state``: an action JSON file, or one row of comma-separated numbers -> float32 ``[rows, dim]``."""
+    if spec is None:
+        return None
+    import numpy as np
+
+    from . import processor
+
+    if Path(spec).is_file():
+        return processor.load_action_file(spec)
+    try:
+        return np.asarray([[float(x) for x in spec.split(",")]], dtype=np.float32)
+    except ValueError:
+        raise InputError(f"--state: expected comma-separated numbers or an action JSON file, got {spec!r}") from None
+
+
 def run_infer(args: argparse.Namespace) -> None:
     for flag, path in (("--image", args.image), ("--video", args.video)):
         if path and not Path(path).is_file():
@@ -208,6 +232,7 @@ def run_infer(args: argparse.Namespace) -> None:
         raise InputError("--action-file: mode 'forward_dynamics' needs an action chunk file")
     if args.mode == "inverse_dynamics" and args.video and isinstance(settings["chunk"], int) and settings["chunk"] > 0:
         _check_inverse_dynamics_video(args.video, settings["chunk"])
+    state = _state_rows(args.state)
     observation = args.image or args.video
     stats = processor.ActionStats.from_json(args.action_stats, mode=args.action_normalization) if args.action_stats \
         else None
@@ -217,8 +242,10 @@ def run_infer(args: argparse.Namespace) -> None:
         raw_action_dim=settings["raw_action_dim"], chunk=settings["chunk"], cond_frame_indexes=args.condition_frames,
         num_inference_steps=settings["num_steps"], guidance_scale=settings["guidance_scale"],
         flow_shift=args.flow_shift, fps=settings["fps"], seed=args.seed, resolution_tier=settings["resolution_tier"],
-        view_point=args.view_point,
-        negative_prompt=args.negative_prompt,
+        view_point=args.view_point, negative_prompt=args.negative_prompt, preset=args.preset,
+        prompt_format=args.prompt_format,
+        # A preset knows how many state rows its checkpoint takes (the last ones are used); otherwise all given.
+        action_history=state, action_history_length=None if state is None or args.preset else len(state),
     )
     engine = load_engine(
         args.checkpoint, device=args.device, dtype=args.dtype, vae_dtype=args.vae_dtype,

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from . import processor
+from . import presets, processor
 from .checkpoint import resolve_checkpoint, validate_checkpoint
 from .errors import InputError
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
@@ -83,6 +83,18 @@ class Cosmos3Request:
     resolution_tier: int = 480
     view_point: str = "ego_view"
     negative_prompt: str | None = None
+    # How the released checkpoints were trained beyond diffusers' pipeline (processor.py, presets.py). None means
+    # unset: a preset ("droid_robolab", "diffusers") fills it, else diffusers' behaviour (presets.UNSET_DEFAULTS).
+    preset: str | None = None
+    prompt_format: str | None = None  # "json" (default) | "plain" | "auto" (from the transformer's hidden_act, PR49)
+    use_system_prompt: bool | None = None  # None: on for JSON (diffusers), off for plain (PR49)
+    additional_view_description: str | None = None  # appended to the viewpoint sentence (e.g. the camera layout)
+    canvas: str | None = None  # "diffusers" (default) | "native": no snap to a multiple of 16 first (PR49)
+    observation_adapter: str | None = None  # e.g. "robolab_composite": dict of cameras -> one image
+    action_history: Any = None  # [>= action_history_length, raw_action_dim] proprio state rows, oldest first
+    action_history_length: int | None = None  # state rows prepended as clean action rows, dropped from the result
+    flip_gripper: bool | None = None  # g -> 1 - g on the last action channel, in (history, actions) and out
+    use_native_flow_schedule: bool | None = None  # native cosmos' linear sigma grid (sampling.make_schedule)
 
 
 # Deprecated keyword -> its current name on Cosmos3Request (kept for one release).
@@ -151,14 +163,21 @@ class _Prepared:
     latent_thw: tuple[int, int, int]
     schedule: Any
     x0_video: torch.Tensor | None = None  # [1, C, n_clean_encoded, h, w], set by _encode_conditions
+    history_rows: int = 0  # clean state rows before the chunk (x0_actions has chunk + history_rows rows)
+
+    @property
+    def action_rows(self) -> int:
+        return self.request.chunk + self.history_rows
 
     @property
     def group_key(self):
-        return (self.latent_thw, self.request.chunk, self.request.num_inference_steps)
+        return (self.latent_thw, self.action_rows, self.request.num_inference_steps)
 
 
 class Cosmos3Engine:
     """Cosmos3 policy-checkpoint inference in one process (CPU or one GPU)."""
+
+    preset: str | None = None  # applied to requests without their own (presets.py); set by from_pretrained
 
     def __init__(
         self,
@@ -206,6 +225,7 @@ class Cosmos3Engine:
         optimize: bool = False,
         cfg: int | None = None,
         precision: str = "bf16",
+        preset: str | None = None,
     ) -> "Cosmos3Engine":
         """Load a diffusers-layout Cosmos3 checkpoint (local directory or hub id) into this process.
 
@@ -224,7 +244,11 @@ class Cosmos3Engine:
 
         ``precision`` "fp8" runs the GEN tower's GEMMs in FP8 (``quantization.apply_fp8``; Hopper-class GPUs, tp=1,
         the ``fp8`` extra); "bf16" (default) keeps them in ``dtype``.
+
+        ``preset`` (``presets.PRESETS``, e.g. "droid_robolab") is applied to every request that names none.
         """
+        if preset is not None:
+            presets.get_preset(preset)  # an unknown name fails before anything loads
         config = resolve_parallel_config(parallel, tp=tp, cfg_parallel=cfg_parallel, dp=dp, cfg=cfg)
         check_precision(precision, tp=config.tp)
         context = parallel if isinstance(parallel, ParallelContext) else None
@@ -239,7 +263,7 @@ class Cosmos3Engine:
             load_engine = importlib.import_module(f"{__package__}.launcher").load_engine
             return load_engine(
                 path_or_id, parallel=config, backend="mp", device=device, dtype=dtype, vae_dtype=vae_dtype,
-                decode_video=decode_video, progress=progress, optimize=optimize, precision=precision,
+                decode_video=decode_video, progress=progress, optimize=optimize, precision=precision, preset=preset,
             )
         layout = validate_checkpoint(resolve_checkpoint(path_or_id))
         # Checked from config.json before any weights are read, on every rank alike.
@@ -273,6 +297,7 @@ class Cosmos3Engine:
             transformer, vae, tokenizer, layout.scheduler_config, decode_video=decode_video, progress=progress,
             parallel=context, owns_process_group=owns_process_group,
         )
+        engine.preset = preset
         return engine.optimize() if optimize else engine
 
     def optimize(self, *, cuda_graphs: bool | None = None, tp_overlap: bool | None = None) -> "Cosmos3Engine":
@@ -422,7 +447,7 @@ class Cosmos3Engine:
         With ``encode=False`` the clean pixels are kept for a later batched ``_encode_conditions``."""
         if not isinstance(request, Cosmos3Request):
             raise InputError(f"requests: expected Cosmos3Request, got {type(request).__name__}")
-        r = request
+        r = presets.resolve_request(request, self.preset)
         if r.mode not in MODES:
             raise InputError(f"mode: expected one of {list(MODES)}, got {r.mode!r}")
         if not isinstance(r.chunk, int) or r.chunk < 1:
@@ -435,6 +460,9 @@ class Cosmos3Engine:
             raise InputError(f"fps: expected a positive number, got {r.fps!r}")
         if r.flow_shift is not None and (not np.isfinite(r.flow_shift) or r.flow_shift <= 0):
             raise InputError(f"flow_shift: expected a positive number, got {r.flow_shift!r}")
+        for name in ("flip_gripper", "use_native_flow_schedule"):
+            if not isinstance(getattr(r, name), bool):
+                raise InputError(f"{name}: expected True or False, got {getattr(r, name)!r}")
         if r.mode == "forward_dynamics" and r.action is None:
             raise InputError("action: mode 'forward_dynamics' needs an action chunk [T, raw_action_dim]")
         action_dim = self.transformer.config.action_dim
@@ -443,20 +471,18 @@ class Cosmos3Engine:
         num_frames = r.chunk + 1
         latent_t = (num_frames - 1) // self.vae.temporal_compression + 1
         clean_frames = self._clean_frames(r, latent_t)
-        frames = processor.load_frames(r.observation)
+        frames = processor.load_frames(presets.adapt_observation(r.observation, r.observation_adapter))
         # The VAE is causal in time: latent frames 0..k depend only on pixel frames 0..4k, so encoding just the
         # pixel frames that feed clean latents gives the same latents as encoding the whole clip.
         encoded_pixel_frames = (max(clean_frames) * self.vae.temporal_compression + 1) if clean_frames else 1
-        cond = processor.prepare_conditioning(frames, r.resolution_tier, encoded_pixel_frames)
+        cond = processor.prepare_conditioning(frames, r.resolution_tier, encoded_pixel_frames, canvas=r.canvas)
         canvas_h, canvas_w = cond.canvas_hw
         h, w = cond.latent_hw
 
-        if r.mode == "forward_dynamics":
-            x0_actions = processor.prepare_action_chunk(r.action, r.chunk, raw_dim, action_dim)
-            clean_rows = list(range(r.chunk))
-        else:
-            x0_actions = torch.zeros(r.chunk, action_dim)
-            clean_rows = []
+        x0_actions, clean_rows = processor.prepare_action_rows(
+            r.mode, r.chunk, raw_dim, action_dim, actions=r.action, history=r.action_history,
+            history_length=r.action_history_length, flip=r.flip_gripper,
+        )
 
         cond_ids, uncond_ids = processor.build_prompt_token_ids(
             self.tokenizer,
@@ -467,12 +493,15 @@ class Cosmos3Engine:
             fps=r.fps,
             height=canvas_h,
             width=canvas_w,
+            prompt_format=processor.resolve_prompt_format(r.prompt_format, self.transformer.config.hidden_act),
+            use_system_prompt=r.use_system_prompt,
+            additional_view_description=r.additional_view_description,
         )
-        schedule = self._schedule(r.num_inference_steps, r.flow_shift, r.use_karras_sigmas)
+        schedule = self._schedule(r.num_inference_steps, r.flow_shift, r.use_karras_sigmas, r.use_native_flow_schedule)
         seed = r.seed if r.seed is not None else secrets.randbelow(2**63)
         prepared = _Prepared(
             r, seed, domain_id, raw_dim, cond_ids, uncond_ids, clean_frames, clean_rows,
-            cond.pixels, x0_actions, (latent_t, h, w), schedule,
+            cond.pixels, x0_actions, (latent_t, h, w), schedule, history_rows=r.action_history_length,
         )
         if encode:
             self._encode_conditions([prepared])
@@ -494,14 +523,17 @@ class Cosmos3Engine:
                     p.x0_video = latent[None, :, :, :h, :w]
                     p.pixels = None
 
-    def _schedule(self, num_steps: int, flow_shift: float | None, use_karras_sigmas: bool | None) -> Schedule:
+    def _schedule(
+        self, num_steps: int, flow_shift: float | None, use_karras_sigmas: bool | None, native: bool = False
+    ) -> Schedule:
         """``make_schedule`` once per setting (it costs ~3 ms of host time, diffusers' config parsing included)."""
-        key = (num_steps, flow_shift, use_karras_sigmas)
+        key = (num_steps, flow_shift, use_karras_sigmas, bool(native))
         if key not in self._schedules:
             if len(self._schedules) >= 64:
                 self._schedules.clear()
             self._schedules[key] = make_schedule(
-                num_steps, self.scheduler_config, flow_shift=flow_shift, use_karras_sigmas=use_karras_sigmas
+                num_steps, self.scheduler_config, flow_shift=flow_shift, use_karras_sigmas=use_karras_sigmas,
+                use_native_flow_schedule=bool(native),
             )
         return self._schedules[key]
 
@@ -524,7 +556,7 @@ class Cosmos3Engine:
         c = self.transformer.config.latent_channel
         video_noise = torch.randn((1, c, *p.latent_thw), generator=generator, dtype=torch.float32)
         action_noise = torch.randn(
-            (p.request.chunk, self.transformer.config.action_dim), generator=generator, dtype=torch.float32
+            (p.action_rows, self.transformer.config.action_dim), generator=generator, dtype=torch.float32
         )
         return video_noise, action_noise
 
@@ -540,7 +572,7 @@ class Cosmos3Engine:
         device = self.device
         batch = len(group)
         latent_t, _, _ = group[0].latent_thw
-        chunk = group[0].request.chunk
+        chunk = group[0].action_rows  # the request's chunk plus its clean state rows
 
         video_clean = torch.zeros(batch, latent_t, dtype=torch.bool)
         action_clean = torch.zeros(batch, chunk, dtype=torch.bool)
@@ -581,7 +613,10 @@ class Cosmos3Engine:
                 self.text_kvs([group[b].uncond_ids if uncond else group[b].cond_ids for b, uncond in local_branches])
             )
             fps = [group[b].request.fps for b in rows]
-            layout = self.transformer.gen_layout(text.lengths, group[0].latent_thw, chunk, fps)
+            layout = self.transformer.gen_layout(
+                text.lengths, group[0].latent_thw, chunk, fps,
+                action_start_offset=[1 - group[b].history_rows for b in rows],
+            )
             domain_ids = torch.tensor([group[b].domain_id for b in rows], device=device)
             video_noisy, action_noisy = ~video_clean[row_index], ~action_clean[row_index]
         guided_index = torch.tensor(guided, dtype=torch.long, device=device)
@@ -614,10 +649,11 @@ class Cosmos3Engine:
         pixels = self._decode(video) if decode else None
         results = []
         for b, p in enumerate(group):
+            action = actions[b, p.history_rows :, : p.raw_action_dim].float().cpu().numpy()  # state rows dropped
             results.append(
                 Cosmos3Result(
                     mode=p.request.mode,
-                    action=actions[b, :, : p.raw_action_dim].float().cpu().numpy(),
+                    action=processor.flip_gripper(action) if p.request.flip_gripper else action,
                     video_latents=video[b].float().cpu(),
                     pixels=pixels[b].float().cpu() if pixels is not None else None,
                     seed=p.seed,

@@ -26,6 +26,7 @@ from .models.transformer import Cosmos3TransformerConfig
 from .parallel.client import Cosmos3EngineClient
 from .parallel.mesh import ParallelConfig, ParallelContext, resolve_parallel_config
 from .parallel.tensor_parallel import check_tensor_parallel
+from .presets import get_preset
 from .quantization import check_precision
 
 BACKENDS = ("auto", "inprocess", "mp", "ray")
@@ -73,6 +74,7 @@ def load_engine(
     replica_resources: dict[str, float] | None = None,
     cfg: int | None = None,
     precision: str = "bf16",
+    preset: str | None = None,
 ) -> WorldModelEngine:
     """Load a Cosmos3 checkpoint (local directory or hub id) as a ``WorldModelEngine``.
 
@@ -80,17 +82,20 @@ def load_engine(
     ``cfg_parallel``) is the layout of one engine; ``backend`` picks where it runs (module docstring). ``optimize``:
     ``Cosmos3Engine.optimize()`` on every rank (compile, CUDA graphs on a GPU); ``vae_dtype`` e.g. "bf16" for a
     faster decode (default fp32); ``device``/``dtype``/``precision`` ("bf16" or "fp8") as
-    ``Cosmos3Engine.from_pretrained``. ``num_replicas`` and ``replica_resources`` are for ``backend="ray"`` only.
+    ``Cosmos3Engine.from_pretrained``. ``preset`` (``presets.PRESETS``) is applied to every request that names none.
+    ``num_replicas`` and ``replica_resources`` are for ``backend="ray"`` only.
 
     The checkpoint and the tensor-parallel split are checked here, before any worker or actor starts.
     """
     config = resolve_parallel_config(parallel, tp=tp, cfg_parallel=cfg_parallel, dp=dp, cfg=cfg)
     resolved = resolve_backend(backend, config)
     check_precision(precision, tp=config.tp)
+    if preset is not None:
+        get_preset(preset)  # an unknown name fails before any worker starts
     if resolved != "ray" and (num_replicas != 1 or replica_resources is not None):
         raise InputError(f"num_replicas / replica_resources: only for backend='ray', not {resolved!r}")
     engine_kwargs = dict(device=device, dtype=dtype, vae_dtype=vae_dtype, decode_video=decode_video,
-                         progress=progress, optimize=optimize, precision=precision)
+                         progress=progress, optimize=optimize, precision=precision, preset=preset)
     if resolved == "inprocess":
         if config.world_size > 1 and not in_process_group() and not isinstance(parallel, ParallelContext):
             raise InputError(

@@ -8,6 +8,13 @@ proves the results equal to calling the pipeline's own methods.
 
 The rest (reading images/videos from files, dataset action statistics, action JSON files) has no diffusers
 counterpart; it follows PhyAI's Cosmos3 processor and the native cosmos-framework file formats.
+
+Beyond the diffusers reference, the options the released policy checkpoints were trained with, as PhyAI's PR49
+(``mingti-org/phyai`` pull 49, "align Cosmos3 policy inference with native implementation") reproduces NVIDIA's
+RoboLab policy server: the ``"plain"`` prompt format, an explicit system-prompt switch, an extra view description,
+state (history) rows prepended as clean action rows, the gripper flip, and the ``"native"`` canvas (no snap to a
+multiple of 16 before the canvas). Their defaults are the diffusers behaviour, bit-identical to it; the named
+bundles of these settings live in ``presets.py``.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from .errors import InputError
 __all__ = [
     "ACTION_DIM",
     "ACTION_NORMALIZATION_MODES",
+    "CANVAS_MODES",
+    "PROMPT_FORMATS",
     "DOMAIN_NAMES",
     "NUM_EMBODIMENT_DOMAINS",
     "RESOLUTION_TIERS",
@@ -49,12 +58,16 @@ __all__ = [
     "VIEW_POINTS",
     "ActionStats",
     "Conditioning",
+    "build_prompt_text",
     "build_prompt_token_ids",
+    "flip_gripper",
     "load_action_file",
     "load_frames",
     "prepare_action_chunk",
+    "prepare_action_rows",
     "prepare_conditioning",
     "resolve_domain",
+    "resolve_prompt_format",
     "save_action_file",
 ]
 
@@ -72,6 +85,19 @@ _STATS_KEYS_BY_MODE = {
     "quantile_rot": ("q01", "q99"),
 }
 ACTION_NORMALIZATION_MODES = tuple(_STATS_KEYS_BY_MODE)
+
+# "json": diffusers' structured action caption (the default, the reference). "plain": PR49's sentences (task, viewpoint
+# sentence, optional view description, duration/fps, resolution), which the released Nano policy was trained with.
+# "auto": PR49's rule, read from the transformer config's hidden_act (see resolve_prompt_format).
+PROMPT_FORMATS = ("json", "plain", "auto")
+# PR49 tells the checkpoints apart by their MLP: Nano (SwiGLU, "silu") takes plain prompts, Edge ("relu2") JSON.
+_PROMPT_FORMAT_BY_HIDDEN_ACT = {"silu": "plain", "relu2": "json"}
+# "diffusers": the frame is first snapped down to a multiple of 16 (VideoProcessor), then fitted on the tier's canvas.
+# "native": fitted as it is (PhyAI PR49 / the native server): a 540x640 RoboLab frame keeps its 540 rows on the 544x736
+# canvas (latent cropped to 33x40) instead of being resampled to 528 rows first.
+CANVAS_MODES = ("diffusers", "native")
+_PLAIN_DURATION_TEMPLATE = "The video is {duration:.1f} seconds long and is of {fps:.0f} FPS."
+_PLAIN_RESOLUTION_TEMPLATE = "This video is of {height}x{width} resolution."
 
 VIDEO_SUFFIXES = (".mp4", ".gif", ".webm", ".avi", ".mov", ".mkv")
 _VISION_START_TOKEN = "<|vision_start|>"
@@ -244,6 +270,7 @@ def prepare_conditioning(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    canvas: str = "diffusers",
 ) -> Conditioning:
     """Put the observation frames on the tier's canvas, exactly as ``Cosmos3OmniPipeline`` does for action modes.
 
@@ -255,16 +282,24 @@ def prepare_conditioning(
     ``frames`` is ``load_frames`` output (anything ``load_frames`` accepts is read through it first). ``num_frames``
     may be smaller than the clip, e.g. 1 to encode only the clean observation. ``device``/``dtype`` are where the
     resize runs; the pipeline runs it on its execution device in the transformer's dtype.
+
+    ``canvas="native"`` skips the snap to a multiple of 16, as PhyAI PR49 and the native server do: the content
+    keeps its exact size when it fits the canvas. (A frame larger than the canvas is still downscaled with torch's
+    antialiased bicubic, where PR49 uses Pillow's bicubic; the RoboLab 540x640 composite never is.)
     """
     frames = load_frames(frames)
+    if canvas not in CANVAS_MODES:
+        raise InputError(f"canvas: got {canvas!r}; expected one of {list(CANVAS_MODES)}.")
     if str(resolution_tier) not in _ACTION_RESOLUTION_BINS:
         raise InputError(f"resolution_tier: got {resolution_tier!r}; expected one of {list(RESOLUTION_TIERS)}.")
     if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
         raise InputError(f"num_frames: expected an integer >= 1, got {num_frames!r}.")
 
-    if frames.shape[1] % VAE_SPATIAL_FACTOR == 0 and frames.shape[2] % VAE_SPATIAL_FACTOR == 0:
-        # VideoProcessor's snap to a multiple of 16 is then the identity (PIL and torch alike), leaving its 2x - 1:
-        # computed here on one contiguous tensor it is bit-identical and ~10x cheaper than the per-frame PIL round trip.
+    snapped = frames.shape[1] % VAE_SPATIAL_FACTOR == 0 and frames.shape[2] % VAE_SPATIAL_FACTOR == 0
+    if snapped or canvas == "native":
+        # VideoProcessor's snap to a multiple of 16 is then the identity (PIL and torch alike), or the native canvas
+        # skips it, leaving its 2x - 1: computed here on one contiguous tensor it is bit-identical and ~10x cheaper
+        # than the per-frame PIL round trip.
         pixels = torch.from_numpy(frames).to(device=device).permute(3, 0, 1, 2)[None] * 2.0 - 1.0
         pixels = pixels.to(dtype=dtype)
     else:
@@ -327,6 +362,67 @@ def _video_processor_input(frames: np.ndarray) -> list[Image.Image] | np.ndarray
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def resolve_prompt_format(prompt_format: str, hidden_act: str | None = None) -> str:
+    """``"json"`` or ``"plain"``: ``prompt_format`` itself, or for ``"auto"`` PR49's choice from the transformer
+    config's ``hidden_act`` ("silu": Cosmos3-Nano, plain; "relu2": Cosmos3-Edge, JSON)."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise InputError(f"prompt_format: got {prompt_format!r}; expected one of {list(PROMPT_FORMATS)}.")
+    if prompt_format != "auto":
+        return prompt_format
+    if hidden_act not in _PROMPT_FORMAT_BY_HIDDEN_ACT:
+        raise InputError(
+            f"prompt_format: 'auto' reads the transformer config's hidden_act, expected one of "
+            f"{sorted(_PROMPT_FORMAT_BY_HIDDEN_ACT)}, got {hidden_act!r}; pass 'json' or 'plain'."
+        )
+    return _PROMPT_FORMAT_BY_HIDDEN_ACT[hidden_act]
+
+
+def build_prompt_text(
+    task: str,
+    *,
+    prompt_format: str = "json",
+    view_point: str,
+    num_frames: int,
+    fps: float,
+    height: int,
+    width: int,
+    additional_view_description: str | None = None,
+) -> str:
+    """The conditional prompt text before the chat template.
+
+    ``"json"``: ``Cosmos3OmniPipeline._build_action_json_prompt`` (viewpoint sentence, time span, duration, fps,
+    resolution, aspect ratio); an ``additional_view_description`` is appended to the framing sentence as PR49 does.
+    ``"plain"`` (PR49's ``Cosmos3TextTokenizeStep._augment``): the task, the viewpoint sentence (with the extra
+    description), "The video is {int(num_frames / fps):.1f} seconds long and is of {fps:.0f} FPS." and "This video
+    is of {height}x{width} resolution.", each joined with " " after a full stop and ". " otherwise.
+    """
+    if prompt_format == "json":
+        caption = Cosmos3OmniPipeline._build_action_json_prompt(
+            task, view_point=view_point, num_frames=num_frames, fps=fps, height=height, width=width
+        )
+        if not additional_view_description:
+            return caption
+        document = json.loads(caption)  # key order survives the round trip, so only the framing changes
+        document["cinematography"]["framing"] = _join_sentence(
+            document["cinematography"]["framing"], additional_view_description.rstrip()
+        )
+        return json.dumps(document)
+    if prompt_format != "plain":
+        raise InputError(f"prompt_format: got {prompt_format!r}; expected 'json' or 'plain' (resolve 'auto' first).")
+    viewpoint = _ACTION_VIEWPOINT_TEMPLATES[view_point]
+    if additional_view_description:
+        viewpoint = _join_sentence(viewpoint, additional_view_description.rstrip())
+    text = _join_sentence(task, viewpoint)
+    text = _join_sentence(text, _PLAIN_DURATION_TEMPLATE.format(duration=int(num_frames / fps), fps=fps))
+    return _join_sentence(text, _PLAIN_RESOLUTION_TEMPLATE.format(height=height, width=width))
+
+
+def _join_sentence(text: str, sentence: str) -> str:
+    """PR49's joint: ``text + " " + sentence`` when ``text`` (right-stripped) ends with a full stop, else
+    ``text + ". " + sentence``; ``text`` itself is kept as it is, trailing spaces included."""
+    return text + (" " if text.rstrip().endswith(".") else ". ") + sentence
+
+
 def build_prompt_token_ids(
     tokenizer: Any,
     task: str,
@@ -337,21 +433,33 @@ def build_prompt_token_ids(
     fps: float,
     height: int,
     width: int,
-    use_system_prompt: bool = True,
+    use_system_prompt: bool | None = None,
+    prompt_format: str = "json",
+    additional_view_description: str | None = None,
 ) -> tuple[list[int], list[int]]:
     """Token ids of the conditional and unconditional prompts, as ``Cosmos3OmniPipeline.tokenize_prompt`` builds them
-    with ``action_mode`` set.
+    with ``action_mode`` set (``prompt_format="json"``, the default), or as PR49 builds them (``"plain"``).
 
-    The task becomes the pipeline's JSON action caption (viewpoint sentence, time span, duration, fps, resolution,
-    aspect ratio); the negative prompt ("" when None) is used verbatim. Each goes through the tokenizer's chat
-    template (with the video system prompt when ``num_frames > 1``, the image one otherwise), then eos and
-    ``<|vision_start|>`` are appended. ``num_frames`` is the clip length (chunk + 1) and ``height``/``width`` the
-    padded canvas (``Conditioning.canvas_hw``), which is what the pipeline reports.
+    The task becomes the prompt text of ``build_prompt_text``; the negative prompt ("" when None) is used verbatim.
+    Each goes through the tokenizer's chat template, then eos and ``<|vision_start|>`` are appended. With
+    ``use_system_prompt`` the conversation starts with diffusers' system prompt (the video one when
+    ``num_frames > 1``, the image one otherwise); ``None`` means the format's reference: on for JSON (diffusers'
+    ``default_use_system_prompt``), off for plain (PR49 and the native server use none). ``num_frames`` is the clip
+    length (chunk + 1) and ``height``/``width`` the padded canvas (``Conditioning.canvas_hw``), which is what the
+    pipeline and PR49 report.
     """
     if not isinstance(task, str):
         raise InputError(f"task: expected a string, got {type(task).__name__}.")
     if negative_prompt is not None and not isinstance(negative_prompt, str):
         raise InputError(f"negative_prompt: expected a string or None, got {type(negative_prompt).__name__}.")
+    if additional_view_description is not None and not isinstance(additional_view_description, str):
+        raise InputError(
+            f"additional_view_description: expected a string or None, got {type(additional_view_description).__name__}."
+        )
+    if prompt_format not in ("json", "plain"):
+        raise InputError(f"prompt_format: got {prompt_format!r}; expected 'json' or 'plain' (resolve 'auto' first).")
+    if use_system_prompt is not None and not isinstance(use_system_prompt, bool):
+        raise InputError(f"use_system_prompt: expected True, False or None, got {use_system_prompt!r}.")
     # Stricter than diffusers, which only warns and drops the framing sentence the model was trained with.
     if view_point not in _ACTION_VIEWPOINT_TEMPLATES:
         raise InputError(f"view_point: got {view_point!r}; expected one of {list(VIEW_POINTS)}.")
@@ -370,9 +478,12 @@ def build_prompt_token_ids(
             f"tokenizer: needs an eos token and the {_VISION_START_TOKEN} token (a Cosmos3 text_tokenizer)."
         )
 
-    caption = Cosmos3OmniPipeline._build_action_json_prompt(
-        task, view_point=view_point, num_frames=num_frames, fps=fps, height=height, width=width
+    caption = build_prompt_text(
+        task, prompt_format=prompt_format, view_point=view_point, num_frames=num_frames, fps=fps, height=height,
+        width=width, additional_view_description=additional_view_description,
     )
+    if use_system_prompt is None:
+        use_system_prompt = prompt_format == "json"
     system_prompt = (_SYSTEM_PROMPT_IMAGE if num_frames == 1 else _SYSTEM_PROMPT_VIDEO) if use_system_prompt else None
 
     def token_ids(text: str) -> list[int]:
@@ -443,6 +554,70 @@ def prepare_action_chunk(actions: Any, chunk: int, raw_action_dim: int, action_d
         rows = torch.cat([rows, rows[-1:].expand(chunk - rows.shape[0], -1)], dim=0)
     rows = rows[:chunk]
     return F.pad(rows, (0, action_dim - raw_action_dim))
+
+
+def flip_gripper(actions: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A copy with the last channel (the gripper) mapped g -> 1 - g, PR49's ``flip_gripper`` and the native RoboLab
+    server's convention change (the model's gripper is 1 - the robot's). Its own inverse."""
+    flipped = actions.clone() if isinstance(actions, torch.Tensor) else np.array(actions, dtype=np.float32)
+    flipped[..., -1] = 1.0 - flipped[..., -1]
+    return flipped
+
+
+def prepare_action_rows(
+    mode: str,
+    chunk: int,
+    raw_action_dim: int,
+    action_dim: int = ACTION_DIM,
+    *,
+    actions: Any = None,
+    history: Any = None,
+    history_length: int = 0,
+    flip: bool = False,
+) -> tuple[torch.Tensor, list[int]]:
+    """The model's action rows ``[history_length + chunk, action_dim]`` and the indexes of the clean ones.
+
+    As PR49's ``Cosmos3ActionPadStep``: the last ``history_length`` rows of ``history`` (the proprio state, e.g.
+    7 joint positions + gripper) come first as clean rows, so ``ACTION_CHUNK = chunk + history_length`` and the
+    action positions start at ``1 - history_length`` (``action_start_offset``); the chunk follows, clean for
+    forward dynamics (``prepare_action_chunk``) and zero (to be generated) otherwise. With ``flip`` the gripper of
+    the history and of the given actions is flipped first. ``history_length=0`` and no flip is diffusers' layout.
+    """
+    if isinstance(history_length, bool) or not isinstance(history_length, int) or history_length < 0:
+        raise InputError(f"action_history_length: expected an integer >= 0, got {history_length!r}.")
+    _check_raw_action_dim(raw_action_dim, action_dim)
+    rows = []
+    if history_length:
+        if history is None:
+            raise InputError(
+                f"action_history: the request needs {history_length} state row(s) [history, raw_action_dim] "
+                "(action_history_length); pass the robot's current state."
+            )
+        state = _as_float_matrix(history, "action_history")
+        if state.shape[1] != raw_action_dim:
+            raise InputError(
+                f"action_history: expected {raw_action_dim} values per row (raw_action_dim), got {state.shape[1]}."
+            )
+        if state.shape[0] < history_length:
+            raise InputError(
+                f"action_history: expected at least {history_length} rows (action_history_length), "
+                f"got {state.shape[0]}."
+            )
+        state = state[-history_length:]
+        rows.append(torch.from_numpy(flip_gripper(state) if flip else state))
+    elif history is not None:
+        raise InputError("action_history: given, but action_history_length is 0; set it to the rows to use.")
+    if mode == "forward_dynamics":
+        if actions is None:
+            raise InputError("actions: mode 'forward_dynamics' needs an action chunk [T, raw_action_dim]")
+        given = _as_float_matrix(actions, "actions")
+        chunk_rows = prepare_action_chunk(flip_gripper(given) if flip else given, chunk, raw_action_dim, action_dim)
+        clean = list(range(history_length + chunk))
+    else:
+        chunk_rows = torch.zeros(chunk, action_dim)
+        clean = list(range(history_length))
+    history_rows = [F.pad(r, (0, action_dim - raw_action_dim)) for r in rows]
+    return torch.cat([*history_rows, chunk_rows], dim=0), clean
 
 
 def _as_float_matrix(values: Any, field: str) -> np.ndarray:

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import presets
 from ..engine import Cosmos3Request
 from ..envs.settings import WorldModelSettings
 from ..errors import InputError
@@ -24,6 +25,10 @@ class EngineAgent:
     With ``seed`` set, every request gets the next seed of a ``np.random.Generator(seed)`` sequence, one request at a
     time in order, so a run reproduces and a batched call uses exactly the seeds the same calls made one by one
     would. With ``seed=None`` the engine draws a fresh random seed per request.
+
+    ``preset`` (``presets.PRESETS``, e.g. "droid_robolab"; default: the engine's) fills the settings left at their
+    defaults, and the engine the rest of it (canvas, camera composite, schedule). ``prompt_format``,
+    ``use_system_prompt``, ``flip_gripper`` and ``action_history_length`` go to every request as they are.
     """
 
     mode: str
@@ -53,8 +58,16 @@ class EngineAgent:
             base_options = (settings.request_options if settings is not None else {})
             options = setting_fields.get("request_options") or base_options
             setting_fields["request_options"] = {**options, **shorthands}
+        # An engine loaded with a preset (from_pretrained(preset=...)) gives it to its agents unless they name one.
+        engine_preset = getattr(engine, "preset", None)
+        if engine_preset is not None and "preset" not in setting_fields and getattr(settings, "preset", None) is None:
+            setting_fields["preset"] = engine_preset
         self.settings = WorldModelSettings.build(settings, overrides=setting_fields)
         self.settings.check_engine(engine, decodes_chunk=False)
+        preset = None if self.settings.preset is None else presets.get_preset(self.settings.preset)
+        self.observation_adapter = None if preset is None else preset.observation_adapter  # e.g. camera composite
+        # Actions in the model's normalised space are clipped to [-1, 1]; a preset's raw actions are not.
+        self.normalized_actions = preset is None or preset.normalized_actions
         self.engine = engine
         self.task = self.default_task if task is None else task
         self.reset(seed)
@@ -101,11 +114,14 @@ class EngineAgent:
             raise InputError(f"task: expected one string or a list of {count} strings (one per observation)")
         return tasks
 
-    def _request(self, observation: Any, task: str, chunk: int | None = None) -> Cosmos3Request:
+    def _request(
+        self, observation: Any, task: str, chunk: int | None = None, action_history: Any = None
+    ) -> Cosmos3Request:
         fields = self.settings.request_fields()
         if chunk is not None:
             fields["chunk"] = chunk
-        return Cosmos3Request(mode=self.mode, observation=observation, task=task, seed=self._next_seed(), **fields)
+        return Cosmos3Request(mode=self.mode, observation=observation, task=task, seed=self._next_seed(),
+                              action_history=action_history, **fields)
 
     def _run(self, requests: list[Cosmos3Request]) -> np.ndarray:
         """One batched engine pass (no video decode) -> the action chunks ``[N, chunk, raw_action_dim]``."""

@@ -107,6 +107,10 @@ class WorldModelCore:
         if reward_model is _UNSET:
             reward_model = carried.get("reward_model")
         carried = split_settings(carried) if settings is None else {}
+        # A shared engine's own preset (from_pretrained(preset=...)) is the env's unless it names another.
+        engine_preset = getattr(engine, "preset", None)
+        if engine_preset is not None and "preset" not in overrides and getattr(settings, "preset", None) is None:
+            overrides["preset"] = engine_preset
         self.settings = WorldModelSettings.build(settings, carried, overrides, source=f"the checkpoint {checkpoint}")
         self.num_slots = num_slots
         self.default_tasks = _per_slot_tasks(self.settings.task, num_slots, "task")
@@ -134,6 +138,7 @@ class WorldModelCore:
         )
 
         self._frames: list[np.ndarray | None] = [None] * num_slots  # current frame per slot, uint8 [H, W, 3]
+        self._history: list[np.ndarray | None] = [None] * num_slots  # last executed action rows per slot
         self._tasks: list[str] = [""] * num_slots
         self._elapsed = np.zeros(num_slots, dtype=np.int64)
         self._last_score = np.zeros(num_slots, dtype=np.float64)
@@ -186,6 +191,7 @@ class WorldModelCore:
                 self._tasks[slot] = candidate
                 break
         self._frames[slot] = resize_frame(frame, self.frame_size)
+        self._history[slot] = None
         self._elapsed[slot] = 0
         self._last_score[slot] = 0.0
         return {"task": self._tasks[slot], "initial_state_index": int(index)}
@@ -257,6 +263,7 @@ class WorldModelCore:
                 observation=self._frames[slot],
                 task=self._tasks[slot],
                 action=action,
+                action_history=self._action_history(slot, action),
                 seed=seed,
                 **self.settings.request_fields(),
             )
@@ -273,6 +280,8 @@ class WorldModelCore:
         steps = []
         for i, slot in enumerate(slots):
             self._frames[slot] = frames_uint8[i, -1].copy()
+            if self.settings.history_length:
+                self._history[slot] = actions[i, -self.settings.history_length:].copy()
             self._elapsed[slot] += 1
             info: dict[str, Any] = {
                 "task": self._tasks[slot],
@@ -308,6 +317,17 @@ class WorldModelCore:
                 SlotStep(self.observation(slot), reward, bool(terminated), bool(truncated), info, frames_uint8[i])
             )
         return steps
+
+    def _action_history(self, slot: int, action: np.ndarray) -> np.ndarray | None:
+        """The state rows of the slot's next request when the checkpoint takes them (``history_length``): the last
+        executed action rows (joint-position actions: where the robot was sent), and at an episode's first step the
+        chunk's first row (the robot taken to be at its first target already)."""
+        length = self.settings.history_length
+        if not length:
+            return None
+        if self._history[slot] is None:
+            return np.repeat(np.asarray(action)[:1], length, axis=0)
+        return self._history[slot]
 
     def _score(self, frames: torch.Tensor, tasks: list[str]) -> np.ndarray | None:
         """Reward-model scores ``[B]`` for decoded frames ``[B, T, 3, H, W]`` in [0, 1] (None without a model)."""

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import processor
+from .. import presets, processor
 from ..errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,12 @@ REWARD_MODES = ("per_step", "terminal", "relative")
 # obs_type: "image" -> Dict({"image": Box}) (the default), "pixels" -> the Box itself (gym-pusht's "pixels").
 OBS_TYPES = ("image", "pixels")
 # Cosmos3Request fields a user may set through ``request_options``; the env sets the others itself.
-REQUEST_OPTION_KEYS = ("flow_shift", "use_karras_sigmas", "view_point", "negative_prompt")
+REQUEST_OPTION_KEYS = (
+    "flow_shift", "use_karras_sigmas", "view_point", "negative_prompt", "additional_view_description", "canvas",
+    "use_native_flow_schedule",
+)
+# Preset fields (``presets.Preset``, named as on ``Cosmos3Request``) under another name here.
+_PRESET_FIELD_NAMES = {"num_inference_steps": "num_steps"}
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,14 @@ class WorldModelSettings:
         score_name: another name for ``info["score"]`` saying what the score measures (PushT: "coverage").
         action_stats: ``processor.ActionStats`` (or a statistics JSON path / dict, minmax) for ``info["raw_action"]``.
         return_frames: put each chunk's generated frames in ``info["frames"]``.
-        request_options: extra ``Cosmos3Request`` fields: flow_shift, use_karras_sigmas, view_point, negative_prompt.
+        request_options: extra ``Cosmos3Request`` fields: flow_shift, use_karras_sigmas, view_point, negative_prompt,
+            additional_view_description, canvas, use_native_flow_schedule.
+        preset: a ``presets.PRESETS`` name (e.g. "droid_robolab"): fills the settings above left at their defaults
+            (domain, raw_action_dim, chunk, num_steps, ...); the engine applies the rest of it to every request.
+        prompt_format, use_system_prompt, flip_gripper, action_history_length: how the checkpoint was trained
+            (``Cosmos3Request``); None: the preset's, else diffusers' behaviour. ``action_history_length``: state rows
+            each request carries (the env sends each slot's last executed action rows, at an episode's first step
+            the chunk's first row); ``history_length`` is the resolved count.
     """
 
     domain: str | int = "droid_lerobot"
@@ -78,9 +90,16 @@ class WorldModelSettings:
     action_stats: processor.ActionStats | None = field(default=None, compare=False)
     return_frames: bool = False
     request_options: Mapping[str, Any] = field(default_factory=dict, hash=False)  # hashable settings: not hashed
+    preset: str | None = None
+    prompt_format: str | None = None
+    use_system_prompt: bool | None = None
+    flip_gripper: bool | None = None
+    action_history_length: int | None = None
 
     def __post_init__(self) -> None:  # noqa: C901 (one check per field, in field order)
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: normalise in place)
+        if self.preset is not None:  # first: the preset's values are checked like the user's
+            self._apply_preset(set_)
         set_("chunk", check_int(self.chunk, "chunk", minimum=1))
         set_("num_steps", check_int(self.num_steps, "num_steps", minimum=1))
         set_("guidance_scale", check_number(self.guidance_scale, "guidance_scale", minimum=0.0))
@@ -124,6 +143,28 @@ class WorldModelSettings:
         set_("action_stats", _resolve_action_stats(self.action_stats, raw_action_dim))
         set_("return_frames", bool(self.return_frames))
         set_("request_options", MappingProxyType(_check_request_options(self.request_options)))
+        if self.prompt_format is not None and self.prompt_format not in processor.PROMPT_FORMATS:
+            raise InputError(
+                f"prompt_format: expected one of {list(processor.PROMPT_FORMATS)} or None, got {self.prompt_format!r}."
+            )
+        for name in ("use_system_prompt", "flip_gripper"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise InputError(f"{name}: expected True, False or None, got {getattr(self, name)!r}.")
+            if getattr(self, name) is not None:
+                set_(name, bool(getattr(self, name)))
+        if self.action_history_length is not None:
+            set_("action_history_length", check_int(self.action_history_length, "action_history_length", minimum=0))
+
+    def _apply_preset(self, set_) -> None:
+        """Each setting the preset names takes its value where it still holds the class default (an explicit value
+        equal to the default cannot be told from it, as in ``presets.resolve_request``)."""
+        preset = presets.get_preset(self.preset)
+        set_("preset", preset.name)
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
+        for name, value in preset.settings().items():
+            name = _PRESET_FIELD_NAMES.get(name, name)
+            if name in defaults and _same(getattr(self, name), defaults[name]):
+                set_(name, value)
 
     # ------------------------------------------------------------------ building
 
@@ -158,8 +199,11 @@ class WorldModelSettings:
             )
         base = settings if settings is not None else cls()
         values = {**defaults, **overrides}
-        if "raw_action_dim" not in values and values.get("domain", base.domain) != base.domain:
-            values["raw_action_dim"] = None  # the new domain's own width, not the old one's
+        if "raw_action_dim" not in values:
+            if values.get("domain", base.domain) != base.domain:
+                values["raw_action_dim"] = None  # the new domain's own width, not the old one's
+            elif values.get("preset") is not None and base.raw_action_dim == processor.resolve_domain(base.domain)[1]:
+                values["raw_action_dim"] = None  # derived from the domain, not given: a preset may set it
         return dataclasses.replace(base, **values) if values else base
 
     def replace(self, **changes: Any) -> "WorldModelSettings":
@@ -179,14 +223,20 @@ class WorldModelSettings:
             )
         processor.resolve_domain(self.domain, self.raw_action_dim, action_dim=engine.action_dim)
 
+    @property
+    def history_length(self) -> int:
+        """The state rows each request carries: ``action_history_length`` (the preset's where it names one), else 0."""
+        return self.action_history_length or 0
+
     def request_fields(self) -> dict[str, Any]:
-        """The ``Cosmos3Request`` fields these settings fix (everything but mode, observation, task, action, seed),
-        under the request's current names (``num_steps`` is ``num_inference_steps`` there)."""
+        """The ``Cosmos3Request`` fields these settings fix (everything but mode, observation, task, action, seed,
+        action_history), under the request's current names (``num_steps`` is ``num_inference_steps`` there)."""
         return dict(
             domain=self.domain, raw_action_dim=self.raw_action_dim, chunk=self.chunk,
-            num_inference_steps=self.num_steps,
-            guidance_scale=self.guidance_scale, fps=self.fps, resolution_tier=self.resolution_tier,
-            **self.request_options,
+            num_inference_steps=self.num_steps, guidance_scale=self.guidance_scale, fps=self.fps,
+            resolution_tier=self.resolution_tier, preset=self.preset, prompt_format=self.prompt_format,
+            use_system_prompt=self.use_system_prompt, flip_gripper=self.flip_gripper,
+            action_history_length=self.action_history_length, **self.request_options,
         )
 
 

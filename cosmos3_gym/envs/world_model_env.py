@@ -40,7 +40,8 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
         settings: a ``WorldModelSettings`` (e.g. ``other_env.settings``); replaces the checkpoint's settings.
         **settings fields: any ``WorldModelSettings`` field (domain, raw_action_dim, chunk, num_steps,
             guidance_scale, resolution_tier, fps, task, image_size, observation_size, obs_type, reward_mode,
-            success_threshold, max_episode_steps, score_name, action_stats, return_frames, request_options); wins
+            success_threshold, max_episode_steps, score_name, action_stats, return_frames, request_options, preset,
+            prompt_format, use_system_prompt, flip_gripper, action_history_length); wins
             over ``settings`` and the checkpoint's (a changed checkpoint value is logged).
         initial_states: folder / file / frames / list, see ``initial_states.load_initial_states``; not given: the
             checkpoint's; None: frames come from ``reset(options={"frames": ...})`` and ``image_size`` is required.

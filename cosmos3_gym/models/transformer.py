@@ -482,21 +482,26 @@ class Cosmos3Transformer(nn.Module):
         latent_thw: tuple[int, int, int],
         chunk: int,
         fps: list[float] | float,
+        action_start_offset: list[int] | int = 1,
     ) -> GenLayout:
-        """Rotary tables and masks for a batch; computed once per denoising loop, not per step."""
+        """Rotary tables and masks for a batch; computed once per denoising loop, not per step.
+
+        ``action_start_offset`` (per row or one for all): the time index of the first action row, 1 in diffusers;
+        ``1 - history`` when ``history`` state rows are prepended (PhyAI PR49, native ``0 if use_state else 1``)."""
         c, p = self.config, self.config.latent_patch_size
         t, h, w = latent_thw
         hp, wp = -(-h // p), -(-w // p)
         batch = len(text_lengths)
         fps_list = fps if isinstance(fps, (list, tuple)) else [fps] * batch
+        offsets = action_start_offset if isinstance(action_start_offset, (list, tuple)) else [action_start_offset] * batch
         rows = []
-        for length, item_fps in zip(text_lengths, fps_list):
+        for length, item_fps, action_offset in zip(text_lengths, fps_list, offsets):
             # diffusers: text occupies positions [0, L); media start after a fixed margin.
             offset = length + c.unified_3d_mrope_temporal_modality_margin
             parts = [media_positions(t, hp, wp, offset, item_fps, c, c.temporal_compression)]
             if chunk and c.action_gen:
                 # One action per video frame; base rate is the video's (tcf 4), so action 4j aligns with latent j.
-                parts.append(media_positions(chunk, 1, 1, offset, item_fps, c, 1, start_frame_offset=1))
+                parts.append(media_positions(chunk, 1, 1, offset, item_fps, c, 1, start_frame_offset=action_offset))
             rows.append(torch.cat(parts, dim=1))
         positions = torch.stack(rows, dim=1).to(self.device)  # [3, B, S]
         cos, sin = self.rotary(positions, self.dtype)

@@ -130,6 +130,7 @@ class Cosmos3EngineClient:
         if not isinstance(config, ParallelConfig):
             raise InputError(f"config: expected a ParallelConfig, got {type(config).__name__}")
         self.config = config
+        self.preset = engine_kwargs.get("preset")  # as Cosmos3Engine.preset: the envs and agents on it take it
         self._lock = threading.Lock()
         self._failure: str | None = None  # why the client stopped, for the error of later calls
         authkey = secrets.token_bytes(32)

@@ -116,6 +116,7 @@ class RayEngineReplicas:
             # One GPU per rank of the replica's engine (its client-mode workers each take one).
             replica_resources = {"num_gpus": config.world_size} if has_gpus else {"num_cpus": 1}
         self.num_replicas = num_replicas
+        self.preset = engine_kwargs.get("preset")  # as Cosmos3Engine.preset: the envs and agents on it take it
         actor_class = ray.remote(_EngineReplica).options(**replica_resources)
         self._replicas = [actor_class.remote(str(path_or_id), engine_kwargs) for _ in range(num_replicas)]
         self._closed = False
