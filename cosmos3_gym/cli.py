@@ -169,9 +169,9 @@ def add_infer_command(sub) -> None:
 
 def _infer_settings(args: argparse.Namespace) -> dict:
     """The request settings: flags, else the checkpoint's meta.json, else ``INFER_FALLBACKS``."""
-    from .evaluation import checkpoint_env_defaults
+    from .checkpoint import checkpoint_defaults
 
-    recorded = checkpoint_env_defaults(args.checkpoint)
+    recorded = checkpoint_defaults(args.checkpoint)
     given = dict(domain=args.domain_name, raw_action_dim=args.raw_action_dim, chunk=args.chunk, fps=args.fps,
                  resolution_tier=args.resolution_tier, num_steps=args.num_steps, guidance_scale=args.guidance_scale)
     settings = {}
@@ -219,11 +219,11 @@ def run_infer(args: argparse.Namespace) -> None:
 
     from . import processor
     from .engine import Cosmos3Engine, Cosmos3Request
-    from .evaluation import resolve_checkpoint_name
+    from .checkpoint import resolve_checkpoint
     from .launcher import load_engine
     from .media import write_video
 
-    args.checkpoint = str(resolve_checkpoint_name(args.checkpoint))
+    args.checkpoint = str(resolve_checkpoint(args.checkpoint))
     settings = _infer_settings(args)
     actions = None
     if args.action_file:

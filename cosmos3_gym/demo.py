@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 
 from .errors import CheckpointError, InputError
-from .evaluation import EvalReport, checkpoint_env_defaults, evaluate_checkpoint, evaluate_policy
+from .checkpoint import checkpoint_defaults
+from .evaluation import EvalReport, evaluate_checkpoint, evaluate_policy
 from .policy_specs import load_policy
 
 __all__ = ["DEMO_IMAGE", "DEMO_TASK", "cached_tiny_checkpoint", "run_demo", "tiny_checkpoint_cache_dir"]
@@ -88,7 +89,7 @@ def run_demo(
                            progress)
     random_weights = checkpoint is None
     checkpoint = cached_tiny_checkpoint() if checkpoint is None else checkpoint
-    recorded = checkpoint_env_defaults(checkpoint)
+    recorded = checkpoint_defaults(checkpoint)
     return evaluate_checkpoint(
         checkpoint, out_dir, policy=policy, episodes=episodes, num_envs=min(episodes, 8), initial_states=DEMO_IMAGE,
         task=DEMO_TASK, max_episode_steps=steps_per_episode, domain=recorded.get("domain", "pusht"),

@@ -46,7 +46,9 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
 from tqdm.auto import tqdm
 
 from .agents import PolicyAgent
-from .errors import CheckpointError, InputError
+from .checkpoint import checkpoint_defaults, resolve_checkpoint
+from .envs.initial_states import read_initial_states_archive
+from .errors import InputError
 from .media import write_video
 from .policy_specs import RandomPolicy, load_policy
 from .statistics import check_confidence, describe_mean_interval, mean_interval, student_t_quantile, wilson_interval
@@ -59,12 +61,10 @@ __all__ = [
     "RandomPolicy",
     "Summary",
     "cached_tiny_checkpoint",
-    "checkpoint_env_defaults",
     "evaluate_checkpoint",
     "evaluate_policy",
     "load_policy",
     "mean_interval",
-    "resolve_checkpoint_name",
     "run_demo",
     "student_t_quantile",
     "tiny_checkpoint_cache_dir",
@@ -522,10 +522,7 @@ def _max_episode_steps(env: Any) -> int | None:
     spec = getattr(env, "spec", None)
     if getattr(spec, "max_episode_steps", None):
         return int(spec.max_episode_steps)
-    unwrapped = getattr(env, "unwrapped", env)
-    settings = getattr(unwrapped, "settings", None) or getattr(unwrapped, "_core", None)
-    # `settings` is the WorldModelSettings of issue 19; `_core` the envs' shared core before it (same attribute).
-    value = getattr(settings, "max_episode_steps", None)
+    value = getattr(getattr(getattr(env, "unwrapped", env), "settings", None), "max_episode_steps", None)
     return int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else None
 
 
@@ -533,63 +530,9 @@ def _max_episode_steps(env: Any) -> int | None:
 # Evaluating a checkpoint (the CLI's `eval`)
 # ---------------------------------------------------------------------------------------------------------------
 
-BUILTIN_NAMES = ("pusht", "builtin:pusht")
-# meta.json keys a checkpoint may carry for the env; the rest of meta.json describes training.
-_META_ENV_KEYS = ("domain", "raw_action_dim", "chunk", "resolution_tier", "fps", "num_steps", "guidance_scale",
-                  "task", "success_threshold", "max_episode_steps")
 # Used where neither the user nor the checkpoint gives a setting.
 FALLBACK_ENV_SETTINGS = dict(domain="droid_lerobot", chunk=32, resolution_tier=480, fps=15.0, num_steps=4,
                              guidance_scale=3.0, max_episode_steps=10)
-
-
-def resolve_checkpoint_name(checkpoint: str | os.PathLike) -> str | os.PathLike:
-    """``"pusht"`` / ``"builtin:pusht"`` -> the built-in PushT checkpoint folder; anything else unchanged."""
-    if str(checkpoint) not in BUILTIN_NAMES:
-        return checkpoint
-    from .envs.pusht import load_pusht_assets
-
-    return load_pusht_assets().checkpoint  # CheckpointError saying how to get it when it is not installed
-
-
-def checkpoint_env_defaults(checkpoint: str | os.PathLike) -> dict[str, Any]:
-    """The env settings a checkpoint carries: the ``meta.json`` entries domain, raw_action_dim, chunk,
-    resolution_tier, fps, num_steps, guidance_scale, task, success_threshold and max_episode_steps; for a checkpoint
-    inside a PushT model folder (the built-in one, or one of ``benchmarks/recipes/train_pusht.py``) also its reward
-    model, start frames and action statistics. Empty for checkpoints without a ``meta.json`` (hub ids, converted
-    releases).
-
-    (A local reader until ``checkpoint.checkpoint_defaults`` of issue 20 is merged.)"""
-    checkpoint = resolve_checkpoint_name(checkpoint)
-    path = Path(checkpoint).expanduser() / "meta.json"
-    if not path.is_file():
-        return {}
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"checkpoint: cannot read {path}: {error}") from error
-    defaults = {key: meta[key] for key in _META_ENV_KEYS if key in meta}
-    root = path.parent.parent
-    if (root / "reward_model" / "config.json").is_file() and (root / "initial_states.npz").is_file():
-        from .envs.pusht import load_pusht_assets, pusht_env_defaults
-
-        pusht = pusht_env_defaults(load_pusht_assets(root))
-        defaults.update({key: pusht[key] for key in ("reward_model", "initial_states", "action_stats") if key in pusht})
-    return defaults
-
-
-def _initial_states_argument(initial_states: Any) -> Any:
-    """An ``.npz`` of start frames ``[N, H, W, 3]`` (the PushT layout) becomes its N states; the env would read the
-    file as one state and start every episode from its first frame."""
-    if isinstance(initial_states, (str, os.PathLike)) and str(initial_states).endswith(".npz"):
-        path = Path(initial_states).expanduser()
-        if path.is_file():
-            with np.load(path, allow_pickle=False) as archive:
-                multiple = "frames" in archive.files and archive["frames"].ndim == 4
-            if multiple:
-                from .envs.pusht import read_initial_states
-
-                return read_initial_states(path)
-    return initial_states
 
 
 def evaluate_checkpoint(
@@ -626,8 +569,8 @@ def evaluate_checkpoint(
     of ``num_envs`` slots, evaluate ``policy`` (a ``policy_specs`` spec) for ``episodes`` episodes and write
     ``out_dir/report.json`` and the episode videos.
 
-    Settings left at None come from the checkpoint (``checkpoint_env_defaults``: its meta.json, and for a PushT
-    model folder its reward model and start frames), else ``FALLBACK_ENV_SETTINGS``; each setting given that differs
+    Settings left at None come from the checkpoint (``checkpoint.checkpoint_defaults``: its meta.json, with its
+    reward model, start frames and action statistics), else ``FALLBACK_ENV_SETTINGS``; each setting given that differs
     from the checkpoint's is reported through ``log`` (default: stderr) and in the report's ``overrides``.
     ``observation_size``: the policy's image size (an int for square images), as ``WorldModelEnv``'s.
     ``reward_bounds``: the per-step reward's range (default: [0, 1] for a classifier reward model, which scores
@@ -636,8 +579,8 @@ def evaluate_checkpoint(
     from .envs import WorldModelVectorEnv
 
     log = log if log is not None else (lambda message: print(message, file=sys.stderr))
-    checkpoint = resolve_checkpoint_name(checkpoint)
-    recorded = checkpoint_env_defaults(checkpoint)
+    checkpoint = resolve_checkpoint(checkpoint)
+    recorded = checkpoint_defaults(checkpoint)
     given = dict(domain=domain, raw_action_dim=raw_action_dim, chunk=chunk, resolution_tier=resolution_tier, fps=fps,
                  num_steps=num_steps, guidance_scale=guidance_scale, task=task, reward_model=reward_model,
                  success_threshold=success_threshold, max_episode_steps=max_episode_steps,
@@ -666,9 +609,17 @@ def evaluate_checkpoint(
         settings["action_stats"] = recorded["action_stats"]
     if isinstance(observation_size, (int, np.integer)) and not isinstance(observation_size, bool):
         observation_size = (int(observation_size), int(observation_size))
+    initial_states = settings["initial_states"]
+    if isinstance(initial_states, (str, os.PathLike)) and Path(initial_states).suffix == ".npz":
+        # A start-frames archive (frames [N, H, W, 3], as checkpoints carry) is N states, read as checkpoint_defaults
+        # reads them; the env itself takes any other .npz as one state.
+        try:
+            initial_states = read_initial_states_archive(Path(initial_states).expanduser())
+        except InputError:
+            pass
     out_dir = Path(out_dir)
     env = WorldModelVectorEnv(
-        num_envs, checkpoint, **{**settings, "initial_states": _initial_states_argument(settings["initial_states"])},
+        num_envs, checkpoint, **{**settings, "initial_states": initial_states},
         observation_size=observation_size, return_frames=max_videos > 0, device=device, dtype=dtype,
     )
     try:

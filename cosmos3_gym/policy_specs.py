@@ -289,21 +289,7 @@ def load_policy(spec: str, env: Any, *, seed: int | None = 0) -> Any:
 def _policy_agent(env: Any, seed: int | None) -> Any:
     from .agents import PolicyAgent
 
-    from_env = getattr(PolicyAgent, "from_env", None)
-    if from_env is not None:
-        return from_env(env, seed=seed)
-    # Until PolicyAgent.from_env exists: the envs' shared core holds the values the env was built with.
-    core = getattr(getattr(env, "unwrapped", env), "_core", None)
-    if core is None:
-        raise InputError(
-            f"policy: 'agent' needs a cosmos3_gym world-model env (WorldModelEnv / WorldModelVectorEnv), got "
-            f"{type(env).__name__}."
-        )
-    return PolicyAgent(
-        engine=core.engine, domain=core.domain, raw_action_dim=core.raw_action_dim, chunk=core.chunk,
-        num_steps=core.num_steps, guidance_scale=core.guidance_scale, resolution_tier=core.resolution_tier,
-        fps=core.fps, seed=seed,
-    )
+    return PolicyAgent.from_env(env, seed=seed)  # InputError naming the env where it is not a world-model env
 
 
 def _import_attribute(module_name: str, attribute: str, spec: str) -> Any:

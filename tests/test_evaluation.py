@@ -19,6 +19,7 @@ from gymnasium.vector import AutoresetMode
 from PIL import Image
 
 from cosmos3_gym.agents import PolicyAgent
+from cosmos3_gym.checkpoint import checkpoint_defaults
 from cosmos3_gym.cli import main
 from cosmos3_gym.engine import Cosmos3Engine
 from cosmos3_gym.envs import WorldModelEnv, WorldModelVectorEnv
@@ -27,7 +28,6 @@ from cosmos3_gym import evaluation, policy_specs, statistics
 from cosmos3_gym.evaluation import (
     RandomPolicy,
     cached_tiny_checkpoint,
-    checkpoint_env_defaults,
     evaluate_policy,
     load_policy,
     mean_interval,
@@ -378,7 +378,7 @@ def test_eval_takes_env_settings_from_meta_json(tiny_checkpoint, image_path, tmp
     checkpoint = shutil.copytree(tiny_checkpoint, tmp_path / "trained")
     (checkpoint / "meta.json").write_text(json.dumps({"domain": "pusht", "raw_action_dim": 2, "chunk": 4,
                                                       "resolution_tier": 256, "fps": 10.0, "image_size": [96, 128]}))
-    assert checkpoint_env_defaults(checkpoint) == {"domain": "pusht", "raw_action_dim": 2, "chunk": 4,
+    assert checkpoint_defaults(checkpoint) == {"domain": "pusht", "raw_action_dim": 2, "chunk": 4,
                                                    "resolution_tier": 256, "fps": 10.0}
     out = tmp_path / "eval"
     assert main(["eval", "--checkpoint", str(checkpoint), "--policy", "random", "--episodes", "1", "--initial-states",
