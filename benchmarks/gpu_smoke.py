@@ -38,7 +38,7 @@ def main() -> None:
     for mode in ("policy", "forward_dynamics", "inverse_dynamics"):
         request = Cosmos3Request(
             mode=mode, observation=image if mode != "inverse_dynamics" else [image] * 9, task="push the block",
-            actions=actions if mode == "forward_dynamics" else None, domain="pusht", chunk=8, num_steps=4,
+            action=actions if mode == "forward_dynamics" else None, domain="pusht", chunk=8, num_inference_steps=4,
             guidance_scale=3.0, seed=0, resolution_tier=256,
         )
         seconds, _ = timed(lambda: bf16.step(request, decode=True), repeats=3)

@@ -97,8 +97,8 @@ def diffusers_request(pipe, mode, image, chunk, steps, guidance, fps, tier, acti
 def our_request(mode, image, chunk, steps, guidance, fps, tier, actions=None):
     return Cosmos3Request(
         mode=mode, observation=image if mode != "inverse_dynamics" else [image] * (chunk + 1),
-        task="pick up the cup and put it in the bowl", actions=actions, domain="droid_lerobot", chunk=chunk,
-        num_steps=steps, guidance_scale=guidance, fps=fps, seed=0, resolution_tier=tier,
+        task="pick up the cup and put it in the bowl", action=actions, domain="droid_lerobot", chunk=chunk,
+        num_inference_steps=steps, guidance_scale=guidance, fps=fps, seed=0, resolution_tier=tier,
     )
 
 

@@ -184,7 +184,8 @@ def policy_request(args) -> Cosmos3Request:
     task = "pick up the red cube and place it in the green bowl on the left side of the table"
     return Cosmos3Request(
         "policy", frame, task, domain="droid_lerobot" if not args.tiny else "pusht", chunk=args.chunk,
-        num_steps=args.steps, guidance_scale=args.guidance, seed=1234, resolution_tier=480 if not args.tiny else 256,
+        num_inference_steps=args.steps, guidance_scale=args.guidance, seed=1234,
+        resolution_tier=480 if not args.tiny else 256,
     )
 
 

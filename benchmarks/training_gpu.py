@@ -65,7 +65,7 @@ def main() -> None:
         request = Cosmos3Request(
             mode=mode, observation=frames[: args.chunk + 1] if mode == "inverse_dynamics" else frames[0],
             task="move the red square", domain="pusht", chunk=args.chunk, resolution_tier=256, fps=10.0, seed=0,
-            actions=np.zeros((args.chunk, 2), np.float32) if mode == "forward_dynamics" else None,
+            action=np.zeros((args.chunk, 2), np.float32) if mode == "forward_dynamics" else None,
         )
         seconds, _, result = timed(lambda: engine.step(request), repeats=1, warmup=1, keep_output=True)
         report["engine"][mode] = {"seconds": seconds, "action_shape": list(result.action.shape),

@@ -164,7 +164,7 @@ def test_fp8_engine_with_compile_and_cuda_graphs_matches_bf16_closely(tiny_check
     rng = np.random.default_rng(0)
     observation = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
     request = Cosmos3Request(mode="policy", observation=observation, task="push the block", domain="pusht", chunk=8,
-                             num_steps=2, guidance_scale=2.0, seed=0, resolution_tier=256)
+                             num_inference_steps=2, guidance_scale=2.0, seed=0, resolution_tier=256)
     results = {}
     for precision in ("bf16", "fp8"):
         engine = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", precision=precision, optimize=True,

@@ -198,7 +198,7 @@ def test_mode_masks_equal_the_engine(engine, dataset):
     for mode_index, mode in enumerate(("policy", "forward_dynamics", "inverse_dynamics")):
         prepared = engine.prepare(Cosmos3Request(
             mode=mode, observation=frames if mode == "inverse_dynamics" else frames[0], task=TASK, domain="pusht",
-            actions=np.zeros((CHUNK, 2), np.float32) if mode == "forward_dynamics" else None, chunk=CHUNK,
+            action=np.zeros((CHUNK, 2), np.float32) if mode == "forward_dynamics" else None, chunk=CHUNK,
             resolution_tier=TIER, fps=FPS,
         ))
         latent_t = prepared.latent_thw[0]
@@ -309,8 +309,8 @@ def test_exported_checkpoint_runs_every_mode_and_loads_in_diffusers(trained, eng
     for mode in ("policy", "forward_dynamics", "inverse_dynamics"):
         result = engine.step(Cosmos3Request(
             mode=mode, observation=frames[: CHUNK + 1] if mode == "inverse_dynamics" else frames[0], task=TASK,
-            actions=np.zeros((CHUNK, 2), np.float32) if mode == "forward_dynamics" else None, domain="pusht",
-            chunk=CHUNK, num_steps=2, resolution_tier=TIER, fps=FPS, seed=0,
+            action=np.zeros((CHUNK, 2), np.float32) if mode == "forward_dynamics" else None, domain="pusht",
+            chunk=CHUNK, num_inference_steps=2, resolution_tier=TIER, fps=FPS, seed=0,
         ), decode=False)
         assert result.action.shape == (CHUNK, 2) and np.isfinite(result.action).all()
         assert result.video_latents.shape == (16, 2, 4, 4) and torch.isfinite(result.video_latents).all()
@@ -339,8 +339,8 @@ def test_overfitting_one_window_improves_forward_dynamics(work, vae_dir):
             mode="inverse_dynamics", observation=episode["frames"], domain="pusht", chunk=CHUNK, resolution_tier=TIER,
         )).x0_video[0]
         result = model.step(Cosmos3Request(
-            mode="forward_dynamics", observation=episode["frames"][0], task=TASK, actions=actions, domain="pusht",
-            chunk=CHUNK, num_steps=4, guidance_scale=1.0, resolution_tier=TIER, fps=FPS, seed=0,
+            mode="forward_dynamics", observation=episode["frames"][0], task=TASK, action=actions, domain="pusht",
+            chunk=CHUNK, num_inference_steps=4, guidance_scale=1.0, resolution_tier=TIER, fps=FPS, seed=0,
         ), decode=False)
         errors[name] = (result.video_latents[:, 1:] - truth[:, 1:]).square().mean().item()
     assert errors["trained"] < 0.3 * errors["untrained"], errors
@@ -528,12 +528,12 @@ def test_rollout_frame_is_what_the_env_hands_to_the_next_chunk(engine, trained, 
     assert int(windows.start[previous]) == 0 and int(windows.episode_index[previous]) == 1
     frames = np.load(read_dataset(dataset).episode_paths[1])["frames"]
     result = engine.step(Cosmos3Request(
-        mode="forward_dynamics", observation=frames[0], actions=windows.actions[previous].numpy(), task=TASK,
-        domain="pusht", chunk=CHUNK, num_steps=4, guidance_scale=1.0, resolution_tier=TIER, fps=FPS, seed=7,
+        mode="forward_dynamics", observation=frames[0], action=windows.actions[previous].numpy(), task=TASK,
+        domain="pusht", chunk=CHUNK, num_inference_steps=4, guidance_scale=1.0, resolution_tier=TIER, fps=FPS, seed=7,
     ))
     handed_over = to_uint8(result.pixels[:, -1].permute(1, 2, 0).numpy())
     expected = engine.prepare(Cosmos3Request(
-        mode="forward_dynamics", observation=handed_over, actions=np.zeros((CHUNK, 2), np.float32), task=TASK,
+        mode="forward_dynamics", observation=handed_over, action=np.zeros((CHUNK, 2), np.float32), task=TASK,
         domain="pusht", chunk=CHUNK, resolution_tier=TIER, fps=FPS,
     )).x0_video
     # The rollout draws its noise first from the generator, as the engine draws a request's noise from its seed.
