@@ -21,7 +21,8 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     out, work = tmp_path / "out", tmp_path / "work"
-    common = ["--tiny", "--work", str(work), "--no-progress", "--device", "cpu"]
+    common = ["--tiny", "--work", str(work), "--scratch", str(tmp_path / "scratch"), "--no-progress", "--device",
+              "cpu"]
     recipe.main([*common, "--out", str(tmp_path / "first"), "--stages", "demos,bc,eval_bc"])
     # A second run with a fresh --out (another GPU call) continues from --work.
     results = recipe.main([*common, "--out", str(out), "--stages", "grpo_sim,grpo_wm,eval"])
