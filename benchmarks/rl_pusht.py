@@ -7,11 +7,11 @@ gym-pusht on held-out seeds.
     python benchmarks/rl_pusht.py --stages grpo_wm,eval --resume  # continue a GRPO run from its checkpoint
 
 Two device calls of under 9 minutes each (one H100/H200, 16 cores): the first writes its small files (policies,
-starts, results, GRPO checkpoints: a few MB) into ``$OUT/rl_work``, which comes back; the second gets that folder
-carried into the repo and names it as ``--work``::
+starts, results, GRPO checkpoints: a few MB) into ``$OUT/rl_work``, which comes back; copy that folder to
+``runs/rl_pusht_work`` (git-ignored) and carry it into the second, which names it as ``--work``::
 
-    python benchmarks/rl_pusht.py --out $OUT --work $OUT/rl_work --stages demos,bc,eval_bc,grpo_sim   # ~5 min
-    python benchmarks/rl_pusht.py --out $OUT --work rl_work --stages grpo_wm,eval                     # ~6 min
+    python benchmarks/rl_pusht.py --out $OUT --work $OUT/rl_work --stages demos,bc,eval_bc,grpo_sim     # ~5 min
+    python benchmarks/rl_pusht.py --out $OUT --work runs/rl_pusht_work --stages grpo_wm,eval            # ~6 min
 
 Stages (``--stages``, comma-separated, in this order):
 
@@ -180,7 +180,7 @@ def stage_demos(run: Run) -> None:
     run.scratch.mkdir(parents=True, exist_ok=True)
     np.save(run.scratch / "demo_observations.npy", demos["observations"])
     np.save(run.scratch / "demo_action_chunks.npy", demos["action_chunks"])
-    # Starts: every start_stride-th step of the successful demonstrations, up to their last (solved) step.
+    # Starts: every start_stride-th step of the demonstrations (noisy ones too: they are real states).
     episodes = [e for e in demos["episodes"] if e["steps"] > 0]
     starts = DemoStartStates.from_episodes(episodes, stride=args.start_stride, image_size=run.image_size)
     starts.save(run.work / "starts.npz")
@@ -446,7 +446,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--bc-seconds", type=float, default=None,
                         help="BC wall-clock budget: fewer than --bc-steps if they would not fit (default 150; --tiny "
                              "none)")
-    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    # 3e-4 moved the BC policy out of any trust region in the first update (clip fraction 0.8, approx KL 1.6 on the
+    # H200 run of 2026-11-26): fine-tuning a cloned policy takes a smaller step.
+    parser.add_argument("--learning-rate", type=float, default=3e-5, help="GRPO's Adam step")
     parser.add_argument("--update-epochs", type=int, default=4)
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--entropy-coef", type=float, default=0.0)
