@@ -145,11 +145,12 @@ class Run:
                              f"bring that call's --work folder along and pass it as --work).")
         return DemoStartStates.load(path)
 
-    def eval_starts(self):
+    def eval_starts(self, first_seed: int | None = None):
         from cosmos3_gym.sim.starts import DemoStartStates
 
-        seeds = range(self.args.eval_seed, self.args.eval_seed + self.args.eval_episodes)
-        return DemoStartStates.from_seeds(seeds, image_size=self.image_size)
+        first_seed = self.args.eval_seed if first_seed is None else first_seed
+        return DemoStartStates.from_seeds(range(first_seed, first_seed + self.args.eval_episodes),
+                                          image_size=self.image_size)
 
     def sim_env(self, starts, num_envs: int, group_size: int, max_episode_steps: int):
         from cosmos3_gym.sim.pusht_vector_env import PushTSimVectorEnv
@@ -220,13 +221,15 @@ def stage_bc(run: Run) -> None:
                          "train_s": train_s, "ms_per_step": 1000 * train_s / len(losses)}
 
 
-def evaluate(run: Run, name: str) -> dict[str, Any]:
-    """The policy file ``name`` in gym-pusht from the held-out starts: success and final coverage with CIs."""
+def evaluate(run: Run, name: str, first_seed: int | None = None) -> dict[str, Any]:
+    """The policy file ``name`` in gym-pusht from the held-out starts (``--eval-seed``.., or ``first_seed``..):
+    success and final coverage with CIs."""
     from cosmos3_gym.sim.pusht_replay import evaluate_in_simulator
 
     args = run.args
+    first_seed = args.eval_seed if first_seed is None else first_seed
     policy = load_policy_file(run.existing_policy(name), device=args.device)
-    env = run.sim_env(run.eval_starts(), args.eval_episodes, 1, args.eval_chunks)
+    env = run.sim_env(run.eval_starts(first_seed), args.eval_episodes, 1, args.eval_chunks)
     try:
         started = time.perf_counter()
         episodes = evaluate_in_simulator(policy, env, np.arange(args.eval_episodes), args.eval_chunks)
@@ -237,7 +240,7 @@ def evaluate(run: Run, name: str) -> dict[str, Any]:
     coverage = episodes["final_coverage"]
     return {
         "episodes": int(len(success)),
-        "eval_seeds": [args.eval_seed, args.eval_seed + args.eval_episodes - 1],
+        "eval_seeds": [first_seed, first_seed + args.eval_episodes - 1],
         "success_rate": float(success.mean()),
         "success_rate_wilson95": list(wilson_interval(int(success.sum()), len(success))),
         "mean_final_coverage": float(coverage.mean()),
@@ -264,6 +267,11 @@ def paired_difference(run: Run, key: str) -> dict[str, Any]:
 
 def stage_eval_bc(run: Run) -> None:
     run.results.setdefault("bc", {})["eval"] = evaluate(run, "bc")
+    # The same from the demonstrations' own start seeds: far above the held-out rate means the policy memorised
+    # (more demos); as low means it cannot even follow its training data (capacity, labels, or the env/demo match).
+    training = evaluate(run, "bc", first_seed=run.args.seed)
+    run.results["bc"]["eval_on_demo_seeds"] = {key: value for key, value in training.items()
+                                               if not key.startswith("per_episode")}
 
 
 def world_model_env(run: Run, starts, guard_horizon: int):
