@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="comma-separated px stds of the noise demonstrations execute (DART; one per episode)")
     parser.add_argument("--bc-loss", choices=("l1", "mse"), default="l1")
     parser.add_argument("--bc-seconds", type=float, default=None,
-                        help="BC wall-clock budget: fewer than --bc-steps if they would not fit (default 150; --tiny "
+                        help="BC wall-clock budget: fewer than --bc-steps if they would not fit (default 120; --tiny "
                              "none)")
     # 3e-4 moved the BC policy out of any trust region in the first update (clip fraction 0.8, approx KL 1.6 on the
     # H200 run of 2026-11-26): fine-tuning a cloned policy takes a smaller step.
@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     if args.bc_seconds is None and not args.tiny:
-        args.bc_seconds = 150.0
+        args.bc_seconds = 120.0
     stages = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:
