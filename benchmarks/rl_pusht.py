@@ -105,6 +105,9 @@ class Run:
         self.results: dict[str, Any] = json.loads(earlier.read_text()) if earlier.is_file() else {}
         self.results.setdefault("policies", {})
         self.results.setdefault("timings", {})
+        # "provenance" and "settings" are this call's; every call's command stays listed here.
+        self.results.setdefault("calls", []).append(
+            {"command": " ".join(["benchmarks/rl_pusht.py", *args.argv]), "stages": args.stages})
         from cosmos3_gym.envs.pusht import load_pusht_assets
         from cosmos3_gym.processor import ActionStats
 

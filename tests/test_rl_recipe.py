@@ -35,6 +35,7 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     assert saved["provenance"]["commit"] == "test" and "rl_pusht.py" in saved["provenance"]["command"]
     assert saved["bc"]["eval"]["episodes"] == 3 and "demos" in saved  # kept from the first run
     assert saved["bc"]["eval_on_demo_seeds"]["eval_seeds"] == [0, 2] and saved["bc"]["steps"] == 4
+    assert [call["stages"] for call in saved["calls"]] == ["demos,bc,eval_bc", "grpo_sim,grpo_wm,eval"]
     world_model = saved["grpo_world_model"]
     assert len(world_model["history"]) == 2 and all(r["guard"] for r in world_model["history"])
     assert world_model["reward_check"]["replayed_episodes"] == 8
