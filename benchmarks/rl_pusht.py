@@ -8,10 +8,12 @@ gym-pusht on held-out seeds.
 
 Two device calls of under 9 minutes each (one H100/H200, 16 cores): the first writes its small files (policies,
 starts, results, GRPO checkpoints: a few MB) into ``$OUT/rl_work``, which comes back; copy that folder to
-``runs/rl_pusht_work`` (git-ignored) and carry it into the second, which names it as ``--work``::
+``runs/rl_pusht_work`` (git-ignored) and carry it into the second, which works on a writable copy of it under
+``$OUT`` (so its GRPO checkpoint comes back too, for ``--resume``)::
 
     python benchmarks/rl_pusht.py --out $OUT --work $OUT/rl_work --stages demos,bc,eval_bc,grpo_sim     # ~5 min
-    python benchmarks/rl_pusht.py --out $OUT --work runs/rl_pusht_work --stages grpo_wm,eval            # ~6 min
+    cp -r runs/rl_pusht_work $OUT/rl_work && chmod -R u+w $OUT/rl_work &&
+    python benchmarks/rl_pusht.py --out $OUT --work $OUT/rl_work --stages grpo_wm,eval                  # ~6 min
 
 Stages (``--stages``, comma-separated, in this order):
 
