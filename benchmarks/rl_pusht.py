@@ -4,16 +4,26 @@ gym-pusht on held-out seeds.
 
     python benchmarks/rl_pusht.py --tiny                          # CPU dry run of every stage (about a minute)
     python benchmarks/rl_pusht.py --out $OUT                      # one GPU + 16 CPU cores, all stages
-    python benchmarks/rl_pusht.py --stages demos,bc,eval_bc       # parts; later stages read --work
     python benchmarks/rl_pusht.py --stages grpo_wm,eval --resume  # continue a GRPO run from its checkpoint
+
+Two device calls of under 9 minutes each (one H100/H200, 16 cores): the first writes its small files (policies,
+starts, results, GRPO checkpoints: a few MB) into ``$OUT/rl_work``, which comes back; copy that folder to
+``runs/rl_pusht_work`` (git-ignored) and carry it into the second, which works on a writable copy of it under
+``$OUT`` (so its GRPO checkpoint comes back too, for ``--resume``)::
+
+    python benchmarks/rl_pusht.py --out $OUT --work $OUT/rl_work --stages demos,bc,eval_bc,grpo_sim     # ~5 min
+    cp -r runs/rl_pusht_work $OUT/rl_work && chmod -R u+w $OUT/rl_work &&
+    python benchmarks/rl_pusht.py --out $OUT --work $OUT/rl_work --stages grpo_wm,eval                  # ~6 min
 
 Stages (``--stages``, comma-separated, in this order):
 
 1. ``demos``: ``--demo-episodes`` scripted-pusher demonstrations in gym-pusht (``sim.pusht_demos``; seeds 0..,
    ``--workers`` processes): 96 x 96 observations and the next 8 normalised actions of every ``--demo-stride``-th
    step for BC, and the simulator state of every step, from which ``--start-stride``-spaced steps become the RL
-   start states (``DemoStartStates``: rollouts start mid-task too).
-2. ``bc``: ``PixelGaussianPolicy`` fitted to the demonstrations (``rl.bc``).
+   start states (``DemoStartStates``: rollouts start mid-task too). A share of the episodes executes noisy actions
+   (``--execution-noise`` px, DART) labelled with the clean scripted ones, so BC sees how to recover.
+2. ``bc``: ``PixelGaussianPolicy`` fitted to the demonstrations (``rl.bc``; the data set on the GPU, L1 loss,
+   ``--bc-steps`` or as many as fit in ``--bc-seconds``).
 3. ``eval_bc``: the BC policy in gym-pusht from ``--eval-episodes`` held-out starts (gym-pusht seeds
    ``--eval-seed``.., none used in training) for ``--eval-chunks`` chunks: success (coverage >= 0.95 at some step,
    gym-pusht's success) with a Wilson 95 % CI and mean final coverage with a t 95 % CI.
@@ -31,8 +41,9 @@ Writes ``rl_pusht.json`` (card, commit, command; ``policies``: ``bc``, ``grpo_si
 repo-relative policy files; every stage's numbers and wall clock; per-iteration histories) and ``rl_pusht.png``
 (curves) to ``--out`` (default ``$OUT`` or benchmarks/results), and the three policy files (under 1 MB each) to
 ``<out>/policies/`` (commit them as ``benchmarks/results/policies/``). Intermediate files (demonstrations, GRPO
-checkpoints) and a copy of the results and policies go to ``--work`` (default /tmp/cosmos3_gym_rl_pusht), which
-stages run separately share (the results of earlier stages are read back from ``--out``, else from ``--work``).
+checkpoints) and a copy of the results and policies go to ``--work`` (default /tmp/cosmos3_gym_rl_pusht; a few MB),
+which stages run separately share (the results of earlier stages are read back from ``--out``, else from ``--work``);
+the demonstrations for BC (GBs) go to ``--scratch`` and are needed only by the ``bc`` stage.
 Needs gym-pusht (the ``sim`` extra).
 """
 
@@ -67,7 +78,7 @@ STAGES = ("demos", "bc", "eval_bc", "grpo_sim", "grpo_wm", "eval")
 WORLDS = {"grpo_sim": "grpo_simulator", "grpo_wm": "grpo_world_model"}
 RESULTS_NAME = "rl_pusht.json"
 REPO_POLICY_DIR = "benchmarks/results/policies"
-FULL = dict(demo_episodes=400, demo_max_steps=300, demo_stride=1, start_stride=8, bc_steps=4000, bc_batch_size=256,
+FULL = dict(demo_episodes=1000, demo_max_steps=300, demo_stride=1, start_stride=8, bc_steps=40000, bc_batch_size=256,
             eval_episodes=200, eval_chunks=38, num_envs=64, group_size=8, horizon=10, iterations=20, minibatch_size=512,
             workers=16)
 TINY = dict(demo_episodes=3, demo_max_steps=24, demo_stride=4, start_stride=8, bc_steps=4, bc_batch_size=8,
@@ -87,6 +98,7 @@ class Run:
         self.out = results_dir(args.out)
         self.work = Path(args.work)
         self.work.mkdir(parents=True, exist_ok=True)
+        self.scratch = Path(args.scratch)
         # Policies and results live in --work (stages run in separate processes, even machines with a fresh --out,
         # share it) and are copied to --out after every stage.
         self.policy_dir = self.work / "policies"
@@ -95,6 +107,9 @@ class Run:
         self.results: dict[str, Any] = json.loads(earlier.read_text()) if earlier.is_file() else {}
         self.results.setdefault("policies", {})
         self.results.setdefault("timings", {})
+        # "provenance" and "settings" are this call's; every call's command stays listed here.
+        self.results.setdefault("calls", []).append(
+            {"command": " ".join(["benchmarks/rl_pusht.py", *args.argv]), "stages": args.stages})
         from cosmos3_gym.envs.pusht import load_pusht_assets
         from cosmos3_gym.processor import ActionStats
 
@@ -105,6 +120,13 @@ class Run:
 
     def policy_path(self, name: str) -> Path:
         return self.policy_dir / f"rl_pusht_{name}.safetensors"
+
+    def existing_policy(self, name: str) -> Path:
+        path = self.policy_path(name)
+        if not path.is_file():
+            raise SystemExit(f"{path} is missing: run the stage that trains it first with the same --work (in another "
+                             f"call: bring that call's --work folder along and pass it as --work).")
+        return path
 
     def record_policy(self, key: str, name: str) -> None:
         self.results["policies"][key] = f"{REPO_POLICY_DIR}/{self.policy_path(name).name}"
@@ -124,14 +146,16 @@ class Run:
 
         path = self.work / "starts.npz"
         if not path.is_file():
-            raise SystemExit(f"{path} is missing: run the 'demos' stage first (with the same --work).")
+            raise SystemExit(f"{path} is missing: run the 'demos' stage first (with the same --work; in another call: "
+                             f"bring that call's --work folder along and pass it as --work).")
         return DemoStartStates.load(path)
 
-    def eval_starts(self):
+    def eval_starts(self, first_seed: int | None = None):
         from cosmos3_gym.sim.starts import DemoStartStates
 
-        seeds = range(self.args.eval_seed, self.args.eval_seed + self.args.eval_episodes)
-        return DemoStartStates.from_seeds(seeds, image_size=self.image_size)
+        first_seed = self.args.eval_seed if first_seed is None else first_seed
+        return DemoStartStates.from_seeds(range(first_seed, first_seed + self.args.eval_episodes),
+                                          image_size=self.image_size)
 
     def sim_env(self, starts, num_envs: int, group_size: int, max_episode_steps: int):
         from cosmos3_gym.sim.pusht_vector_env import PushTSimVectorEnv
@@ -158,10 +182,11 @@ def stage_demos(run: Run) -> None:
     demos = generate_demonstrations(
         args.demo_episodes, action_stats=run.action_stats, seed=args.seed, max_steps=args.demo_max_steps,
         stride=args.demo_stride, chunk=run.chunk, image_size=run.image_size, workers=args.workers,
-        progress=not args.no_progress)
-    np.save(run.work / "demo_observations.npy", demos["observations"])
-    np.save(run.work / "demo_action_chunks.npy", demos["action_chunks"])
-    # Starts: every start_stride-th step of the successful demonstrations, up to their last (solved) step.
+        noise_levels=(0.0,), execution_noise=args.execution_noise, progress=not args.no_progress)
+    run.scratch.mkdir(parents=True, exist_ok=True)
+    np.save(run.scratch / "demo_observations.npy", demos["observations"])
+    np.save(run.scratch / "demo_action_chunks.npy", demos["action_chunks"])
+    # Starts: every start_stride-th step of the demonstrations (noisy ones too: they are real states).
     episodes = [e for e in demos["episodes"] if e["steps"] > 0]
     starts = DemoStartStates.from_episodes(episodes, stride=args.start_stride, image_size=run.image_size)
     starts.save(run.work / "starts.npz")
@@ -171,32 +196,45 @@ def stage_demos(run: Run) -> None:
         "scripted_mean_final_coverage": float(np.mean([e["final_coverage"] for e in demos["episodes"]])),
         "mean_steps": float(np.mean([e["steps"] for e in demos["episodes"]])),
         "bc_samples": int(len(demos["observations"])), "rl_starts": len(starts),
+        "execution_noise_px": list(args.execution_noise),
+        "success_rate_by_execution_noise": {
+            str(level): float(np.mean([e["success"] for e in demos["episodes"] if e["execution_noise"] == level]))
+            for level in sorted({e["execution_noise"] for e in demos["episodes"]})},
     }
 
 
 def stage_bc(run: Run) -> None:
     args = run.args
-    observations = np.load(run.work / "demo_observations.npy")
-    chunks = np.load(run.work / "demo_action_chunks.npy")
+    if not (run.scratch / "demo_observations.npy").is_file():
+        raise SystemExit(f"{run.scratch / 'demo_observations.npy'} is missing: run the 'demos' stage first, in the same "
+                         f"call or with the same --scratch.")
+    observations = np.load(run.scratch / "demo_observations.npy")
+    chunks = np.load(run.scratch / "demo_action_chunks.npy")
     torch.manual_seed(args.seed)
     policy = run.new_policy()
-    losses = train_bc(policy, observations, chunks, BCConfig(steps=args.bc_steps, batch_size=args.bc_batch_size,
-                                                            seed=args.seed), progress=not args.no_progress)
+    config = BCConfig(steps=args.bc_steps, batch_size=args.bc_batch_size, loss=args.bc_loss,
+                      max_seconds=args.bc_seconds, seed=args.seed)
+    started = time.perf_counter()
+    losses = train_bc(policy, observations, chunks, config, progress=not args.no_progress)
+    train_s = time.perf_counter() - started
     save_policy_file(policy, run.policy_path("bc"), trained_by="benchmarks/rl_pusht.py (bc)", samples=len(chunks),
-                     steps=args.bc_steps)
+                     steps=len(losses))
     run.record_policy("bc", "bc")
     every = max(1, len(losses) // 50)
     run.results["bc"] = {"loss": losses[::every] + [losses[-1]], "final_loss": losses[-1],
-                         "samples": int(len(chunks)), "steps": args.bc_steps}
+                         "samples": int(len(chunks)), "steps": len(losses), "config": asdict(config),
+                         "train_s": train_s, "ms_per_step": 1000 * train_s / len(losses)}
 
 
-def evaluate(run: Run, name: str) -> dict[str, Any]:
-    """The policy file ``name`` in gym-pusht from the held-out starts: success and final coverage with CIs."""
+def evaluate(run: Run, name: str, first_seed: int | None = None) -> dict[str, Any]:
+    """The policy file ``name`` in gym-pusht from the held-out starts (``--eval-seed``.., or ``first_seed``..):
+    success and final coverage with CIs."""
     from cosmos3_gym.sim.pusht_replay import evaluate_in_simulator
 
     args = run.args
-    policy = load_policy_file(run.policy_path(name), device=args.device)
-    env = run.sim_env(run.eval_starts(), args.eval_episodes, 1, args.eval_chunks)
+    first_seed = args.eval_seed if first_seed is None else first_seed
+    policy = load_policy_file(run.existing_policy(name), device=args.device)
+    env = run.sim_env(run.eval_starts(first_seed), args.eval_episodes, 1, args.eval_chunks)
     try:
         started = time.perf_counter()
         episodes = evaluate_in_simulator(policy, env, np.arange(args.eval_episodes), args.eval_chunks)
@@ -207,7 +245,7 @@ def evaluate(run: Run, name: str) -> dict[str, Any]:
     coverage = episodes["final_coverage"]
     return {
         "episodes": int(len(success)),
-        "eval_seeds": [args.eval_seed, args.eval_seed + args.eval_episodes - 1],
+        "eval_seeds": [first_seed, first_seed + args.eval_episodes - 1],
         "success_rate": float(success.mean()),
         "success_rate_wilson95": list(wilson_interval(int(success.sum()), len(success))),
         "mean_final_coverage": float(coverage.mean()),
@@ -234,6 +272,11 @@ def paired_difference(run: Run, key: str) -> dict[str, Any]:
 
 def stage_eval_bc(run: Run) -> None:
     run.results.setdefault("bc", {})["eval"] = evaluate(run, "bc")
+    # The same from the demonstrations' own start seeds: far above the held-out rate means the policy memorised
+    # (more demos); as low means it cannot even follow its training data (capacity, labels, or the env/demo match).
+    training = evaluate(run, "bc", first_seed=run.args.seed)
+    run.results["bc"]["eval_on_demo_seeds"] = {key: value for key, value in training.items()
+                                               if not key.startswith("per_episode")}
 
 
 def world_model_env(run: Run, starts, guard_horizon: int):
@@ -274,7 +317,7 @@ def stage_grpo(run: Run, stage: str) -> None:
     # Simulator workers fork before anything touches CUDA.
     replay_env = run.sim_env(starts, args.num_envs, 1, args.horizon) if stage == "grpo_wm" else None
     env = run.sim_env(starts, args.num_envs, args.group_size, args.horizon) if stage == "grpo_sim" else None
-    reference = load_policy_file(run.policy_path("bc"), device=args.device)
+    reference = load_policy_file(run.existing_policy("bc"), device=args.device)
     if stage == "grpo_wm":
         env = world_model_env(run, starts, args.horizon)
     guard = (lambda s, a, n: replay_in_simulator(replay_env, s, a, n)) if replay_env is not None else None
@@ -285,7 +328,7 @@ def stage_grpo(run: Run, stage: str) -> None:
             trainer = GRPOTrainer.load(checkpoint, env, device=args.device, reference=reference, guard=guard)
             print(f"{key}: resumed at iteration {trainer.iteration}", flush=True)
         else:
-            policy = load_policy_file(run.policy_path("bc"), device=args.device)
+            policy = load_policy_file(run.existing_policy("bc"), device=args.device)
             trainer = GRPOTrainer(policy, env, config, reference=reference, num_starts=len(starts), guard=guard)
         started = time.perf_counter()
         history = trainer.train(args.iterations, checkpoint_path=checkpoint, progress=not args.no_progress,
@@ -397,7 +440,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: tiny sizes and the tiny random model")
     parser.add_argument("--out", default=None, help="results folder (default: $OUT or benchmarks/results)")
-    parser.add_argument("--work", default="/tmp/cosmos3_gym_rl_pusht", help="intermediate files, shared by stages")
+    parser.add_argument("--work", default="/tmp/cosmos3_gym_rl_pusht",
+                        help="policies, starts, results, GRPO checkpoints (a few MB), shared by stages and calls")
+    parser.add_argument("--scratch", default="/tmp/cosmos3_gym_rl_pusht_scratch",
+                        help="the demonstrations for BC (GBs), from the demos stage to the bc stage")
     parser.add_argument("--assets", default=None, help="PushT world model folder (default: the built-in one)")
     parser.add_argument("--resume", action="store_true", help="continue GRPO from its checkpoint in --work")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -407,7 +453,15 @@ def main(argv: list[str] | None = None) -> dict:
     for name, default in FULL.items():
         if name != "workers":
             parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {default}")
-    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--execution-noise", type=_floats, default=(0.0, 8.0, 16.0),
+                        help="comma-separated px stds of the noise demonstrations execute (DART; one per episode)")
+    parser.add_argument("--bc-loss", choices=("l1", "mse"), default="l1")
+    parser.add_argument("--bc-seconds", type=float, default=None,
+                        help="BC wall-clock budget: fewer than --bc-steps if they would not fit (default 120; --tiny "
+                             "none)")
+    # 3e-4 moved the BC policy out of any trust region in the first update (clip fraction 0.8, approx KL 1.6 on the
+    # H200 run of 2026-11-26): fine-tuning a cloned policy takes a smaller step.
+    parser.add_argument("--learning-rate", type=float, default=3e-5, help="GRPO's Adam step")
     parser.add_argument("--update-epochs", type=int, default=4)
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--entropy-coef", type=float, default=0.0)
@@ -422,6 +476,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, value in (TINY if args.tiny else FULL).items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+    if args.bc_seconds is None and not args.tiny:
+        args.bc_seconds = 120.0
     stages = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:
@@ -450,6 +506,16 @@ def main(argv: list[str] | None = None) -> dict:
     return run.results
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated non-negative numbers, got {text!r}")
+    return values
+
+
 def print_summary(results: dict) -> None:
     for key in ("bc", "grpo_simulator", "grpo_world_model"):
         entry = results.get(key, {})
@@ -462,7 +528,7 @@ def print_summary(results: dict) -> None:
                 d = entry["vs_bc"]
                 ci = d["success_rate_difference_t95"] or (float("nan"), float("nan"))
                 line += f", vs BC {d['success_rate_difference']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]"
-            if "train_s" in entry:
+            if "env_steps" in entry:
                 line += f", trained {entry['train_s']:.0f} s for {entry['env_steps']} env steps"
             print(line)
 

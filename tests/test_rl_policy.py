@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import time
+
 import numpy as np
 import pytest
 import safetensors.torch
@@ -89,7 +91,8 @@ def test_random_shift_moves_images_by_whole_pixels_within_the_bound():
     assert torch.equal(shifted.sum((1, 2, 3)), torch.ones(64))
 
 
-def test_behaviour_cloning_learns_where_a_blob_is():
+@pytest.mark.parametrize("loss, drop", [("l1", 0.25), ("mse", 0.1)])
+def test_behaviour_cloning_learns_where_a_blob_is(loss, drop):
     # The target chunk points at a blob's position: BC must read positions off pixels (the PushT policy's job).
     rng = np.random.default_rng(0)
     positions = rng.uniform(-0.7, 0.7, (256, 2)).astype(np.float32)
@@ -100,10 +103,22 @@ def test_behaviour_cloning_learns_where_a_blob_is():
     chunks = np.repeat(positions[:, None], 8, axis=1)
     torch.manual_seed(0)
     policy = PixelGaussianPolicy(PolicyConfig(channels=(16, 16, 16, 16), hidden=64))
-    losses = train_bc(policy, frames, chunks, BCConfig(steps=150, batch_size=32, learning_rate=3e-3, shift=0),
-                      progress=False)
-    assert np.mean(losses[-10:]) < 0.1 * np.mean(losses[:5])
+    losses = train_bc(policy, frames, chunks, BCConfig(steps=150, batch_size=32, learning_rate=3e-3, shift=0,
+                                                       loss=loss), progress=False)
+    assert len(losses) == 150 and np.mean(losses[-10:]) < drop * np.mean(losses[:5])
     error = np.abs(policy({"image": frames[:32]}) - chunks[:32]).mean()
     assert error < 0.12
     with pytest.raises(InputError, match="action_chunks"):
         train_bc(policy, frames[:4], chunks[:4, :4], BCConfig(steps=1), progress=False)
+
+
+def test_behaviour_cloning_stops_within_its_time_budget():
+    frames = np.zeros((16, 96, 96, 3), np.uint8)
+    chunks = np.zeros((16, 8, 2), np.float32)
+    policy = PixelGaussianPolicy(PolicyConfig(channels=(4, 4), hidden=8))
+    started = time.perf_counter()
+    losses = train_bc(policy, frames, chunks, BCConfig(steps=10**6, batch_size=4, max_seconds=1.0), progress=False)
+    assert 60 <= len(losses) < 10**6 and time.perf_counter() - started < 5.0
+    for bad in (dict(loss="huber"), dict(max_seconds=0.0), dict(steps=0)):
+        with pytest.raises(InputError):
+            BCConfig(**bad)

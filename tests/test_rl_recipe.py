@@ -21,7 +21,8 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     out, work = tmp_path / "out", tmp_path / "work"
-    common = ["--tiny", "--work", str(work), "--no-progress", "--device", "cpu"]
+    common = ["--tiny", "--work", str(work), "--scratch", str(tmp_path / "scratch"), "--no-progress", "--device",
+              "cpu"]
     recipe.main([*common, "--out", str(tmp_path / "first"), "--stages", "demos,bc,eval_bc"])
     # A second run with a fresh --out (another GPU call) continues from --work.
     results = recipe.main([*common, "--out", str(out), "--stages", "grpo_sim,grpo_wm,eval"])
@@ -33,6 +34,8 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     saved = json.loads((out / "rl_pusht.json").read_text())
     assert saved["provenance"]["commit"] == "test" and "rl_pusht.py" in saved["provenance"]["command"]
     assert saved["bc"]["eval"]["episodes"] == 3 and "demos" in saved  # kept from the first run
+    assert saved["bc"]["eval_on_demo_seeds"]["eval_seeds"] == [0, 2] and saved["bc"]["steps"] == 4
+    assert [call["stages"] for call in saved["calls"]] == ["demos,bc,eval_bc", "grpo_sim,grpo_wm,eval"]
     world_model = saved["grpo_world_model"]
     assert len(world_model["history"]) == 2 and all(r["guard"] for r in world_model["history"])
     assert world_model["reward_check"]["replayed_episodes"] == 8

@@ -164,3 +164,27 @@ def test_replay_and_evaluation_in_the_simulator(episode):
         assert result["chunks"].tolist() == [2, 2] and result["success"].dtype == bool
     finally:
         env.close()
+
+
+def test_demonstrations_execute_noisy_actions_and_label_the_clean_ones():
+    from cosmos3_gym.sim.pusht_demos import generate_demonstrations
+    from cosmos3_gym.sim.pusht_policies import ScriptedPusher
+
+    common = dict(action_stats=STATS, seed=3, max_steps=12, chunk=4, image_size=(64, 64), observation_size=(32, 32),
+                  noise_levels=(0.0,), workers=1, progress=False)
+    clean = generate_demonstrations(1, execution_noise=(0.0,), **common)
+    noisy = generate_demonstrations(1, execution_noise=(20.0,), **common)
+    episode = noisy["episodes"][0]
+    assert episode["execution_noise"] == 20.0 and episode["steps"] == 12
+    assert noisy["observations"].shape == (12, 32, 32, 3) and noisy["action_chunks"].shape == (12, 4, 2)
+    # Same start, different executed actions: the paths part.
+    np.testing.assert_array_equal(clean["episodes"][0]["sim_states"][0], episode["sim_states"][0])
+    assert np.abs(clean["episodes"][0]["sim_states"][-1] - episode["sim_states"][-1]).max() > 1.0
+    # Labels: what the noise-free scripted pusher asks for in the states the noisy execution reached.
+    pusher = ScriptedPusher(np.random.default_rng(0))
+    wanted = [pusher(state[0:2], state[4:7]) for state in episode["sim_states"][:-1]]
+    labels = np.clip(STATS.normalize(np.asarray(wanted, np.float32)), -1.0, 1.0)
+    np.testing.assert_allclose(noisy["action_chunks"][:, 0], labels, atol=1e-5)
+    np.testing.assert_allclose(noisy["action_chunks"][:-1, 1], labels[1:], atol=1e-5)
+    with pytest.raises(InputError, match="execution_noise"):
+        generate_demonstrations(1, execution_noise=(-1.0,), **common)
