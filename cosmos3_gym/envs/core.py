@@ -119,6 +119,7 @@ class WorldModelCore:
             reward_model, reward_mode, success_threshold, self.max_episode_steps
         )
         self.return_frames = bool(return_frames)
+        self.keep_all_frames = False  # set by an env whose rendering needs every frame of a chunk (see decode_mode)
         self.request_options = _check_request_options(request_options)
         self.default_tasks = _per_slot_tasks(task, num_slots, "task")
         self.initial_states = load_initial_states(initial_states)
@@ -293,9 +294,12 @@ class WorldModelCore:
             )
             for slot, action, seed in zip(slots, actions, seeds)
         ]
-        results = self.engine.step(requests, decode=True)
-        # pixels [3, chunk + 1, H, W]: frame 0 re-renders the conditioning frame, 1.. are the chunk's new frames.
-        generated = torch.stack([result.pixels[:, 1:].permute(1, 0, 2, 3) for result in results])  # [B, T, 3, H, W]
+        decode = self.decode_mode()
+        results = self.engine.step(requests, decode=decode)
+        # pixels [3, chunk + 1, H, W]: frame 0 re-renders the conditioning frame, 1.. are the chunk's new frames
+        # (decode "last": [3, 1, H, W], the chunk's last frame only).
+        first = 1 if decode == "all" else 0
+        generated = torch.stack([result.pixels[:, first:].permute(1, 0, 2, 3) for result in results])  # [B,T,3,H,W]
         if generated.shape[-2:] != self.frame_size:
             raise RuntimeError(f"the model generated {tuple(generated.shape[-2:])} frames, expected {self.frame_size}")
         scores = self._score(generated, [self._tasks[slot] for slot in slots])
@@ -332,6 +336,14 @@ class WorldModelCore:
                 info["raw_action"] = np.asarray(self.action_stats.denormalize(actions[i]), dtype=np.float32)
             steps.append(SlotStep(self.observation(slot), reward, bool(terminated), bool(truncated), info))
         return steps
+
+    def decode_mode(self) -> str:
+        """"last" when nothing reads more than the chunk's last frame (the observation, the next step's conditioning
+        frame, a reward model whose ``frames_read`` is "last"), so the engine decodes only that frame (same values,
+        less work); "all" with ``return_frames``, ``keep_all_frames`` (e.g. a render mode that shows every frame) or
+        a reward model that may read every frame."""
+        reward_reads_last = self.reward_model is None or getattr(self.reward_model, "frames_read", "all") == "last"
+        return "last" if reward_reads_last and not (self.return_frames or self.keep_all_frames) else "all"
 
     def _score(self, frames: torch.Tensor, tasks: list[str]) -> np.ndarray | None:
         """Reward-model scores ``[B]`` for decoded frames ``[B, T, 3, H, W]`` in [0, 1] (None without a model)."""

@@ -29,7 +29,9 @@ from typing import Any
 
 import gymnasium
 import numpy as np
+import torch
 
+from ..engine import Cosmos3Engine
 from ..errors import CheckpointError
 from .vector_env import WorldModelVectorEnv
 from .world_model_env import WorldModelEnv
@@ -40,6 +42,7 @@ __all__ = [
     "PushTAssets",
     "builtin_checkpoint_dir",
     "default_assets_dir",
+    "fast_pusht_engine",
     "load_pusht_assets",
     "make_pusht_env",
     "make_pusht_vector_env",
@@ -160,19 +163,54 @@ def read_initial_states(path: Path) -> list[dict[str, Any]]:
     return [{"frames": frame, "task": task} for frame in frames]
 
 
-def make_pusht_env(assets_dir: str | os.PathLike | None = None, **kwargs: Any) -> WorldModelEnv:
+def make_pusht_env(assets_dir: str | os.PathLike | None = None, optimize: bool = True, **kwargs: Any) -> WorldModelEnv:
     """``WorldModelEnv`` with the PushT model's defaults; any ``WorldModelEnv`` argument in ``kwargs`` wins.
 
-    ``engine=`` (a shared ``Cosmos3Engine``) replaces the shipped checkpoint.
+    ``engine=`` (a shared ``Cosmos3Engine``) replaces the shipped checkpoint. ``optimize`` (default on): the shipped
+    checkpoint runs on ``fast_pusht_engine``'s fast path; ``optimize=False`` loads it as ``WorldModel-v0`` would.
     """
-    return WorldModelEnv(**pusht_env_arguments(assets_dir, **kwargs))
+    return _make_with_builtin_engine(WorldModelEnv, (), pusht_env_arguments(assets_dir, **kwargs), optimize)
 
 
 def make_pusht_vector_env(
-    num_envs: int = 1, assets_dir: str | os.PathLike | None = None, **kwargs: Any
+    num_envs: int = 1, assets_dir: str | os.PathLike | None = None, optimize: bool = True, **kwargs: Any
 ) -> WorldModelVectorEnv:
-    """``WorldModelVectorEnv`` with the PushT model's defaults (the ``vector_entry_point`` of ``gym.make_vec``)."""
-    return WorldModelVectorEnv(num_envs, **pusht_env_arguments(assets_dir, **kwargs))
+    """``WorldModelVectorEnv`` with the PushT model's defaults (the ``vector_entry_point`` of ``gym.make_vec``);
+    ``optimize`` as for ``make_pusht_env``."""
+    return _make_with_builtin_engine(WorldModelVectorEnv, (num_envs,), pusht_env_arguments(assets_dir, **kwargs),
+                                     optimize)
+
+
+def fast_pusht_engine(checkpoint: str | os.PathLike, device: Any = None, dtype: Any = None) -> Cosmos3Engine:
+    """The engine the PushT env runs by default. On a GPU: ``Cosmos3Engine.optimize()`` (compiled blocks, CUDA
+    graphs, fused decoder norms) and a bf16 VAE; on a CPU: the fp32 VAE's eager fast path (``Cosmos3VAE.optimize``:
+    oneDNN channels-last convolutions, in-place norms, one latent frame per decoder pass) and no compile (it would
+    cost more start-up time than a short run saves). Measured in benchmarks/profile_pusht_env.py and
+    benchmarks/pusht_env_throughput_gpu.py (with the fidelity of bf16 against fp32)."""
+    # The device from_pretrained would pick (init_parallel's default), known before loading for the VAE dtype.
+    on_gpu = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
+    engine = Cosmos3Engine.from_pretrained(checkpoint, device=device, dtype=dtype,
+                                           vae_dtype=torch.bfloat16 if on_gpu else None, progress=False)
+    if on_gpu:
+        engine.optimize()
+    engine.vae.optimize()
+    return engine
+
+
+def _make_with_builtin_engine(factory, args: tuple, arguments: dict[str, Any], optimize: bool):
+    """``factory(*args, **arguments)``, with the shipped checkpoint loaded by ``fast_pusht_engine`` when
+    ``optimize`` and it runs in this process (no engine given, tp = cfg = dp = 1); the env owns that engine."""
+    single_process = all(arguments.get(name, 1) == 1 for name in ("tp", "cfg", "dp"))
+    if not optimize or arguments.get("engine") is not None or not single_process:
+        return factory(*args, **arguments)
+    engine = fast_pusht_engine(arguments.pop("checkpoint"), arguments.pop("device", None), arguments.pop("dtype", None))
+    try:
+        env = factory(*args, engine=engine, **arguments)
+    except BaseException:
+        engine.close()
+        raise
+    env._core.owns_engine = True  # closed with the env, as an engine the env loaded itself
+    return env
 
 
 def pusht_env_arguments(assets_dir: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
