@@ -496,3 +496,11 @@ def test_optimize_on_cpu_is_the_eager_fast_path(vae):
     assert isinstance(fast.vae.decoder.nonlinearity, torch.nn.Identity)  # fused into norm_out
     latents = multi_frame_latents()
     assert (fast.decode(latents) - vae.decode(latents)).abs().max() < 1e-5
+
+
+def test_optimized_encoder_equals_diffusers(vae):
+    fast = Cosmos3VAE(copy.deepcopy(vae.vae)).optimize_encoder()
+    for batch in (1, 2):
+        pixels = random_pixels(batch)
+        assert (fast.encode(pixels) - vae.encode(pixels)).abs().max() < 1e-5
+        assert (fast.encode(pixels[:, :, :1]) - vae.encode(pixels[:, :, :1])).abs().max() < 1e-5

@@ -162,13 +162,30 @@ class Cosmos3VAE(torch.nn.Module):
                 module.__class__ = _DirectCausalConv3d
         return self
 
+    def optimize_encoder(self) -> "Cosmos3VAE":
+        """The encoder's share of ``optimize`` (it encodes each conditioning frame): direct convolutions and, for
+        float32, every RMS norm in eager in-place ops (not fused with its SiLU: the encoder's layout is not
+        planned); on a CPU also channels-last weights. Same math up to float summation order."""
+        on_cpu = self.latents_mean.device.type == "cpu"
+        for module in self.vae.encoder.modules():
+            if type(module) is WanCausalConv3d:
+                module.__class__ = _DirectCausalConv3d
+            elif isinstance(module, WanRMS_norm) and module.channel_first and "forward" not in vars(module):
+                module.forward = functools.partial(_eager_norm_forward, module, silu=False)
+            if on_cpu and isinstance(module, torch.nn.Conv3d):
+                module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last_3d)
+            elif on_cpu and isinstance(module, torch.nn.Conv2d):
+                module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
+        return self
+
     def optimize(self, *, compile: bool | None = None) -> "Cosmos3VAE":
-        """The decoder's fast path for its device: direct convolutions and fused norms everywhere; on a CPU also
+        """The fast path for the VAE's device: ``optimize_encoder``; in the decoder direct convolutions and fused
+        norms; on a CPU also
         channels-last weights, eager (uncompiled) fused norms and one latent frame per decoder pass (measured fastest
         there, benchmarks/profile_pusht_env.py). ``compile`` (default: on a GPU) compiles the fused norms."""
         on_cpu = self.latents_mean.device.type == "cpu"
         compile = not on_cpu if compile is None else compile
-        self.use_direct_convolutions()
+        self.use_direct_convolutions().optimize_encoder()
         if on_cpu:
             self.use_channels_last()
             if self.decode_chunk_frames == "auto":
