@@ -60,8 +60,15 @@ def growth(samples: list[dict], key: str, from_step: int) -> dict | None:
     start = next((s for s in samples if s["env_steps"] >= from_step), samples[0])
     end = samples[-1]
     delta = end[key] - start[key]
+    # Host RSS swings by tens of MB as the allocator takes and returns the large temporaries of a step; a leak
+    # raises the floor. So also: the lowest sample of the last quarter against the lowest of the first quarter.
+    after = [s[key] for s in samples if s["env_steps"] >= start["env_steps"]]
+    quarter = max(1, len(after) // 4)
+    floor_delta = min(after[-quarter:]) - min(after[:quarter])
     return {"from_env_step": start["env_steps"], "to_env_step": end["env_steps"], "start_mb": start[key],
-            "end_mb": end[key], "growth_mb": delta, "growth_percent": 100 * delta / start[key] if start[key] else None}
+            "end_mb": end[key], "growth_mb": delta, "growth_percent": 100 * delta / start[key] if start[key] else None,
+            "floor_growth_mb": floor_delta,
+            "floor_growth_percent": 100 * floor_delta / min(after[:quarter]) if min(after[:quarter]) else None}
 
 
 def main(argv=None) -> dict:
@@ -108,7 +115,7 @@ def main(argv=None) -> dict:
     for key, value in results["growth"].items():
         if value is not None:
             print(f"{key}: {value['start_mb']:.1f} -> {value['end_mb']:.1f} MB from env step {value['from_env_step']} "
-                  f"to {value['to_env_step']} ({value['growth_mb']:+.1f} MB)")
+                  f"to {value['to_env_step']} ({value['growth_mb']:+.1f} MB; floor {value['floor_growth_mb']:+.1f} MB)")
     device = "cpu" if args.device == "cpu" else "gpu"
     write_results(results, args.name or f"soak_pusht_{device}_{args.envs}envs.json", args.out)
     return results
