@@ -628,14 +628,12 @@ class Cosmos3Engine:
 
         frames = _decode_frames(decode)
         pixels = self._decode(video, frames) if frames is not None else None
-        # One device -> host copy per tensor for the whole batch (not three per request), one wait for all of them;
-        # each result holds a view of its row.
-        host_actions, host_video, host_pixels = _to_host([actions, video, pixels])
-        host_actions = host_actions.numpy()
+        # The device -> host copies of every row are queued together and waited for once (not one wait per copy).
+        host_actions, host_video, host_pixels = _rows_to_host([actions, video, pixels])
         return [
             Cosmos3Result(
                 mode=p.request.mode,
-                action=host_actions[b, :, : p.raw_action_dim],
+                action=host_actions[b][:, : p.raw_action_dim].numpy(),
                 video_latents=host_video[b],
                 pixels=host_pixels[b] if host_pixels is not None else None,
                 seed=p.seed,
@@ -701,12 +699,14 @@ def _decode_frames(decode) -> str | None:
     raise InputError(f"decode: expected True, False, 'all' or 'last', got {decode!r}")
 
 
-def _to_host(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """float32 CPU copies of device tensors, queued together and waited for once (None stays None)."""
-    copies = [None if t is None else t.float().to("cpu", non_blocking=t.is_cuda) for t in tensors]
+def _rows_to_host(tensors: list[torch.Tensor | None]) -> list[list[torch.Tensor] | None]:
+    """The rows of each tensor as float32 CPU tensors (None stays None). From a GPU every row is its own copy (a
+    result pickled to another process carries only its row), all queued without a wait and waited for once; on a
+    CPU the rows are views, as ``.cpu()`` gives."""
+    rows = [None if t is None else [row.float().to("cpu", non_blocking=True) for row in t] for t in tensors]
     if any(t is not None and t.is_cuda for t in tensors):
         torch.cuda.current_stream().synchronize()
-    return copies
+    return rows
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
