@@ -27,7 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -86,7 +85,6 @@ class StageTimer:
 def measure(num_envs: int, path: str, args) -> dict:
     env = make_pusht_vector_env(num_envs, device=args.device, optimize=path == "fast")
     try:
-        rng = np.random.default_rng(0)
         env.reset(seed=0)
         env.action_space.seed(0)
 
@@ -127,7 +125,6 @@ def measure(num_envs: int, path: str, args) -> dict:
             wall = time.perf_counter() - start
         if args.trace:
             prof.export_chrome_trace(str(Path(args.out or ".") / f"profile_pusht_{path}_{num_envs}.trace.json"))
-        del rng
         entry = {
             "step_s": step_s,
             "step_times_s": times,

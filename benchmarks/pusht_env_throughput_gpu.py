@@ -121,11 +121,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--fidelity-chunks", type=int, default=4)
     parser.add_argument("--heldout-seed", type=int, default=10_000)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="torch.backends.cudnn.benchmark for both paths (the decoder's thin convolutions)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     results = {"provenance": provenance(), "settings": {**vars(args), "torch_threads": torch.get_num_threads()}}
     for num_envs in [int(n) for n in args.envs.split(",")]:
         try:

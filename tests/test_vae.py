@@ -479,7 +479,8 @@ def test_direct_convolutions_and_eager_norms_equal_diffusers(vae, chunk_frames):
     from cosmos3_gym.models.vae import _eager_norm_forward
 
     with torch.no_grad():
-        assert torch.equal(_eager_norm_forward(norm, x, silu=True), torch.nn.functional.silu(WanRMS_norm.forward(norm, x)))
+        expected = torch.nn.functional.silu(WanRMS_norm.forward(norm, x))
+        assert torch.equal(_eager_norm_forward(norm, x, silu=True), expected)
     # The encoder is untouched; a second call changes nothing.
     assert all(type(m).__name__ != "_DirectCausalConv3d" for m in fast.vae.encoder.modules())
     latents = multi_frame_latents()
@@ -492,7 +493,8 @@ def test_optimize_on_cpu_is_the_eager_fast_path(vae):
     fast = Cosmos3VAE(copy.deepcopy(vae.vae)).optimize()
     assert fast.decode_chunk_frames == 1
     conv = fast.vae.decoder.conv_in
-    assert type(conv).__name__ == "_DirectCausalConv3d" and conv.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    assert type(conv).__name__ == "_DirectCausalConv3d"
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last_3d)
     assert isinstance(fast.vae.decoder.nonlinearity, torch.nn.Identity)  # fused into norm_out
     latents = multi_frame_latents()
     assert (fast.decode(latents) - vae.decode(latents)).abs().max() < 1e-5
