@@ -79,6 +79,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--every", type=int, default=500, help="sample memory every this many env steps")
     parser.add_argument("--from-step", type=int, default=1000, help="growth is measured from this env step")
     parser.add_argument("--optimize", type=int, default=1, help="0: the baseline path (optimize=False)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop early (results still written) after this long, e.g. to fit a time limit")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default=None)
@@ -102,6 +104,8 @@ def main(argv=None) -> dict:
                 gc.collect()
                 samples.append(sample(env, env_steps, started))
                 next_sample += args.every
+                if args.max_seconds is not None and samples[-1]["seconds"] > args.max_seconds:
+                    break
     finally:
         env.close()
     results = {
