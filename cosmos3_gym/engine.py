@@ -203,6 +203,7 @@ class Cosmos3Engine:
         self.progress = progress
         self._text_cache: OrderedDict[tuple[int, ...], TextKV] = OrderedDict()
         self._text_cache_size = text_cache_size
+        self._prompt_ids: dict[tuple, tuple[list[int], list[int]]] = {}  # see _prompt_token_ids
         self._closed = False
         self._home_device: torch.device | None = None  # set while offloaded
         self._graphed_forward = None  # a cuda_graphs.GraphedGenForward once optimize() turns CUDA graphs on
@@ -344,6 +345,9 @@ class Cosmos3Engine:
     def step(self, requests: Cosmos3Request | Sequence[Cosmos3Request], *, decode: bool | None = None):
         """Run one request (returns a ``Cosmos3Result``) or a list (returns a list, in order).
 
+        ``decode``: True or "all" (every frame), "last" (only the last frame, ``pixels [3, 1, H, W]``: the same values
+        for less work, see ``Cosmos3VAE.decode``), False (latents only); None: the engine's ``decode_video``.
+
         SPMD: every rank must call this with the same requests; every rank returns the same results.
         """
         if self._closed:
@@ -354,6 +358,7 @@ class Cosmos3Engine:
         if not batch:
             raise InputError("requests: expected at least one Cosmos3Request")
         decode = self.decode_video if decode is None else decode
+        _decode_frames(decode)  # a bad value fails before the denoising
         with torch.inference_mode():
             batch = agree_on_seeds(batch, self.parallel)
             prepared = run_on_every_rank(
@@ -484,19 +489,7 @@ class Cosmos3Engine:
             history_length=r.action_history_length, flip=r.flip_gripper,
         )
 
-        cond_ids, uncond_ids = processor.build_prompt_token_ids(
-            self.tokenizer,
-            r.task,
-            negative_prompt=r.negative_prompt,
-            view_point=r.view_point,
-            num_frames=num_frames,
-            fps=r.fps,
-            height=canvas_h,
-            width=canvas_w,
-            prompt_format=processor.resolve_prompt_format(r.prompt_format, self.transformer.config.hidden_act),
-            use_system_prompt=r.use_system_prompt,
-            additional_view_description=r.additional_view_description,
-        )
+        cond_ids, uncond_ids = self._prompt_token_ids(r, num_frames, canvas_h, canvas_w)
         schedule = self._schedule(r.num_inference_steps, r.flow_shift, r.use_karras_sigmas, r.use_native_flow_schedule)
         seed = r.seed if r.seed is not None else secrets.randbelow(2**63)
         prepared = _Prepared(
@@ -507,7 +500,30 @@ class Cosmos3Engine:
             self._encode_conditions([prepared])
         return prepared
 
-    def _encode_conditions(self, prepared: list[_Prepared], max_batch: int = 16) -> None:
+    def _prompt_token_ids(self, r: Cosmos3Request, num_frames: int, height: int, width: int):
+        """``processor.build_prompt_token_ids``, cached per prompt setting: the tokenizer's chat template (Jinja)
+        costs milliseconds per call, which a vector env paid for every slot at every step. Bounded like the text
+        cache; the cached lists are never mutated."""
+        prompt_format = processor.resolve_prompt_format(r.prompt_format, self.transformer.config.hidden_act)
+        key = (r.task, r.negative_prompt, r.view_point, num_frames, r.fps, height, width, prompt_format,
+               r.use_system_prompt, r.additional_view_description)
+        try:
+            ids = self._prompt_ids.get(key)
+        except TypeError:  # an unhashable (hence invalid) field: let the builder name it
+            key, ids = None, None
+        if ids is None:
+            ids = processor.build_prompt_token_ids(
+                self.tokenizer, r.task, negative_prompt=r.negative_prompt, view_point=r.view_point,
+                num_frames=num_frames, fps=r.fps, height=height, width=width, prompt_format=prompt_format,
+                use_system_prompt=r.use_system_prompt, additional_view_description=r.additional_view_description,
+            )
+            if key is not None:
+                if len(self._prompt_ids) >= self._text_cache_size:
+                    self._prompt_ids.clear()
+                self._prompt_ids[key] = ids
+        return ids
+
+    def _encode_conditions(self, prepared: list[_Prepared], max_batch: int = 64) -> None:
         """VAE-encode the clean conditioning pixels, batching requests whose pixel clips share a shape (one encoder
         pass for all the slots of a vector env instead of one per slot); crops to the content latent."""
         by_shape: dict[tuple, list[_Prepared]] = {}
@@ -606,6 +622,12 @@ class Cosmos3Engine:
         cfg_size, cfg_rank = self.parallel.config.cfg_parallel, self.parallel.cfg_rank
         rows_per_cfg_rank = math.ceil(len(branches) / cfg_size)
         local_branches = branches[cfg_rank * rows_per_cfg_rank : (cfg_rank + 1) * rows_per_cfg_rank]
+        num_rows = len(local_branches)
+        if self._graphed_forward is not None and local_branches:
+            # CUDA graphs are kept per input shape: rows padded to a bucket let a vector env whose number of stepping
+            # slots changes (autoreset) replay a few graphs instead of capturing one per count. The padding rows
+            # repeat the first row; their outputs are dropped.
+            local_branches = local_branches + [local_branches[0]] * (_row_bucket(num_rows) - num_rows)
         rows = [b for b, _ in local_branches]
         row_index = torch.tensor(rows, dtype=torch.long, device=device)  # built once, not per step
         if rows:
@@ -634,6 +656,7 @@ class Cosmos3Engine:
                     text, layout, video[row_index], video_noisy, timesteps[row_index], actions[row_index],
                     action_noisy, domain_ids,
                 )
+                v_video, v_action = v_video[:num_rows], v_action[:num_rows]
             else:  # a single unguided request under cfg=2: cfg rank 1 has no row, it only sends padding
                 v_video, v_action = video[:0], actions[:0]
             if cfg_size > 1:
@@ -646,32 +669,36 @@ class Cosmos3Engine:
             video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
             actions = torch.where(action_clean[..., None], x0_actions, actions)
 
-        pixels = self._decode(video) if decode else None
+        frames = _decode_frames(decode)
+        pixels = self._decode(video, frames) if frames is not None else None
+        # The device -> host copies of every row are queued together and waited for once (not one wait per copy).
+        host_actions, host_video, host_pixels = _rows_to_host([actions, video, pixels])
         results = []
         for b, p in enumerate(group):
-            action = actions[b, p.history_rows :, : p.raw_action_dim].float().cpu().numpy()  # state rows dropped
+            action = host_actions[b][p.history_rows :, : p.raw_action_dim].numpy()  # state rows dropped
             results.append(
                 Cosmos3Result(
                     mode=p.request.mode,
                     action=processor.flip_gripper(action) if p.request.flip_gripper else action,
-                    video_latents=video[b].float().cpu(),
-                    pixels=pixels[b].float().cpu() if pixels is not None else None,
+                    video_latents=host_video[b],
+                    pixels=host_pixels[b] if host_pixels is not None else None,
                     seed=p.seed,
                 )
             )
         return results
 
-    def _decode(self, video: torch.Tensor) -> torch.Tensor:
+    def _decode(self, video: torch.Tensor, frames: str = "all") -> torch.Tensor:
         """VAE decode, split over the cfg*tp ranks of this replica when there are several (all hold the same
-        latents); every rank gets the full pixels."""
+        latents); every rank gets the full pixels. ``frames="last"``: only the last frame (``Cosmos3VAE.decode``)."""
         group = self.parallel.replica_group
         if group is None or dist.get_world_size(group) == 1:
-            return self.vae.decode(video)
+            return self.vae.decode(video, frames=frames)
         from .parallel.vae_decode import decode_tile_parallel
 
         # exact: halo exchange per convolution and a gathered mid-block attention, so the pixels equal the
         # single-process decode (the feathered-halo approximation is off by up to ~0.2 near the tile seams).
-        return decode_tile_parallel(self.vae, video, group, exact=True)
+        pixels = decode_tile_parallel(self.vae, video, group, exact=True)
+        return pixels[:, :, -1:] if frames == "last" else pixels
 
     @staticmethod
     def _combine(v_video, v_action, batch, guided_index, guidance):
@@ -686,6 +713,33 @@ class Cosmos3Engine:
             0, guided_index, cfg_combine(cond_action[guided_index], v_action[batch:], guidance)
         )
         return video, action
+
+
+def _row_bucket(rows: int) -> int:
+    """The padded row count of a CUDA-graphed batch: a power of two up to 8, then a multiple of 8."""
+    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
+
+
+def _decode_frames(decode) -> str | None:
+    """``step``'s ``decode``: True / "all" (every frame), "last" (the last frame only, ``Cosmos3VAE.decode``'s
+    exact shortcut) or False (no decode) -> the VAE's ``frames`` or None."""
+    if decode is False:
+        return None
+    if decode is True or decode == "all":
+        return "all"
+    if decode == "last":
+        return "last"
+    raise InputError(f"decode: expected True, False, 'all' or 'last', got {decode!r}")
+
+
+def _rows_to_host(tensors: list[torch.Tensor | None]) -> list[list[torch.Tensor] | None]:
+    """The rows of each tensor as float32 CPU tensors (None stays None). From a GPU every row is its own copy (a
+    result pickled to another process carries only its row), all queued without a wait and waited for once; on a
+    CPU the rows are views, as ``.cpu()`` gives."""
+    rows = [None if t is None else [row.float().to("cpu", non_blocking=True) for row in t] for t in tensors]
+    if any(t is not None and t.is_cuda for t in tensors):
+        torch.cuda.current_stream().synchronize()
+    return rows
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

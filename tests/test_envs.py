@@ -518,6 +518,22 @@ def test_render_modes_and_render_fps(engine):
     assert env.render() == []  # collected since the last call
 
 
+def test_rgb_array_list_decodes_every_frame_of_a_chunk(engine):
+    """Without return_frames the env decodes only each chunk's last frame (nothing else reads the others), except
+    for a render mode that shows every frame: rgb_array_list gets chunk frames per step, rgb_array the last one."""
+    listing = make_env(engine, render_mode="rgb_array_list")
+    single = make_env(engine, render_mode="rgb_array")
+    assert listing._core.decode_mode() == "all" and single._core.decode_mode() == "last"
+    for env in (listing, single):
+        env.reset(seed=0)
+    chunk = actions(1, n=1)[0]
+    last = single.step(chunk)[0]["image"]
+    listing.step(chunk)
+    frames = listing.render()
+    assert len(frames) == 1 + 4  # the reset frame, then the chunk's 4 frames
+    assert np.array_equal(frames[-1], last)  # the same last frame whichever way it was decoded
+
+
 def test_record_video_plays_in_real_time(engine, tmp_path):
     """RecordVideo records one frame per step; at render_fps = fps / chunk the video lasts as long as the robot's
     motion: here 1 + 3 frames at 2 fps for a reset and 3 chunks of 4 frames at 8 fps."""

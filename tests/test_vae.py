@@ -424,3 +424,85 @@ def test_fused_norms_share_graphs_across_shapes(vae, vae_bf16):
     decode_many(fused_and_plain(vae)[0], [(5, 7, 2), (1, 9, 3)])  # new shapes reuse the graphs
     assert counters["stats"]["unique_graphs"] == graphs
     assert not [key for key in counters["unimplemented"] if "recompile" in key.lower()]
+
+
+# ---- the fast paths of the env: last-frame decode, direct convolutions, eager fused norms, optimize() ---------------
+
+
+@pytest.mark.parametrize("chunk_frames", [1, 2, None, "auto"])
+def test_last_frame_decode_is_the_full_decodes_last_frame(vae, chunk_frames):
+    """The head runs only for the last frame (and not at all in the earlier passes); the causal cache still carries
+    every latent frame, so the last frame must match the full decode's, which depends on all of them."""
+    latents = torch.randn(2, Z_DIM, 4, 4, 6, generator=torch.Generator().manual_seed(5))
+    wrapper = Cosmos3VAE(copy.deepcopy(vae.vae), decode_chunk_frames=chunk_frames)
+    full = wrapper.decode(latents)
+    last = wrapper.decode(latents, frames="last")
+    assert last.shape == (2, 3, 1, 64, 96)
+    assert (last - full[:, :, -1:]).abs().max() < 1e-5
+    # The other frames differ from the last one: selecting the wrong frame would show.
+    assert (full[:, :, -2:-1] - full[:, :, -1:]).abs().max() > 0.05
+    # A changed first latent frame changes the last frame (through the cache), in both decodes alike.
+    changed = latents.clone()
+    changed[:, :, 0] += 1.0
+    assert (wrapper.decode(changed, frames="last") - last).abs().max() > 1e-3
+    # One latent frame: decoded whole (the single pass has no earlier frames for conv_out's cache).
+    single = latents[:, :, :1]
+    assert torch.equal(wrapper.decode(single, frames="last"), wrapper.decode(single))
+    with pytest.raises(InputError, match="frames"):
+        wrapper.decode(latents, frames="first")
+
+
+def test_last_frame_decode_runs_the_head_once(vae):
+    calls = []
+    wrapper = Cosmos3VAE(copy.deepcopy(vae.vae), decode_chunk_frames=1)
+    hook = wrapper.vae.decoder.conv_out.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[2]))
+    try:
+        wrapper.decode(multi_frame_latents(frames=3), frames="last")
+    finally:
+        hook.remove()
+    assert calls == [1]  # one frame in, with the two cached frames beside it
+
+
+@pytest.mark.parametrize("chunk_frames", [1, 4])
+def test_direct_convolutions_and_eager_norms_equal_diffusers(vae, chunk_frames):
+    plain = Cosmos3VAE(copy.deepcopy(vae.vae), decode_chunk_frames=chunk_frames)
+    fast = Cosmos3VAE(copy.deepcopy(vae.vae), decode_chunk_frames=chunk_frames).use_direct_convolutions()
+    fast.use_channels_last().fuse_decoder_norms(compile=False)
+    for batch in (1, 3):  # batch 1: the convolutions PyTorch would send to slow_conv3d
+        latents = multi_frame_latents(batch=batch)
+        reference = plain.decode(latents)
+        assert (fast.decode(latents) - reference).abs().max() < 1e-5
+        assert (fast.decode(latents, frames="last") - reference[:, :, -1:]).abs().max() < 1e-5
+    # The eager norms are diffusers' float32 ops in diffusers' order: bit-identical on one input.
+    norm = next(m for m in plain.vae.decoder.modules() if isinstance(m, WanRMS_norm) and m.gamma.ndim == 4)
+    x = torch.randn(2, norm.gamma.shape[0], 3, 4, 5).contiguous(memory_format=torch.channels_last_3d)
+    from cosmos3_gym.models.vae import _eager_norm_forward
+
+    with torch.no_grad():
+        expected = torch.nn.functional.silu(WanRMS_norm.forward(norm, x))
+        assert torch.equal(_eager_norm_forward(norm, x, silu=True), expected)
+    # The encoder is untouched; a second call changes nothing.
+    assert all(type(m).__name__ != "_DirectCausalConv3d" for m in fast.vae.encoder.modules())
+    latents = multi_frame_latents()
+    once = fast.decode(latents)
+    fast.use_direct_convolutions().fuse_decoder_norms(compile=False)
+    assert torch.equal(fast.decode(latents), once)
+
+
+def test_optimize_on_cpu_is_the_eager_fast_path(vae):
+    fast = Cosmos3VAE(copy.deepcopy(vae.vae)).optimize()
+    assert fast.decode_chunk_frames == 1
+    conv = fast.vae.decoder.conv_in
+    assert type(conv).__name__ == "_DirectCausalConv3d"
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    assert isinstance(fast.vae.decoder.nonlinearity, torch.nn.Identity)  # fused into norm_out
+    latents = multi_frame_latents()
+    assert (fast.decode(latents) - vae.decode(latents)).abs().max() < 1e-5
+
+
+def test_optimized_encoder_equals_diffusers(vae):
+    fast = Cosmos3VAE(copy.deepcopy(vae.vae)).optimize_encoder()
+    for batch in (1, 2):
+        pixels = random_pixels(batch)
+        assert (fast.encode(pixels) - vae.encode(pixels)).abs().max() < 1e-5
+        assert (fast.encode(pixels[:, :, :1]) - vae.encode(pixels[:, :, :1])).abs().max() < 1e-5

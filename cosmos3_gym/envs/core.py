@@ -114,6 +114,7 @@ class WorldModelCore:
         self.settings = WorldModelSettings.build(settings, carried, overrides, source=f"the checkpoint {checkpoint}")
         self.num_slots = num_slots
         self.default_tasks = _per_slot_tasks(self.settings.task, num_slots, "task")
+        self.keep_all_frames = False  # set by an env whose rendering needs every frame of a chunk (see decode_mode)
         _check_reward_settings(reward_model, self.settings)
         self.initial_states = load_initial_states(initial_states)
         self.frame_size = self._resolve_frame_size(self.settings.image_size)
@@ -269,9 +270,12 @@ class WorldModelCore:
             )
             for slot, action, seed in zip(slots, actions, seeds)
         ]
-        results = self.engine.step(requests, decode=True)
-        # pixels [3, chunk + 1, H, W]: frame 0 re-renders the conditioning frame, 1.. are the chunk's new frames.
-        generated = torch.stack([result.pixels[:, 1:].permute(1, 0, 2, 3) for result in results])  # [B, T, 3, H, W]
+        decode = self.decode_mode()
+        results = self.engine.step(requests, decode=decode)
+        # pixels [3, chunk + 1, H, W]: frame 0 re-renders the conditioning frame, 1.. are the chunk's new frames
+        # (decode "last": [3, 1, H, W], the chunk's last frame only).
+        first = 1 if decode == "all" else 0
+        generated = torch.stack([result.pixels[:, first:].permute(1, 0, 2, 3) for result in results])  # [B,T,3,H,W]
         if generated.shape[-2:] != self.frame_size:
             raise RuntimeError(f"the model generated {tuple(generated.shape[-2:])} frames, expected {self.frame_size}")
         scores = self._score(generated, [self._tasks[slot] for slot in slots])
@@ -328,6 +332,14 @@ class WorldModelCore:
         if self._history[slot] is None:
             return np.repeat(np.asarray(action)[:1], length, axis=0)
         return self._history[slot]
+
+    def decode_mode(self) -> str:
+        """"last" when nothing reads more than the chunk's last frame (the observation, the next step's conditioning
+        frame, a reward model whose ``frames_read`` is "last"), so the engine decodes only that frame (same values,
+        less work); "all" with ``return_frames``, ``keep_all_frames`` (e.g. a render mode that shows every frame) or
+        a reward model that may read every frame."""
+        reward_reads_last = self.reward_model is None or getattr(self.reward_model, "frames_read", "all") == "last"
+        return "last" if reward_reads_last and not (self.settings.return_frames or self.keep_all_frames) else "all"
 
     def _score(self, frames: torch.Tensor, tasks: list[str]) -> np.ndarray | None:
         """Reward-model scores ``[B]`` for decoded frames ``[B, T, 3, H, W]`` in [0, 1] (None without a model)."""

@@ -31,9 +31,12 @@ from typing import Any
 
 import gymnasium
 import numpy as np
+import torch
 
 from ..checkpoint import BUILTIN_MODELS, builtin_assets_dir, checkpoint_defaults
+from ..engine import Cosmos3Engine
 from ..errors import CheckpointError, InputError
+from .core import ENGINE_LOAD_KEYS
 from .initial_states import read_initial_states_archive
 from .vector_env import WorldModelVectorEnv
 from .world_model_env import WorldModelEnv
@@ -44,6 +47,7 @@ __all__ = [
     "PushTAssets",
     "builtin_checkpoint_dir",
     "default_assets_dir",
+    "fast_pusht_engine",
     "load_pusht_assets",
     "make_pusht_env",
     "make_pusht_vector_env",
@@ -144,19 +148,66 @@ def read_initial_states(path: Path) -> list[dict[str, Any]]:
         raise CheckpointError(f"{PUSHT_ENV_ID}: {error}") from error
 
 
-def make_pusht_env(assets_dir: str | os.PathLike | None = None, **kwargs: Any) -> WorldModelEnv:
+def make_pusht_env(assets_dir: str | os.PathLike | None = None, optimize: bool = True, **kwargs: Any) -> WorldModelEnv:
     """``WorldModelEnv`` with the PushT model's defaults; any ``WorldModelEnv`` argument in ``kwargs`` wins.
 
-    ``engine=`` (a shared ``Cosmos3Engine``) replaces the shipped checkpoint.
+    ``engine=`` (a shared ``Cosmos3Engine``) replaces the shipped checkpoint. ``optimize`` (default on): the shipped
+    checkpoint runs on ``fast_pusht_engine``'s fast path; ``optimize=False`` loads it as ``WorldModel-v0`` would.
     """
-    return WorldModelEnv(**pusht_env_arguments(assets_dir, **kwargs))
+    return _make_with_builtin_engine(WorldModelEnv, (), pusht_env_arguments(assets_dir, **kwargs), optimize)
 
 
 def make_pusht_vector_env(
-    num_envs: int = 1, assets_dir: str | os.PathLike | None = None, **kwargs: Any
+    num_envs: int = 1, assets_dir: str | os.PathLike | None = None, optimize: bool = True, **kwargs: Any
 ) -> WorldModelVectorEnv:
-    """``WorldModelVectorEnv`` with the PushT model's defaults (the ``vector_entry_point`` of ``gym.make_vec``)."""
-    return WorldModelVectorEnv(num_envs, **pusht_env_arguments(assets_dir, **kwargs))
+    """``WorldModelVectorEnv`` with the PushT model's defaults (the ``vector_entry_point`` of ``gym.make_vec``);
+    ``optimize`` as for ``make_pusht_env``."""
+    return _make_with_builtin_engine(WorldModelVectorEnv, (num_envs,), pusht_env_arguments(assets_dir, **kwargs),
+                                     optimize)
+
+
+def fast_pusht_engine(checkpoint: str | os.PathLike, device: Any = None, dtype: Any = None) -> Cosmos3Engine:
+    """The engine the PushT env runs by default. On a GPU: ``Cosmos3Engine.optimize()`` (compiled blocks, CUDA
+    graphs, fused decoder norms) and a bf16 VAE; on a CPU: the VAE's eager fast path (``Cosmos3VAE.optimize``:
+    oneDNN channels-last convolutions, in-place norms, one latent frame per decoder pass), in bf16 where oneDNN has
+    native bf16 kernels (AVX512-BF16 / AMX; 1.46x faster than fp32 on the decode there), and no compile (it would
+    cost more start-up time than a short run saves). Measured in benchmarks/profile_pusht_env.py and
+    benchmarks/pusht_env_throughput_gpu.py (with the fidelity of bf16 against fp32)."""
+    # The device from_pretrained would pick (init_parallel's default), known before loading for the VAE dtype.
+    on_gpu = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
+    bf16_vae = on_gpu or _cpu_has_native_bf16()
+    engine = Cosmos3Engine.from_pretrained(checkpoint, device=device, dtype=dtype,
+                                           vae_dtype=torch.bfloat16 if bf16_vae else None, progress=False)
+    if on_gpu:
+        engine.optimize()
+    engine.vae.optimize()
+    return engine
+
+
+def _cpu_has_native_bf16() -> bool:
+    """oneDNN runs bf16 natively on this CPU (without it, bf16 convolutions are emulated and slower than fp32)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _make_with_builtin_engine(factory, args: tuple, arguments: dict[str, Any], optimize: bool):
+    """``factory(*args, **arguments)``, with the shipped checkpoint loaded by ``fast_pusht_engine`` when
+    ``optimize`` and it runs in this process (no engine given, tp = cfg = dp = 1); the env owns that engine."""
+    # Any engine option but the device and dtype (several ranks, a backend, a precision, a VAE dtype) is the
+    # user's own choice of engine: load_engine handles it, as for WorldModel-v0.
+    own_choice = any(name in arguments for name in ENGINE_LOAD_KEYS if name not in ("device", "dtype"))
+    if not optimize or arguments.get("engine") is not None or own_choice:
+        return factory(*args, **arguments)
+    engine = fast_pusht_engine(arguments.pop("checkpoint"), arguments.pop("device", None), arguments.pop("dtype", None))
+    try:
+        env = factory(*args, engine=engine, **arguments)
+    except BaseException:
+        engine.close()
+        raise
+    env._core.owns_engine = True  # closed with the env, as an engine the env loaded itself
+    return env
 
 
 def pusht_env_arguments(assets_dir: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:

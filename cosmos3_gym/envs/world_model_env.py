@@ -74,6 +74,8 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
         settings = self._core.settings
         self.metadata = {**self.metadata, "render_fps": step_rate(settings.fps, settings.chunk)}
         self._renderer = Renderer(self.render_mode, settings.fps)
+        # rgb_array_list and human show every frame of a chunk: the engine then decodes them all.
+        self._core.keep_all_frames = self.render_mode in ("rgb_array_list", "human")
 
     # ------------------------------------------------------------------ Gymnasium API
 

@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import (
+    CACHE_T,
     WanAttentionBlock,
+    WanCausalConv3d,
     WanDecoder3d,
     WanResidualBlock,
     WanRMS_norm,
@@ -134,14 +136,61 @@ class Cosmos3VAE(torch.nn.Module):
                 module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
         return self
 
-    def fuse_decoder_norms(self) -> "Cosmos3VAE":
+    def fuse_decoder_norms(self, compile: bool = True) -> "Cosmos3VAE":
         """Compute every decoder ``WanRMS_norm`` together with the SiLU that follows it in one ``torch.compile``d
         kernel (the mid-block attention's norm, which has no SiLU after it, alone). Same math and casts as diffusers;
         the encoder and the weights are untouched; works with ``use_channels_last``, any ``decode_chunk_frames`` and
         tiling. For inference: with autograd on, the norms run diffusers' eager math. Calling it again does nothing.
-        See ``_fuse_decoder_norms``."""
-        _fuse_decoder_norms(self.vae.decoder)
+        See ``_fuse_decoder_norms``.
+
+        ``compile=False`` (for CPUs, where a compile costs seconds of start-up): the same ops in eager PyTorch, in
+        place after the first one (4 passes over the activation instead of 7, no compile), float32 only (other
+        dtypes run diffusers' forward); bit-identical to diffusers' float32 math on the same memory layout."""
+        _fuse_decoder_norms(self.vae.decoder, compiled=compile)
         return self
+
+    def use_direct_convolutions(self) -> "Cosmos3VAE":
+        """Run every decoder causal convolution with its spatial zero padding inside the convolution (diffusers pads a
+        copy of the activation first) and, for float32 on a CPU, through oneDNN in channels-last layout: PyTorch's
+        heuristic sends small batch-1 3D convolutions (every single-frame pass of the decoder) to its native
+        ``slow_conv3d``, 4-13x slower on this decoder, and its RMS norms reduce over channels 80x faster when the
+        channels are the innermost dim. Same math; float summation order only (see tests/test_vae.py). The module
+        class changes to a subclass of ``WanCausalConv3d`` (instance-level forwards, as the tile-parallel decode
+        installs, still shadow it). Calling it again does nothing."""
+        for module in self.vae.decoder.modules():
+            if type(module) is WanCausalConv3d:
+                module.__class__ = _DirectCausalConv3d
+        return self
+
+    def optimize_encoder(self) -> "Cosmos3VAE":
+        """The encoder's share of ``optimize`` (it encodes each conditioning frame): direct convolutions and, for
+        float32, every RMS norm in eager in-place ops (not fused with its SiLU: the encoder's layout is not
+        planned); on a CPU also channels-last weights. Same math up to float summation order."""
+        on_cpu = self.latents_mean.device.type == "cpu"
+        for module in self.vae.encoder.modules():
+            if type(module) is WanCausalConv3d:
+                module.__class__ = _DirectCausalConv3d
+            elif isinstance(module, WanRMS_norm) and module.channel_first and "forward" not in vars(module):
+                module.forward = functools.partial(_eager_norm_forward, module, silu=False)
+            if on_cpu and isinstance(module, torch.nn.Conv3d):
+                module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last_3d)
+            elif on_cpu and isinstance(module, torch.nn.Conv2d):
+                module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
+        return self
+
+    def optimize(self, *, compile: bool | None = None) -> "Cosmos3VAE":
+        """The fast path for the VAE's device: ``optimize_encoder``; in the decoder direct convolutions and fused
+        norms; on a CPU also
+        channels-last weights, eager (uncompiled) fused norms and one latent frame per decoder pass (measured fastest
+        there, benchmarks/profile_pusht_env.py). ``compile`` (default: on a GPU) compiles the fused norms."""
+        on_cpu = self.latents_mean.device.type == "cpu"
+        compile = not on_cpu if compile is None else compile
+        self.use_direct_convolutions().optimize_encoder()
+        if on_cpu:
+            self.use_channels_last()
+            if self.decode_chunk_frames == "auto":
+                self.decode_chunk_frames = 1
+        return self.fuse_decoder_norms(compile=compile)
 
     @property
     def decode_chunk_frames(self) -> int | str | None:
@@ -196,13 +245,22 @@ class Cosmos3VAE(torch.nn.Module):
         return ((raw_mu - mean) * inv_std).to(pixels.dtype).float()
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, *, tile: TileConfig | None = None) -> torch.Tensor:
+    def decode(
+        self, latents: torch.Tensor, *, tile: TileConfig | None = None, frames: str = "all"
+    ) -> torch.Tensor:
         """Normalised latents ``[B, z, t, h, w]`` -> pixels ``[B, 3, 1 + 4(t-1), 16h, 16w]`` in [0, 1], float32.
 
         Untiled, equal to ``Cosmos3OmniPipeline``'s decode followed by ``postprocess_video(..., "pt")`` (up to the
         layout: the pipeline returns ``[B, T, 3, H, W]``). ``tile`` decodes with diffusers' spatial tiling instead,
         which is approximate (see the module docstring).
+
+        ``frames="last"`` returns only the last frame ``[B, 3, 1, 16h, 16w]``, the same values as the full decode's
+        last frame (float summation order only): every latent frame still runs through the decoder (the causal cache
+        carries them), but the output head (norm, SiLU, the last causal convolution) runs for the one frame instead of
+        ``1 + 4(t-1)``, and so do the unpatchify, clamp and conversion (see ``_decode_in_chunks``).
         """
+        if frames not in ("all", "last"):
+            raise InputError(f"frames: expected 'all' or 'last', got {frames!r}")
         if not isinstance(latents, torch.Tensor) or latents.ndim != 5 or latents.shape[1] != self.latent_channels:
             raise InputError(
                 f"latents: expected a tensor [B, {self.latent_channels}, t, h, w], got {_describe(latents)}"
@@ -214,7 +272,7 @@ class Cosmos3VAE(torch.nn.Module):
         inv_std = self.latents_inv_std.to(device=latents.device, dtype=vae_dtype).view(1, -1, 1, 1, 1)
         raw_latents = latents.to(vae_dtype) / inv_std + mean
         if tile is None:
-            decoded = self._decode_in_chunks(raw_latents)
+            decoded = self._decode_in_chunks(raw_latents, last_frame_only=frames == "last")
         else:
             # The tiling knobs are attributes of the VAE; set them for this call only so that encode and untiled
             # decodes stay untiled. diffusers counts them in (unpatchified) pixels.
@@ -229,13 +287,21 @@ class Cosmos3VAE(torch.nn.Module):
                 decoded = self.vae.decode(raw_latents).sample
             finally:
                 self.vae.disable_tiling()
+            if frames == "last":
+                decoded = decoded[:, :, -1:]
         return VaeImageProcessor.denormalize(decoded.to(latents.dtype)).float()
 
-    def _decode_in_chunks(self, raw_latents: torch.Tensor) -> torch.Tensor:
+    def _decode_in_chunks(self, raw_latents: torch.Tensor, last_frame_only: bool = False) -> torch.Tensor:
         """``AutoencoderKLWan._decode`` (diffusers 0.42) with the frames after the first in chunks, not one by one.
 
         The first latent frame goes alone because the decoder treats it specially (``first_chunk``: it is not
         upsampled in time); every later chunk continues the causal cache exactly as single frames would.
+
+        ``last_frame_only``: the head (``norm_out`` -> SiLU -> causal ``conv_out``, kernel 3 in time) of the last pass
+        runs on the last 3 frames only, as ``conv_out``'s 2 cached frames plus the last one, which gives exactly its
+        last output frame; the earlier passes skip the head (its outputs and its cache feed only frames that are not
+        returned). Needs a last pass of >= 3 frames (any pass after the first: 4 frames per latent frame); a
+        single-latent-frame clip decodes whole.
         """
         vae = self.vae
         x = vae.post_quant_conv(raw_latents)
@@ -252,11 +318,22 @@ class Cosmos3VAE(torch.nn.Module):
             pieces = []
             for start, end in zip(starts, ends):
                 vae._conv_idx = [0]
-                pieces.append(vae.decoder(x[:, :, start:end], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
-                                          first_chunk=start == 0))
+                head = "all"
+                if last_frame_only and num_frames > 1:
+                    head = "last" if end == num_frames else "none"
+                if head == "all":  # diffusers' own forward (module hooks fire)
+                    piece = vae.decoder(x[:, :, start:end], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                        first_chunk=start == 0)
+                else:
+                    piece = _decoder_forward(vae.decoder, x[:, :, start:end], vae._feat_map, vae._conv_idx,
+                                             first_chunk=start == 0, head=head)
+                if piece is not None:
+                    pieces.append(piece)
         finally:
             vae.clear_cache()  # the cache holds activations of the last chunk: free them
-        decoded = torch.cat(pieces, dim=2)
+        decoded = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+        if last_frame_only:
+            decoded = decoded[:, :, -1:]
         if vae.config.patch_size is not None:
             decoded = unpatchify(decoded, patch_size=vae.config.patch_size)
         return torch.clamp(decoded, min=-1.0, max=1.0)
@@ -272,6 +349,57 @@ class Cosmos3VAE(torch.nn.Module):
                 f"{field}: expected height and width that are positive multiples of {self.spatial_compression}, "
                 f"got {height}x{width}"
             )
+
+
+def _decoder_forward(decoder: WanDecoder3d, x, feat_cache, feat_idx, first_chunk: bool, head: str):
+    """``WanDecoder3d.forward`` (diffusers 0.42.1, copied) with a choice of output head: "all" (diffusers'), "none"
+    (skip it: None) or "last" (only the pass's last output frame, from the last 3 frames; see ``_decode_in_chunks``)."""
+    idx = feat_idx[0]
+    cache_x = x[:, :, -CACHE_T:, :, :].clone()
+    if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
+        cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
+    x = decoder.conv_in(x, feat_cache[idx])
+    feat_cache[idx] = cache_x
+    feat_idx[0] += 1
+    x = decoder.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
+    for up_block in decoder.up_blocks:
+        x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
+    if head == "none":
+        return None
+    if head == "last":
+        if x.shape[2] < 3:
+            raise RuntimeError("last-frame decode: the last decoder pass has fewer than 3 frames")
+        # The norm and SiLU are per position; conv_out sees frames -3 and -2 as its cache, so it pads nothing.
+        x = decoder.nonlinearity(decoder.norm_out(x[:, :, -3:]))
+        return decoder.conv_out(x[:, :, -1:], x[:, :, :-1])
+    x = decoder.nonlinearity(decoder.norm_out(x))
+    idx = feat_idx[0]
+    cache_x = x[:, :, -CACHE_T:, :, :].clone()
+    if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
+        cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
+    x = decoder.conv_out(x, feat_cache[idx])
+    feat_cache[idx] = cache_x
+    feat_idx[0] += 1
+    return x
+
+
+class _DirectCausalConv3d(WanCausalConv3d):
+    """``WanCausalConv3d`` whose forward pads in space inside the convolution; see
+    ``Cosmos3VAE.use_direct_convolutions``. The causal (front) time padding and the cache are diffusers'."""
+
+    def forward(self, x, cache_x=None) -> torch.Tensor:
+        pad_w, _, pad_h, _, time_pad, _ = self._padding
+        if cache_x is not None and time_pad > 0:
+            cache_x = cache_x.to(x.device)
+            x = torch.cat([cache_x, x], dim=2)
+            time_pad -= cache_x.shape[2]
+        if time_pad > 0:
+            x = F.pad(x, (0, 0, 0, 0, time_pad, 0))
+        padding = (0, pad_h, pad_w)
+        if x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            x = x.contiguous(memory_format=torch.channels_last_3d)
+            return torch.mkldnn_convolution(x, self.weight, self.bias, padding, self.stride, self.dilation, self.groups)
+        return F.conv3d(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
 
 
 # ---- fused RMS norm + SiLU in the decoder -------------------------------------------------------------------------
@@ -351,7 +479,20 @@ def _fused_norm_forward(norm: WanRMS_norm, x: torch.Tensor, silu: bool) -> torch
     return restore(fn(rows, gamma, bias, norm.scale))
 
 
-def _fuse_decoder_norms(decoder: WanDecoder3d) -> None:
+def _eager_norm_forward(norm: WanRMS_norm, x: torch.Tensor, silu: bool) -> torch.Tensor:
+    # WanRMS_norm.forward's float32 ops in their order (F.normalize is x / max(||x||, eps)), each after the division
+    # in place on the fresh result; the "+ bias" with diffusers' float bias 0.0 adds nothing and is skipped.
+    if torch.is_grad_enabled() or x.dtype != torch.float32:
+        out = WanRMS_norm.forward(norm, x)
+        return F.silu(out) if silu else out
+    out = x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min_(1e-12)
+    out.mul_(norm.scale).mul_(norm.gamma)
+    if isinstance(norm.bias, torch.Tensor):
+        out.add_(norm.bias)
+    return F.silu(out, inplace=True) if silu else out
+
+
+def _fuse_decoder_norms(decoder: WanDecoder3d, compiled: bool = True) -> None:
     if getattr(decoder, "_cosmos3_fused_norms", False):
         return
     # The layout this plan is written for (diffusers 0.42.1, pinned; tests/test_vae.py compares fused and unfused
@@ -378,9 +519,10 @@ def _fuse_decoder_norms(decoder: WanDecoder3d) -> None:
     for norm in all_norms:
         if not norm.channel_first or "forward" in vars(norm):
             raise NotImplementedError("fuse_decoder_norms: expected diffusers' channel-first WanRMS_norm")
+    forward = _fused_norm_forward if compiled else _eager_norm_forward
     for norms, silu in ((silu_norms, True), (plain_norms, False)):
         for norm in norms:
-            norm.forward = functools.partial(_fused_norm_forward, norm, silu=silu)
+            norm.forward = functools.partial(forward, norm, silu=silu)
     for owner in silu_owners:
         owner.nonlinearity = torch.nn.Identity()  # its SiLU is now inside the fused norm(s) before it
     decoder._cosmos3_fused_norms = True

@@ -89,6 +89,12 @@ class ClassifierRewardModel(nn.Module):
         self.head = nn.Linear(channels[-1], 1)
 
     @property
+    def frames_read(self) -> str:
+        """Which frames of a chunk the score depends on: "last" with ``reduce="last"``, else "all". An env that
+        returns only the last frame may then decode only that one (``Cosmos3VAE.decode(frames="last")``)."""
+        return "last" if self.reduce == "last" else "all"
+
+    @property
     def config(self) -> dict[str, Any]:
         return {"format": _FORMAT, "input_size": self.input_size, "channels": self.channels, "reduce": self.reduce}
 
@@ -112,10 +118,10 @@ class ClassifierRewardModel(nn.Module):
     def forward(self, frames: torch.Tensor, tasks: list[str]) -> torch.Tensor:
         """``frames [B, T, 3, H, W]`` in [0, 1] -> rewards ``[B]``: every frame is scored, then reduced over T."""
         frames, _ = check_frames(frames, tasks)
+        if self.reduce == "last":  # each frame is scored alone (GroupNorm, no batch statistics): score only the last
+            return self.score_frames(frames[:, -1])
         batch, steps = frames.shape[:2]
         scores = self.score_frames(frames.flatten(0, 1)).view(batch, steps)
-        if self.reduce == "last":
-            return scores[:, -1]
         if self.reduce == "max":
             return scores.amax(dim=1)
         return scores.mean(dim=1)

@@ -1,0 +1,180 @@
+"""Where a PushT-v0 env step spends its time: host time per stage and a torch.profiler summary, at several env counts.
+
+    python benchmarks/profile_pusht_env.py --device cpu --envs 1,4 --steps 3          # CPU, a minute or two
+    python benchmarks/profile_pusht_env.py --device cuda --envs 1,16,64,256 --out $OUT  # one GPU, ~3 min
+
+For each env count and each path (``--paths``: ``fast``, the default of ``gym.make_vec("cosmos3_gym/PushT-v0")``;
+``baseline``, the same env with ``optimize=False``: eager engine, fp32 VAE, every frame decoded), random actions:
+
+* ``step_s``: wall time of one ``env.step`` (median of ``--steps`` after ``--warmup``), env steps/s = envs / step_s;
+* ``stages_s``: host time per stage of one step, measured with a device sync around each stage (so the stages add
+  up, at the price of the overlap a normal step has): ``request_prep`` (``engine.prepare``: frame, prompt, actions,
+  schedule per request), ``encode`` (VAE encode of the conditioning frames), ``text`` (prompt K/V, cached),
+  ``denoise`` (the batched denoising loop, everything in ``_denoise`` but text and decode), ``decode`` (VAE decode),
+  ``reward`` (reward model), ``env_rest`` (everything else: seeds, requests, uint8 conversion, observations, infos);
+* ``profile``: one profiled step (``benchmarks/profile_gpu.py``'s ``summarise``: GPU busy / idle, kernel launches,
+  top kernels, top CPU ops).
+
+Results JSON (card, commit, command) via ``benchmarks/common.py``; ``--trace`` also writes Chrome traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import provenance, sync, write_results  # noqa: E402
+from profile_gpu import summarise  # noqa: E402
+
+from cosmos3_gym.envs.pusht import make_pusht_vector_env  # noqa: E402
+
+STAGES = ("request_prep", "encode", "text", "denoise", "decode", "reward", "env_rest")
+
+
+class StageTimer:
+    """Wraps the engine's and the env core's stage methods (instance attributes) to add up their synced wall time."""
+
+    def __init__(self, env):
+        self.totals = dict.fromkeys(STAGES, 0.0)
+        self.inner = 0.0  # time of stages nested inside _denoise (text, decode), subtracted from "denoise"
+        engine, core = env.engine, env._core
+        self._wrap(engine, "prepare", "request_prep")
+        self._wrap(engine, "_encode_conditions", "encode")
+        self._wrap(engine, "text_kvs", "text", nested=True)
+        self._wrap(engine, "_decode", "decode", nested=True)
+        self._wrap(engine, "_denoise", "denoise", outer=True)
+        self._wrap(core, "_score", "reward")
+
+    def _wrap(self, obj, name, stage, nested=False, outer=False):
+        method = getattr(obj, name)
+
+        @functools.wraps(method)
+        def timed(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            inner_before = self.inner
+            try:
+                return method(*args, **kwargs)
+            finally:
+                sync()
+                elapsed = time.perf_counter() - start
+                if outer:
+                    self.totals[stage] += elapsed - (self.inner - inner_before)
+                else:
+                    self.totals[stage] += elapsed
+                if nested:
+                    self.inner += elapsed
+
+        setattr(obj, name, timed)
+
+    def reset(self):
+        self.totals = dict.fromkeys(STAGES, 0.0)
+        self.inner = 0.0
+
+
+def measure(num_envs: int, path: str, args) -> dict:
+    env = make_pusht_vector_env(num_envs, device=args.device, optimize=path == "fast")
+    try:
+        env.reset(seed=0)
+        env.action_space.seed(0)
+
+        def step():
+            env.step(env.action_space.sample())
+
+        for _ in range(args.warmup):
+            step()
+        times = []
+        for _ in range(args.steps):
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - start)
+        step_s = statistics.median(times)
+
+        timer = StageTimer(env)
+        stage_runs = []
+        for _ in range(args.steps):
+            timer.reset()
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            total = time.perf_counter() - start
+            stages = dict(timer.totals)
+            stages["env_rest"] = total - sum(stages.values())
+            stage_runs.append(stages)
+        stages = {k: statistics.median(run[k] for run in stage_runs) for k in STAGES}
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        sync()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            step()
+            sync()
+            wall = time.perf_counter() - start
+        if args.trace:
+            prof.export_chrome_trace(str(Path(args.out or ".") / f"profile_pusht_{path}_{num_envs}.trace.json"))
+        entry = {
+            "step_s": step_s,
+            "step_times_s": times,
+            "env_steps_per_s": num_envs / step_s,
+            "stages_s": stages,
+            "profile": summarise(prof, wall, top=12),
+        }
+        if torch.cuda.is_available():
+            entry["gpu_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        return entry
+    finally:
+        env.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--envs", default="1,16,64,256", help="comma-separated env counts")
+    parser.add_argument("--paths", default="fast,baseline", help="fast (the default env) and/or baseline")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, CUDA-graph captures)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--trace", action="store_true", help="write Chrome traces next to the results")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--name", default=None, help="results file name (default: profile_pusht_env_<device>.json)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = {
+        "provenance": provenance(),
+        "settings": {"device": args.device, "steps": args.steps, "warmup": args.warmup,
+                     "torch_threads": torch.get_num_threads()},
+    }
+    for num_envs in [int(n) for n in args.envs.split(",")]:
+        for path in args.paths.split(","):
+            try:
+                entry = measure(num_envs, path, args)
+            except torch.OutOfMemoryError as error:
+                entry = {"error": f"OOM: {error}"[:200]}
+            results[f"{path}_envs_{num_envs}"] = entry
+            if "error" not in entry:
+                stages = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in entry["stages_s"].items())
+                print(f"{path:8s} {num_envs:4d} envs: {entry['step_s'] * 1e3:8.1f} ms/step "
+                      f"{entry['env_steps_per_s']:8.1f} env steps/s | ms: {stages}", flush=True)
+    write_results(results, args.name or f"profile_pusht_env_{args.device.split(':')[0]}.json", args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""PushT-v0 env throughput, baseline against the new default in the same run, and what the default costs in fidelity.
+
+    python benchmarks/pusht_env_throughput_gpu.py --out $OUT                       # one GPU, ~5 min
+    python benchmarks/pusht_env_throughput_gpu.py --device cpu --envs 1 --steps 5 --fidelity-episodes 0   # CPU
+
+Two envs per env count, built by ``gym.make_vec("cosmos3_gym/PushT-v0", num_envs=N)``'s entry point:
+
+* ``baseline``: ``optimize=False``, the path before issue 24 (eager engine, fp32 VAE, every frame decoded);
+* ``default``: what ``gym.make_vec`` gives now (GPU: ``engine.optimize()``, bf16 VAE, direct convolutions, only the
+  frame the env returns decoded; CPU: the fp32 VAE's eager fast path).
+
+Both reset with the same seed and step with the same random actions, **interleaved** (baseline step, default step,
+...), so load changes hit both alike. Per env count: median seconds per step (the latency of one env step at N envs),
+env steps/s, GPU memory. ``obs_psnr_db``: PSNR of the default's observation against the baseline's after each step
+(the same conditioning at step 1; later steps drift apart as each env continues from its own frames).
+
+``--fidelity-episodes`` > 0 and gym-pusht installed: action-following PSNR against the simulator
+(``benchmarks/fidelity_pusht_chunks.py``'s ``forward_fidelity``, held-out episodes simulated here) for the baseline
+engine and the default engine, with 95 % CIs (both decode every frame there: the metric reads them all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import provenance, sync, write_results  # noqa: E402
+
+from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
+from cosmos3_gym.envs.pusht import fast_pusht_engine, load_pusht_assets, make_pusht_vector_env  # noqa: E402
+
+PATHS = ("baseline", "default")
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    error = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2) / 255.0**2
+    return float("inf") if error == 0 else float(10 * np.log10(1 / error))
+
+
+def measure(num_envs: int, args) -> dict:
+    envs = {path: make_pusht_vector_env(num_envs, device=args.device, optimize=path == "default") for path in PATHS}
+    try:
+        observations = {path: env.reset(seed=0)[0] for path, env in envs.items()}
+        space = envs["baseline"].action_space
+        space.seed(0)
+        times = {path: [] for path in PATHS}
+        obs_psnr = []
+        for step in range(args.warmup + args.steps):
+            actions = space.sample()
+            for path, env in envs.items():
+                sync()
+                start = time.perf_counter()
+                observations[path] = env.step(actions)[0]
+                sync()
+                if step >= args.warmup:
+                    times[path].append(time.perf_counter() - start)
+            obs_psnr.append(psnr(observations["baseline"]["image"], observations["default"]["image"]))
+        entry = {}
+        for path in PATHS:
+            step_s = statistics.median(times[path])
+            entry[path] = {"step_s": step_s, "step_times_s": times[path], "env_steps_per_s": num_envs / step_s}
+        entry["speedup"] = entry["baseline"]["step_s"] / entry["default"]["step_s"]
+        entry["obs_psnr_db"] = obs_psnr  # per step, warm-up steps included (step 1 first)
+        if torch.cuda.is_available():
+            entry["gpu_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        return entry
+    finally:
+        for env in envs.values():
+            env.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+
+def fidelity(args) -> dict:
+    try:
+        import gym_pusht  # noqa: F401
+    except ImportError:
+        return {"skipped": "gym-pusht is not installed (the sim extra)"}
+    from fidelity_pusht_chunks import forward_fidelity, load_episodes
+
+    from cosmos3_gym.sim import pusht
+
+    assets = load_pusht_assets()
+    chunk = int(assets.meta["chunk"])
+    heldout = pusht.generate_pusht_dataset(
+        Path(tempfile.mkdtemp()) / "heldout", args.fidelity_episodes, steps_per_episode=args.fidelity_chunks * chunk,
+        image_size=tuple(assets.meta["image_size"]), seed=args.heldout_seed,
+    )
+    episodes = load_episodes(heldout, args.fidelity_episodes)
+    results = {}
+    for path in PATHS:
+        if path == "baseline":
+            engine = Cosmos3Engine.from_pretrained(assets.checkpoint, device=args.device, progress=False)
+        else:
+            engine = fast_pusht_engine(assets.checkpoint, device=args.device)
+        try:
+            results[path] = forward_fidelity(engine, assets.root, episodes, args.fidelity_chunks)
+        finally:
+            engine.close()
+    return results
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--envs", default="1,16,64,256")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles, graph captures)")
+    parser.add_argument("--fidelity-episodes", type=int, default=8)
+    parser.add_argument("--fidelity-chunks", type=int, default=4)
+    parser.add_argument("--heldout-seed", type=int, default=10_000)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="torch.backends.cudnn.benchmark for both paths (the decoder's thin convolutions)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--name", default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    results = {"provenance": provenance(), "settings": {**vars(args), "torch_threads": torch.get_num_threads()}}
+    for num_envs in [int(n) for n in args.envs.split(",")]:
+        try:
+            entry = measure(num_envs, args)
+        except torch.OutOfMemoryError as error:
+            entry = {"error": f"OOM: {error}"[:200]}
+            torch.cuda.empty_cache()
+        results[f"envs_{num_envs}"] = entry
+        if "error" not in entry:
+            print(f"{num_envs:4d} envs: baseline {entry['baseline']['step_s'] * 1e3:8.1f} ms/step "
+                  f"({entry['baseline']['env_steps_per_s']:7.1f} env steps/s), default "
+                  f"{entry['default']['step_s'] * 1e3:8.1f} ms/step ({entry['default']['env_steps_per_s']:7.1f} "
+                  f"env steps/s), {entry['speedup']:.2f}x; obs PSNR step 1 {entry['obs_psnr_db'][0]:.1f} dB",
+                  flush=True)
+    if args.fidelity_episodes > 0:
+        results["fidelity"] = fidelity(args)
+        for path, entry in results["fidelity"].items():
+            if isinstance(entry, dict) and "psnr_db" in entry:
+                rollout = [round(c["mean"], 2) for c in entry["psnr_db"]["rollout"]]
+                one = [round(c["mean"], 2) for c in entry["psnr_db"]["one_chunk"]]
+                print(f"fidelity {path}: rollout PSNR per chunk {rollout}, one-chunk {one}")
+    device = "cpu" if args.device == "cpu" else "gpu"
+    write_results(results, args.name or f"pusht_env_throughput_{device}.json", args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
