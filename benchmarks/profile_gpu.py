@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, sync, write_results  # noqa: E402
+from common import add_output_arguments, check_results_target, provenance, sync, write_results  # noqa: E402
 from gpu_suite import gen_forward_inputs, make_models, our_request, scene  # noqa: E402
 
 # Kernel classes by name, first match wins. GEMMs: cuBLAS / CUTLASS / nvjet (Hopper) kernels; attention: flash,
@@ -119,12 +119,12 @@ def profiled(fn, name: str, out: Path, warmup: int = 2) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU check with the tiny models")
-    parser.add_argument("--out", required=True)
+    add_output_arguments(parser)
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="compiled blocks only, without the CUDA-graphed GEN forward")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    name = "profile_gpu.json" if not args.tiny else "profile_gpu_tiny.json"
+    out = check_results_target(name, args.out, args.overwrite).parent  # before measuring; traces go beside it
     device = "cpu" if args.tiny else "cuda"
     torch.backends.cudnn.benchmark = True
 
@@ -147,7 +147,7 @@ def main() -> None:
             engine.gen_forward(*inputs)
 
     results["gen_forward_tier256_b1"] = profiled(forward, "gen_forward_tier256_b1", out)
-    write_results(results, "profile_gpu.json" if not args.tiny else "profile_gpu_tiny.json", str(out))
+    write_results(results, name, str(out))
 
 
 if __name__ == "__main__":

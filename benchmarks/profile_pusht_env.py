@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, sync, write_results  # noqa: E402
+from common import add_output_arguments, check_results_target, provenance, sync, write_results  # noqa: E402
 from profile_gpu import summarise  # noqa: E402
 
 from cosmos3_gym.envs.pusht import make_pusht_vector_env  # noqa: E402
@@ -151,9 +151,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, CUDA-graph captures)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--trace", action="store_true", help="write Chrome traces next to the results")
-    parser.add_argument("--out", default=None)
+    add_output_arguments(parser)
     parser.add_argument("--name", default=None, help="results file name (default: profile_pusht_env_<device>.json)")
     args = parser.parse_args(argv)
+    name = args.name or f"profile_pusht_env_{args.device.split(':')[0]}.json"
+    check_results_target(name, args.out, args.overwrite)  # before measuring
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {
@@ -172,7 +174,7 @@ def main(argv=None) -> dict:
                 stages = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in entry["stages_s"].items())
                 print(f"{path:8s} {num_envs:4d} envs: {entry['step_s'] * 1e3:8.1f} ms/step "
                       f"{entry['env_steps_per_s']:8.1f} env steps/s | ms: {stages}", flush=True)
-    write_results(results, args.name or f"profile_pusht_env_{args.device.split(':')[0]}.json", args.out)
+    write_results(results, name, args.out)
     return results
 
 

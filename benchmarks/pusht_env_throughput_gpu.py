@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, sync, write_results  # noqa: E402
+from common import add_output_arguments, check_results_target, provenance, sync, write_results  # noqa: E402
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import fast_pusht_engine, load_pusht_assets, make_pusht_vector_env  # noqa: E402
@@ -123,9 +123,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="torch.backends.cudnn.benchmark for both paths (the decoder's thin convolutions)")
-    parser.add_argument("--out", default=None)
+    add_output_arguments(parser)
     parser.add_argument("--name", default=None)
     args = parser.parse_args(argv)
+    name = args.name or f"pusht_env_throughput_{'cpu' if args.device == 'cpu' else 'gpu'}.json"
+    check_results_target(name, args.out, args.overwrite)  # before measuring
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
@@ -150,8 +152,7 @@ def main(argv=None) -> dict:
                 rollout = [round(c["mean"], 2) for c in entry["psnr_db"]["rollout"]]
                 one = [round(c["mean"], 2) for c in entry["psnr_db"]["one_chunk"]]
                 print(f"fidelity {path}: rollout PSNR per chunk {rollout}, one-chunk {one}")
-    device = "cpu" if args.device == "cpu" else "gpu"
-    write_results(results, args.name or f"pusht_env_throughput_{device}.json", args.out)
+    write_results(results, name, args.out)
     return results
 
 

@@ -66,7 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, results_dir, write_results  # noqa: E402
+from common import add_output_arguments, check_results_target, provenance, results_dir, write_results  # noqa: E402
 
 from cosmos3_gym.evaluation import mean_interval, wilson_interval  # noqa: E402
 from cosmos3_gym.rl.bc import BCConfig, train_bc  # noqa: E402
@@ -95,6 +95,7 @@ TINY_POLICY = dict(channels=(8, 8, 8, 8), hidden=16)
 class Run:
     def __init__(self, args):
         self.args = args
+        check_results_target(RESULTS_NAME, args.out, args.overwrite)  # before any stage runs
         self.out = results_dir(args.out)
         self.work = Path(args.work)
         self.work.mkdir(parents=True, exist_ok=True)
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: tiny sizes and the tiny random model")
-    parser.add_argument("--out", default=None, help="results folder (default: $OUT or benchmarks/results)")
+    add_output_arguments(parser)
     parser.add_argument("--work", default="/tmp/cosmos3_gym_rl_pusht",
                         help="policies, starts, results, GRPO checkpoints (a few MB), shared by stages and calls")
     parser.add_argument("--scratch", default="/tmp/cosmos3_gym_rl_pusht_scratch",

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, write_results  # noqa: E402
+from common import add_output_arguments, check_results_target, provenance, write_results  # noqa: E402
 
 from cosmos3_gym.envs.pusht import make_pusht_vector_env  # noqa: E402
 
@@ -82,9 +82,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop early (results still written) after this long, e.g. to fit a time limit")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=None)
+    add_output_arguments(parser)
     parser.add_argument("--name", default=None)
     args = parser.parse_args(argv)
+    device = "cpu" if args.device == "cpu" else "gpu"
+    name = args.name or f"soak_pusht_{device}_{args.envs}envs.json"
+    check_results_target(name, args.out, args.overwrite)  # before measuring
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -120,8 +123,7 @@ def main(argv=None) -> dict:
         if value is not None:
             print(f"{key}: {value['start_mb']:.1f} -> {value['end_mb']:.1f} MB from env step {value['from_env_step']} "
                   f"to {value['to_env_step']} ({value['growth_mb']:+.1f} MB; floor {value['floor_growth_mb']:+.1f} MB)")
-    device = "cpu" if args.device == "cpu" else "gpu"
-    write_results(results, args.name or f"soak_pusht_{device}_{args.envs}envs.json", args.out)
+    write_results(results, name, args.out)
     return results
 
 

@@ -39,8 +39,7 @@ def test_write_results_refuses_a_committed_result_unless_overwrite(tmp_path, mon
 
 def test_every_benchmark_takes_out_dir_and_overwrite():
     """--out DIR means the same everywhere: each script's --help offers --out and --overwrite."""
-    scripts = sorted(p for p in BENCHMARKS.rglob("*.py") if p.name != "common.py" and not p.name.startswith(
-        ("profile", "soak", "rl_pusht")))
+    scripts = sorted(p for p in BENCHMARKS.rglob("*.py") if p.name != "common.py")
     assert {"recipes/train_pusht.py", "parallel_gpu.py"} <= {str(p.relative_to(BENCHMARKS)) for p in scripts}
     missing = []
     for script in scripts:
