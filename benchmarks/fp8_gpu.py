@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "recipes"))  # fidelity_pusht*
 
 from common import (  # noqa: E402
     add_output_arguments, build_nano_transformer, check_results_target, gemm_peak_tflops, provenance, timed,
@@ -500,13 +501,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--decode-only", action="store_true",
                         help="only the decode sections (e), on random latents of the tier-480 request's shape: for a "
                              "second run when the whole-decoder compile did not fit the first")
+    parser.add_argument("--pusht-only", action="store_true",
+                        help="only the trained PushT model's accuracy section (d): bf16 against FP8 per layer policy")
     parser.add_argument("--pusht-episodes", type=int, default=8)
     parser.add_argument("--pusht-chunks", type=int, default=4)
     args = parser.parse_args(argv)
     budget = Budget(args.budget_s)
     tiny = args.tiny
     device = "cpu" if tiny else "cuda"
-    name = ("fp8_gpu_decode" if args.decode_only else "fp8_gpu") + ("_tiny.json" if tiny else ".json")
+    name = ("fp8_gpu_decode" if args.decode_only else "fp8_gpu_pusht" if args.pusht_only else "fp8_gpu") + (
+        "_tiny.json" if tiny else ".json")
     for option in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, option):
             setattr(torch._dynamo.config, option, 64)
@@ -530,6 +534,11 @@ def main(argv: list[str] | None = None) -> dict:
     error_policies = [p for p in args.error_policies.split(",") if p]
     speed_policies = [p for p in args.speed_policies.split(",") if p]
     pusht_policies = [p for p in args.pusht_policies.split(",") if p]
+
+    if args.pusht_only:
+        run_pusht(results, args, budget, device, tiny, pusht_policies, save)
+        print(summary_table(results))
+        return results
 
     if args.decode_only:
         from common import build_wan22_vae

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "recipes"))  # fidelity_pusht_chunks
 
 from common import add_output_arguments, check_results_target, provenance, sync, write_results  # noqa: E402
 
