@@ -474,7 +474,8 @@ def add_demo_command(sub) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> None:
-    from .demo import cached_tiny_checkpoint, run_demo as demo
+    from .demo import run_demo as demo
+    from .testing import cached_tiny_checkpoint
     from .envs.pusht import builtin_checkpoint_dir
 
     if args.checkpoint is None and builtin_checkpoint_dir() is not None:

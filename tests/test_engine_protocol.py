@@ -334,15 +334,7 @@ def test_no_module_imports_a_module_that_imports_it_back():
     for node in graph:
         if node not in index:
             connect(node)
-    # Function-level cycles that came with other branches (LeRobot datasets, the demo's lazy re-export from
-    # evaluation) and predate this check; to be broken up in a follow-up. Any other cycle, or one of these growing,
-    # fails.
-    known = [
-        ["cosmos3_gym.checkpoint", "cosmos3_gym.envs.initial_states", "cosmos3_gym.training.data",
-         "cosmos3_gym.training.lerobot"],
-        ["cosmos3_gym.demo", "cosmos3_gym.evaluation"],
-    ]
-    assert [cycle for cycle in cycles if cycle not in known] == []
+    assert cycles == []
 
 
 def test_the_cycle_check_would_catch_the_old_engine_client_pair(tmp_path):
