@@ -398,7 +398,7 @@ def main() -> None:
         outputs = numbers.pop("outputs")
         per_rank = gather_from_ranks(dict(gen_forward_ms=numbers["gen_forward_ms"], request_ms=numbers["request_ms"],
                                   action=outputs["action"]))
-        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, options=sorted(options), **numbers,
+        entry = dict(dp=config.dp, cfg=config.cfg_parallel, tp=config.tp, options=sorted(options), **numbers,
                      gen_forward_ms_per_rank=[r["gen_forward_ms"] for r in per_rank],
                      request_ms_per_rank=[r["request_ms"] for r in per_rank],
                      identical_across_ranks=all(np.array_equal(r["action"], per_rank[0]["action"]) for r in per_rank))

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from common import add_output_arguments, provenance, write_results  # noqa: E402
 
-from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG  # noqa: E402
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from cosmos3_gym.models.transformer import (  # noqa: E402
     Cosmos3RotaryEmbedding, Cosmos3Transformer, Cosmos3TransformerConfig,
 )
