@@ -306,8 +306,8 @@ class _EpisodeBook:
             success = current.episode_return > self.success_return_threshold
         video = None
         if current.clips:
-            video = f"episode_{current.episode:04d}.mp4"
-            write_video(self.video_dir / video, _concatenate_clips(current.clips), fps=self.fps)
+            video = write_video(self.video_dir / f"episode_{current.episode:04d}.mp4", _concatenate_clips(current.clips),
+                                fps=self.fps).name
         self.finished.append(EpisodeResult(
             current.episode, slot, current.task, current.episode_return, current.length, success, terminated,
             truncated, current.initial_state_index, video,
