@@ -61,7 +61,7 @@ from cosmos3_gym.checkpoint import (  # noqa: E402
 )
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
 from cosmos3_gym.models.transformer import (  # noqa: E402
-    Cosmos3RotaryEmbedding, Cosmos3Transformer, Cosmos3TransformerConfig, RMSNorm, TextKV,
+    Cosmos3RotaryEmbedding, Cosmos3Transformer, Cosmos3TransformerConfig, RMSNorm, TextKV, build_on_meta,
 )
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.parallel.mesh import ParallelConfig, ParallelContext, init_parallel  # noqa: E402
@@ -129,13 +129,7 @@ def broadcast_module_(module: torch.nn.Module) -> None:
 def build_transformer(config: Cosmos3TransformerConfig, device, dtype, seed: int = 0) -> Cosmos3Transformer:
     """Meta-device build, then ``to_empty`` and fill on rank 0 (variance-preserving random linears, unit norms), then
     broadcast. The time embedder is fp32 as when loading a checkpoint."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = Cosmos3Transformer(config)
-    finally:
-        torch.set_default_dtype(previous)
+    model = build_on_meta(Cosmos3Transformer, config, dtype=dtype)
     model.to_empty(device=device)
     model.time_embedder.float()
     model.rotary = Cosmos3RotaryEmbedding(config).to(device)

@@ -100,12 +100,7 @@ def read_episode_dataset(dataset_dir: str | os.PathLike, *, domain: str | int | 
     if not root.is_dir():
         raise InputError(f"dataset: {root} is not a directory")
     meta_path = root / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as error:
-        raise InputError(f"dataset: cannot read {meta_path} as JSON ({error})") from error
-    if not isinstance(meta, dict):
-        raise InputError(f"dataset: {meta_path} must hold a JSON object")
+    meta = read_json_object(meta_path)
     for key in ("domain", "raw_action_dim", "fps"):
         if key not in meta:
             raise InputError(f"dataset: {meta_path} lacks the field {key!r}")
@@ -126,7 +121,7 @@ def read_episode_dataset(dataset_dir: str | os.PathLike, *, domain: str | int | 
     stats_path = root / "stats.json"
     if not stats_path.is_file():
         raise InputError(f"dataset: missing {stats_path} (action statistics)")
-    stats_document = json.loads(stats_path.read_text())
+    stats_document = read_json_object(stats_path)
     stats = processor.ActionStats.from_json(stats_document, mode=mode)
     if stats.dim != raw_action_dim:
         raise InputError(
@@ -140,6 +135,17 @@ def read_episode_dataset(dataset_dir: str | os.PathLike, *, domain: str | int | 
         fps=float(fps), action_normalization=mode, stats=stats, stats_document=stats_document,
         episode_paths=episode_paths, episodes=NpzEpisodes(episode_paths, raw_action_dim),
     )
+
+
+def read_json_object(path: Path) -> dict:
+    """A dataset's JSON file that must hold an object (meta.json, LeRobot's info.json and stats.json)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise InputError(f"dataset: cannot read {path} as JSON ({error})") from error
+    if not isinstance(value, dict):
+        raise InputError(f"dataset: {path} must hold a JSON object")
+    return value
 
 
 def load_episode(path: Path, raw_action_dim: int, *, with_frames: bool = True) -> Episode:

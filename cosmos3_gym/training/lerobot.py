@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import processor
 from ..errors import InputError
-from .episodes import DatasetInfo, Episode, read_episode_dataset, window_starts
+from .episodes import DatasetInfo, Episode, read_episode_dataset, read_json_object, window_starts
 
 LEROBOT_PREFIX = "lerobot:"
 SUPPORTED_VERSIONS = ("v2.1", "v3.0")
@@ -63,16 +63,6 @@ def is_lerobot_spec(spec) -> bool:
 def strip_prefix(spec) -> Path:
     text = os.fspath(spec)
     return Path(text[len(LEROBOT_PREFIX):] if text.startswith(LEROBOT_PREFIX) else text).expanduser()
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise InputError(f"dataset: cannot read {path} as JSON ({error})") from error
-    if not isinstance(value, dict):
-        raise InputError(f"dataset: {path} must hold a JSON object")
-    return value
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -189,7 +179,7 @@ class LeRobotDataset:
         self.info_path = self.root / "meta" / "info.json"
         if not self.info_path.is_file():
             raise InputError(f"dataset: {self.root} is not a LeRobot dataset (no meta/info.json)")
-        info = self.info = _read_json(self.info_path)
+        info = self.info = read_json_object(self.info_path)
         self.version = info.get("codebase_version")
         if self.version not in SUPPORTED_VERSIONS:
             raise InputError(
@@ -316,7 +306,7 @@ class LeRobotDataset:
         aggregated from meta/episodes_stats.jsonl, else computed from the action column."""
         path = self.root / "meta" / "stats.json"
         if path.is_file():
-            stats = _read_json(path)
+            stats = read_json_object(path)
             if self.action_key not in stats:
                 raise InputError(f"dataset: {path} has no statistics for the action feature {self.action_key!r}")
             block = stats[self.action_key]
