@@ -147,13 +147,9 @@ def build_nano_transformer(device: str = "cuda", dtype=torch.bfloat16, **overrid
     """diffusers' Cosmos3OmniTransformer at the full Nano config (15.2 B parameters), random weights."""
     from diffusers import Cosmos3OmniTransformer
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = Cosmos3OmniTransformer(**{**NANO_TRANSFORMER, **overrides})
-    finally:
-        torch.set_default_dtype(previous)
+    from cosmos3_gym.models.transformer import build_on_meta
+
+    model = build_on_meta(Cosmos3OmniTransformer, dtype=dtype, **{**NANO_TRANSFORMER, **overrides})
     model = model.to_empty(device=device)
     torch.manual_seed(0)
     fill_random_(model)

@@ -58,7 +58,7 @@ from gpu_suite import (  # noqa: E402
     our_request, rel, scene,
 )
 
-from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG  # noqa: E402
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.models.transformer import Cosmos3RotaryEmbedding, Cosmos3Transformer  # noqa: E402
 from cosmos3_gym.models.transformer import Cosmos3TransformerConfig  # noqa: E402
@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.decode_only:
         from common import build_wan22_vae
 
-        from cosmos3_gym.checkpoint import TINY_VAE_CONFIG
+        from cosmos3_gym.testing import TINY_VAE_CONFIG
 
         if tiny:
             from diffusers import AutoencoderKLWan

@@ -30,7 +30,8 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG, build_tiny_tokenizer  # noqa: E402
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG  # noqa: E402
+from cosmos3_gym.tokenizer import build_tiny_tokenizer  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
 from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402

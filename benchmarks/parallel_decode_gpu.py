@@ -28,7 +28,7 @@ from common import (  # noqa: E402
 )
 from parallel_gpu import WAN22_VAE, build_vae, synchronize  # noqa: E402
 
-from cosmos3_gym.checkpoint import TINY_VAE_CONFIG  # noqa: E402
+from cosmos3_gym.testing import TINY_VAE_CONFIG  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.parallel.vae_decode import decode_tile_parallel  # noqa: E402
 

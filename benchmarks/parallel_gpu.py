@@ -61,7 +61,7 @@ from cosmos3_gym.checkpoint import (  # noqa: E402
 )
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
 from cosmos3_gym.models.transformer import (  # noqa: E402
-    Cosmos3RotaryEmbedding, Cosmos3Transformer, Cosmos3TransformerConfig, RMSNorm, TextKV,
+    Cosmos3RotaryEmbedding, Cosmos3Transformer, Cosmos3TransformerConfig, RMSNorm, TextKV, build_on_meta,
 )
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.parallel.mesh import ParallelConfig, ParallelContext, init_parallel  # noqa: E402
@@ -129,13 +129,7 @@ def broadcast_module_(module: torch.nn.Module) -> None:
 def build_transformer(config: Cosmos3TransformerConfig, device, dtype, seed: int = 0) -> Cosmos3Transformer:
     """Meta-device build, then ``to_empty`` and fill on rank 0 (variance-preserving random linears, unit norms), then
     broadcast. The time embedder is fp32 as when loading a checkpoint."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = Cosmos3Transformer(config)
-    finally:
-        torch.set_default_dtype(previous)
+    model = build_on_meta(Cosmos3Transformer, config, dtype=dtype)
     model.to_empty(device=device)
     model.time_embedder.float()
     model.rotary = Cosmos3RotaryEmbedding(config).to(device)
@@ -398,7 +392,7 @@ def main() -> None:
         outputs = numbers.pop("outputs")
         per_rank = gather_from_ranks(dict(gen_forward_ms=numbers["gen_forward_ms"], request_ms=numbers["request_ms"],
                                   action=outputs["action"]))
-        entry = dict(dp=config.dp, cfg=config.cfg, tp=config.tp, options=sorted(options), **numbers,
+        entry = dict(dp=config.dp, cfg=config.cfg_parallel, tp=config.tp, options=sorted(options), **numbers,
                      gen_forward_ms_per_rank=[r["gen_forward_ms"] for r in per_rank],
                      request_ms_per_rank=[r["request_ms"] for r in per_rank],
                      identical_across_ranks=all(np.array_equal(r["action"], per_rank[0]["action"]) for r in per_rank))

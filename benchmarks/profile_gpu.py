@@ -96,9 +96,9 @@ def summarise(prof, wall_s: float, top: int = 15) -> dict:
     }
 
 
-def profiled(fn, name: str, out: Path, warmup: int = 2) -> dict:
-    for _ in range(warmup):
-        fn()
+def profile_call(fn) -> tuple[profile, float]:
+    """One call of ``fn`` under torch.profiler (CPU, and CUDA where there is a GPU), synchronised before and after:
+    the profiler and the call's wall time in seconds."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sync()
     with profile(activities=activities) as prof:
@@ -106,6 +106,13 @@ def profiled(fn, name: str, out: Path, warmup: int = 2) -> dict:
         fn()
         sync()
         wall = time.perf_counter() - start
+    return prof, wall
+
+
+def profiled(fn, name: str, out: Path, warmup: int = 2) -> dict:
+    for _ in range(warmup):
+        fn()
+    prof, wall = profile_call(fn)
     trace = out / f"{name}.trace.json"
     prof.export_chrome_trace(str(trace))
     with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:

@@ -28,13 +28,12 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import add_output_arguments, check_results_target, provenance, sync, write_results  # noqa: E402
-from profile_gpu import summarise  # noqa: E402
+from profile_gpu import profile_call, summarise  # noqa: E402
 
 from cosmos3_gym.envs.pusht import make_pusht_vector_env  # noqa: E402
 
@@ -116,13 +115,7 @@ def measure(num_envs: int, path: str, args) -> dict:
             stage_runs.append(stages)
         stages = {k: statistics.median(run[k] for run in stage_runs) for k in STAGES}
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        sync()
-        with profile(activities=activities) as prof:
-            start = time.perf_counter()
-            step()
-            sync()
-            wall = time.perf_counter() - start
+        prof, wall = profile_call(step)
         if args.trace:
             prof.export_chrome_trace(str(Path(args.out or ".") / f"profile_pusht_{path}_{num_envs}.trace.json"))
         entry = {

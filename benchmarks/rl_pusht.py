@@ -292,7 +292,7 @@ def world_model_env(run: Run, starts, guard_horizon: int):
     if "group_size" in inspect.signature(WorldModelVectorEnv.__init__).parameters:
         common["group_size"] = args.group_size  # starts are passed per slot anyway; this adds info["group"]
     if args.tiny:
-        from cosmos3_gym.evaluation import cached_tiny_checkpoint
+        from cosmos3_gym.testing import cached_tiny_checkpoint
 
         size = (64, 64)  # the tiny model's frame size at tier 256
         wm_starts = DemoStartStates(starts.sim_states, episodes=starts.episodes, steps=starts.steps, image_size=size)

@@ -37,9 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from common import add_output_arguments, provenance, write_results  # noqa: E402
 
-from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG  # noqa: E402
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from cosmos3_gym.models.transformer import (  # noqa: E402
-    Cosmos3RotaryEmbedding, Cosmos3Transformer, Cosmos3TransformerConfig,
+    Cosmos3RotaryEmbedding, Cosmos3Transformer, Cosmos3TransformerConfig, build_on_meta,
 )
 from cosmos3_gym.training.distributed import init_distributed  # noqa: E402
 from cosmos3_gym.training.flow_matching import (  # noqa: E402
@@ -61,14 +61,8 @@ def model_config(tiny: bool) -> Cosmos3TransformerConfig:
     return Cosmos3TransformerConfig(action_gen=True, action_dim=64)  # Nano: diffusers' defaults
 
 
-def build_on_meta(config: Cosmos3TransformerConfig, dtype: torch.dtype) -> Cosmos3Transformer:
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = Cosmos3Transformer(config)
-    finally:
-        torch.set_default_dtype(default)
+def build_transformer_on_meta(config: Cosmos3TransformerConfig, dtype: torch.dtype) -> Cosmos3Transformer:
+    model = build_on_meta(Cosmos3Transformer, config, dtype=dtype)
     model.time_embedder.float()  # fp32, as diffusers keeps it
     return model
 
@@ -135,7 +129,7 @@ def run(args) -> dict:
               "batch_size_per_rank": args.batch_size, "chunk": args.chunk, "tier": 480,
               "latent_hw": [args.latent_h, args.latent_w], "prompt_tokens": args.prompt_tokens, "tiny": args.tiny}
     started = time.perf_counter()
-    transformer = build_on_meta(config, torch.bfloat16 if lora else master_dtype)
+    transformer = build_transformer_on_meta(config, torch.bfloat16 if lora else master_dtype)
     result["parameters"] = sum(p.numel() for p in transformer.parameters())
     if lora:
         trainable = apply_lora(transformer, args.lora_rank, args.lora_rank * 2.0)

@@ -29,7 +29,7 @@ from common import add_output_arguments, provenance, timed, write_results  # noq
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs import WorldModelEnv, WorldModelVectorEnv  # noqa: E402
-from cosmos3_gym.evaluation import cached_tiny_checkpoint  # noqa: E402
+from cosmos3_gym.testing import cached_tiny_checkpoint  # noqa: E402
 
 TASK = "pick up the cup and put it in the bowl"
 

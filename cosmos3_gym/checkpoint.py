@@ -247,7 +247,7 @@ def checkpoint_defaults(path_or_id: str | os.PathLike) -> dict[str, Any]:
 
     root = resolve_checkpoint(path_or_id)
     meta_path = root / META_FILE
-    meta = _read_json_object(meta_path) if meta_path.is_file() else {}
+    meta = read_json_object(meta_path) if meta_path.is_file() else {}
     defaults: dict[str, Any] = {key: meta[key] for key in META_SETTING_KEYS if key in meta}
     stats_path = root / ACTION_STATS_FILE
     if stats_path.is_file():
@@ -289,7 +289,8 @@ def _require_dir(path: Path) -> Path:
     return path
 
 
-def _read_json_object(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file that must hold an object; ``CheckpointError`` names the file and the fault."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint: missing file {path}")
     try:
@@ -302,7 +303,7 @@ def _read_json_object(path: Path) -> dict[str, Any]:
 
 
 def _read_config(path: Path, required_keys: Iterable[str]) -> dict[str, Any]:
-    config = _read_json_object(path)
+    config = read_json_object(path)
     missing = [key for key in required_keys if key not in config]
     if missing:
         raise CheckpointError(f"checkpoint: {path} lacks required keys {missing}")
@@ -331,14 +332,14 @@ def _check_latent_width(path: Path, transformer_config: Mapping[str, Any], z_dim
 def _check_tokenizer_files(tokenizer_dir: Path) -> None:
     tokenizer_json = tokenizer_dir / "tokenizer.json"
     if tokenizer_json.is_file():
-        _read_json_object(tokenizer_json)
+        read_json_object(tokenizer_json)
     elif not ((tokenizer_dir / "vocab.json").is_file() and (tokenizer_dir / "merges.txt").is_file()):
         raise CheckpointError(
             f"checkpoint: {tokenizer_dir} has no tokenizer files (expected tokenizer.json, or vocab.json + merges.txt)"
         )
     tokenizer_config = tokenizer_dir / "tokenizer_config.json"
     if tokenizer_config.exists():
-        _read_json_object(tokenizer_config)
+        read_json_object(tokenizer_config)
 
 
 def safetensors_files(component_dir: str | os.PathLike) -> tuple[Path, ...]:
@@ -347,7 +348,7 @@ def safetensors_files(component_dir: str | os.PathLike) -> tuple[Path, ...]:
     for index_name in WEIGHT_INDEX_NAMES:
         index_path = component_dir / index_name
         if index_path.exists():
-            weight_map = _read_json_object(index_path).get("weight_map")
+            weight_map = read_json_object(index_path).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"checkpoint: {index_path} has no 'weight_map' object")
             shards = tuple(component_dir / name for name in sorted(set(weight_map.values())))

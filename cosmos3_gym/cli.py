@@ -272,8 +272,7 @@ def run_infer(args: argparse.Namespace) -> None:
     written = [f"{out}_action.json"]
     if result.pixels is not None:
         frames = result.pixels.permute(1, 2, 3, 0).numpy()  # [T, H, W, 3] in [0, 1]
-        write_video(f"{out}.mp4", frames, fps=settings["fps"])
-        written.append(f"{out}.mp4")
+        written.append(str(write_video(f"{out}.mp4", frames, fps=settings["fps"])))
         if args.save_arrays:
             np.save(f"{out}_video.npy", frames.astype(np.float32))
             written.append(f"{out}_video.npy")
@@ -474,7 +473,8 @@ def add_demo_command(sub) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> None:
-    from .demo import cached_tiny_checkpoint, run_demo as demo
+    from .demo import run_demo as demo
+    from .testing import cached_tiny_checkpoint
     from .envs.pusht import builtin_checkpoint_dir
 
     if args.checkpoint is None and builtin_checkpoint_dir() is not None:

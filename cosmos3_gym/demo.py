@@ -2,64 +2,25 @@
 
 Without a checkpoint the demo runs the built-in PushT world model (its start frames, reward model and settings) and
 adds ``side_by_side.mp4`` (the real simulator next to the world model where gym-pusht is installed); if the built-in
-model is not installed, a tiny RANDOM-weight checkpoint (``cached_tiny_checkpoint``) on the tabletop image.
+model is not installed, a tiny RANDOM-weight checkpoint (``testing.cached_tiny_checkpoint``) on the tabletop image.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from .errors import CheckpointError, InputError
+from .errors import InputError
 from .checkpoint import checkpoint_defaults
 from .evaluation import EvalReport, evaluate_checkpoint, evaluate_policy
 from .policy_specs import load_policy
 
-__all__ = ["DEMO_IMAGE", "DEMO_TASK", "cached_tiny_checkpoint", "run_demo", "tiny_checkpoint_cache_dir"]
+__all__ = ["DEMO_IMAGE", "DEMO_TASK", "run_demo"]
 
 # The demo's initial state ships inside the package (a copy of examples/assets/tabletop.png) so that the demo also
 # runs from an installed wheel.
 DEMO_IMAGE = Path(__file__).parent / "assets" / "tabletop.png"
 DEMO_TASK = "push the T-shaped block onto the target"
-
-
-def tiny_checkpoint_cache_dir() -> Path:
-    """Where ``cached_tiny_checkpoint`` keeps its checkpoint: ``$XDG_CACHE_HOME/cosmos3_gym`` (default
-    ``~/.cache/cosmos3_gym``), one directory per package version."""
-    from . import __version__
-
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
-    return root / "cosmos3_gym" / f"tiny-checkpoint-{__version__}"
-
-
-def cached_tiny_checkpoint() -> Path:
-    """The tiny RANDOM-weight checkpoint (``testing.build_tiny_checkpoint(seed=0)``), built once into
-    ``tiny_checkpoint_cache_dir()`` and reused. Built in a temporary sibling folder and renamed into place, so an
-    interrupted or concurrent build never leaves a half-written checkpoint behind."""
-    from .checkpoint import validate_checkpoint
-    from .testing import build_tiny_checkpoint
-
-    target = tiny_checkpoint_cache_dir()
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        building = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-        try:
-            build_tiny_checkpoint(building, seed=0)
-            building.rename(target)
-        except OSError:
-            if not target.exists():  # not a concurrent build that got there first
-                raise
-        finally:
-            if building.exists():
-                shutil.rmtree(building, ignore_errors=True)
-    try:
-        validate_checkpoint(target)
-    except CheckpointError as error:
-        raise CheckpointError(f"{error}\nThe cached tiny checkpoint {target} is damaged; delete it to rebuild.") \
-            from error
-    return target
 
 
 def run_demo(
@@ -88,7 +49,10 @@ def run_demo(
         return _pusht_demo(Path(out_dir), policy, episodes, steps_per_episode, num_steps, seed, device, dtype,
                            progress)
     random_weights = checkpoint is None
-    checkpoint = cached_tiny_checkpoint() if checkpoint is None else checkpoint
+    if random_weights:
+        from .testing import cached_tiny_checkpoint  # only on request: production code does not need the factory
+
+        checkpoint = cached_tiny_checkpoint()
     recorded = checkpoint_defaults(checkpoint)
     return evaluate_checkpoint(
         checkpoint, out_dir, policy=policy, episodes=episodes, num_envs=min(episodes, 8), initial_states=DEMO_IMAGE,

@@ -25,8 +25,8 @@ Progress is counted in env steps (chunks) of the counted episodes, out of ``epis
 episode that ends early adds its unused steps, so the bar ends exactly at 100 % and its ETA stays right when episodes
 run batched and end at different times.
 
-The policy-spec registry lives in ``cosmos3_gym.policy_specs``, the intervals in ``cosmos3_gym.statistics`` and the
-demo in ``cosmos3_gym.demo``; their public names are re-exported here.
+The policy-spec registry lives in ``cosmos3_gym.policy_specs`` and the intervals in ``cosmos3_gym.statistics``; their
+public names are re-exported here. The demo (``cosmos3_gym.demo``) builds on this module.
 """
 
 from __future__ import annotations
@@ -54,34 +54,19 @@ from .policy_specs import RandomPolicy, load_policy
 from .statistics import check_confidence, describe_mean_interval, mean_interval, student_t_quantile, wilson_interval
 
 __all__ = [
-    "DEMO_IMAGE",
-    "DEMO_TASK",
     "EpisodeResult",
     "EvalReport",
     "RandomPolicy",
     "Summary",
-    "cached_tiny_checkpoint",
     "evaluate_checkpoint",
     "evaluate_policy",
     "load_policy",
     "mean_interval",
-    "run_demo",
     "student_t_quantile",
-    "tiny_checkpoint_cache_dir",
     "wilson_interval",
 ]
 
 REPORT_FORMAT = "cosmos3_gym.eval_report/1"
-_DEMO_NAMES = ("DEMO_IMAGE", "DEMO_TASK", "cached_tiny_checkpoint", "run_demo", "tiny_checkpoint_cache_dir")
-
-
-def __getattr__(name: str) -> Any:
-    # The demo builds on this module; its names are re-exported lazily so neither module imports the other at load.
-    if name in _DEMO_NAMES:
-        from . import demo
-
-        return getattr(demo, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -321,8 +306,8 @@ class _EpisodeBook:
             success = current.episode_return > self.success_return_threshold
         video = None
         if current.clips:
-            video = f"episode_{current.episode:04d}.mp4"
-            write_video(self.video_dir / video, _concatenate_clips(current.clips), fps=self.fps)
+            video = write_video(self.video_dir / f"episode_{current.episode:04d}.mp4", _concatenate_clips(current.clips),
+                                fps=self.fps).name
         self.finished.append(EpisodeResult(
             current.episode, slot, current.task, current.episode_return, current.length, success, terminated,
             truncated, current.initial_state_index, video,

@@ -1,10 +1,14 @@
 """Test helpers: a tiny random Cosmos3 policy checkpoint (``build_tiny_checkpoint``), built with diffusers' own
-classes, for tests, demos and CPU dry runs (``cosmos3-gym make-tiny-checkpoint``). Not used by production code."""
+classes, for tests, demos and CPU dry runs (``cosmos3-gym make-tiny-checkpoint``), and its per-version cached copy
+(``cached_tiny_checkpoint``: the demo's fallback when no world model is installed, the examples' and benchmarks'
+default). The envs, engine and trainers never import this module."""
 
 from __future__ import annotations
 
 import inspect
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,7 +16,7 @@ from typing import Any
 import torch
 
 from cosmos3_gym.checkpoint import POLICY_SCHEDULER_CONFIG, validate_checkpoint
-from cosmos3_gym.errors import InputError
+from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.models.vae import WAN22_FIXED_CONFIG
 from cosmos3_gym.tokenizer import build_tiny_tokenizer
 
@@ -139,3 +143,37 @@ def build_tiny_checkpoint(
     pipeline.save_pretrained(path, safe_serialization=True)
     validate_checkpoint(path)
     return path
+
+
+def tiny_checkpoint_cache_dir() -> Path:
+    """Where ``cached_tiny_checkpoint`` keeps its checkpoint: ``$XDG_CACHE_HOME/cosmos3_gym`` (default
+    ``~/.cache/cosmos3_gym``), one directory per package version."""
+    from cosmos3_gym import __version__
+
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return root / "cosmos3_gym" / f"tiny-checkpoint-{__version__}"
+
+
+def cached_tiny_checkpoint() -> Path:
+    """The tiny RANDOM-weight checkpoint (``build_tiny_checkpoint(seed=0)``), built once into
+    ``tiny_checkpoint_cache_dir()`` and reused. Built in a temporary sibling folder and renamed into place, so an
+    interrupted or concurrent build never leaves a half-written checkpoint behind."""
+    target = tiny_checkpoint_cache_dir()
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+        try:
+            build_tiny_checkpoint(building, seed=0)
+            building.rename(target)
+        except OSError:
+            if not target.exists():  # not a concurrent build that got there first
+                raise
+        finally:
+            if building.exists():
+                shutil.rmtree(building, ignore_errors=True)
+    try:
+        validate_checkpoint(target)
+    except CheckpointError as error:
+        raise CheckpointError(f"{error}\nThe cached tiny checkpoint {target} is damaged; delete it to rebuild.") \
+            from error
+    return target

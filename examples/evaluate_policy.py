@@ -14,7 +14,8 @@ import argparse
 from pathlib import Path
 
 from cosmos3_gym.envs import WorldModelVectorEnv
-from cosmos3_gym.evaluation import cached_tiny_checkpoint, evaluate_policy, load_policy
+from cosmos3_gym.evaluation import evaluate_policy, load_policy
+from cosmos3_gym.testing import cached_tiny_checkpoint
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 

@@ -239,7 +239,7 @@ def test_unguarded_scripts_start_tp2_workers_and_leave_none(style, tiny_checkpoi
 
 
 def test_gym_make_with_cfg_2_runs_the_env_on_worker_processes(tiny_checkpoint):
-    """gym.make(..., cfg=2) starts the workers itself (load_engine); its first step equals the in-process env's."""
+    """gym.make(..., cfg_parallel=2) starts the workers itself (load_engine); its first step equals the in-process env's."""
     import gymnasium as gym
 
     import cosmos3_gym  # noqa: F401  (registers the env ids)
@@ -248,7 +248,7 @@ def test_gym_make_with_cfg_2_runs_the_env_on_worker_processes(tiny_checkpoint):
     kwargs = dict(checkpoint=tiny_checkpoint, domain="pusht", task="push", chunk=4, num_steps=2,
                   guidance_scale=2.0, resolution_tier=256, initial_states=[image], device="cpu")
     frames = []
-    for parallel in ({}, {"cfg": 2}):
+    for parallel in ({}, {"cfg_parallel": 2}):
         env = gym.make("cosmos3_gym/WorldModel-v0", **kwargs, **parallel)
         try:
             env.reset(seed=0)

@@ -22,7 +22,7 @@ from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request, Cosmos3Result
 from cosmos3_gym.engine_protocol import WorldModelEngine
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.parallel.client import Cosmos3EngineClient
-from cosmos3_gym.parallel.mesh import ParallelConfig
+from cosmos3_gym.parallel.mesh import ParallelConfig, resolve_parallel_config
 
 PACKAGE = Path(cosmos3_gym.__file__).parent
 
@@ -208,8 +208,8 @@ def test_from_pretrained_with_ranks_is_deprecated_and_delegates(tiny_checkpoint,
                         or "client")
     with pytest.warns(DeprecationWarning, match="load_engine"):
         assert Cosmos3Engine.from_pretrained(tiny_checkpoint, tp=2, dtype="fp32") == "client"
-    with pytest.warns(DeprecationWarning, match="cfg_parallel"):
-        Cosmos3Engine.from_pretrained(tiny_checkpoint, cfg=2)
+    with pytest.warns(DeprecationWarning, match="load_engine"):
+        Cosmos3Engine.from_pretrained(tiny_checkpoint, cfg_parallel=2)
     assert started == [ParallelConfig(tp=2), ParallelConfig(cfg_parallel=2)]
 
 
@@ -248,6 +248,9 @@ def test_cfg_is_a_deprecated_alias_of_cfg_parallel():
     with pytest.warns(DeprecationWarning, match="cfg_parallel"):
         config = ParallelConfig(cfg=2)
     assert config == ParallelConfig(cfg_parallel=2) and config.cfg == 2 and config.world_size == 2
+    # The keyword shorthand (gym.make, load_engine, from_pretrained, the Ray replicas all resolve it here).
+    with pytest.warns(DeprecationWarning, match="cfg_parallel"):
+        assert resolve_parallel_config(tp=2, cfg=2) == ParallelConfig(cfg_parallel=2, tp=2)
     with pytest.raises(InputError, match="cfg_parallel"):
         ParallelConfig(cfg_parallel=3)
 
@@ -334,15 +337,7 @@ def test_no_module_imports_a_module_that_imports_it_back():
     for node in graph:
         if node not in index:
             connect(node)
-    # Function-level cycles that came with other branches (LeRobot datasets, the demo's lazy re-export from
-    # evaluation) and predate this check; to be broken up in a follow-up. Any other cycle, or one of these growing,
-    # fails.
-    known = [
-        ["cosmos3_gym.checkpoint", "cosmos3_gym.envs.initial_states", "cosmos3_gym.training.data",
-         "cosmos3_gym.training.lerobot"],
-        ["cosmos3_gym.demo", "cosmos3_gym.evaluation"],
-    ]
-    assert [cycle for cycle in cycles if cycle not in known] == []
+    assert cycles == []
 
 
 def test_the_cycle_check_would_catch_the_old_engine_client_pair(tmp_path):

@@ -27,14 +27,13 @@ from cosmos3_gym.errors import InputError
 from cosmos3_gym import evaluation, policy_specs, statistics
 from cosmos3_gym.evaluation import (
     RandomPolicy,
-    cached_tiny_checkpoint,
     evaluate_policy,
     load_policy,
     mean_interval,
     student_t_quantile,
-    tiny_checkpoint_cache_dir,
     wilson_interval,
 )
+from cosmos3_gym.testing import cached_tiny_checkpoint, tiny_checkpoint_cache_dir
 
 FAST = dict(domain="pusht", chunk=4, num_steps=2, resolution_tier=256)
 FAST_FLAGS = ["--domain-name", "pusht", "--chunk", "4", "--num-steps", "2", "--resolution-tier", "256",

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cosmos3_gym import quantization
-from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG, resolve_checkpoint, validate_checkpoint
+from cosmos3_gym.checkpoint import resolve_checkpoint, validate_checkpoint
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.cli import main
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosmos3_gym.checkpoint import TINY_TRANSFORMER_CONFIG
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.engine import Cosmos3Engine
 from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig
 from cosmos3_gym.training import VAETrainConfig, train_vae

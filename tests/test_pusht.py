@@ -16,6 +16,7 @@ import torch
 import cosmos3_gym  # noqa: F401  (registers the env ids)
 from cosmos3_gym.envs import pusht as pusht_env
 from cosmos3_gym.errors import CheckpointError, InputError
+from cosmos3_gym.media import write_video
 from cosmos3_gym.processor import ActionStats
 from cosmos3_gym.rewards import ClassifierRewardModel
 from cosmos3_gym.sim import pusht
@@ -305,7 +306,7 @@ def test_side_by_side_without_the_simulator_shows_the_model_alone(tiny_assets, t
     assert Path(result["path"]).stat().st_size > 0
 
 
-def test_video_falls_back_to_opencv_without_imageio_ffmpeg(tmp_path, monkeypatch):
+def test_write_video_falls_back_to_opencv_without_imageio_ffmpeg(tmp_path, monkeypatch):
     cv2 = pytest.importorskip("cv2")
     import importlib.util
 
@@ -314,7 +315,7 @@ def test_video_falls_back_to_opencv_without_imageio_ffmpeg(tmp_path, monkeypatch
         name, *a))
     frames = np.zeros((5, 32, 48, 3), np.uint8)
     frames[:, :, :24, 0] = 255  # left half red
-    path = pusht.write_video_any(tmp_path / "clip.mp4", frames, fps=10)
+    path = write_video(tmp_path / "clip.mp4", frames, fps=10)
     capture = cv2.VideoCapture(str(path))
     ok, first = capture.read()
     assert path.suffix == ".mp4" and ok and first.shape == (32, 48, 3)

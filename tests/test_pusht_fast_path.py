@@ -76,7 +76,7 @@ def test_engine_last_frame_decode_is_the_full_decodes_last_frame(env_pair):
     engine = env_pair[0].engine
     frame = pusht_env.read_initial_states(ASSETS.initial_states)[0]["frames"]
     actions = np.random.default_rng(1).uniform(-1, 1, (8, 2)).astype(np.float32)
-    requests = [Cosmos3Request(mode="forward_dynamics", observation=frame, task="push", actions=actions,
+    requests = [Cosmos3Request(mode="forward_dynamics", observation=frame, task="push", action=actions,
                                domain="pusht", raw_action_dim=2, chunk=8, guidance_scale=1.0, seed=seed,
                                resolution_tier=256) for seed in (0, 1)]
     full = engine.step(requests, decode=True)

@@ -143,7 +143,7 @@ def test_torchrun_c10d_rendezvous_on_one_node(tiny_checkpoint, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "cosmos3_gym.cli", *args,
-               "--cfg", "2", "--out", str(tmp_path / "parallel")]
+               "--cfg-parallel", "2", "--out", str(tmp_path / "parallel")]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     single = json.loads((tmp_path / "single_action.json").read_text())

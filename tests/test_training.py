@@ -20,7 +20,8 @@ from diffusers import Cosmos3OmniPipeline, Cosmos3OmniTransformer
 from safetensors.torch import load_file
 
 from cosmos3_gym import cli, processor
-from cosmos3_gym.checkpoint import TINY_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG, load_safetensors_state_dict
+from cosmos3_gym.checkpoint import load_safetensors_state_dict
+from cosmos3_gym.testing import TINY_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.engine import MODES, Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.media import to_uint8

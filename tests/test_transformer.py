@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
+from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV, build_on_meta
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
 from reference import random_reference_transformer, reference_velocities
 
 MODES = {
@@ -169,3 +170,14 @@ def test_gradients_flow_to_both_towers(models):
     assert ours.gen_layers[-1].mlp.down.weight.grad.abs().sum() > 0
     assert ours.action_proj_in.fc.weight.grad.abs().sum() > 0
     ours.zero_grad(set_to_none=True)
+
+
+def test_build_on_meta_builds_without_memory_in_the_dtype_and_restores_the_default():
+    config = Cosmos3TransformerConfig.from_dict(TINY_TRANSFORMER_CONFIG)
+    model = build_on_meta(Cosmos3Transformer, config, dtype=torch.bfloat16)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
+    with pytest.raises(ZeroDivisionError):
+        build_on_meta(lambda: 1 / 0, dtype=torch.float16)
+    assert torch.get_default_dtype() == torch.float32  # restored when the build fails too

@@ -72,8 +72,6 @@ def load_initial_states(spec: Any) -> InitialStateSource | None:
     if isinstance(spec, InitialStateSource):
         return spec
     if isinstance(spec, str) and spec.startswith("lerobot:"):  # every episode's first frame and task
-        from ..training.lerobot import lerobot_initial_states
-
         return lerobot_initial_states(spec)
     if isinstance(spec, (str, os.PathLike)):
         path = Path(spec).expanduser()
@@ -91,6 +89,24 @@ def load_initial_states(spec: Any) -> InitialStateSource | None:
     if isinstance(spec, (list, tuple)):
         return InitialStateSource(list(spec), f"a list of {len(spec)} items")
     return InitialStateSource([spec], "an in-memory frame")
+
+
+def lerobot_initial_states(path, camera: str | None = None) -> InitialStateSource:
+    """Every episode's first frame and task of a LeRobot dataset (read on access)."""
+    from ..training.lerobot import LeRobotDataset
+
+    dataset = LeRobotDataset(path, camera=camera)
+
+    class LeRobotInitialStates(InitialStateSource):
+        def __getitem__(self, index: int) -> InitialState:
+            if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < len(self):
+                raise InputError(f"initial_state_index: expected an integer in [0, {len(self)}), got {index!r}.")
+            i = int(index)
+            frame = dataset.read_frames(i, 0, 1)[0]
+            task = dataset.episodes[i].tasks[0] if dataset.episodes[i].tasks else dataset.read_rows(i)["task"]
+            return InitialState(frame, task or None, f"{dataset.root} episode {dataset.episodes[i].index}")
+
+    return LeRobotInitialStates(list(range(len(dataset))), f"LeRobot dataset {dataset.root} ({dataset.camera})")
 
 
 def read_initial_states_archive(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -23,7 +23,6 @@ The same model is ``checkpoint="pusht"`` (or ``"builtin:pusht"``) wherever a che
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ import gymnasium
 import numpy as np
 import torch
 
-from ..checkpoint import BUILTIN_MODELS, builtin_assets_dir, checkpoint_defaults
+from ..checkpoint import BUILTIN_MODELS, builtin_assets_dir, checkpoint_defaults, read_json_object
 from ..engine import Cosmos3Engine
 from ..errors import CheckpointError, InputError
 from .core import ENGINE_LOAD_KEYS
@@ -113,7 +112,7 @@ def load_pusht_assets(assets_dir: str | os.PathLike | None = None) -> PushTAsset
             f"Train one with `python benchmarks/recipes/train_pusht.py --out DIR` and pass assets_dir='DIR/assets/pusht' "
             f"or set {ASSETS_ENV_VAR}, or use cosmos3_gym/WorldModel-v0 with checkpoint=."
         )
-    meta = _read_json(checkpoint / META_FILE)
+    meta = read_json_object(checkpoint / META_FILE)
     return PushTAssets(root, checkpoint, root / REWARD_MODEL_DIR, root / INITIAL_STATES_FILE, meta)
 
 
@@ -242,13 +241,3 @@ def register_env(env_id: str, entry_point: str, vector_entry_point: str, max_epi
     if env_id not in gymnasium.registry:
         gymnasium.register(id=env_id, entry_point=entry_point, vector_entry_point=vector_entry_point,
                            order_enforce=False, max_episode_steps=max_episode_steps)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        document = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{PUSHT_ENV_ID}: cannot read {path} as JSON ({error}).") from error
-    if not isinstance(document, dict):
-        raise CheckpointError(f"{PUSHT_ENV_ID}: {path} must hold a JSON object.")
-    return document

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn as nn
@@ -363,6 +364,21 @@ def media_positions(
 # ----------------------------------------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------------------------------------
+
+_Module = TypeVar("_Module", bound=nn.Module)
+
+
+def build_on_meta(factory: Callable[..., _Module], *args, dtype: torch.dtype, **kwargs) -> _Module:
+    """``factory(*args, **kwargs)`` on the meta device with ``dtype`` as torch's default dtype (restored after): the
+    structure without memory or initialisation, to materialise with ``to_empty`` or ``load_state_dict(assign=True)``
+    (how the 15 B Nano model is built without an fp32 copy or a CPU init)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            return factory(*args, **kwargs)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class Cosmos3Transformer(nn.Module):

@@ -38,11 +38,10 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import InputError
 from .mesh import ParallelConfig
 from .messages import USER_ERRORS, receive, send
+from .remote import RemoteEngine
 
 # After one rank reports a bad request, how long the others may take to report theirs before the ranks are declared
 # out of step (the SPMD engine raises on all ranks together; a rank that did not would be waiting in a collective).
@@ -122,7 +121,7 @@ class _Worker:
                                                                                if tail else "")
 
 
-class Cosmos3EngineClient:
+class Cosmos3EngineClient(RemoteEngine):
     """The caller's handle on the workers; implements ``WorldModelEngine`` (``engine_protocol.py``). A context
     manager."""
 
@@ -156,28 +155,6 @@ class Cosmos3EngineClient:
         self._temporal_compression: int = facts["temporal_compression"]
 
     # ------------------------------------------------------------------ the engine API (WorldModelEngine)
-
-    @property
-    def action_dim(self) -> int:
-        return self._action_dim
-
-    @property
-    def temporal_compression(self) -> int:
-        return self._temporal_compression
-
-    @property
-    def device(self) -> torch.device:
-        """The CPU: results come back to this process on the CPU, where a caller's reward model runs."""
-        return torch.device("cpu")
-
-    @property
-    def vae(self) -> None:
-        """None: the VAE lives in the workers (latent-space reward models need an in-process engine)."""
-        return None
-
-    @property
-    def is_output_rank(self) -> bool:
-        return True  # the workers' results come back here only
 
     def step(self, requests, *, decode: bool | None = None):
         """Run one request (returns a ``Cosmos3Result``) or a list (returns a list, in order) on the workers."""
@@ -214,12 +191,6 @@ class Cosmos3EngineClient:
     def worker_exitcodes(self) -> list[int | None]:
         """Exit code of each rank's worker, None while it runs (negative: killed by that signal)."""
         return [worker.exitcode for worker in self._workers]
-
-    def __enter__(self) -> "Cosmos3EngineClient":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = f"closed ({self._failure})" if self.closed else f"workers {self.worker_pids}"

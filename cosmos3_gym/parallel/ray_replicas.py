@@ -39,11 +39,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..engine import Cosmos3Request
 from ..errors import InputError
 from .mesh import resolve_parallel_config
+from .remote import RemoteEngine
 
 try:
     import ray
@@ -85,7 +84,7 @@ class _EngineReplica:
             self._engine.close()
 
 
-class RayEngineReplicas:
+class RayEngineReplicas(RemoteEngine):
     """``num_replicas`` engines as Ray actors; ``step`` and ``close`` as on ``Cosmos3Engine``. See the module
     docstring for placement, request splitting and multi-node use.
 
@@ -131,28 +130,6 @@ class RayEngineReplicas:
     # ------------------------------------------------------------------ WorldModelEngine (engine_protocol.py)
 
     @property
-    def action_dim(self) -> int:
-        return self._action_dim
-
-    @property
-    def temporal_compression(self) -> int:
-        return self._temporal_compression
-
-    @property
-    def device(self) -> torch.device:
-        """The CPU: results come back to this process on the CPU, where a caller's reward model runs."""
-        return torch.device("cpu")
-
-    @property
-    def vae(self) -> None:
-        """None: the VAEs live in the actors (latent-space reward models need an in-process engine)."""
-        return None
-
-    @property
-    def is_output_rank(self) -> bool:
-        return True
-
-    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -191,12 +168,6 @@ class RayEngineReplicas:
             pass
         for replica in self._replicas:
             ray.kill(replica)
-
-    def __enter__(self) -> "RayEngineReplicas":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     @staticmethod
     def _get(refs: list, what: str) -> list:

@@ -37,12 +37,12 @@ their own modules and are re-exported here under their old names; ``side_by_side
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import InputError
+from ..media import write_video
 from .pusht_dataset import (  # noqa: F401  (re-exported)
     DEFAULT_POLICY_MIX, POLICIES, _check_policy_mix, _simulate_and_write, action_statistics, episode_policy,
     generate_pusht_dataset, write_dataset_files,
@@ -115,7 +115,7 @@ def side_by_side(
         fps = env.metadata["render_fps"]
     finally:
         env.close()
-    result["path"] = str(write_video_any(path, frames, fps))
+    result["path"] = str(write_video(path, frames, fps))
     result["num_frames"] = len(frames)
     return result
 
@@ -186,27 +186,3 @@ def _label(frame: np.ndarray, text: str) -> np.ndarray:
 
 def _gap(frame: np.ndarray) -> np.ndarray:
     return np.full((frame.shape[0] + 16, 4, 3), 128, dtype=np.uint8)
-
-
-def write_video_any(path: str | os.PathLike, frames: np.ndarray, fps: float) -> Path:
-    """``frames [T, H, W, 3]`` uint8 as an mp4 with H.264 (imageio-ffmpeg), else MPEG-4 (OpenCV), else a GIF at
-    ``path`` with the suffix ``.gif``. Returns the path written."""
-    import importlib.util
-
-    from ..media import write_video
-
-    path = Path(path)
-    if path.suffix.lower() != ".mp4" or importlib.util.find_spec("imageio_ffmpeg") is not None:
-        return write_video(path, frames, fps)
-    try:
-        import cv2
-    except ImportError:
-        return write_video(path.with_suffix(".gif"), frames, fps)
-    height, width = frames.shape[1:3]
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), float(fps), (width, height))
-    if not writer.isOpened():
-        return write_video(path.with_suffix(".gif"), frames, fps)
-    for frame in frames:
-        writer.write(np.ascontiguousarray(frame[..., ::-1]))  # OpenCV wants BGR
-    writer.release()
-    return path

@@ -40,6 +40,7 @@ import numpy as np
 
 from .. import processor
 from ..errors import InputError
+from .episodes import DatasetInfo, Episode, read_episode_dataset, read_json_object, window_starts
 
 LEROBOT_PREFIX = "lerobot:"
 SUPPORTED_VERSIONS = ("v2.1", "v3.0")
@@ -62,16 +63,6 @@ def is_lerobot_spec(spec) -> bool:
 def strip_prefix(spec) -> Path:
     text = os.fspath(spec)
     return Path(text[len(LEROBOT_PREFIX):] if text.startswith(LEROBOT_PREFIX) else text).expanduser()
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise InputError(f"dataset: cannot read {path} as JSON ({error})") from error
-    if not isinstance(value, dict):
-        raise InputError(f"dataset: {path} must hold a JSON object")
-    return value
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -188,7 +179,7 @@ class LeRobotDataset:
         self.info_path = self.root / "meta" / "info.json"
         if not self.info_path.is_file():
             raise InputError(f"dataset: {self.root} is not a LeRobot dataset (no meta/info.json)")
-        info = self.info = _read_json(self.info_path)
+        info = self.info = read_json_object(self.info_path)
         self.version = info.get("codebase_version")
         if self.version not in SUPPORTED_VERSIONS:
             raise InputError(
@@ -315,7 +306,7 @@ class LeRobotDataset:
         aggregated from meta/episodes_stats.jsonl, else computed from the action column."""
         path = self.root / "meta" / "stats.json"
         if path.is_file():
-            stats = _read_json(path)
+            stats = read_json_object(path)
             if self.action_key not in stats:
                 raise InputError(f"dataset: {path} has no statistics for the action feature {self.action_key!r}")
             block = stats[self.action_key]
@@ -396,9 +387,7 @@ class LeRobotDataset:
                             self.fps, f"camera {self.camera!r}, episode {episode.index}")
 
     def load(self, i: int, with_frames: bool = True):
-        """Episode ``i`` as ``data.Episode``: L frames and the first L - 1 actions (module docstring)."""
-        from .data import Episode
-
+        """Episode ``i`` as ``episodes.Episode``: L frames and the first L - 1 actions (module docstring)."""
         rows = self.read_rows(i)
         frames = self.read_frames(i) if with_frames else None
         return Episode(frames=frames, actions=rows["actions"][:-1], task=rows["task"], success=rows["success"])
@@ -407,8 +396,6 @@ class LeRobotDataset:
               episodes: list[int] | None = None) -> Iterator[LeRobotClip]:
         """Training windows episode by episode (one episode's frames in memory at a time); ``resolution_tier`` adds
         the pixels on the model's tier canvas (``processor.prepare_conditioning``, as the trainers see them)."""
-        from .data import window_starts
-
         stride = stride or chunk
         for i in range(len(self)) if episodes is None else episodes:
             episode = self.load(i)
@@ -452,12 +439,10 @@ def _aggregate_episode_stats(lines: list[dict], key: str, path: Path) -> dict:
 
 def read_lerobot_dataset(spec, *, camera: str | None = None, action_key: str = "action", state_key: str | None = None,
                          domain: str | int | None = None):
-    """``data.DatasetInfo`` of a LeRobot dataset (its ``episodes`` is the ``LeRobotDataset``).
+    """``episodes.DatasetInfo`` of a LeRobot dataset (its ``episodes`` is the ``LeRobotDataset``).
 
     The embodiment is ``domain``, else the info.json ``robot_type`` when that is a Cosmos3 embodiment name.
     """
-    from .data import DatasetInfo
-
     dataset = LeRobotDataset(spec, camera=camera, action_key=action_key or "action", state_key=state_key)
     if domain is None:
         if dataset.robot_type not in processor.DOMAIN_NAMES:
@@ -482,29 +467,6 @@ def read_lerobot_dataset(spec, *, camera: str | None = None, action_key: str = "
         action_normalization="minmax", stats=stats, stats_document=stats_document, episode_paths=(),
         episodes=dataset,
     )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Initial states for the envs
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def lerobot_initial_states(path, camera: str | None = None):
-    """An ``envs.initial_states.InitialStateSource`` of every episode's first frame and task (read on access)."""
-    from ..envs.initial_states import InitialState, InitialStateSource
-
-    dataset = LeRobotDataset(path, camera=camera)
-
-    class LeRobotInitialStates(InitialStateSource):
-        def __getitem__(self, index: int) -> InitialState:
-            if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < len(self):
-                raise InputError(f"initial_state_index: expected an integer in [0, {len(self)}), got {index!r}.")
-            i = int(index)
-            frame = dataset.read_frames(i, 0, 1)[0]
-            task = dataset.episodes[i].tasks[0] if dataset.episodes[i].tasks else dataset.read_rows(i)["task"]
-            return InitialState(frame, task or None, f"{dataset.root} episode {dataset.episodes[i].index}")
-
-    return LeRobotInitialStates(list(range(len(dataset))), f"LeRobot dataset {dataset.root} ({dataset.camera})")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -576,15 +538,13 @@ def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathL
     import pyarrow.parquet as pq
     from tqdm.auto import tqdm
 
-    from .data import read_dataset
-
     if version not in SUPPORTED_VERSIONS:
         raise InputError(f"version: expected one of {list(SUPPORTED_VERSIONS)}, got {version!r}")
     if isinstance(episodes_per_file, bool) or not isinstance(episodes_per_file, int) or episodes_per_file < 1:
         raise InputError(f"episodes_per_file: expected an integer >= 1, got {episodes_per_file!r}")
-    source = read_dataset(source_dir)
-    if not source.episode_paths:
-        raise InputError(f"source_dir: {source_dir} is not a dataset in our episode layout (data.py)")
+    if is_lerobot_spec(source_dir):
+        raise InputError(f"source_dir: {source_dir} is not a dataset in our episode layout (episodes.py)")
+    source = read_episode_dataset(source_dir)
     out = Path(out_dir)
     if (out / "meta" / "info.json").exists():
         raise InputError(f"out_dir: {out} already holds a LeRobot dataset; give a new or empty folder")

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.transformer import Cosmos3RotaryEmbedding, Cosmos3Transformer, Cosmos3TransformerConfig
+from ..models.transformer import Cosmos3RotaryEmbedding, Cosmos3Transformer, Cosmos3TransformerConfig, build_on_meta
 from .flow_matching import POLICY, FlowMatchingBatch, FlowMatchingObjective, sample_sigmas
 from .world_model import (
     WorldModelTrainConfig,
@@ -48,14 +48,7 @@ def build_random_nano(device: torch.device) -> Cosmos3Transformer:
     """The Nano config (diffusers' Cosmos3OmniTransformer defaults, action_gen) with N(0, 0.02) bf16 weights,
     built on the meta device and materialised on ``device`` (no fp32 copy, no CPU init)."""
     config = Cosmos3TransformerConfig(action_gen=True, action_dim=64)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = Cosmos3Transformer(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    model = model.to_empty(device=device)
+    model = build_on_meta(Cosmos3Transformer, config, dtype=torch.bfloat16).to_empty(device=device)
     generator = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 from .. import processor
 from ..errors import InputError
 from ..models.vae import WAN22_FIXED_CONFIG
-from .data import load_episode, read_dataset
+from .data import read_dataset
+from .episodes import load_episode
 from .distributed import init_distributed
 from .schedule import LR_SCHEDULES, learning_rate
 
