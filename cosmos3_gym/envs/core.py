@@ -301,11 +301,15 @@ class WorldModelCore:
             for slot, action, seed in zip(slots, actions, seeds)
         ]
         decode = self.decode_mode()
-        results = self.engine.step(requests, decode=decode)
+        # An in-process engine leaves the pixels on its device: the reward model and the uint8 conversion run there
+        # on the whole batch, and only the uint8 frames come to the host, in one copy.
+        on_device = {"pixels_on_device": True} if isinstance(self.engine, Cosmos3Engine) else {}
+        results = self.engine.step(requests, decode=decode, **on_device)
         # pixels [3, chunk + 1, H, W]: frame 0 re-renders the conditioning frame, 1.. are the chunk's new frames
         # (decode "last": [3, 1, H, W], the chunk's last frame only).
         first = 1 if decode == "all" else 0
-        generated = torch.stack([result.pixels[:, first:] for result in results]).transpose(1, 2)  # [B,T,3,H,W]
+        # [B, T, 3, H, W] float32 (the values the host copies of a bf16 VAE's pixels had)
+        generated = torch.stack([result.pixels[:, first:] for result in results]).transpose(1, 2).float()
         if generated.shape[-2:] != self.frame_size:
             raise RuntimeError(f"the model generated {tuple(generated.shape[-2:])} frames, expected {self.frame_size}")
         scores = self._score(generated, [self._tasks[slot] for slot in slots])
@@ -431,7 +435,7 @@ def _to_uint8_frames(frames: torch.Tensor) -> np.ndarray:
     """Frames ``[B, T, 3, H, W]`` in [0, 1] -> uint8 ``[B, T, H, W, 3]`` in one pass over the batch, with the same
     float32 arithmetic as ``media.to_uint8`` (clip, * 255, + 0.5, truncate), so the values are identical."""
     frames = frames.float().clamp(0.0, 1.0).mul_(255.0).add_(0.5).to(torch.uint8)
-    return frames.permute(0, 1, 3, 4, 2).contiguous().cpu().numpy()
+    return frames.permute(0, 1, 3, 4, 2).contiguous().cpu().numpy()  # on a GPU: the step's one device -> host copy
 
 
 def _object_array(values: list[Any]) -> np.ndarray:
