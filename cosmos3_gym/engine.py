@@ -514,10 +514,11 @@ class Cosmos3Engine:
         return processor.prepare_conditioning(frames, r.resolution_tier, shape.encoded_pixel_frames, canvas=r.canvas)
 
     def _batched_conditionings(self, validated: list[tuple[Cosmos3Request, "_RequestShape"]]):
-        """``_conditioning`` of every request, with one ``prepare_conditioning`` call for all the requests whose
-        observation is a single uint8 ``[H, W, 3]`` frame of the same size, tier and canvas (a vector env's slots):
-        their frames go through it as the frames of one clip, which treats every frame alike (elementwise scaling,
-        a per-image resize and pad), so each request's slice holds exactly the values of its own call."""
+        """``_conditioning`` of every request, batched for the requests whose observation is a single uint8
+        ``[H, W, 3]`` frame of one size, tier and canvas (a vector env's slots). The first of them goes through
+        ``prepare_conditioning``; when that leaves the frame's geometry as it is (no snap, resize or pad: the frame
+        already fits the canvas), it only scales pixels to [-1, 1] elementwise, so the others are done with the same
+        operations on one stacked array (``load_frames``, then ``* 2 - 1``): exactly their own calls' values."""
         conditionings: list[processor.Conditioning | None] = [None] * len(validated)
         batches: dict[tuple, list[int]] = {}
         for i, (r, shape) in enumerate(validated):
@@ -525,13 +526,18 @@ class Cosmos3Engine:
             if (r.observation_adapter is None and shape.encoded_pixel_frames == 1 and isinstance(frame, np.ndarray)
                     and frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3):
                 batches.setdefault((frame.shape, r.resolution_tier, r.canvas), []).append(i)
-        for (_, tier, canvas), indexes in batches.items():
-            if len(indexes) < 2:
+        for (frame_shape, _, canvas), indexes in batches.items():
+            first = indexes[0]
+            conditionings[first] = cond = self._conditioning(*validated[first])
+            snapped = not (frame_shape[0] % processor.VAE_SPATIAL_FACTOR or frame_shape[1] % processor.VAE_SPATIAL_FACTOR)
+            identity = cond.canvas_hw == cond.content_hw == tuple(frame_shape[:2])
+            if len(indexes) < 2 or not identity or not (snapped or canvas == "native"):
                 continue
-            frames = processor.load_frames(np.stack([validated[i][0].observation for i in indexes]))
-            batch = processor.prepare_conditioning(frames, tier, len(indexes), canvas=canvas)
-            for k, i in enumerate(indexes):
-                conditionings[i] = dataclasses.replace(batch, pixels=batch.pixels[:, :, k : k + 1])
+            frames = processor.load_frames(np.stack([validated[i][0].observation for i in indexes[1:]]))
+            # [B, H, W, 3] -> [B, 3, 1, H, W], as prepare_conditioning's [T, H, W, 3] -> [1, 3, T, H, W]
+            pixels = torch.from_numpy(frames).permute(0, 3, 1, 2)[:, :, None] * 2.0 - 1.0
+            for k, i in enumerate(indexes[1:]):
+                conditionings[i] = dataclasses.replace(cond, pixels=pixels[k : k + 1])
         return [cond if cond is not None else self._conditioning(r, shape)
                 for cond, (r, shape) in zip(conditionings, validated)]
 

@@ -20,8 +20,8 @@ def engine(tiny_checkpoint):
     return Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)
 
 
-@pytest.mark.parametrize("size", [(200, 280), (192, 256)])  # resized and padded (PIL snap) / already snapped
-def test_batched_conditioning_equals_one_call_per_request(engine, size, monkeypatch):
+@pytest.mark.parametrize("size, calls", [((200, 280), 6), ((256, 256), 1)])  # snapped, resized, padded / as is
+def test_batched_conditioning_equals_one_call_per_request(engine, size, calls, monkeypatch):
     rng = np.random.default_rng(0)
     requests = [
         Cosmos3Request("forward_dynamics", rng.integers(0, 256, (*size, 3), dtype=np.uint8), task="push",
@@ -32,11 +32,12 @@ def test_batched_conditioning_equals_one_call_per_request(engine, size, monkeypa
     validated = [engine._validated(r) for r in requests]
     solo = [engine._conditioning(r, shape) for r, shape in validated]
 
-    calls = []
+    made = []
     original = processor.prepare_conditioning
-    monkeypatch.setattr(processor, "prepare_conditioning", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(processor, "prepare_conditioning", lambda *a, **k: made.append(1) or original(*a, **k))
     batched = engine._batched_conditionings(validated)
-    assert len(calls) == 1  # one call for all six single-frame requests of one size
+    # a frame that fits the canvas as it is: one call, the other five frames scaled together; else one call each
+    assert len(made) == calls
     for one, many in zip(solo, batched):
         assert torch.equal(one.pixels, many.pixels)
         assert (one.canvas_hw, one.content_hw, one.latent_hw) == (many.canvas_hw, many.content_hw, many.latent_hw)

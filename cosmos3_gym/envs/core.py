@@ -23,6 +23,7 @@ wrap the env in ``gymnasium.wrappers.ClipAction`` to clip instead.
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from dataclasses import dataclass
@@ -301,9 +302,9 @@ class WorldModelCore:
             for slot, action, seed in zip(slots, actions, seeds)
         ]
         decode = self.decode_mode()
-        # An in-process engine leaves the pixels on its device: the reward model and the uint8 conversion run there
-        # on the whole batch, and only the uint8 frames come to the host, in one copy.
-        on_device = {"pixels_on_device": True} if isinstance(self.engine, Cosmos3Engine) else {}
+        # An engine that can (Cosmos3Engine) leaves the pixels on its device: the reward model and the uint8
+        # conversion run there on the whole batch, and only the uint8 frames come to the host, in one copy.
+        on_device = {"pixels_on_device": True} if _takes_keyword(self.engine.step, "pixels_on_device") else {}
         results = self.engine.step(requests, decode=decode, **on_device)
         # pixels [3, chunk + 1, H, W]: frame 0 re-renders the conditioning frame, 1.. are the chunk's new frames
         # (decode "last": [3, 1, H, W], the chunk's last frame only).
@@ -431,11 +432,23 @@ class WorldModelCore:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _takes_keyword(function: Callable, name: str) -> bool:
+    """Whether ``function`` accepts the keyword ``name`` (other engines, and wrapped or replaced ``step`` methods,
+    may not)."""
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _to_uint8_frames(frames: torch.Tensor) -> np.ndarray:
     """Frames ``[B, T, 3, H, W]`` in [0, 1] -> uint8 ``[B, T, H, W, 3]`` in one pass over the batch, with the same
     float32 arithmetic as ``media.to_uint8`` (clip, * 255, + 0.5, truncate), so the values are identical."""
-    frames = frames.float().clamp(0.0, 1.0).mul_(255.0).add_(0.5).to(torch.uint8)
-    return frames.permute(0, 1, 3, 4, 2).contiguous().cpu().numpy()  # on a GPU: the step's one device -> host copy
+    scaled = frames.float().clamp(0.0, 1.0).mul_(255.0).add_(0.5)
+    batch, steps, _, height, width = frames.shape
+    out = torch.empty((batch, steps, height, width, 3), dtype=torch.uint8, device=frames.device)
+    out.permute(0, 1, 4, 2, 3).copy_(scaled)  # the truncating float -> uint8 cast and the move to channels-last
+    return out.cpu().numpy()  # on a GPU: the step's one device -> host copy
 
 
 def _object_array(values: list[Any]) -> np.ndarray:
