@@ -23,7 +23,6 @@ processes (``parallel/client.py``), several engines as Ray actors (``parallel/ra
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import math
@@ -173,18 +172,6 @@ class _Prepared:
     @property
     def group_key(self):
         return (self.latent_thw, self.action_rows, self.request.num_inference_steps)
-
-
-@dataclass(frozen=True)
-class _RequestShape:
-    """What a validated request's settings fix before its frames are read (``Cosmos3Engine._validated``)."""
-
-    domain_id: int
-    raw_dim: int
-    num_frames: int  # pixel frames of the clip: chunk + 1
-    latent_t: int
-    clean_frames: list[int]
-    encoded_pixel_frames: int  # pixel frames the clean latents depend on
 
 
 class Cosmos3Engine:
@@ -469,14 +456,6 @@ class Cosmos3Engine:
     def prepare(self, request: Cosmos3Request, *, encode: bool = True) -> _Prepared:
         """Validate a request and build its conditioning: prompts, clean latents, clean actions, schedule.
         With ``encode=False`` the clean pixels are kept for a later batched ``_encode_conditions``."""
-        r, shape = self._validated(request)
-        prepared = self._prepared(r, shape, self._conditioning(r, shape))
-        if encode:
-            self._encode_conditions([prepared])
-        return prepared
-
-    def _validated(self, request: Cosmos3Request) -> tuple[Cosmos3Request, "_RequestShape"]:
-        """The request with its preset applied, checked, and the sizes that follow from it (no pixel work)."""
         if not isinstance(request, Cosmos3Request):
             raise InputError(f"requests: expected Cosmos3Request, got {type(request).__name__}")
         r = presets.resolve_request(request, self.preset)
@@ -503,59 +482,29 @@ class Cosmos3Engine:
         num_frames = r.chunk + 1
         latent_t = (num_frames - 1) // self.vae.temporal_compression + 1
         clean_frames = self._clean_frames(r, latent_t)
+        frames = processor.load_frames(presets.adapt_observation(r.observation, r.observation_adapter))
         # The VAE is causal in time: latent frames 0..k depend only on pixel frames 0..4k, so encoding just the
         # pixel frames that feed clean latents gives the same latents as encoding the whole clip.
         encoded_pixel_frames = (max(clean_frames) * self.vae.temporal_compression + 1) if clean_frames else 1
-        return r, _RequestShape(domain_id, raw_dim, num_frames, latent_t, clean_frames, encoded_pixel_frames)
-
-    def _conditioning(self, r: Cosmos3Request, shape: "_RequestShape") -> processor.Conditioning:
-        """One request's observation on the model's canvas (``processor.prepare_conditioning``)."""
-        frames = processor.load_frames(presets.adapt_observation(r.observation, r.observation_adapter))
-        return processor.prepare_conditioning(frames, r.resolution_tier, shape.encoded_pixel_frames, canvas=r.canvas)
-
-    def _batched_conditionings(self, validated: list[tuple[Cosmos3Request, "_RequestShape"]]):
-        """``_conditioning`` of every request, batched for the requests whose observation is a single uint8
-        ``[H, W, 3]`` frame of one size, tier and canvas (a vector env's slots). The first of them goes through
-        ``prepare_conditioning``; when that leaves the frame's geometry as it is (no snap, resize or pad: the frame
-        already fits the canvas), it only scales pixels to [-1, 1] elementwise, so the others are done with the same
-        operations on one stacked array (``load_frames``, then ``* 2 - 1``): exactly their own calls' values."""
-        conditionings: list[processor.Conditioning | None] = [None] * len(validated)
-        batches: dict[tuple, list[int]] = {}
-        for i, (r, shape) in enumerate(validated):
-            frame = r.observation
-            if (r.observation_adapter is None and shape.encoded_pixel_frames == 1 and isinstance(frame, np.ndarray)
-                    and frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3):
-                batches.setdefault((frame.shape, r.resolution_tier, r.canvas), []).append(i)
-        for (frame_shape, _, canvas), indexes in batches.items():
-            first = indexes[0]
-            conditionings[first] = cond = self._conditioning(*validated[first])
-            snapped = not (frame_shape[0] % processor.VAE_SPATIAL_FACTOR or frame_shape[1] % processor.VAE_SPATIAL_FACTOR)
-            identity = cond.canvas_hw == cond.content_hw == tuple(frame_shape[:2])
-            if len(indexes) < 2 or not identity or not (snapped or canvas == "native"):
-                continue
-            frames = processor.load_frames(np.stack([validated[i][0].observation for i in indexes[1:]]))
-            # [B, H, W, 3] -> [B, 3, 1, H, W], as prepare_conditioning's [T, H, W, 3] -> [1, 3, T, H, W]
-            pixels = torch.from_numpy(frames).permute(0, 3, 1, 2)[:, :, None] * 2.0 - 1.0
-            for k, i in enumerate(indexes[1:]):
-                conditionings[i] = dataclasses.replace(cond, pixels=pixels[k : k + 1])
-        return [cond if cond is not None else self._conditioning(r, shape)
-                for cond, (r, shape) in zip(conditionings, validated)]
-
-    def _prepared(self, r: Cosmos3Request, shape: "_RequestShape", cond: processor.Conditioning) -> _Prepared:
-        """The request's conditioning around its canvas: clean actions, prompt token ids, schedule, seed."""
+        cond = processor.prepare_conditioning(frames, r.resolution_tier, encoded_pixel_frames, canvas=r.canvas)
         canvas_h, canvas_w = cond.canvas_hw
         h, w = cond.latent_hw
+
         x0_actions, clean_rows = processor.prepare_action_rows(
-            r.mode, r.chunk, shape.raw_dim, self.transformer.config.action_dim, actions=r.action,
-            history=r.action_history, history_length=r.action_history_length, flip=r.flip_gripper,
+            r.mode, r.chunk, raw_dim, action_dim, actions=r.action, history=r.action_history,
+            history_length=r.action_history_length, flip=r.flip_gripper,
         )
-        cond_ids, uncond_ids = self._prompt_token_ids(r, shape.num_frames, canvas_h, canvas_w)
+
+        cond_ids, uncond_ids = self._prompt_token_ids(r, num_frames, canvas_h, canvas_w)
         schedule = self._schedule(r.num_inference_steps, r.flow_shift, r.use_karras_sigmas, r.use_native_flow_schedule)
         seed = r.seed if r.seed is not None else secrets.randbelow(2**63)
-        return _Prepared(
-            r, seed, shape.domain_id, shape.raw_dim, cond_ids, uncond_ids, shape.clean_frames, clean_rows,
-            cond.pixels, x0_actions, (shape.latent_t, h, w), schedule, history_rows=r.action_history_length,
+        prepared = _Prepared(
+            r, seed, domain_id, raw_dim, cond_ids, uncond_ids, clean_frames, clean_rows,
+            cond.pixels, x0_actions, (latent_t, h, w), schedule, history_rows=r.action_history_length,
         )
+        if encode:
+            self._encode_conditions([prepared])
+        return prepared
 
     def _prompt_token_ids(self, r: Cosmos3Request, num_frames: int, height: int, width: int):
         """``processor.build_prompt_token_ids``, cached per prompt setting: the tokenizer's chat template (Jinja)
@@ -634,12 +583,8 @@ class Cosmos3Engine:
         return video_noise, action_noise
 
     def _prepare_batch(self, requests: list) -> list[_Prepared]:
-        """``prepare`` each request, with the frames of requests that agree in size, tier and canvas put on the canvas
-        in one call (``_batched_conditionings``), then VAE-encode all their conditioning frames in shape-batched
-        passes."""
-        validated = [self._validated(r) for r in requests]
-        conditionings = self._batched_conditionings(validated)
-        prepared = [self._prepared(r, shape, cond) for (r, shape), cond in zip(validated, conditionings)]
+        """``prepare`` each request, then VAE-encode all their conditioning frames in shape-batched passes."""
+        prepared = [self.prepare(r, encode=False) for r in requests]
         self._encode_conditions(prepared)
         return prepared
 

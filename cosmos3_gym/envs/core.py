@@ -444,10 +444,15 @@ def _takes_keyword(function: Callable, name: str) -> bool:
 def _to_uint8_frames(frames: torch.Tensor) -> np.ndarray:
     """Frames ``[B, T, 3, H, W]`` in [0, 1] -> uint8 ``[B, T, H, W, 3]`` in one pass over the batch, with the same
     float32 arithmetic as ``media.to_uint8`` (clip, * 255, + 0.5, truncate), so the values are identical."""
-    scaled = frames.float().clamp(0.0, 1.0).mul_(255.0).add_(0.5)
     batch, steps, _, height, width = frames.shape
     out = torch.empty((batch, steps, height, width, 3), dtype=torch.uint8, device=frames.device)
-    out.permute(0, 1, 4, 2, 3).copy_(scaled)  # the truncating float -> uint8 cast and the move to channels-last
+    # One pass on a GPU. On a CPU in slices of about a megabyte: a temporary the size of the batch (50 MB at 64 envs)
+    # costs more in page faults and cache misses than the arithmetic (measured 8x slower than per-slot slices).
+    rows = batch if frames.is_cuda else max(1, (1 << 20) // max(1, frames[0].numel() * 4))
+    for start in range(0, batch, rows):
+        scaled = frames[start : start + rows].float().clamp(0.0, 1.0).mul_(255.0).add_(0.5)
+        # the truncating float -> uint8 cast and the move to channels-last, in one copy
+        out[start : start + rows].permute(0, 1, 4, 2, 3).copy_(scaled)
     return out.cpu().numpy()  # on a GPU: the step's one device -> host copy
 
 
