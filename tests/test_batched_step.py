@@ -8,7 +8,7 @@ import pytest
 import torch
 from gymnasium.vector import VectorEnv
 
-from cosmos3_gym.envs.core import _to_uint8_frames
+from cosmos3_gym.envs.core import _stack_rows, _to_uint8_frames
 from cosmos3_gym.envs.vector_env import WorldModelVectorEnv
 from cosmos3_gym.media import to_uint8
 
@@ -45,3 +45,15 @@ def test_batch_infos_equal_gymnasium_add_info_per_slot():
     for key in theirs:
         assert ours[key].dtype == theirs[key].dtype, key
         assert np.array_equal(ours[key], theirs[key]), key
+
+
+def test_stack_rows_views_consecutive_rows_and_copies_others():
+    batch = torch.rand(4, 3, 2, 5, 6)
+    rows = [row[:, 1:] for row in batch]  # the env's slice of each result's pixels
+    stacked = _stack_rows(rows)
+    assert torch.equal(stacked, torch.stack(rows)) and stacked.data_ptr() == rows[0].data_ptr()  # a view
+    shuffled = [rows[2], rows[0], rows[1]]
+    assert torch.equal(_stack_rows(shuffled), torch.stack(shuffled))
+    separate = [torch.rand(3, 1, 5, 6) for _ in range(3)]
+    assert torch.equal(_stack_rows(separate), torch.stack(separate))
+    assert torch.equal(_stack_rows(rows[:1]), torch.stack(rows[:1]))
