@@ -69,8 +69,8 @@ def main(argv=None) -> dict:
             for side, entries in runs.items():
                 stages = {k: statistics.median(e["stages_s"][k] for e in entries) for k in STAGES}
                 results[f"{side}_envs_{num_envs}"] = {"stages_s": stages, "runs": [e["stages_s"] for e in entries]}
-                print(f"{side:6s} {num_envs:3d} envs | ms: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in stages.items()),
-                      flush=True)
+                line = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in stages.items())
+                print(f"{side:6s} {num_envs:3d} envs | ms: {line}", flush=True)
     write_results(results, f"env_host_stages_ab_{args.device}.json", args.out)
     return results
 

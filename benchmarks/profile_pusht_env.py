@@ -9,12 +9,13 @@ For each env count and each path (``--paths``: ``fast``, the default of ``gym.ma
 * ``step_s``: wall time of one ``env.step`` (median of ``--steps`` after ``--warmup``), env steps/s = envs / step_s;
 * ``stages_s``: host time per stage of one step, measured with a device sync around each stage (so the stages add
   up, at the price of the overlap a normal step has): ``request_prep`` (``engine._prepare_batch`` less its encode:
-  frames on the canvas, prompt, actions, schedule), ``encode`` (VAE encode of the conditioning frames), ``text`` (prompt K/V, cached),
-  ``denoise`` (the batched denoising loop, everything in ``_denoise`` but text and decode), ``decode`` (VAE decode),
+  frames on the canvas, prompt, actions, schedule), ``encode`` (VAE encode of the conditioning frames), ``text``
+  (prompt K/V, cached), ``denoise`` (the batched denoising loop, everything in ``_denoise`` but text and decode), ``decode`` (VAE decode),
   ``reward`` (reward model), ``env_rest`` (everything else: seeds, requests, uint8 conversion, observations, infos);
 * ``profile``: one profiled step (``benchmarks/profile_gpu.py``'s ``summarise``: GPU busy / idle, kernel launches,
   top kernels, top CPU ops).
 
+``--host-only`` stubs the transformer and the VAE (``stub_model``) to measure the host stages alone.
 Results JSON (card, commit, command) via ``benchmarks/common.py``; ``--trace`` also writes Chrome traces.
 """
 
