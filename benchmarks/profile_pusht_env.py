@@ -11,7 +11,8 @@ For each env count and each path (``--paths``: ``fast``, the default of ``gym.ma
   up, at the price of the overlap a normal step has): ``request_prep`` (``engine._prepare_batch`` less its encode:
   frames on the canvas, prompt, actions, schedule), ``encode`` (VAE encode of the conditioning frames), ``text``
   (prompt K/V, cached), ``denoise`` (the batched denoising loop, everything in ``_denoise`` but text and decode),
-  ``decode`` (VAE decode), ``reward`` (reward model), ``env_rest`` (everything else: seeds, requests, uint8 conversion, observations, infos);
+  ``decode`` (VAE decode), ``reward`` (reward model), ``env_rest`` (everything else: seeds, requests, uint8
+  conversion, observations, infos);
 * ``profile``: one profiled step (``benchmarks/profile_gpu.py``'s ``summarise``: GPU busy / idle, kernel launches,
   top kernels, top CPU ops).
 
