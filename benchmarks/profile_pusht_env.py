@@ -8,13 +8,15 @@ For each env count and each path (``--paths``: ``fast``, the default of ``gym.ma
 
 * ``step_s``: wall time of one ``env.step`` (median of ``--steps`` after ``--warmup``), env steps/s = envs / step_s;
 * ``stages_s``: host time per stage of one step, measured with a device sync around each stage (so the stages add
-  up, at the price of the overlap a normal step has): ``request_prep`` (``engine.prepare``: frame, prompt, actions,
-  schedule per request), ``encode`` (VAE encode of the conditioning frames), ``text`` (prompt K/V, cached),
-  ``denoise`` (the batched denoising loop, everything in ``_denoise`` but text and decode), ``decode`` (VAE decode),
-  ``reward`` (reward model), ``env_rest`` (everything else: seeds, requests, uint8 conversion, observations, infos);
+  up, at the price of the overlap a normal step has): ``request_prep`` (``engine._prepare_batch`` less its encode:
+  frames on the canvas, prompt, actions, schedule), ``encode`` (VAE encode of the conditioning frames), ``text``
+  (prompt K/V, cached), ``denoise`` (the batched denoising loop, everything in ``_denoise`` but text and decode),
+  ``decode`` (VAE decode), ``reward`` (reward model), ``env_rest`` (everything else: seeds, requests, uint8
+  conversion, observations, infos);
 * ``profile``: one profiled step (``benchmarks/profile_gpu.py``'s ``summarise``: GPU busy / idle, kernel launches,
   top kernels, top CPU ops).
 
+``--host-only`` stubs the transformer and the VAE (``stub_model``) to measure the host stages alone.
 Results JSON (card, commit, command) via ``benchmarks/common.py``; ``--trace`` also writes Chrome traces.
 """
 
@@ -47,8 +49,10 @@ class StageTimer:
         self.totals = dict.fromkeys(STAGES, 0.0)
         self.inner = 0.0  # time of stages nested inside _denoise (text, decode), subtracted from "denoise"
         engine, core = env.engine, env._core
-        self._wrap(engine, "prepare", "request_prep")
-        self._wrap(engine, "_encode_conditions", "encode")
+        # request_prep: the whole batched preparation (per-request ``prepare`` calls or the batched path) less the
+        # encode nested in it.
+        self._wrap(engine, "_prepare_batch", "request_prep", outer=True)
+        self._wrap(engine, "_encode_conditions", "encode", nested=True)
         self._wrap(engine, "text_kvs", "text", nested=True)
         self._wrap(engine, "_decode", "decode", nested=True)
         self._wrap(engine, "_denoise", "denoise", outer=True)
@@ -81,8 +85,34 @@ class StageTimer:
         self.inner = 0.0
 
 
+def stub_model(engine) -> None:
+    """``--host-only``: the transformer and the VAE return zeros / mid-grey of the right shapes at once, so that the
+    host stages (request_prep, env_rest, and the reward model) are measured alone, in seconds even on a CPU at 64
+    envs. Their cost does not depend on the model's values; the model stages then read ~0."""
+    config = engine.transformer.config
+    compression = engine.vae.temporal_compression
+
+    def forward(text, layout, video, video_noisy, timesteps, actions, *rest):
+        return torch.zeros_like(video), torch.zeros_like(actions)
+
+    def encode(pixels):
+        b, _, t, h, w = pixels.shape
+        return torch.zeros(b, config.latent_channel, (t - 1) // compression + 1, h // 16, w // 16, device=pixels.device)
+
+    def decode(video, frames="all"):
+        b, _, t, h, w = video.shape
+        frames_out = 1 if frames == "last" else (t - 1) * compression + 1
+        return torch.full((b, 3, frames_out, h * 16, w * 16), 0.5, device=video.device)
+
+    engine._graphed_forward = forward
+    engine.vae.encode = encode
+    engine.vae.decode = decode
+
+
 def measure(num_envs: int, path: str, args) -> dict:
     env = make_pusht_vector_env(num_envs, device=args.device, optimize=path == "fast")
+    if args.host_only:
+        stub_model(env.engine)
     try:
         env.reset(seed=0)
         env.action_space.seed(0)
@@ -143,6 +173,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, CUDA-graph captures)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--host-only", action="store_true",
+                        help="stub the transformer and VAE (stub_model): measure the host stages alone")
     parser.add_argument("--trace", action="store_true", help="write Chrome traces next to the results")
     add_output_arguments(parser)
     parser.add_argument("--name", default=None, help="results file name (default: profile_pusht_env_<device>.json)")
@@ -153,7 +185,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     results = {
         "provenance": provenance(),
-        "settings": {"device": args.device, "steps": args.steps, "warmup": args.warmup,
+        "settings": {"device": args.device, "steps": args.steps, "warmup": args.warmup, "host_only": args.host_only,
                      "torch_threads": torch.get_num_threads()},
     }
     for num_envs in [int(n) for n in args.envs.split(",")]:

@@ -342,11 +342,17 @@ class Cosmos3Engine:
 
     # ------------------------------------------------------------------ public API
 
-    def step(self, requests: Cosmos3Request | Sequence[Cosmos3Request], *, decode: bool | None = None):
+    def step(
+        self, requests: Cosmos3Request | Sequence[Cosmos3Request], *, decode: bool | None = None,
+        pixels_on_device: bool = False,
+    ):
         """Run one request (returns a ``Cosmos3Result``) or a list (returns a list, in order).
 
         ``decode``: True or "all" (every frame), "last" (only the last frame, ``pixels [3, 1, H, W]``: the same values
         for less work, see ``Cosmos3VAE.decode``), False (latents only); None: the engine's ``decode_video``.
+        ``pixels_on_device``: the results' ``pixels`` stay on the engine's device (rows of one batch tensor, in the
+        VAE's output dtype) instead of float32 host copies, for a caller that works on them there (the vector env
+        scores and converts every slot's frames on the device and copies them to the host once).
 
         SPMD: every rank must call this with the same requests; every rank returns the same results.
         """
@@ -369,7 +375,7 @@ class Cosmos3Engine:
             for i, p in enumerate(prepared):
                 groups.setdefault(p.group_key, []).append(i)
             for indexes in groups.values():
-                for i, result in zip(indexes, self._denoise([prepared[i] for i in indexes], decode)):
+                for i, result in zip(indexes, self._denoise([prepared[i] for i in indexes], decode, pixels_on_device)):
                     local_results[i] = result
             results = gather_dp_results(local_results, len(batch), self.parallel)
         return results[0] if single else results
@@ -584,7 +590,7 @@ class Cosmos3Engine:
 
     # ------------------------------------------------------------------ the batched denoising loop
 
-    def _denoise(self, group: list[_Prepared], decode: bool) -> list[Cosmos3Result]:
+    def _denoise(self, group: list[_Prepared], decode: bool, pixels_on_device: bool = False) -> list[Cosmos3Result]:
         device = self.device
         batch = len(group)
         latent_t, _, _ = group[0].latent_thw
@@ -672,7 +678,9 @@ class Cosmos3Engine:
         frames = _decode_frames(decode)
         pixels = self._decode(video, frames) if frames is not None else None
         # The device -> host copies of every row are queued together and waited for once (not one wait per copy).
-        host_actions, host_video, host_pixels = _rows_to_host([actions, video, pixels])
+        host_actions, host_video, host_pixels = _rows_to_host([actions, video, None if pixels_on_device else pixels])
+        if pixels_on_device and pixels is not None:
+            host_pixels = list(pixels)
         results = []
         for b, p in enumerate(group):
             action = host_actions[b][p.history_rows :, : p.raw_action_dim].numpy()  # state rows dropped

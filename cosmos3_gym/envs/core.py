@@ -23,10 +23,11 @@ wrap the env in ``gymnasium.wrappers.ClipAction`` to clip instead.
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -38,7 +39,6 @@ from ..engine import Cosmos3Engine, Cosmos3Request
 from ..engine_protocol import WorldModelEngine
 from ..launcher import load_engine
 from ..errors import InputError
-from ..media import to_uint8
 from ..rewards import resolve_reward_model, validate_reward
 from .initial_states import InitialStateSource, check_task, first_frame, load_initial_states, resize_frame
 from .settings import REWARD_MODES, WorldModelSettings, model_frame_size, split_settings  # noqa: F401 (re-exported)
@@ -55,15 +55,29 @@ ENGINE_LOAD_KEYS = (
 
 
 @dataclass
-class SlotStep:
-    """What one slot's step returns, in Gymnasium's types (Python float and bools)."""
+class StepBatch:
+    """What ``step_slots`` returns for the slots it advanced, as arrays over those slots (row ``i`` is
+    ``slots[i]``): built once per step with array operations, not per slot. ``infos`` holds one array per info key
+    with Gymnasium's vector-info dtypes (int -> int64, float -> float64, bool -> bool, str -> object)."""
 
-    observation: dict[str, np.ndarray] | np.ndarray
-    reward: float
-    terminated: bool
-    truncated: bool
-    info: dict[str, Any]
-    frames: np.ndarray  # the chunk's generated frames, uint8 [chunk, H, W, 3] (for rendering)
+    slots: list[int]
+    rewards: np.ndarray  # float64 [B]
+    terminated: np.ndarray  # bool [B]
+    truncated: np.ndarray  # bool [B]
+    infos: dict[str, np.ndarray]  # key -> [B, ...]
+    frames: np.ndarray  # the chunk's generated frames, uint8 [B, T, H, W, 3] (for rendering)
+    # frames uint8 [B, H, W, 3] -> their observations (the core's): built only for the rows that need one
+    observe: Callable[[np.ndarray], dict[str, np.ndarray] | np.ndarray]
+
+    def observation(self, i: int) -> dict[str, np.ndarray] | np.ndarray:
+        """Row ``i``'s observation (a new array): its last frame, in the env's observation form."""
+        batch = self.observe(self.frames[i : i + 1, -1])
+        return {key: value[0] for key, value in batch.items()} if isinstance(batch, dict) else batch[0]
+
+    def info(self, i: int) -> dict[str, Any]:
+        """Row ``i``'s info as a single env returns it (Python scalars, arrays for array entries)."""
+        return {key: values[i].item() if values.ndim == 1 and values.dtype != object else values[i]
+                for key, values in self.infos.items()}
 
 
 class WorldModelCore:
@@ -138,7 +152,10 @@ class WorldModelCore:
             -1.0, 1.0, (self.settings.chunk, self.settings.raw_action_dim), dtype=np.float32
         )
 
-        self._frames: list[np.ndarray | None] = [None] * num_slots  # current frame per slot, uint8 [H, W, 3]
+        # The current frame of every slot, uint8 [num_slots, H, W, 3], in one array: a step writes the new frames of
+        # all its slots with one assignment and the vector env's observations are one copy of it.
+        self._frames = np.zeros((num_slots, *self.frame_size, 3), dtype=np.uint8)
+        self._started = np.zeros(num_slots, dtype=np.bool_)  # reset at least once
         self._history: list[np.ndarray | None] = [None] * num_slots  # last executed action rows per slot
         self._tasks: list[str] = [""] * num_slots
         self._elapsed = np.zeros(num_slots, dtype=np.int64)
@@ -192,6 +209,7 @@ class WorldModelCore:
                 self._tasks[slot] = candidate
                 break
         self._frames[slot] = resize_frame(frame, self.frame_size)
+        self._started[slot] = True
         self._history[slot] = None
         self._elapsed[slot] = 0
         self._last_score[slot] = 0.0
@@ -200,8 +218,21 @@ class WorldModelCore:
     def observation(self, slot: int) -> dict[str, np.ndarray] | np.ndarray:
         """The slot's observation (a new array every call), in the form of ``settings.obs_type``."""
         self.check_started([slot])
-        image = resize_frame(self._frames[slot], self.observation_size).copy()
-        return image if self.settings.obs_type == "pixels" else {"image": image}
+        return self._as_observation(self._images(self._frames[slot : slot + 1])[0])
+
+    def observations(self) -> dict[str, np.ndarray] | np.ndarray:
+        """Every slot's observation, batched ``[num_slots, ...]`` (new arrays), in the form of ``obs_type``."""
+        self.check_started(range(self.num_slots))
+        return self._as_observation(self._images(self._frames))
+
+    def _images(self, frames: np.ndarray) -> np.ndarray:
+        """Observation images (a new array) of frames uint8 ``[B, H, W, 3]`` at the model's size."""
+        if tuple(self.observation_size) == tuple(self.frame_size):
+            return frames.copy()
+        return np.stack([resize_frame(frame, self.observation_size) for frame in frames])
+
+    def _as_observation(self, images: np.ndarray) -> dict[str, np.ndarray] | np.ndarray:
+        return images if self.settings.obs_type == "pixels" else {"image": images}
 
     def task(self, slot: int) -> str:
         """The slot's current instruction."""
@@ -215,7 +246,7 @@ class WorldModelCore:
     def check_started(self, slots: Sequence[int]) -> None:
         """InputError unless the env is open and every slot in ``slots`` has been reset."""
         self._check_open()
-        if any(self._frames[slot] is None for slot in slots):
+        if not self._started[np.asarray(slots, dtype=np.int64)].all():
             raise InputError("reset: call reset() before step() or render().")
 
     def check_actions(self, actions: Any, batch: int | None, field: str) -> np.ndarray:
@@ -250,11 +281,11 @@ class WorldModelCore:
 
     def step_slots(
         self, slots: Sequence[int], actions: np.ndarray, rngs: Sequence[np.random.Generator]
-    ) -> list[SlotStep]:
+    ) -> StepBatch | None:
         """Advance ``slots`` by one chunk each in one batched engine call. ``actions[i]`` (validated by
         ``check_actions``) and ``rngs[i]`` belong to ``slots[i]``; each slot draws its noise seed from its rng."""
-        if not slots:
-            return []
+        if not len(slots):
+            return None
         self.check_started(slots)
         self.onload()
         seeds = [int(rng.integers(_SEED_BOUND)) for rng in rngs]
@@ -271,56 +302,68 @@ class WorldModelCore:
             for slot, action, seed in zip(slots, actions, seeds)
         ]
         decode = self.decode_mode()
-        results = self.engine.step(requests, decode=decode)
+        # An engine that can (Cosmos3Engine) leaves the pixels on its device: the reward model and the uint8
+        # conversion run there on the whole batch, and only the uint8 frames come to the host, in one copy.
+        on_device = {"pixels_on_device": True} if _takes_keyword(self.engine.step, "pixels_on_device") else {}
+        results = self.engine.step(requests, decode=decode, **on_device)
         # pixels [3, chunk + 1, H, W]: frame 0 re-renders the conditioning frame, 1.. are the chunk's new frames
         # (decode "last": [3, 1, H, W], the chunk's last frame only).
         first = 1 if decode == "all" else 0
-        generated = torch.stack([result.pixels[:, first:].permute(1, 0, 2, 3) for result in results])  # [B,T,3,H,W]
+        # [B, T, 3, H, W] float32 (the values the host copies of a bf16 VAE's pixels had)
+        generated = _stack_rows([result.pixels[:, first:] for result in results]).transpose(1, 2).float()
         if generated.shape[-2:] != self.frame_size:
             raise RuntimeError(f"the model generated {tuple(generated.shape[-2:])} frames, expected {self.frame_size}")
         scores = self._score(generated, [self._tasks[slot] for slot in slots])
-        frames_uint8 = to_uint8(generated.permute(0, 1, 3, 4, 2).numpy())  # [B, T, H, W, 3]
+        frames_uint8 = _to_uint8_frames(generated)  # [B, T, H, W, 3]
+        return self._finish_step(list(slots), np.asarray(actions), seeds, scores, frames_uint8)
 
-        steps = []
-        for i, slot in enumerate(slots):
-            self._frames[slot] = frames_uint8[i, -1].copy()
-            if self.settings.history_length:
-                self._history[slot] = actions[i, -self.settings.history_length:].copy()
-            self._elapsed[slot] += 1
-            info: dict[str, Any] = {
-                "task": self._tasks[slot],
-                "elapsed_steps": int(self._elapsed[slot]),
-                "noise_seed": seeds[i],  # the engine seed of this chunk: Cosmos3Request(seed=...) reproduces it
-            }
-            settings = self.settings
-            terminated = False
-            truncated = settings.max_episode_steps is not None and bool(
-                self._elapsed[slot] >= settings.max_episode_steps
-            )
-            reward = 0.0
-            if scores is not None:
-                score = float(scores[i])
-                info["score"] = score
-                if settings.score_name is not None:
-                    info[settings.score_name] = score  # e.g. gym-pusht's "coverage"
-                if settings.success_threshold is not None:
-                    terminated = score >= settings.success_threshold
-                    info["is_success"] = info["success"] = terminated  # Gymnasium/SB3's key, and ours
-                if settings.reward_mode == "per_step":
-                    reward = score
-                elif settings.reward_mode == "relative":
-                    reward = score - float(self._last_score[slot])
-                elif terminated or truncated:  # "terminal"
-                    reward = score
-                self._last_score[slot] = score
-            if settings.return_frames:
-                info["frames"] = frames_uint8[i]
-            if settings.action_stats is not None:
-                info["raw_action"] = np.asarray(settings.action_stats.denormalize(actions[i]), dtype=np.float32)
-            steps.append(
-                SlotStep(self.observation(slot), reward, bool(terminated), bool(truncated), info, frames_uint8[i])
-            )
-        return steps
+    def _finish_step(
+        self, slots: list[int], actions: np.ndarray, seeds: list[int], scores: np.ndarray | None,
+        frames_uint8: np.ndarray,
+    ) -> StepBatch:
+        """The slots' new state, rewards, flags and infos from the step's frames and scores, as arrays."""
+        settings = self.settings
+        index = np.asarray(slots, dtype=np.int64)
+        self._frames[index] = frames_uint8[:, -1]
+        if settings.history_length:
+            for i, slot in enumerate(slots):
+                self._history[slot] = actions[i, -settings.history_length:].copy()
+        self._elapsed[index] += 1
+        elapsed = self._elapsed[index]
+        count = len(slots)
+        infos: dict[str, np.ndarray] = {
+            "task": _object_array([self._tasks[slot] for slot in slots]),
+            "elapsed_steps": elapsed.copy(),
+            # the engine seed of this chunk: Cosmos3Request(seed=...) reproduces it
+            "noise_seed": np.array(seeds, dtype=np.int64),
+        }
+        terminated = np.zeros(count, dtype=np.bool_)
+        if settings.max_episode_steps is not None:
+            truncated = elapsed >= settings.max_episode_steps
+        else:
+            truncated = np.zeros(count, dtype=np.bool_)
+        rewards = np.zeros(count, dtype=np.float64)
+        if scores is not None:
+            infos["score"] = scores.copy()
+            if settings.score_name is not None:
+                infos[settings.score_name] = scores.copy()  # e.g. gym-pusht's "coverage"
+            if settings.success_threshold is not None:
+                terminated = scores >= settings.success_threshold
+                infos["is_success"] = terminated.copy()  # Gymnasium/SB3's key
+                infos["success"] = terminated.copy()  # and ours
+            if settings.reward_mode == "per_step":
+                rewards = scores.copy()
+            elif settings.reward_mode == "relative":
+                rewards = scores - self._last_score[index]
+            else:  # "terminal"
+                rewards = np.where(terminated | truncated, scores, 0.0)
+            self._last_score[index] = scores
+        if settings.return_frames:
+            infos["frames"] = frames_uint8
+        if settings.action_stats is not None:
+            infos["raw_action"] = np.asarray(settings.action_stats.denormalize(actions), dtype=np.float32)
+        observe = lambda frames: self._as_observation(self._images(frames))  # noqa: E731
+        return StepBatch(slots, rewards, terminated, truncated, infos, frames_uint8, observe)
 
     def _action_history(self, slot: int, action: np.ndarray) -> np.ndarray | None:
         """The state rows of the slot's next request when the checkpoint takes them (``history_length``): the last
@@ -377,7 +420,7 @@ class WorldModelCore:
         self.closed = True
         if self.owns_engine:
             self.engine.close()
-        self._frames = [None] * self.num_slots
+        self._started[:] = False
 
     def _check_open(self) -> None:
         if self.closed:
@@ -387,6 +430,52 @@ class WorldModelCore:
 # ---------------------------------------------------------------------------------------------------------------
 # Argument checks
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def _takes_keyword(function: Callable, name: str) -> bool:
+    """Whether ``function`` accepts the keyword ``name`` (other engines, and wrapped or replaced ``step`` methods,
+    may not)."""
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(rows)``; without a copy when the rows are already the consecutive rows of one tensor (the
+    engine's results are views of its batch): a 50 MB copy per step at 64 envs on a CPU."""
+    first = rows[0]
+    step = rows[1].storage_offset() - first.storage_offset() if len(rows) > 1 else first.numel()
+    consecutive = step > 0 and all(
+        row.shape == first.shape and row.stride() == first.stride() and row.dtype == first.dtype
+        and row.device == first.device and row.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and row.storage_offset() == first.storage_offset() + i * step
+        for i, row in enumerate(rows)
+    )
+    if not consecutive:
+        return torch.stack(rows)
+    return first.as_strided((len(rows), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+def _to_uint8_frames(frames: torch.Tensor) -> np.ndarray:
+    """Frames ``[B, T, 3, H, W]`` in [0, 1] -> uint8 ``[B, T, H, W, 3]`` in one pass over the batch, with the same
+    float32 arithmetic as ``media.to_uint8`` (clip, * 255, + 0.5, truncate), so the values are identical."""
+    batch, steps, _, height, width = frames.shape
+    out = torch.empty((batch, steps, height, width, 3), dtype=torch.uint8, device=frames.device)
+    # One pass on a GPU. On a CPU in slices of about a megabyte: a temporary the size of the batch (50 MB at 64 envs)
+    # costs more in page faults and cache misses than the arithmetic (measured 8x slower than per-slot slices).
+    rows = batch if frames.is_cuda else max(1, (1 << 20) // max(1, frames[0].numel() * 4))
+    for start in range(0, batch, rows):
+        scaled = frames[start : start + rows].float().clamp(0.0, 1.0).mul_(255.0).add_(0.5)
+        # the truncating float -> uint8 cast and the move to channels-last, in one copy
+        out[start : start + rows].permute(0, 1, 4, 2, 3).copy_(scaled)
+    return out.cpu().numpy()  # on a GPU: the step's one device -> host copy
+
+
+def _object_array(values: list[Any]) -> np.ndarray:
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    return array
 
 
 def _resolve_engine(checkpoint, engine, **load_options: Any):

@@ -135,15 +135,17 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
         terminated = np.zeros(self.num_envs, dtype=np.bool_)
         truncated = np.zeros(self.num_envs, dtype=np.bool_)
         infos: dict[str, Any] = {}
-        results = self._core.step_slots(stepping, actions[stepping], [self._slot_rngs[s] for s in stepping])
-        step_infos = {}
-        for slot, result in zip(stepping, results):
-            rewards[slot], terminated[slot], truncated[slot] = result.reward, result.terminated, result.truncated
-            step_infos[slot] = result.info
-            if result.terminated or result.truncated:
-                self._ended[slot] = True
-                if self.autoreset_mode == AutoresetMode.SAME_STEP:
-                    infos = self._add_info(infos, {"final_obs": result.observation, "final_info": result.info}, slot)
+        result = self._core.step_slots(stepping, actions[stepping], [self._slot_rngs[s] for s in stepping])
+        if result is not None:
+            rewards[stepping], terminated[stepping], truncated[stepping] = (
+                result.rewards, result.terminated, result.truncated
+            )
+            ended = result.terminated | result.truncated
+            self._ended[stepping] |= ended
+            if self.autoreset_mode == AutoresetMode.SAME_STEP:
+                for i in np.flatnonzero(ended):  # only the slots that finish now: per slot, as Gymnasium's infos
+                    final = {"final_obs": result.observation(i), "final_info": result.info(i)}
+                    infos = self._add_info(infos, final, stepping[i])
 
         if self.autoreset_mode == AutoresetMode.NEXT_STEP:
             restarting = finished_groups  # finished on an earlier step
@@ -151,9 +153,9 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
             restarting = self._finished_groups()  # finished now (none were finished before: they restart at once)
         else:
             restarting = []
-        for slot in stepping:
-            if self.groups[slot] not in restarting:
-                infos = self._add_info(infos, step_infos[slot], slot)
+        if result is not None:
+            keep = ~np.isin(self.groups[stepping], restarting)  # a restarting slot's info is its reset info
+            infos = self._add_batch_info(infos, result.infos, np.asarray(stepping)[keep], keep)
         for group in restarting:
             infos = self._reset_group(int(group), infos)
         return self._observations(), rewards, terminated, truncated, self._with_slot_info(infos, waiting)
@@ -239,10 +241,26 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
         return infos
 
     def _observations(self) -> dict[str, np.ndarray] | np.ndarray:
-        observations = [self._core.observation(slot) for slot in range(self.num_envs)]
-        if isinstance(observations[0], np.ndarray):  # obs_type="pixels"
-            return np.stack(observations)
-        return {"image": np.stack([observation["image"] for observation in observations])}
+        return self._core.observations()
+
+    def _add_batch_info(
+        self, infos: dict[str, Any], batch_infos: dict[str, np.ndarray], slots: np.ndarray, rows: np.ndarray
+    ) -> dict[str, Any]:
+        """``_add_info`` for many slots at once: ``batch_infos[key][rows]`` go to ``slots``, in arrays of the dtype
+        ``_add_info`` gives them (the batch arrays already have it), with their ``_key`` masks."""
+        if not len(slots):
+            return infos
+        for key, values in batch_infos.items():
+            if key not in infos:
+                array = (np.full(self.num_envs, None, dtype=object) if values.dtype == object
+                         else np.zeros((self.num_envs, *values.shape[1:]), dtype=values.dtype))
+                mask = np.zeros(self.num_envs, dtype=np.bool_)
+            else:
+                array, mask = infos[key], infos.get(f"_{key}", np.zeros(self.num_envs, dtype=np.bool_))
+            array[slots] = values[rows]
+            mask[slots] = True
+            infos[key], infos[f"_{key}"] = array, mask
+        return infos
 
     def _slot_seeds(self, seed: Any) -> list[int | None]:
         if seed is None:

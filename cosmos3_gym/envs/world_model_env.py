@@ -91,9 +91,10 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
     def step(self, action):
         self._core.check_started([0])  # step before reset: InputError before looking at the action
         action = self._core.check_actions(action, batch=None, field="action")
-        (result,) = self._core.step_slots([0], action[None], [self.np_random])
-        self._renderer.on_step(result.frames)
-        return result.observation, result.reward, result.terminated, result.truncated, result.info
+        result = self._core.step_slots([0], action[None], [self.np_random])
+        self._renderer.on_step(result.frames[0])
+        return (result.observation(0), float(result.rewards[0]), bool(result.terminated[0]),
+                bool(result.truncated[0]), result.info(0))
 
     def render(self) -> np.ndarray | list[np.ndarray] | None:
         """``rgb_array``: the current frame; ``rgb_array_list``: the frames since the last reset or render;
