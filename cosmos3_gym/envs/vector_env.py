@@ -103,7 +103,7 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
         """Reset all slots, or those in ``options["reset_mask"]`` (bool ``[num_envs]``, whole groups). Other
         options, as for ``WorldModelEnv``: one value for every slot, or per group / per slot (see the module doc;
         ``frames`` must be a list, None where the initial-state source is used)."""
-        seeds = self._slot_seeds(seed)
+        seeds = slot_seeds(seed, self.num_envs)
         super().reset(seed=seed if isinstance(seed, (int, np.integer)) else None)
         options = check_reset_options(options, RESET_OPTION_KEYS)
         mask = self._check_reset_mask(options.pop("reset_mask", None))
@@ -262,16 +262,6 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
             infos[key], infos[f"_{key}"] = array, mask
         return infos
 
-    def _slot_seeds(self, seed: Any) -> list[int | None]:
-        if seed is None:
-            return [None] * self.num_envs
-        if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            return [int(seed) + slot for slot in range(self.num_envs)]
-        if isinstance(seed, (list, tuple)) and len(seed) == self.num_envs:
-            if all(s is None or (isinstance(s, (int, np.integer)) and not isinstance(s, bool)) for s in seed):
-                return [None if s is None else int(s) for s in seed]
-        raise InputError(f"seed: expected None, an int or a list of {self.num_envs} ints (or None), got {seed!r}.")
-
     def _check_reset_mask(self, mask: Any) -> np.ndarray:
         if mask is None:
             return np.ones(self.num_envs, dtype=np.bool_)
@@ -311,3 +301,16 @@ def _check_autoreset_mode(mode: Any) -> AutoresetMode:
             f"autoreset_mode: expected a gymnasium.vector.AutoresetMode or one of "
             f"{[m.value for m in AutoresetMode]}, got {mode!r}."
         ) from None
+
+
+def slot_seeds(seed: Any, num_envs: int) -> list[int | None]:
+    """A vector env's ``reset(seed=...)`` as one seed per slot: None; an int ``s`` -> ``s, s + 1, ...`` (Gymnasium's
+    convention); or a list of ``num_envs`` ints or Nones."""
+    if seed is None:
+        return [None] * num_envs
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        return [int(seed) + slot for slot in range(num_envs)]
+    if isinstance(seed, (list, tuple)) and len(seed) == num_envs:
+        if all(s is None or (isinstance(s, (int, np.integer)) and not isinstance(s, bool)) for s in seed):
+            return [None if s is None else int(s) for s in seed]
+    raise InputError(f"seed: expected None, an int or a list of {num_envs} ints (or None), got {seed!r}.")

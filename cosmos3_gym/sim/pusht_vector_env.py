@@ -41,6 +41,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from ..envs.initial_states import resize_frame
+from ..envs.vector_env import slot_seeds
 from ..errors import InputError
 from ..processor import ActionStats
 from .pusht_geometry import RAW_ACTION_DIM, SUCCESS_COVERAGE, TABLE_SIZE
@@ -224,7 +225,7 @@ class PushTSimVectorEnv(VectorEnv):
         unknown = sorted(set(options) - set(RESET_OPTION_KEYS))
         if unknown:
             raise InputError(f"options: unknown keys {unknown}; expected some of {list(RESET_OPTION_KEYS)}.")
-        seeds = self._slot_seeds(seed)
+        seeds = slot_seeds(seed, self.num_envs)
         super().reset(seed=seed if isinstance(seed, (int, np.integer)) else None)
         mask = options.get("reset_mask")
         if mask is None:
@@ -369,15 +370,6 @@ class PushTSimVectorEnv(VectorEnv):
             raise InputError("options['initial_state_index']: the slots of a group share one start; give equal "
                              f"indices within each group of {self.group_size}.")
         return indices
-
-    def _slot_seeds(self, seed: Any) -> list[int | None]:
-        if seed is None:
-            return [None] * self.num_envs
-        if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            return [int(seed) + slot for slot in range(self.num_envs)]
-        if isinstance(seed, (list, tuple)) and len(seed) == self.num_envs:
-            return [None if s is None else int(s) for s in seed]
-        raise InputError(f"seed: expected None, an int or a list of {self.num_envs} ints, got {seed!r}.")
 
     def _observation_batch(self) -> dict[str, np.ndarray]:
         return {"image": self._observations.copy()}
