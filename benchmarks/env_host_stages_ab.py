@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, write_results  # noqa: E402
+from common import add_output_arguments, check_results_target, provenance, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("profile_pusht_env.py", "profile_gpu.py", "common.py")
@@ -54,8 +54,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default=None)
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
+    name = f"env_host_stages_ab_{args.device}.json"
+    check_results_target(name, args.out, args.overwrite)  # before measuring
     results = {"provenance": provenance(), "settings": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -71,7 +73,7 @@ def main(argv=None) -> dict:
                 results[f"{side}_envs_{num_envs}"] = {"stages_s": stages, "runs": [e["stages_s"] for e in entries]}
                 line = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in stages.items())
                 print(f"{side:6s} {num_envs:3d} envs | ms: {line}", flush=True)
-    write_results(results, f"env_host_stages_ab_{args.device}.json", args.out)
+    write_results(results, name, args.out)
     return results
 
 
