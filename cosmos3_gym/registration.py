@@ -32,7 +32,11 @@ def builtin_max_episode_steps() -> int | None:
 def register_envs() -> None:
     """Register ``cosmos3_gym/PushT-v0`` (spec ``max_episode_steps``: the built-in model's) and
     ``cosmos3_gym/WorldModel-v0`` (idempotent; a no-op without Gymnasium). Gymnasium's ``OrderEnforcing`` is off: the
-    envs check the order of calls themselves."""
+    envs check the order of calls themselves.
+
+    ``gym.make(ENV_ID, checkpoint=..., ...)`` builds a ``WorldModelEnv`` and ``gym.make_vec(ENV_ID, num_envs=N, ...)``
+    a ``WorldModelVectorEnv`` (through ``vector_entry_point``; ``autoreset_mode=`` and ``group_size=`` go to it);
+    ``gym.make(max_episode_steps=...)`` adds a ``TimeLimit``, ``make_vec`` hands it to the vector env (per slot)."""
     try:
         import gymnasium
     except ImportError:  # `cosmos3-gym infer` works without Gymnasium

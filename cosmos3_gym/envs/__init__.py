@@ -12,13 +12,12 @@ from .core import REWARD_MODES, model_frame_size
 from .settings import WorldModelSettings
 from .initial_states import InitialState, InitialStateSource, load_initial_states
 from .pusht import (
-    PUSHT_ENV_ID, builtin_checkpoint_dir, make_pusht_env, make_pusht_vector_env, register_env, register_pusht_env,
+    PUSHT_ENV_ID, builtin_checkpoint_dir, make_pusht_env, make_pusht_vector_env,
 )
+from ..registration import ENV_ID, register_envs
 from .sb3 import SB3VecEnv
 from .vector_env import WorldModelVectorEnv
 from .world_model_env import WorldModelEnv
-
-ENV_ID = "cosmos3_gym/WorldModel-v0"
 
 __all__ = [
     "ENV_ID",
@@ -38,19 +37,6 @@ __all__ = [
     "model_frame_size",
     "register_envs",
 ]
-
-
-def register_envs() -> None:
-    """Register ``cosmos3_gym/WorldModel-v0`` and ``cosmos3_gym/PushT-v0`` (the built-in model; idempotent).
-
-    ``gym.make(ENV_ID, checkpoint=..., ...)`` builds a ``WorldModelEnv`` and ``gym.make_vec(ENV_ID, num_envs=N, ...)``
-    a ``WorldModelVectorEnv`` (through ``vector_entry_point``; ``autoreset_mode=`` and ``group_size=`` go to it). The
-    checkpoint's meta.json gives the settings (``max_episode_steps`` among them); ``gym.make(max_episode_steps=...)``
-    adds a ``TimeLimit``, ``make_vec`` hands it to the vector env, which counts it per slot. The env checks
-    the order of calls itself (``InputError`` for step before reset), so Gymnasium's ``OrderEnforcing`` is off.
-    """
-    register_pusht_env()
-    register_env(ENV_ID, "cosmos3_gym.envs:make_world_model_env", "cosmos3_gym.envs:make_world_model_vector_env")
 
 
 def _uses_builtin_model(kwargs: dict) -> bool:

@@ -47,8 +47,8 @@ from .settings import REWARD_MODES, WorldModelSettings, model_frame_size, split_
 _SEED_BOUND = 2**63 - 1
 # "Not given" for arguments whose None means "none" (initial_states, reward_model): not given -> the checkpoint's.
 _UNSET: Any = object()
-# Keyword arguments that say how to load the engine from a checkpoint (handed to ``_resolve_engine``).
-# How to load a checkpoint: ``load_engine``'s arguments (``cfg`` is the deprecated name of ``cfg_parallel``).
+# How to load a checkpoint (handed to ``_resolve_engine``): ``load_engine``'s arguments (``cfg`` is the deprecated
+# name of ``cfg_parallel``).
 ENGINE_LOAD_KEYS = (
     "device", "dtype", "vae_dtype", "precision", "optimize", "backend", "tp", "cfg_parallel", "cfg", "dp",
 )

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gymnasium
 import numpy as np
 import torch
 
 from ..checkpoint import BUILTIN_MODELS, builtin_assets_dir, checkpoint_defaults, read_json_object
 from ..engine import Cosmos3Engine
 from ..errors import CheckpointError, InputError
+from ..registration import PUSHT_ENV_ID, builtin_max_episode_steps, register_envs
 from .core import ENGINE_LOAD_KEYS
 from .initial_states import read_initial_states_archive
 from .vector_env import WorldModelVectorEnv
@@ -56,7 +56,6 @@ __all__ = [
     "register_pusht_env",
 ]
 
-PUSHT_ENV_ID = "cosmos3_gym/PushT-v0"
 ASSETS_ENV_VAR = BUILTIN_MODELS["pusht"][1]  # COSMOS3_GYM_PUSHT_ASSETS
 CHECKPOINT_DIR = "checkpoint"
 REWARD_MODEL_DIR = "reward_model"
@@ -219,25 +218,5 @@ def pusht_env_arguments(assets_dir: str | os.PathLike | None = None, **overrides
     return arguments
 
 
-def builtin_max_episode_steps() -> int | None:
-    """The built-in checkpoint's episode length (meta.json ``max_episode_steps``), for the registered spec."""
-    try:
-        value = load_pusht_assets().meta.get("max_episode_steps")
-    except CheckpointError:
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def register_pusht_env() -> None:
-    """Register ``cosmos3_gym/PushT-v0`` (idempotent) with the built-in model's episode length as the spec's
-    ``max_episode_steps``. The rest of the assets are read when an env is made."""
-    register_env(PUSHT_ENV_ID, "cosmos3_gym.envs.pusht:make_pusht_env", "cosmos3_gym.envs.pusht:make_pusht_vector_env",
-                 max_episode_steps=builtin_max_episode_steps())
-
-
-def register_env(env_id: str, entry_point: str, vector_entry_point: str, max_episode_steps: int | None = None) -> None:
-    """Register an env id once, for gym.make and gym.make_vec. The envs check the order of calls themselves
-    (``InputError`` for step before reset), so Gymnasium's ``OrderEnforcing`` is off."""
-    if env_id not in gymnasium.registry:
-        gymnasium.register(id=env_id, entry_point=entry_point, vector_entry_point=vector_entry_point,
-                           order_enforce=False, max_episode_steps=max_episode_steps)
+# One registration path, the package import's (cosmos3_gym.registration: no torch); the old name stays.
+register_pusht_env = register_envs
