@@ -364,7 +364,7 @@ class Cosmos3Engine:
         if not batch:
             raise InputError("requests: expected at least one Cosmos3Request")
         decode = self.decode_video if decode is None else decode
-        _decode_frames(decode)  # a bad value fails before the denoising
+        frames = _decode_frames(decode)  # a bad value fails before the denoising
         with torch.inference_mode():
             batch = agree_on_seeds(batch, self.parallel)
             prepared = run_on_every_rank(
@@ -375,7 +375,7 @@ class Cosmos3Engine:
             for i, p in enumerate(prepared):
                 groups.setdefault(p.group_key, []).append(i)
             for indexes in groups.values():
-                for i, result in zip(indexes, self._denoise([prepared[i] for i in indexes], decode, pixels_on_device)):
+                for i, result in zip(indexes, self._denoise([prepared[i] for i in indexes], frames, pixels_on_device)):
                     local_results[i] = result
             results = gather_dp_results(local_results, len(batch), self.parallel)
         return results[0] if single else results
@@ -590,7 +590,10 @@ class Cosmos3Engine:
 
     # ------------------------------------------------------------------ the batched denoising loop
 
-    def _denoise(self, group: list[_Prepared], decode: bool, pixels_on_device: bool = False) -> list[Cosmos3Result]:
+    def _denoise(
+        self, group: list[_Prepared], frames: str | None, pixels_on_device: bool = False
+    ) -> list[Cosmos3Result]:
+        """Denoise one shape group; ``frames`` is the VAE's (``_decode_frames``), None for latents only."""
         device = self.device
         batch = len(group)
         latent_t, _, _ = group[0].latent_thw
@@ -675,7 +678,6 @@ class Cosmos3Engine:
             video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
             actions = torch.where(action_clean[..., None], x0_actions, actions)
 
-        frames = _decode_frames(decode)
         pixels = self._decode(video, frames) if frames is not None else None
         # The device -> host copies of every row are queued together and waited for once (not one wait per copy).
         host_actions, host_video, host_pixels = _rows_to_host([actions, video, None if pixels_on_device else pixels])
