@@ -48,7 +48,9 @@ from .models.vae import Cosmos3VAE
 from .parallel.collectives import (
     agree_on_seeds, dp_share, gather_cfg_rows, gather_dp_results, run_on_every_rank,
 )
-from .parallel.mesh import ParallelConfig, ParallelContext, init_parallel, resolve_parallel_config
+from .parallel.mesh import (
+    ParallelConfig, ParallelContext, in_process_group, init_parallel, resolve_parallel_config,
+)
 from .parallel.plan import parallelize_transformer
 from .parallel.tensor_parallel import check_tensor_parallel, release_symmetric_buffers
 from .quantization import apply_precision, check_precision
@@ -253,8 +255,8 @@ class Cosmos3Engine:
         config = resolve_parallel_config(parallel, tp=tp, cfg_parallel=cfg_parallel, dp=dp, cfg=cfg)
         check_precision(precision, tp=config.tp)
         context = parallel if isinstance(parallel, ParallelContext) else None
-        in_process_group = dist.is_initialized() or "RANK" in os.environ
-        if context is None and config.world_size > 1 and not in_process_group:
+        launched = in_process_group()
+        if context is None and config.world_size > 1 and not launched:
             warnings.warn(
                 "Cosmos3Engine.from_pretrained with several ranks outside a process group is deprecated: it builds "
                 "in-process engines only from the next release. Use cosmos3_gym.load_engine(path, tp=..., "
@@ -279,7 +281,7 @@ class Cosmos3Engine:
         owns_process_group = False
         if context is None:
             owns_process_group = not dist.is_initialized() and config.world_size > 1
-            if in_process_group and torch.cuda.is_available() and device in (None, "cuda", torch.device("cuda")):
+            if launched and torch.cuda.is_available() and device in (None, "cuda", torch.device("cuda")):
                 # "cuda" is this rank's GPU; a single-rank config under torchrun is one independent engine per rank.
                 device = None if config.world_size > 1 else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             context = init_parallel(config, device)
