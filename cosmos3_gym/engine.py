@@ -48,7 +48,9 @@ from .models.vae import Cosmos3VAE
 from .parallel.collectives import (
     agree_on_seeds, dp_share, gather_cfg_rows, gather_dp_results, run_on_every_rank,
 )
-from .parallel.mesh import ParallelConfig, ParallelContext, init_parallel, resolve_parallel_config
+from .parallel.mesh import (
+    ParallelConfig, ParallelContext, in_process_group, init_parallel, resolve_parallel_config,
+)
 from .parallel.plan import parallelize_transformer
 from .parallel.tensor_parallel import check_tensor_parallel, release_symmetric_buffers
 from .quantization import apply_precision, check_precision
@@ -253,8 +255,8 @@ class Cosmos3Engine:
         config = resolve_parallel_config(parallel, tp=tp, cfg_parallel=cfg_parallel, dp=dp, cfg=cfg)
         check_precision(precision, tp=config.tp)
         context = parallel if isinstance(parallel, ParallelContext) else None
-        in_process_group = dist.is_initialized() or "RANK" in os.environ
-        if context is None and config.world_size > 1 and not in_process_group:
+        launched = in_process_group()
+        if context is None and config.world_size > 1 and not launched:
             warnings.warn(
                 "Cosmos3Engine.from_pretrained with several ranks outside a process group is deprecated: it builds "
                 "in-process engines only from the next release. Use cosmos3_gym.load_engine(path, tp=..., "
@@ -279,7 +281,7 @@ class Cosmos3Engine:
         owns_process_group = False
         if context is None:
             owns_process_group = not dist.is_initialized() and config.world_size > 1
-            if in_process_group and torch.cuda.is_available() and device in (None, "cuda", torch.device("cuda")):
+            if launched and torch.cuda.is_available() and device in (None, "cuda", torch.device("cuda")):
                 # "cuda" is this rank's GPU; a single-rank config under torchrun is one independent engine per rank.
                 device = None if config.world_size > 1 else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             context = init_parallel(config, device)
@@ -364,7 +366,7 @@ class Cosmos3Engine:
         if not batch:
             raise InputError("requests: expected at least one Cosmos3Request")
         decode = self.decode_video if decode is None else decode
-        _decode_frames(decode)  # a bad value fails before the denoising
+        frames = _decode_frames(decode)  # a bad value fails before the denoising
         with torch.inference_mode():
             batch = agree_on_seeds(batch, self.parallel)
             prepared = run_on_every_rank(
@@ -375,7 +377,7 @@ class Cosmos3Engine:
             for i, p in enumerate(prepared):
                 groups.setdefault(p.group_key, []).append(i)
             for indexes in groups.values():
-                for i, result in zip(indexes, self._denoise([prepared[i] for i in indexes], decode, pixels_on_device)):
+                for i, result in zip(indexes, self._denoise([prepared[i] for i in indexes], frames, pixels_on_device)):
                     local_results[i] = result
             results = gather_dp_results(local_results, len(batch), self.parallel)
         return results[0] if single else results
@@ -590,7 +592,10 @@ class Cosmos3Engine:
 
     # ------------------------------------------------------------------ the batched denoising loop
 
-    def _denoise(self, group: list[_Prepared], decode: bool, pixels_on_device: bool = False) -> list[Cosmos3Result]:
+    def _denoise(
+        self, group: list[_Prepared], frames: str | None, pixels_on_device: bool = False
+    ) -> list[Cosmos3Result]:
+        """Denoise one shape group; ``frames`` is the VAE's (``_decode_frames``), None for latents only."""
         device = self.device
         batch = len(group)
         latent_t, _, _ = group[0].latent_thw
@@ -675,7 +680,6 @@ class Cosmos3Engine:
             video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
             actions = torch.where(action_clean[..., None], x0_actions, actions)
 
-        frames = _decode_frames(decode)
         pixels = self._decode(video, frames) if frames is not None else None
         # The device -> host copies of every row are queued together and waited for once (not one wait per copy).
         host_actions, host_video, host_pixels = _rows_to_host([actions, video, None if pixels_on_device else pixels])

@@ -12,11 +12,9 @@ backend        what runs the model
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from .checkpoint import resolve_checkpoint, validate_checkpoint
 from .engine import Cosmos3Engine
@@ -24,17 +22,12 @@ from .engine_protocol import WorldModelEngine
 from .errors import InputError
 from .models.transformer import Cosmos3TransformerConfig
 from .parallel.client import Cosmos3EngineClient
-from .parallel.mesh import ParallelConfig, ParallelContext, resolve_parallel_config
+from .parallel.mesh import ParallelConfig, ParallelContext, in_process_group, resolve_parallel_config
 from .parallel.tensor_parallel import check_tensor_parallel
 from .presets import get_preset
 from .quantization import check_precision
 
 BACKENDS = ("auto", "inprocess", "mp", "ray")
-
-
-def in_process_group() -> bool:
-    """True under torchrun (or once ``dist.init_process_group`` has run): this process is one rank."""
-    return dist.is_initialized() or "RANK" in os.environ
 
 
 def resolve_backend(backend: str, config: ParallelConfig) -> str:

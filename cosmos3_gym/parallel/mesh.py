@@ -100,6 +100,11 @@ class ParallelContext:
         return self.rank == 0
 
 
+def in_process_group() -> bool:
+    """True under torchrun (or once ``dist.init_process_group`` has run): this process is one rank."""
+    return dist.is_initialized() or "RANK" in os.environ
+
+
 def resolve_parallel_config(
     parallel: ParallelConfig | ParallelContext | None = None, *, tp: int | None = None,
     cfg_parallel: int | None = None, dp: int | None = None, cfg: int | None = None,
