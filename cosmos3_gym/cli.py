@@ -370,12 +370,18 @@ def eval_options(args: argparse.Namespace) -> dict:
     )
 
 
+def _check_counts(*checks: tuple[str, int | None, int]) -> None:
+    """``(flag, value, least)`` each: an InputError naming the flag (not the library's argument) before any model
+    loads; a ``None`` value (an optional flag left out) passes."""
+    for flag, value, least in checks:
+        if value is not None and value < least:
+            raise InputError(f"{flag}: expected an integer >= {least}, got {value}")
+
+
 def _check_eval_arguments(args: argparse.Namespace) -> None:
     """Checks that need no model: counts and files, so their errors come at once."""
-    for flag, value, least in (("--episodes", args.episodes, 1), ("--num-envs", args.num_envs, 1),
-                               ("--max-videos", args.max_videos, 0)):
-        if value < least:
-            raise InputError(f"{flag}: expected an integer >= {least}, got {value}")
+    _check_counts(("--episodes", args.episodes, 1), ("--num-envs", args.num_envs, 1),
+                  ("--max-videos", args.max_videos, 0))
     if args.initial_states is not None and not Path(args.initial_states).exists():
         raise InputError(f"--initial-states: not found: {args.initial_states}")
     _check_local_checkpoint(args.checkpoint)
@@ -432,6 +438,7 @@ def run_eval_real(args: argparse.Namespace) -> None:
     from .policy_specs import parse_policy_specs
 
     parse_policy_specs(args.policies)  # bad specs and files fail before any model or simulator loads
+    _check_counts(("--starts", args.starts, 1), ("--chunks", args.chunks, 1))
     if args.out and Path(args.out).is_dir():
         raise InputError(f"--out: {args.out} is a folder; expected a JSON file path")
     from .sim.compare import compare_with_simulator, evaluate_in_simulator, format_comparison, format_real_only
@@ -477,6 +484,7 @@ def run_demo(args: argparse.Namespace) -> None:
     from .testing import cached_tiny_checkpoint
     from .envs.pusht import builtin_checkpoint_dir
 
+    _check_counts(("--episodes", args.episodes, 1), ("--steps-per-episode", args.steps_per_episode, 1))
     if args.checkpoint is None and builtin_checkpoint_dir() is not None:
         print(f"No --checkpoint given: using the built-in PushT world model ({builtin_checkpoint_dir()}), a small "
               "Cosmos3 trained by this project on the gym-pusht simulator (see README: its fidelity is limited).")

@@ -215,3 +215,19 @@ def test_cli_import_help_and_argument_errors_do_not_import_torch(tmp_path):
     errors = result.stderr.strip().splitlines()
     assert len(errors) == 4 and all("error:" in line for line in errors)
     assert "no.png" in errors[0] and "--initial-states" in errors[1] and "--checkpoint" in errors[2]
+
+
+def test_count_flags_are_checked_first_and_named_as_flags(tmp_path, capsys):
+    # eval-real and demo pass --starts / --chunks / --episodes on under other names (num_episodes, num_chunks,
+    # episodes); the error must name the flag the user typed, before any model or simulator loads.
+    out = ["--out", str(tmp_path / "o")]
+    for argv, flag in (
+        (["eval-real", "--real-only", "--starts", "0"], "--starts"),
+        (["eval-real", "--chunks", "0"], "--chunks"),
+        (["demo", "--episodes", "0", *out], "--episodes"),
+        (["demo", "--steps-per-episode", "0", *out], "--steps-per-episode"),
+    ):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        errors = [line for line in capsys.readouterr().err.strip().splitlines() if "error:" in line]
+        assert len(errors) == 1 and errors[0].split("error: ", 1)[1].startswith(flag + ":"), (argv, errors)

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import InputError
 from ..policy_specs import PolicySpec, load_frame_agent, parse_policy_specs
-from ..statistics import mean_interval, wilson_interval
+from ..statistics import check_confidence, mean_interval, wilson_interval
 from . import pusht
 
 __all__ = [
@@ -316,16 +316,14 @@ def compare_with_simulator(
     """``compare_policies`` for the PushT world model in ``assets_dir`` (default: the built-in one) from the
     simulator starts ``first_sim_seed .. first_sim_seed + num_starts - 1``; ``engine`` shares a loaded model.
     Needs gym-pusht."""
-    from ..agents import PolicyAgent
     from ..envs.pusht import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults
+    from ..envs.settings import check_int
     from ..processor import ActionStats
     from ..rewards import ClassifierRewardModel
 
     runs = parse_policy_specs(policies)
     pusht.require_gym_pusht()
-    for name, value in (("num_starts", num_starts), ("num_chunks", num_chunks)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{name}: expected an integer >= 1, got {value!r}")
+    num_starts, num_chunks = check_int(num_starts, "num_starts", 1), check_int(num_chunks, "num_chunks", 1)
     assets = load_pusht_assets(assets_dir)
     defaults = pusht_env_defaults(assets)
     stats = ActionStats.from_json(defaults["action_stats"], mode=assets.meta.get("action_normalization", "minmax"))
@@ -339,12 +337,8 @@ def compare_with_simulator(
         images = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float().div(255.0)
         return reward_model.score_frames(images.to(env.engine.device)).float().cpu().numpy()
 
-    def make_agent() -> PolicyAgent:
-        return PolicyAgent(
-            env.engine, task=defaults["task"], domain=defaults["domain"], raw_action_dim=defaults["raw_action_dim"],
-            chunk=defaults["chunk"], num_steps=defaults["num_steps"], guidance_scale=defaults["guidance_scale"],
-            resolution_tier=defaults["resolution_tier"], fps=defaults["fps"], seed=seed,
-        )
+    def make_agent() -> Any:
+        return _pusht_policy_agent(env.engine, defaults, seed)
 
     try:
         result = compare_policies(
@@ -355,6 +349,17 @@ def compare_with_simulator(
         env.close()
     result["assets"] = str(assets.root)
     return result
+
+
+def _pusht_policy_agent(engine: Any, defaults: dict[str, Any], seed: int) -> Any:
+    """The "agent" policy: the PushT checkpoint's own PolicyAgent with its env defaults (``pusht_env_defaults``)."""
+    from ..agents import PolicyAgent
+
+    return PolicyAgent(
+        engine, task=defaults["task"], domain=defaults["domain"], raw_action_dim=defaults["raw_action_dim"],
+        chunk=int(defaults["chunk"]), num_steps=defaults["num_steps"], guidance_scale=defaults["guidance_scale"],
+        resolution_tier=defaults["resolution_tier"], fps=defaults["fps"], seed=seed,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -398,8 +403,8 @@ def evaluate_in_simulator(
     from tqdm.auto import tqdm
 
     from ..envs.pusht import load_pusht_assets, pusht_env_defaults
+    from ..envs.settings import check_int
     from ..processor import ActionStats
-    from ..statistics import check_confidence
 
     runs = parse_policy_specs(policies)
     confidence = check_confidence(confidence)
@@ -407,9 +412,8 @@ def evaluate_in_simulator(
     assets = load_pusht_assets(assets_dir)
     defaults = pusht_env_defaults(assets)
     num_chunks = int(defaults.get("max_episode_steps") or 38) if num_chunks is None else num_chunks
-    for name, value in (("num_episodes", num_episodes), ("num_chunks", num_chunks), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{name}: expected an integer >= 1, got {value!r}")
+    num_episodes, num_chunks = check_int(num_episodes, "num_episodes", 1), check_int(num_chunks, "num_chunks", 1)
+    batch_size = check_int(batch_size, "batch_size", 1)
     chunk = int(defaults["chunk"])
     image_size = tuple(assets.meta.get("image_size", (256, 256)))
     stats = ActionStats.from_json(defaults["action_stats"], mode=assets.meta.get("action_normalization", "minmax"))
@@ -420,13 +424,7 @@ def evaluate_in_simulator(
         engine = Cosmos3Engine.from_pretrained(assets.checkpoint, device=device, progress=False)
 
     def make_agent() -> Any:
-        from ..agents import PolicyAgent
-
-        return PolicyAgent(
-            engine, task=defaults["task"], domain=defaults["domain"], raw_action_dim=defaults["raw_action_dim"],
-            chunk=chunk, num_steps=defaults["num_steps"], guidance_scale=defaults["guidance_scale"],
-            resolution_tier=defaults["resolution_tier"], fps=defaults["fps"], seed=seed,
-        )
+        return _pusht_policy_agent(engine, defaults, seed)
 
     sim_seeds = list(range(first_sim_seed, first_sim_seed + num_episodes))
     per_policy = {}

@@ -44,17 +44,17 @@ import numpy as np
 from ..errors import InputError
 from ..media import write_video
 from .pusht_dataset import (  # noqa: F401  (re-exported)
-    DEFAULT_POLICY_MIX, POLICIES, _check_policy_mix, _simulate_and_write, action_statistics, episode_policy,
+    DEFAULT_POLICY_MIX, POLICIES, _check_policy_mix, action_statistics, episode_policy,
     generate_pusht_dataset, write_dataset_files,
 )
 from .pusht_geometry import (  # noqa: F401  (re-exported)
     AGENT_RADIUS, DOMAIN, GOAL_POSE, RAW_ACTION_DIM, SIM_ENV_ID, SIM_FPS, SUCCESS_COVERAGE, TABLE_SIZE, TASK,
-    TEE_CENTER_OF_GRAVITY, TEE_OUTLINE, _TEE_EDGE_LENGTHS, contact_candidates, distance_to_outline, rotation,
+    TEE_CENTER_OF_GRAVITY, TEE_OUTLINE, contact_candidates, distance_to_outline, rotation,
     tee_center, tee_outline, wrap_angle,
 )
 from .pusht_metrics import psnr  # noqa: F401  (re-exported)
 from .pusht_policies import (  # noqa: F401  (re-exported)
-    REPLAY_NOISE, SCRIPTED_NOISE_LEVELS, RandomWaypoints, Replay, ScriptedPusher, _limit_step,
+    REPLAY_NOISE, SCRIPTED_NOISE_LEVELS, RandomWaypoints, Replay, ScriptedPusher,
 )
 from .pusht_sim import (  # noqa: F401  (re-exported)
     SIM_STATE_FIELDS, PushTSim, _check_image_size, has_gym_pusht, require_gym_pusht, rollout_episode,
