@@ -46,6 +46,9 @@ def run_demo(
     if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
         raise InputError(f"episodes: expected an integer >= 1, got {episodes!r}.")
     if checkpoint is None and builtin_checkpoint_dir() is not None:
+        if chunk is not None:  # the built-in model was trained on one chunk length; say so rather than ignore it
+            raise InputError(f"chunk: the built-in PushT model runs at the chunk it was trained for; got {chunk!r}. Pass a "
+                             "checkpoint to choose the chunk.")
         return _pusht_demo(Path(out_dir), policy, episodes, steps_per_episode, num_steps, seed, device, dtype,
                            progress)
     random_weights = checkpoint is None

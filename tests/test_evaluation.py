@@ -402,6 +402,14 @@ def test_demo_command_uses_the_builtin_pusht_model(tmp_path, capsys):
     assert (out / "side_by_side.mp4").stat().st_size > 0
 
 
+def test_demo_on_the_builtin_model_refuses_a_chunk_instead_of_ignoring_it(tmp_path):
+    from cosmos3_gym.demo import run_demo
+
+    with pytest.raises(InputError, match="^chunk:"):
+        run_demo(tmp_path / "demo", chunk=16)
+    assert not (tmp_path / "demo").exists()  # refused before anything ran
+
+
 def test_demo_command_builds_the_cached_tiny_checkpoint_once(tmp_path, monkeypatch, capsys, record_property):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("COSMOS3_GYM_PUSHT_ASSETS", str(tmp_path / "no_builtin_model"))  # the fallback path
