@@ -109,7 +109,7 @@ def test_episode_policies_depend_only_on_seed_and_index():
     draws = [pusht.episode_policy(3, index, mix)[:2] for index in range(200)]
     assert draws == [pusht.episode_policy(3, index, mix)[:2] for index in range(200)]
     families = [family for family, _ in draws]
-    assert set(families) == set(pusht.POLICIES)
+    assert set(families) == set(pusht.DEFAULT_POLICY_MIX)
     assert {noise for family, noise in draws if family == "scripted"} == set(pusht.SCRIPTED_NOISE_LEVELS)
     with pytest.raises(InputError, match="policy_mix"):
         pusht._check_policy_mix({"teleport": 1.0})
@@ -344,3 +344,38 @@ def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_asse
     assert not (work / "assets" / "pusht" / "checkpoint").exists()  # the world model stage writes its own
     for name in (pusht_env.INITIAL_STATES_FILE, f"{pusht_env.REWARD_MODEL_DIR}/config.json"):
         assert (work / "assets" / "pusht" / name).read_bytes() == (tiny_assets / name).read_bytes()
+
+
+def test_uniform_and_policy_file_episodes(tmp_path):
+    """``uniform`` draws a fresh target every step over the table; a ``file:`` policy acts on the rendered frames
+    one chunk at a time, its normalised actions mapped through the given action statistics, reproducibly."""
+    pytest.importorskip("gym_pusht")
+    from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig, save_policy_file
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    policy_path = save_policy_file(PixelGaussianPolicy(PolicyConfig(image_size=32, chunk=4, channels=[4, 4, 4, 4],
+                                                                    hidden=16)), tmp_path / "bc.safetensors")
+    stats = {"action": {"min": [100.0, 200.0], "max": [140.0, 260.0]}}
+    mix = {"uniform": 1, f"file:{policy_path}": 1}
+    with pytest.raises(InputError, match="action_stats"):
+        pusht.generate_pusht_dataset(tmp_path / "none", 2, steps_per_episode=4, policy_mix=mix, workers=0,
+                                     progress=False)
+    kwargs = dict(steps_per_episode=8, image_size=(32, 32), policy_mix=mix, action_stats=stats, seed=1,
+                  progress=False)
+    out = pusht.generate_pusht_dataset(tmp_path / "data", 6, workers=0, **kwargs)
+    names = json.loads((out / "meta.json").read_text())["policies"]
+    assert set(names) == {"uniform", "file(bc)"}, names
+    for path in sorted((out / "episodes").iterdir()):
+        with np.load(path) as episode:
+            actions, name = episode["actions"], str(episode["policy"])
+        if name == "uniform":  # jumps across the table, not a path of small steps
+            assert np.abs(np.diff(actions, axis=0)).max() > 60 and (actions >= 0).all() and (actions <= 512).all()
+        else:  # inside the statistics' box: the policy's [-1, 1] mapped by min-max
+            assert (actions[:, 0] >= 100 - 1e-3).all() and (actions[:, 0] <= 140 + 1e-3).all()
+            assert (actions[:, 1] >= 200 - 1e-3).all() and (actions[:, 1] <= 260 + 1e-3).all()
+            assert len(np.unique(actions[:, 0])) > 1
+    again = pusht.generate_pusht_dataset(tmp_path / "again", 6, workers=2, **kwargs)  # spawned workers: same data
+    for path in sorted((out / "episodes").iterdir()):
+        with np.load(path) as first, np.load(again / "episodes" / path.name) as second:
+            np.testing.assert_array_equal(first["actions"], second["actions"])

@@ -111,6 +111,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a result of the same name already in benchmarks/results")
     parser.add_argument("--work", default=None, help="bulky intermediates (default: a temporary folder)")
+    parser.add_argument("--data", default=None,
+                        help="where the simulated episodes and their latents live (default: --work); runs given "
+                             "the same --data and settings share them: start the others once the first run's "
+                             "probe has encoded them (its world_model_probe/training/log.jsonl exists)")
     parser.add_argument("--smoke", action="store_true", help="tiny settings for a CPU check of the pipeline")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -132,6 +136,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--first-part", default=None,
                         help="first_part.tar.gz of a --part first run (same seed), or an installed model folder")
     parser.add_argument("--wm-init", default=None, help="fine-tune this checkpoint's transformer instead of a new one")
+    parser.add_argument("--grow-depth", type=int, default=None,
+                        help="with --wm-init: first deepen its transformer to this many layers per tower, computing "
+                             "the same function (cosmos3_gym.training.growth)")
+    parser.add_argument("--policy-mix", default=None,
+                        help="the training episodes' policies and shares, e.g. 'scripted=0.5,uniform=0.2,"
+                             "file:benchmarks/results/policies/rl_pusht_bc.safetensors=0.3' (policies of "
+                             "cosmos3_gym.sim.pusht.generate_pusht_dataset; default its DEFAULT_POLICY_MIX). Policy "
+                             "files need --wm-init (its action statistics map their actions)")
+    parser.add_argument("--encode-batch-size", type=int, default=128, help="windows per VAE encode call")
     parser.add_argument("--lerobot", action="store_true",
                         help="train VAE and world model from the simulated episodes written as a LeRobot v3.0 "
                              "dataset (training.lerobot.write_lerobot_dataset) instead of our episode layout")
@@ -140,12 +153,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.part == "second") != (args.first_part is not None):
         parser.error("--first-part goes with --part second, and --part second needs it")
+    if args.grow_depth is not None and not args.wm_init:
+        parser.error("--grow-depth goes with --wm-init")
+    args.policy_mix = parse_policy_mix(parser, args.policy_mix)
+    if any(name.startswith("file:") for name in args.policy_mix or {}) and not args.wm_init:
+        parser.error("--policy-mix with policy files needs --wm-init (its action statistics map their actions)")
     if (args.part in ("reward-model", "decoder")) != (args.assets is not None):
         parser.error("--assets goes with --part reward-model or decoder, and those need it")
     for name, value in (SMOKE if args.smoke else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
+
+
+def parse_policy_mix(parser, text: str | None) -> dict[str, float] | None:
+    if text is None:
+        return None
+    mix = {}
+    for item in text.split(","):
+        name, _, share = item.strip().rpartition("=")
+        try:
+            mix[name] = float(share)
+        except ValueError:
+            parser.error(f"--policy-mix: expected NAME=SHARE items separated by commas, got {item!r}")
+    return mix
 
 
 class Stages:
@@ -177,14 +208,33 @@ class Stages:
 
 
 def simulate(args, work: Path) -> dict:
+    """Simulate the training and held-out episodes into ``--data``, or reuse them when it already holds the same
+    ones (they depend only on the seed and these settings), and link them and their latent cache into ``work``."""
+    data = Path(args.data) if args.data else work
+    data.mkdir(parents=True, exist_ok=True)
     size = (args.image_size, args.image_size)
-    pusht.generate_pusht_dataset(work / "dataset", args.episodes, steps_per_episode=args.steps_per_episode,
-                                 image_size=size, seed=args.seed, workers=args.workers)
+    action_stats = Path(args.wm_init) / ACTION_STATS_FILE if args.wm_init else None
     heldout_steps = max(args.fidelity_chunks * args.chunk, 1)
-    pusht.generate_pusht_dataset(work / "heldout", max(args.heldout_episodes, args.fidelity_episodes,
-                                                       args.policy_episodes),
-                                 steps_per_episode=heldout_steps, image_size=size, seed=args.seed + 1,
-                                 workers=args.workers)
+    heldout_episodes = max(args.heldout_episodes, args.fidelity_episodes, args.policy_episodes)
+    for name, episodes, steps, seed, mix in (("dataset", args.episodes, args.steps_per_episode, args.seed,
+                                              args.policy_mix),
+                                             ("heldout", heldout_episodes, heldout_steps, args.seed + 1, None)):
+        request = {"episodes": episodes, "steps": steps, "image_size": list(size), "seed": seed, "policy_mix": mix}
+        marker = data / f"{name}.request.json"
+        if marker.is_file() and json.loads(marker.read_text()) == request:
+            continue
+        shutil.rmtree(data / name, ignore_errors=True)
+        pusht.generate_pusht_dataset(data / name, episodes, steps_per_episode=steps, image_size=size, seed=seed,
+                                     workers=args.workers, policy_mix=mix,
+                                     action_stats=action_stats if name == "dataset" else None)
+        marker.write_text(json.dumps(request))
+    if data != work:
+        (data / "latent_cache").mkdir(exist_ok=True)
+        for name in ("dataset", "heldout", "latent_cache"):
+            link = work / name
+            if link.is_symlink() or link.exists():
+                shutil.rmtree(link) if link.is_dir() and not link.is_symlink() else link.unlink()
+            link.symlink_to(data.resolve() / name, target_is_directory=True)
     meta = json.loads((work / "dataset" / "meta.json").read_text())
     return {key: meta[key] for key in ("num_episodes", "steps_per_episode", "policies", "success_rate",
                                        "mean_final_coverage")}
@@ -245,11 +295,12 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     quarter = args.head_dim // 8
     model["rope_scaling"] = {"mrope_section": [args.head_dim // 2 - 2 * quarter, quarter, quarter]}
     config = WorldModelTrainConfig(
-        model={} if args.wm_init else model, init_checkpoint=args.wm_init, chunk=args.chunk, resolution_tier=256,
+        model={} if args.wm_init else model, init_checkpoint=args.wm_init, grow_depth=args.grow_depth,
+        chunk=args.chunk, resolution_tier=256,
         batch_size=args.wm_batch, lr=args.wm_lr, policy_episodes=args.wm_policy_episodes,
         cond_noise_std=args.wm_cond_noise, rollout_prob=args.wm_rollout_prob, rollout_max_chunks=args.wm_rollout_chunks,
         rollout_num_steps=args.num_steps, seed=args.seed, device=args.device, save_every=0,
-        save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=32,
+        save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=args.encode_batch_size,
         cache_dir=str(work / "latent_cache"),
     )
     if args.wm_init:  # fine-tuning keeps the checkpoint's action normalisation (same domain, same simulator)

@@ -14,13 +14,16 @@ import numpy as np
 
 from ..errors import InputError
 from .pusht_geometry import DOMAIN, RAW_ACTION_DIM, SIM_ENV_ID, SIM_FPS, TASK
-from .pusht_policies import REPLAY_NOISE, SCRIPTED_NOISE_LEVELS, RandomWaypoints, Replay, ScriptedPusher
+from .pusht_policies import (
+    REPLAY_NOISE, SCRIPTED_NOISE_LEVELS, ChunkedFramePolicy, RandomWaypoints, Replay, ScriptedPusher, UniformTargets,
+)
 from .pusht_sim import PushTSim, _check_image_size, require_gym_pusht, rollout_episode
 
 __all__ = ["DEFAULT_POLICY_MIX", "POLICIES", "action_statistics", "episode_policy", "generate_pusht_dataset",
            "write_dataset_files"]
 
-POLICIES = ("random", "scripted", "replay")
+POLICIES = ("random", "scripted", "replay", "uniform")  # and "file:PATH": a frame policy file (DAgger-style data)
+POLICY_FILE_PREFIX = "file:"
 DEFAULT_POLICY_MIX = {"random": 0.2, "scripted": 0.6, "replay": 0.2}
 
 
@@ -31,6 +34,7 @@ def generate_pusht_dataset(
     steps_per_episode: int = 128,
     image_size: tuple[int, int] = (256, 256),
     policy_mix: dict[str, float] | None = None,
+    action_stats: str | os.PathLike | dict | None = None,
     seed: int = 0,
     workers: int | None = None,
     progress: bool = True,
@@ -38,7 +42,11 @@ def generate_pusht_dataset(
     """Simulate ``episodes`` episodes of ``steps_per_episode`` actions into ``out_dir`` (layout: module docstring).
 
     Frames are rendered by gym-pusht at ``image_size`` (256 x 256 is the model's tier-256 canvas, a downscale of the
-    512 x 512 table). ``policy_mix`` gives each policy's share (default ``DEFAULT_POLICY_MIX``); each episode draws
+    512 x 512 table). ``policy_mix`` gives each policy's share (default ``DEFAULT_POLICY_MIX``): ``random``
+    (waypoints), ``scripted``, ``replay``, ``uniform`` (a uniform random target every step, like the env's
+    ``action_space.sample()``) and ``"file:PATH"`` for a policy file of ``cosmos3_gym.rl`` acting on the rendered
+    frames one chunk at a time with its own sampling noise (``ChunkedFramePolicy``; its normalised actions map to
+    pixels with ``action_stats``, the model's action statistics file or dict, required then). Each episode draws
     its policy, noise level and start state from ``(seed, episode index)`` alone, so the data does not depend on
     ``workers`` (processes; default one per CPU core, 0 or 1 runs in this process). Returns ``out_dir``.
     """
@@ -48,13 +56,27 @@ def generate_pusht_dataset(
             raise InputError(f"{name}: expected an integer >= {minimum}, got {value!r}.")
     image_size = _check_image_size(image_size)
     mix = _check_policy_mix(policy_mix)
+    policy_files = [name for name in mix if name.startswith(POLICY_FILE_PREFIX)]
+    stats_document = None
+    if policy_files:
+        if action_stats is None:
+            raise InputError(f"action_stats: required with policy files in policy_mix ({policy_files}): the action "
+                             f"statistics that map their normalised actions to table pixels.")
+        from ..processor import ActionStats
+
+        ActionStats.from_json(action_stats)  # fail here on a bad file, not in every worker
+        stats_document = action_stats if isinstance(action_stats, dict) else json.loads(Path(action_stats).read_text())
+        for name in policy_files:
+            if not Path(name[len(POLICY_FILE_PREFIX):]).is_file():
+                raise InputError(f"policy_mix: {name!r} names no file.")
     out_dir = Path(out_dir)
     episode_dir = out_dir / "episodes"
     if episode_dir.exists() and any(episode_dir.iterdir()):
         raise InputError(f"out_dir: {out_dir} already holds episodes; give a new or empty folder.")
     episode_dir.mkdir(parents=True, exist_ok=True)
 
-    jobs = [(str(episode_dir), index, int(seed), int(steps_per_episode), image_size, mix) for index in range(episodes)]
+    jobs = [(str(episode_dir), index, int(seed), int(steps_per_episode), image_size, mix, stats_document)
+            for index in range(episodes)]
     workers = min(os.cpu_count() or 1, episodes) if workers is None else int(workers)
     from tqdm.auto import tqdm
 
@@ -65,10 +87,11 @@ def generate_pusht_dataset(
             summaries.append(_simulate_and_write(job))
             bar.update()
     else:
-        # Workers run only the simulator (numpy, pymunk, pygame), never torch or CUDA, so forking is safe and spares
-        # each worker re-importing cosmos3_gym (torch, diffusers: seconds each); spawn where fork does not exist.
+        # Without policy files workers run only the simulator (numpy, pymunk, pygame), never torch, so forking is
+        # safe and spares each worker re-importing cosmos3_gym (torch, diffusers: seconds each). Policy files run
+        # torch in the workers, which is not fork-safe once the parent has used it: spawn then.
         methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        context = multiprocessing.get_context("fork" if "fork" in methods and not policy_files else "spawn")
         with ProcessPoolExecutor(workers, mp_context=context) as pool:
             for summary in pool.map(_simulate_and_write, jobs):
                 summaries.append(summary)
@@ -126,22 +149,44 @@ def episode_policy(seed: int, index: int, policy_mix: dict[str, float]) -> tuple
     rng = np.random.default_rng([seed, index])
     names = list(policy_mix)
     family = names[int(rng.choice(len(names), p=np.asarray([policy_mix[name] for name in names])))]
-    noise = {"random": 0.0, "replay": REPLAY_NOISE}.get(family)
-    if noise is None:
+    noise = {"random": 0.0, "replay": REPLAY_NOISE, "uniform": 0.0}.get(family)
+    if family.startswith(POLICY_FILE_PREFIX):
+        noise = 0.0  # the policy's own Gaussian
+    elif noise is None:
         noise = float(rng.choice(SCRIPTED_NOISE_LEVELS))
     return family, noise, rng
 
 
 _WORKER_SIMS: dict[tuple[int, int], PushTSim] = {}  # one simulator per process and frame size
+_WORKER_POLICIES: dict[str, Any] = {}  # one loaded policy file per process and path
+
+
+def _frame_policy(path: str, sim: PushTSim, stats_document: dict, rng: np.random.Generator) -> ChunkedFramePolicy:
+    import torch
+
+    from ..processor import ActionStats
+    from ..rl.policy import load_policy_file
+
+    if path not in _WORKER_POLICIES:
+        torch.set_num_threads(1)  # one worker per core
+        _WORKER_POLICIES[path] = load_policy_file(path)
+    stats = ActionStats.from_json(stats_document)
+    generator = torch.Generator().manual_seed(int(rng.integers(2**63)))
+    return ChunkedFramePolicy(_WORKER_POLICIES[path], sim.render, stats.denormalize, generator)
 
 
 def _simulate_and_write(job) -> dict[str, Any]:
-    episode_dir, index, seed, steps, image_size, policy_mix = job
+    episode_dir, index, seed, steps, image_size, policy_mix, stats_document = job
     family, noise, rng = episode_policy(seed, index, policy_mix)
     sim = _WORKER_SIMS.get(image_size) or _WORKER_SIMS.setdefault(image_size, PushTSim(image_size))
     sim_seed = int(rng.integers(2**31))
     if family == "random":
         policy, name = RandomWaypoints(rng), "random"
+    elif family == "uniform":
+        policy, name = UniformTargets(rng), "uniform"
+    elif family.startswith(POLICY_FILE_PREFIX):
+        path = family[len(POLICY_FILE_PREFIX):]
+        policy, name = _frame_policy(path, sim, stats_document, rng), f"file({Path(path).stem})"
     elif family == "scripted":
         policy, name = ScriptedPusher(rng, noise=noise), f"scripted(noise={noise:g})"
     else:  # a noise-free scripted episode from the same start, replayed with noise
@@ -165,9 +210,11 @@ def _check_policy_mix(policy_mix: dict[str, float] | None) -> dict[str, float]:
         return dict(DEFAULT_POLICY_MIX)
     if not isinstance(policy_mix, dict) or not policy_mix:
         raise InputError(f"policy_mix: expected a dict of policy shares, some of {list(POLICIES)}; got {policy_mix!r}.")
-    unknown = sorted(set(policy_mix) - set(POLICIES))
+    unknown = sorted(name for name in policy_mix
+                     if name not in POLICIES and not (isinstance(name, str) and name.startswith(POLICY_FILE_PREFIX)))
     if unknown:
-        raise InputError(f"policy_mix: unknown policies {unknown}; expected some of {list(POLICIES)}.")
+        raise InputError(f"policy_mix: unknown policies {unknown}; expected some of {list(POLICIES)} or "
+                         f"'{POLICY_FILE_PREFIX}PATH'.")
     shares = {name: float(share) for name, share in policy_mix.items()}
     total = sum(shares.values())
     if any(not math.isfinite(share) or share < 0 for share in shares.values()) or total <= 0:

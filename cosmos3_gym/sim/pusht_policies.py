@@ -1,6 +1,8 @@
 """Reference policies that read the simulator's true state: ``(agent_xy, block_pose) -> target position`` in table
 pixels; each keeps its own state for one episode. ``ScriptedPusher`` makes the demonstrations behaviour cloning
-learns from; ``RandomWaypoints`` and ``Replay`` add failures and near-misses to world-model training data."""
+learns from; ``RandomWaypoints``, ``UniformTargets`` and ``Replay`` add failures, jerky motion and near-misses to
+world-model training data; ``ChunkedFramePolicy`` runs a frame policy (a BC or RL policy file) in the same loop, so
+the data also holds the states such policies visit (DAgger-style)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from .pusht_geometry import (
     AGENT_RADIUS, GOAL_POSE, TABLE_SIZE, contact_candidates, distance_to_outline, tee_center, tee_outline, wrap_angle,
 )
 
-__all__ = ["REPLAY_NOISE", "SCRIPTED_NOISE_LEVELS", "RandomWaypoints", "Replay", "ScriptedPusher"]
+__all__ = ["REPLAY_NOISE", "SCRIPTED_NOISE_LEVELS", "ChunkedFramePolicy", "RandomWaypoints", "Replay", "ScriptedPusher",
+           "UniformTargets"]
 
 SCRIPTED_NOISE_LEVELS = (0.0, 4.0, 10.0, 20.0)  # px std of the Gaussian noise on a scripted pusher's targets
 REPLAY_NOISE = 8.0  # px std of the noise added to a replayed action
@@ -153,3 +156,41 @@ class Replay:
         action = self.actions[min(self._step, len(self.actions) - 1)]
         self._step += 1
         return np.clip(action + self.rng.normal(0.0, self.noise, size=2), 0.0, TABLE_SIZE).astype(np.float32)
+
+
+@dataclass
+class UniformTargets:
+    """A new target drawn uniformly over ``[low, high]`` every step: what ``action_space.sample()`` gives the PushT
+    env (its normalised box maps onto the action statistics' min-max range, about the whole table). The agent
+    jerks across the table; a world model that never saw this loses the agent under random actions."""
+
+    rng: np.random.Generator
+    low: np.ndarray = field(default_factory=lambda: np.zeros(2))
+    high: np.ndarray = field(default_factory=lambda: np.full(2, TABLE_SIZE))
+
+    def __call__(self, agent_xy: np.ndarray, block_pose: np.ndarray) -> np.ndarray:
+        return self.rng.uniform(self.low, self.high).astype(np.float32)
+
+
+@dataclass
+class ChunkedFramePolicy:
+    """A frame policy (``policy.act(frame, deterministic, generator) -> [chunk, 2]`` normalised actions, e.g. a
+    ``cosmos3_gym.rl`` policy file) driven one chunk at a time: at each chunk's first step it reads the current
+    frame (``render()``), samples a chunk (``deterministic=False``: the policy's own Gaussian exploration) and maps
+    it to table pixels with ``denormalize``, clipped to the table, as the env does."""
+
+    policy: object
+    render: object  # () -> uint8 [H, W, 3], the simulator's current frame
+    denormalize: object  # normalised [chunk, 2] -> table pixels
+    generator: object  # torch.Generator of this episode's samples
+    deterministic: bool = False
+
+    def __post_init__(self):
+        self._queue: list[np.ndarray] = []
+
+    def __call__(self, agent_xy: np.ndarray, block_pose: np.ndarray) -> np.ndarray:
+        if not self._queue:
+            chunk = self.policy.act(self.render(), deterministic=self.deterministic, generator=self.generator)
+            targets = self.denormalize(np.clip(np.asarray(chunk, np.float64), -1.0, 1.0))
+            self._queue = list(np.clip(targets, 0.0, TABLE_SIZE).astype(np.float32))
+        return self._queue.pop(0)

@@ -19,9 +19,11 @@ config, chunk, stride, tier, the episode files), so a changed input never reuses
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +112,9 @@ def latent_cache_key(info: DatasetInfo, vae_dir: Path, *, chunk: int, stride: in
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
 
 
+PREPARE_THREADS = 4  # host threads reading and preparing episodes ahead of the encoder
+
+
 @torch.no_grad()
 def encode_episode_windows(
     vae, frames: np.ndarray, starts: list[int], chunk: int, resolution_tier: int, batch_size: int
@@ -119,13 +124,19 @@ def encode_episode_windows(
     Also returns the conditioning of the whole episode (for its canvas and latent sizes).
     """
     cond = processor.prepare_conditioning(frames, resolution_tier, int(frames.shape[0]))
+    return encode_windows(vae, cond, starts, chunk, batch_size), cond
+
+
+@torch.no_grad()
+def encode_windows(vae, cond: processor.Conditioning, starts: list[int], chunk: int, batch_size: int) -> torch.Tensor:
+    """Latents [len(starts), C, t, h, w] of the ``chunk + 1`` frame windows of an episode's conditioning."""
     h, w = cond.latent_hw
     pixels = cond.pixels  # [1, 3, T+1, H, W] on the host; windows go to the VAE's device batch by batch
     latents = []
     for first in range(0, len(starts), batch_size):
         clips = torch.cat([pixels[:, :, s : s + chunk + 1] for s in starts[first : first + batch_size]])
         latents.append(vae.encode(clips.to(vae.vae.device))[..., :h, :w].cpu())
-    return torch.cat(latents), cond
+    return torch.cat(latents)
 
 
 def build_training_windows(
@@ -170,16 +181,26 @@ def build_training_windows(
         i for i, starts in enumerate(starts_per_episode)
         if starts and i % world_size == rank and not (cache / f"{store.name(i)}.safetensors").exists()
     ]
-    for i in tqdm(todo, desc="encoding windows", disable=not progress or not todo, leave=False):
+    # Reading an episode (zlib) and putting it on the canvas is host work that releases the GIL: threads prepare the
+    # next episodes while this one encodes, so a GPU is not left waiting on one core.
+    def prepare(i: int) -> processor.Conditioning:
         frames = store.read_frames(i)
-        latents, cond = encode_episode_windows(
-            vae, frames, starts_per_episode[i], chunk, resolution_tier, encode_batch_size
-        )
-        target = cache / f"{store.name(i)}.safetensors"
-        temporary = target.with_suffix(f".tmp{rank}")
-        save_file({"latents": latents.contiguous()}, temporary,
-                  metadata={"canvas_hw": json.dumps(list(cond.canvas_hw))})
-        os.replace(temporary, target)  # atomic: a crash never leaves a half-written cache file behind
+        return processor.prepare_conditioning(frames, resolution_tier, int(frames.shape[0]))
+
+    with ThreadPoolExecutor(PREPARE_THREADS) as pool:
+        # At most 2 * PREPARE_THREADS episodes in flight: each is ~100 MB of float pixels at 256 x 256.
+        pending = collections.deque(pool.submit(prepare, i) for i in todo[: 2 * PREPARE_THREADS])
+        for position, i in enumerate(tqdm(todo, desc="encoding windows", disable=not progress or not todo,
+                                          leave=False)):
+            cond = pending.popleft().result()
+            if position + len(pending) + 1 < len(todo):
+                pending.append(pool.submit(prepare, todo[position + len(pending) + 1]))
+            latents = encode_windows(vae, cond, starts_per_episode[i], chunk, encode_batch_size)
+            target = cache / f"{store.name(i)}.safetensors"
+            temporary = target.with_suffix(f".tmp{rank}")
+            save_file({"latents": latents.contiguous()}, temporary,
+                      metadata={"canvas_hw": json.dumps(list(cond.canvas_hw))})
+            os.replace(temporary, target)  # atomic: a crash never leaves a half-written cache file behind
     if world_size > 1:
         dist.barrier()
 

@@ -54,6 +54,7 @@ from ..sampling import make_schedule
 from .data import TrainingWindows, build_training_windows, read_dataset
 from .distributed import DistributedContext, init_distributed
 from .export import META_FILE, SAVE_DTYPES, export_checkpoint, scheduler_config
+from .growth import grow_depth
 from .flow_matching import (
     INVERSE_DYNAMICS,
     NATIVE_FLOW_SHIFT_BY_TIER,
@@ -173,6 +174,7 @@ class WorldModelTrainConfig:
     export_ema: bool = True
     tokenizer_dir: str | None = None  # None: init_checkpoint's text_tokenizer, else tokenizer.build_tiny_tokenizer()
     init_checkpoint: str | None = None  # fine-tune the transformer of this checkpoint instead of a fresh one
+    grow_depth: int | None = None  # init_checkpoint's layers expanded to this many per tower (training.growth)
     work_dir: str | None = None  # None: <out_dir>/training
     cache_dir: str | None = None  # None: <work_dir>/latent_cache
     encode_batch_size: int = 8
@@ -236,6 +238,9 @@ class WorldModelTrainConfig:
             fail("window_stride", f"a divisor of chunk={self.chunk} with rollout_prob > 0 (windows a chunk apart)")
         if self.init_checkpoint is not None and self.model:
             fail("model", "{} with init_checkpoint (the architecture is the checkpoint's)")
+        if self.grow_depth is not None and (self.init_checkpoint is None or not is_int(self.grow_depth)
+                                            or self.grow_depth < 1):
+            fail("grow_depth", "None, or a number of layers >= the init_checkpoint's (needs init_checkpoint)")
         if self.lora_alpha is not None and (not is_number(self.lora_alpha) or self.lora_alpha <= 0):
             fail("lora_alpha", "a positive number or None")
         if self.data_parallel not in DATA_PARALLEL:
@@ -268,6 +273,8 @@ def resolve_transformer_config(config: WorldModelTrainConfig, vocab_size: int, l
     if config.init_checkpoint is not None:
         layout = validate_checkpoint(config.init_checkpoint)
         transformer_config = {k: v for k, v in layout.transformer_config.items() if not k.startswith("_")}
+        if config.grow_depth is not None:
+            transformer_config["num_hidden_layers"] = config.grow_depth
     else:
         transformer_config = {**DEFAULT_MODEL_CONFIG, "vocab_size": vocab_size, **config.model}
         transformer_config.setdefault("latent_channel", latent_channels)
@@ -330,7 +337,8 @@ def build_transformer(
     dtype = PARAM_DTYPES[config.param_dtype]
     if config.init_checkpoint is not None:
         layout = validate_checkpoint(config.init_checkpoint)
-        return Cosmos3Transformer.from_pretrained(layout.transformer_dir, device=device, dtype=dtype)
+        model = Cosmos3Transformer.from_pretrained(layout.transformer_dir, device=device, dtype=dtype)
+        return model if config.grow_depth is None else grow_depth(model, config.grow_depth)
     cfg = Cosmos3TransformerConfig.from_dict(transformer_config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)  # the time embedder's default init draws from the global RNG
@@ -498,7 +506,7 @@ def sample_batch(
 # ----------------------------------------------------------------------------------------------------------------
 
 # Fields that must not change when a run is resumed: they change the model or what its optimizer state means.
-_RESUME_FIXED_FIELDS = ("chunk", "resolution_tier", "freeze_text_tower", "param_dtype", "init_checkpoint",
+_RESUME_FIXED_FIELDS = ("chunk", "resolution_tier", "freeze_text_tower", "param_dtype", "init_checkpoint", "grow_depth",
                         "data_parallel", "lora_rank", "lora_alpha")
 
 
