@@ -133,6 +133,26 @@ def untouched_chunks(true_poses: np.ndarray, chunk: int, max_px: float = UNTOUCH
     return (moved.max(-1) < max_px) & (turned.max(-1) < max_deg)
 
 
+def untouched_block_errors(model_poses: np.ndarray, sim_poses: np.ndarray, untouched: np.ndarray,
+                           chunk: int) -> dict[str, np.ndarray]:
+    """Over the chunks where nothing touched the block (``untouched [N, K]``), the block's displacement from the
+    chunk's first to its last frame in the world model against the simulator's, both measured poses ``[N, K * chunk
+    + 1, 3]`` (fitted to the frames): ``position_px`` and ``angle_deg`` errors of the world model's displacement,
+    and ``simulator_px``, the simulator's own measured displacement (truly ~0: the measurement's floor); each
+    ``[M]`` over the M untouched (episode, chunk) pairs, episode-major."""
+    episodes, chunks = np.nonzero(untouched)
+    start, end = chunks * chunk, (chunks + 1) * chunk
+
+    def moved(poses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        first, last = poses[episodes, start], poses[episodes, end]
+        return tee_centroid(last) - tee_centroid(first), last[:, 2] - first[:, 2]
+
+    (model_shift, model_turn), (sim_shift, sim_turn) = moved(model_poses), moved(sim_poses)
+    return {"position_px": np.linalg.norm(model_shift - sim_shift, axis=-1),
+            "angle_deg": angle_error_deg(model_turn, sim_turn),
+            "simulator_px": np.linalg.norm(sim_shift, axis=-1)}
+
+
 def agent_following(estimate: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Frames ``[N, T, H, W, 3]`` -> (agent visible in the estimate, bool ``[N, T]``; distance px between the agent
     read off the estimate and off the truth ``[N, T]``, NaN where either does not show it)."""
@@ -280,31 +300,21 @@ def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chun
     fits = {"simulator": fit_frames(truth, device), "world_model": fit_frames(model, device)}
     untouched = untouched_chunks(true_poses, chunk)  # [N, K]
     visible, agent_error = agent_following(model[:, 1:], truth[:, 1:])
+    # Rigidity per episode and chunk, the mean over the chunk's frames: [N, K].
+    rigidity = {name: fit["rigidity"][:, 1:].reshape(count, num_chunks, chunk).mean(-1) for name, fit in fits.items()}
     per_chunk: dict[str, list] = {key: [] for key in (
         "agent_visible_world_model", "agent_error_px", "rigidity_simulator", "rigidity_world_model",
         "rigidity_world_model_minus_simulator", "untouched_fraction")}
-    displacement_error, turn_error, floor_px, untouched_rigidity = [], [], [], {"simulator": [], "world_model": []}
     for k in range(num_chunks):
         frames = slice(k * chunk, (k + 1) * chunk)  # of the steps (frames 1..T)
         per_chunk["agent_visible_world_model"].append(summary(visible[:, frames].mean(1), UNIT))
         per_chunk["agent_error_px"].append(summary(episode_means(agent_error[:, frames]), ERROR))
-        rigidity = {name: fit["rigidity"][:, 1:][:, frames].mean(1) for name, fit in fits.items()}
-        per_chunk["rigidity_simulator"].append(summary(rigidity["simulator"], UNIT))
-        per_chunk["rigidity_world_model"].append(summary(rigidity["world_model"], UNIT))
+        per_chunk["rigidity_simulator"].append(summary(rigidity["simulator"][:, k], UNIT))
+        per_chunk["rigidity_world_model"].append(summary(rigidity["world_model"][:, k], UNIT))
         per_chunk["rigidity_world_model_minus_simulator"].append(
-            summary(rigidity["world_model"] - rigidity["simulator"]))
+            summary(rigidity["world_model"][:, k] - rigidity["simulator"][:, k]))
         per_chunk["untouched_fraction"].append(float(untouched[:, k].mean()))
-        # Over an untouched chunk: the block's displacement (chunk start -> end) in each world, both measured by
-        # the fit; the simulator's own fitted displacement (truly ~0) is the measurement's floor.
-        ends = {name: fit["pose"][:, [k * chunk, (k + 1) * chunk]] for name, fit in fits.items()}
-        moved = {name: (tee_centroid(pose[:, 1]) - tee_centroid(pose[:, 0]), pose[:, 1, 2] - pose[:, 0, 2])
-                 for name, pose in ends.items()}
-        for i in np.flatnonzero(untouched[:, k]):
-            displacement_error.append(np.linalg.norm(moved["world_model"][0][i] - moved["simulator"][0][i]))
-            turn_error.append(angle_error_deg(moved["world_model"][1][i], moved["simulator"][1][i]))
-            floor_px.append(np.linalg.norm(moved["simulator"][0][i]))
-            for name in untouched_rigidity:
-                untouched_rigidity[name].append(rigidity[name][i])
+    errors = untouched_block_errors(fits["world_model"]["pose"], fits["simulator"]["pose"], untouched, chunk)
     return {
         "num_episodes": count, "num_chunks": num_chunks, "chunk": chunk,
         "actions": "single_action_space.sample() per chunk (uniform in [-1, 1]), seeded",
@@ -312,12 +322,12 @@ def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chun
         "untouched": {
             "definition": f"chunks where the simulator's true block moved < {UNTOUCHED_PX} px and < {UNTOUCHED_DEG} "
                           "deg; pooled over (episode, chunk)",
-            "num_chunks": len(displacement_error),
-            "block_displacement_error_px": summary(displacement_error, ERROR),
-            "block_turn_error_deg": summary(turn_error, ERROR),
-            "simulator_fitted_displacement_px": summary(floor_px, ERROR),
-            "rigidity_simulator": summary(untouched_rigidity["simulator"], UNIT),
-            "rigidity_world_model": summary(untouched_rigidity["world_model"], UNIT),
+            "num_chunks": int(untouched.sum()),
+            "block_displacement_error_px": summary(errors["position_px"], ERROR),
+            "block_turn_error_deg": summary(errors["angle_deg"], ERROR),
+            "simulator_fitted_displacement_px": summary(errors["simulator_px"], ERROR),
+            "rigidity_simulator": summary(rigidity["simulator"][untouched], UNIT),
+            "rigidity_world_model": summary(rigidity["world_model"][untouched], UNIT),
         },
     }
 
