@@ -106,3 +106,36 @@ def test_block_pose_and_geometric_coverage_on_simulator_frames():
     split[:, 48:] = np.roll(on_goal[:, 48:], 20, axis=0)  # the right half of the T moved 20 px down
     coverage = score(np.stack([on_goal, split]))
     assert coverage[0] > 0.9 and coverage[1] == 0.0
+
+
+def test_target_checks_judge_each_threshold():
+    def chunks(*means):
+        return [{"mean": mean} for mean in means]
+
+    k = 8
+    heldout = {"num_chunks": k, "per_chunk": {
+        "rigidity_rollout_minus_simulator": chunks(*[-0.01] * 7, -0.06),  # chunk 8 bends the T too much
+        "psnr_db_rollout": chunks(*[30.0] * k), "psnr_db_copy_start": chunks(*[26.0] * k),
+        "block_position_error_px_rollout": chunks(*[10.0] * 3, 15.0, *[30.0] * 4),
+        "block_position_error_px_one_chunk": chunks(*[20.0] * k),
+        "block_angle_error_deg_rollout": chunks(*[5.0] * k), "block_angle_error_deg_one_chunk": chunks(*[9.0] * k),
+    }}
+    any_action = {"per_chunk": {"agent_visible_world_model": chunks(1.0, 0.5), "agent_error_px": chunks(4.0, 9.0)},
+                  "untouched": {"block_displacement_error_px": {"mean": 2.0}, "rigidity_world_model": {"mean": 0.9},
+                                "rigidity_simulator": {"mean": 0.95}}}
+    real = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9]
+    gaps = {f"p{i}": {"reward_model": {"success_rate_gap": 0.05, "final_coverage_gap": -0.05},
+                      "geometric": {"success_rate_gap": -0.2 if i == 3 else 0.0, "final_coverage_gap": 0.0}}
+            for i in range(8)}
+    good = {"pearson": 0.95, "spearman": 0.92, "mmrv": 0.03}
+    policies = {"gaps": gaps, "real_final_coverage_span": [min(real), max(real)], "agreement": good,
+                "agreement_by_score": {"geometric": {**good, "mmrv": 0.08}}}
+    checks = targets.target_checks({"heldout": heldout, "any_action": any_action, "policies": policies})
+    assert not checks["rigid_t"]["holds"] and checks["rigid_t"]["worst_rigidity_difference"] == -0.06
+    assert checks["block_pose"]["chunk_4"]["holds"] and not checks["block_pose"]["chunk_8"]["holds"]
+    assert checks["action_following"]["holds"] and checks["action_following"]["smallest_psnr_margin_db"] == 4.0
+    assert checks["any_action"]["lowest_agent_visible_fraction"] == 0.5
+    assert checks["any_action"]["untouched_rigidity_difference"] == pytest.approx(-0.05)
+    assert checks["success_reward_model"]["holds"] and checks["ranking_reward_model"]["holds"]
+    assert not checks["success_geometric"]["holds"] and checks["success_geometric"]["largest_success_rate_gap"] == -0.2
+    assert not checks["ranking_geometric"]["holds"]  # MMRV 0.08 > 0.05
