@@ -38,8 +38,9 @@ seeds 0 and 1), the random-action starts ``--heldout-seed + 200000 ...`` and the
 6. **Video.** ``pusht_side_by_side.mp4``: gym-pusht | world model for the first ``--video-episodes`` held-out
    episodes (the rollouts of 1., same start and actions), one after the other.
 
-GPU sizes (defaults): 32 held-out episodes x 8 chunks, 32 random-action episodes x 8 chunks, 10 policies x 32 starts
-x 16 chunks (one 320-slot vector env). The simulator (one process) takes most of the time.
+``targets`` in the JSON (and the summary's last lines) judges each threshold of the issue on the means
+(``target_checks``). GPU sizes (defaults): 32 held-out episodes x 8 chunks, 32 random-action episodes x 8 chunks,
+10 policies x 32 starts x 16 chunks (one 320-slot vector env). The simulator (one process) takes most of the time.
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ def compare_policies(
     starts = np.concatenate([frames for frames, _, _ in simulated])
     replayed = np.concatenate([actions for _, actions, _ in simulated])
 
-    scorers = {"score_frames": score_frames, **dict(extra_scores or {})}
+    scorers = {None: score_frames, **dict(extra_scores or {})}  # None: the first scorer's key (no name clash)
     vector_env.reset(seed=seed, options={"frames": list(starts)})
     frames = starts
     predicted = {name: [scorer(starts)] for name, scorer in scorers.items()}
@@ -247,7 +247,7 @@ def compare_policies(
     per_policy = {}
     for index, (run, (_, _, coverage)) in enumerate(zip(runs, simulated)):
         per_policy[run.spec] = {
-            "world_model": _scores(predicted["score_frames"][index], confidence),
+            "world_model": _scores(predicted[None][index], confidence),
             "simulator": _scores(coverage, confidence),
             "evaluated_in_world_model": "closed loop" if run.acts_on_frames else
             "open loop: the simulator's action chunks replayed",
