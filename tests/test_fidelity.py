@@ -184,6 +184,30 @@ def test_compare_policies_runs_a_saved_ppo_policy_closed_loop_in_both_worlds(tin
                          num_chunks=1)
 
 
+def test_compare_policies_scores_the_world_model_with_extra_scorers_too():
+    pytest.importorskip("gym_pusht")
+    seeds = [3, 4]
+    stats = ActionStats.from_json({"min": [0.0, 0.0], "max": [512.0, 512.0]}, mode="minmax")
+    calls = []
+
+    def by_policy(frames):  # the slots are policy-major: the first policy's get 0.25, the second's 0.75
+        calls.append(len(frames))
+        return np.repeat([0.25, 0.75], len(seeds))
+
+    result = compare_policies("random,scripted:0", seeds, vector_env=StandInVectorEnv(4, 4, 32),
+                              score_frames=lambda f: np.zeros(len(f)), stats=stats, num_chunks=2,
+                              extra_scores={"by_policy": by_policy})
+    assert calls == [4, 4, 4]  # the start frames and each chunk's last frames
+    random, scripted = result["policies"]["random"], result["policies"]["scripted:0"]
+    assert random["world_model"]["final_coverage"] == 0.0  # the first scorer's report is unchanged
+    assert random["world_model_by_score"]["by_policy"]["final_coverage"] == 0.25
+    assert scripted["world_model_by_score"]["by_policy"]["final_coverage"] == 0.75
+    real = [random["simulator"]["final_coverage"], scripted["simulator"]["final_coverage"]]
+    assert result["agreement_by_score"]["by_policy"]["mean_absolute_error"] == pytest.approx(
+        (abs(0.25 - real[0]) + abs(0.75 - real[1])) / 2)
+    json.dumps(result)
+
+
 def test_compare_policies_checks_the_slot_count():
     stats = ActionStats.from_json({"min": [0.0, 0.0], "max": [512.0, 512.0]}, mode="minmax")
     with pytest.raises(InputError, match="slots"):

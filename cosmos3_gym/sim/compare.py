@@ -26,7 +26,7 @@ model's estimate of coverage on its frames; in the simulator it is gym-pusht's t
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -196,12 +196,15 @@ def compare_policies(
     make_agent: Callable[[], Any] | None = None,
     seed: int = 0,
     confidence: float = 0.95,
+    extra_scores: Mapping[str, Callable[[np.ndarray], np.ndarray]] | None = None,
 ) -> dict[str, Any]:
     """Each policy of ``policies`` from the simulator starts ``sim_seeds``, in gym-pusht and in the world model.
 
     ``vector_env``: a world-model vector env (``reset(options={"frames": [...]})``, ``step(actions)`` with
     ``info["frames"] [slots, chunk, H, W, 3]``) with one slot per (policy, start), in policy-major order;
     ``score_frames``: frames ``[M, H, W, 3]`` uint8 -> predicted coverage ``[M]`` (the reward model);
+    ``extra_scores``: more such scorers by name (e.g. a geometric coverage measured on the frames), each scored on the
+    same world-model frames and reported next to the first (``world_model_by_score``, ``agreement_by_score``);
     ``stats``: the checkpoint's ``ActionStats``; ``make_agent()``: the ``PolicyAgent`` for ``"agent"``. Policy files
     (``file:PATH``, ``sb3:PATH``) are loaded by ``policy_specs.load_frame_agent`` (deterministic, on the CPU).
 
@@ -224,9 +227,10 @@ def compare_policies(
     starts = np.concatenate([frames for frames, _, _ in simulated])
     replayed = np.concatenate([actions for _, actions, _ in simulated])
 
+    scorers = {None: score_frames, **dict(extra_scores or {})}  # None: the first scorer's key (no name clash)
     vector_env.reset(seed=seed, options={"frames": list(starts)})
     frames = starts
-    predicted = [score_frames(starts)]
+    predicted = {name: [scorer(starts)] for name, scorer in scorers.items()}
     for k in range(num_chunks):
         actions = replayed[:, k].copy()
         for index, agent in enumerate(agents):
@@ -235,20 +239,25 @@ def compare_policies(
                 actions[slots] = np.clip(agent.act(frames[slots]), -1.0, 1.0)
         generated = np.asarray(vector_env.step(actions)[-1]["frames"])
         frames = generated[:, -1]
-        predicted.append(score_frames(frames))
-    predicted = np.stack(predicted, axis=1).reshape(len(runs), len(sim_seeds), num_chunks + 1)
+        for name, scorer in scorers.items():
+            predicted[name].append(scorer(frames))
+    predicted = {name: np.stack(scores, axis=1).reshape(len(runs), len(sim_seeds), num_chunks + 1)
+                 for name, scores in predicted.items()}
 
     per_policy = {}
     for index, (run, (_, _, coverage)) in enumerate(zip(runs, simulated)):
         per_policy[run.spec] = {
-            "world_model": _scores(predicted[index], confidence),
+            "world_model": _scores(predicted[None][index], confidence),
             "simulator": _scores(coverage, confidence),
             "evaluated_in_world_model": "closed loop" if run.acts_on_frames else
             "open loop: the simulator's action chunks replayed",
         }
+        if extra_scores:
+            per_policy[run.spec]["world_model_by_score"] = {
+                name: _scores(predicted[name][index], confidence) for name in extra_scores}
     real = np.array([entry["simulator"]["final_coverage"] for entry in per_policy.values()])
     guess = np.array([entry["world_model"]["final_coverage"] for entry in per_policy.values()])
-    return {
+    result = {
         "policies": per_policy,
         "num_starts": len(sim_seeds),
         "num_chunks": num_chunks,
@@ -256,11 +265,26 @@ def compare_policies(
         "sim_seeds": sim_seeds,
         "agreement": {
             "score": "final coverage: the reward model's estimate on world-model frames vs gym-pusht's true value",
-            "pearson": pearson(guess, real) if len(runs) > 1 else math.nan,
-            "spearman": spearman(guess, real) if len(runs) > 1 else math.nan,
-            "mmrv": mmrv(guess, real) if len(runs) > 1 else math.nan,
-            "mean_absolute_error": float(np.abs(guess - real).mean()),
+            **_agreement(guess, real),
         },
+    }
+    if extra_scores:
+        result["agreement_by_score"] = {
+            name: _agreement(np.array([entry["world_model_by_score"][name]["final_coverage"]
+                                       for entry in per_policy.values()]), real)
+            for name in extra_scores
+        }
+    return result
+
+
+def _agreement(guess: np.ndarray, real: np.ndarray) -> dict[str, float]:
+    """Pearson / Spearman / MMRV / mean absolute error of per-policy predicted against real scores."""
+    several = len(real) > 1
+    return {
+        "pearson": pearson(guess, real) if several else math.nan,
+        "spearman": spearman(guess, real) if several else math.nan,
+        "mmrv": mmrv(guess, real) if several else math.nan,
+        "mean_absolute_error": float(np.abs(guess - real).mean()),
     }
 
 
@@ -312,9 +336,11 @@ def compare_with_simulator(
     engine: Any = None,
     device: str | None = None,
     seed: int = 0,
+    extra_scores: Mapping[str, Callable[[np.ndarray], np.ndarray]] | None = None,
 ) -> dict[str, Any]:
     """``compare_policies`` for the PushT world model in ``assets_dir`` (default: the built-in one) from the
-    simulator starts ``first_sim_seed .. first_sim_seed + num_starts - 1``; ``engine`` shares a loaded model.
+    simulator starts ``first_sim_seed .. first_sim_seed + num_starts - 1``; ``engine`` shares a loaded model. The
+    world model's frames are scored by the assets' reward model and by ``extra_scores`` (see ``compare_policies``).
     Needs gym-pusht."""
     from ..envs.pusht import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults
     from ..envs.settings import check_int
@@ -344,6 +370,7 @@ def compare_with_simulator(
         result = compare_policies(
             [run.spec for run in runs], range(first_sim_seed, first_sim_seed + num_starts), vector_env=env,
             score_frames=score_frames, stats=stats, num_chunks=num_chunks, make_agent=make_agent, seed=seed,
+            extra_scores=extra_scores,
         )
     finally:
         env.close()

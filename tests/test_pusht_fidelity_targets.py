@@ -1,0 +1,141 @@
+"""The metrics of benchmarks/recipes/pusht_fidelity_targets.py (issue 18) on hand-made poses and frames, and on the
+simulator's frames where the truth is known."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+RECIPES = Path(__file__).resolve().parents[1] / "benchmarks" / "recipes"
+sys.path[:0] = [str(RECIPES.parent), str(RECIPES)]
+import pusht_fidelity_targets as targets  # noqa: E402
+
+from cosmos3_gym.rewards.pusht_geometric import CENTROID_Y  # noqa: E402
+
+AGENT_COLOUR = (78, 126, 255)
+
+
+def test_tee_centroid_turns_with_the_block():
+    np.testing.assert_allclose(targets.tee_centroid(np.array([100.0, 50.0, 0.0])), [100.0, 50.0 + CENTROID_Y])
+    np.testing.assert_allclose(targets.tee_centroid(np.array([[100.0, 50.0, math.pi / 2]])),
+                               [[100.0 - CENTROID_Y, 50.0]], atol=1e-9)
+
+
+def test_angle_error_wraps_to_0_180_degrees():
+    np.testing.assert_allclose(targets.angle_error_deg(np.array([0.1, math.pi, 0.0, 3 * math.pi]),
+                                                       np.array([2 * math.pi - 0.1, -math.pi, math.pi, 0.0])),
+                               [math.degrees(0.2), 0.0, 180.0, 180.0], atol=1e-9)
+
+
+def test_pose_errors_compare_centroids_not_origins():
+    truth = np.array([200.0, 200.0, 0.0])
+    # Turned by 90 deg about its centroid: the origin moves by sqrt(2) * CENTROID_Y, the centroid not at all.
+    turned = truth.copy()
+    turned[2] = math.pi / 2
+    turned[:2] = targets.tee_centroid(truth) - (targets.tee_centroid(turned) - turned[:2])
+    position, angle = targets.pose_errors(turned, truth)
+    assert position == pytest.approx(0.0, abs=1e-9) and angle == pytest.approx(90.0)
+    position, angle = targets.pose_errors(truth + [3.0, 4.0, 0.0], truth)
+    assert position == pytest.approx(5.0) and angle == pytest.approx(0.0)
+
+
+def test_untouched_chunks_and_the_displacement_error_there():
+    chunk = 4
+    poses = np.tile(np.array([200.0, 200.0, 0.5]), (3, 2 * chunk + 1, 1))
+    poses[0, chunk + 2:, 0] += 5.0  # episode 0: pushed 5 px in chunk 2
+    poses[1, 2:, 2] += math.radians(2.0)  # episode 1: turned 2 deg in chunk 1, then still
+    poses[2, 1:, 1] += 0.5  # episode 2: a 0.5 px wobble in chunk 1, within the tolerance
+    untouched = targets.untouched_chunks(poses, chunk)
+    np.testing.assert_array_equal(untouched, [[True, False], [False, True], [True, True]])
+    # A world model whose block drifts 3 px in episode 2's second chunk (where the simulator's stays put) and turns
+    # 10 deg in episode 0's first; the simulator's measured block sits still.
+    model = np.tile(np.array([200.0, 200.0, 0.5]), (3, 2 * chunk + 1, 1))
+    model[2, chunk + 1:, 0] += 3.0
+    model[0, 1:chunk + 1, 2] += math.radians(10.0)
+    errors = targets.untouched_block_errors(model, np.tile(poses[:1, :1], (3, 2 * chunk + 1, 1)), untouched, chunk)
+    # Pairs in order (0, 0), (1, 1), (2, 0), (2, 1).
+    np.testing.assert_allclose(errors["position_px"][[1, 2, 3]], [0.0, 0.0, 3.0], atol=1e-9)
+    assert errors["position_px"][0] > 0  # turning about the origin moves the centroid
+    np.testing.assert_allclose(errors["angle_deg"], [10.0, 0.0, 0.0, 0.0], atol=1e-9)
+    np.testing.assert_allclose(errors["simulator_px"], 0.0, atol=1e-9)
+
+
+def test_agent_following_reads_visibility_and_error_off_the_frames():
+    frames = np.full((1, 3, 64, 64, 3), 255, np.uint8)
+    truth = frames.copy()
+    truth[0, :, 10:14, 20:24] = AGENT_COLOUR  # the agent at (22, 12) frame px in every true frame
+    frames[0, 0, 10:14, 20:24] = AGENT_COLOUR  # where the simulator has it
+    frames[0, 1, 14:18, 20:24] = AGENT_COLOUR  # 4 frame px = 32 table px lower
+    visible, error = targets.agent_following(frames, truth)  # frame 2: the agent vanished
+    np.testing.assert_array_equal(visible, [[True, True, False]])
+    np.testing.assert_allclose(error[0, :2], [0.0, 32.0])
+    assert math.isnan(error[0, 2])
+    np.testing.assert_allclose(targets.episode_means(error), [16.0])
+    assert math.isnan(targets.episode_means(np.full((1, 2), np.nan))[0])
+
+
+def test_block_pose_and_geometric_coverage_on_simulator_frames():
+    """On gym-pusht's own frames the fit finds the true pose, a T on the goal scores full coverage, and the same T
+    cut in two scores nothing (it is not rigid), nor does a frame turned by 90 deg find the true angle."""
+    pytest.importorskip("gym_pusht")
+    from cosmos3_gym.sim import pusht
+
+    sim = pusht.PushTSim((96, 96))
+    frames, poses = [], []
+    try:
+        for seed in range(4):
+            frames.append(sim.reset(seed))
+            poses.append(sim.block_pose.copy())
+        state = sim.sim_state
+        state[4:7], state[0:2] = pusht.GOAL_POSE, (60.0, 60.0)  # the block on the target, the agent away
+        on_goal = sim.restore(state)
+    finally:
+        sim.close()
+    fit = targets.fit_frames(np.stack(frames), "cpu")
+    position, angle = targets.pose_errors(fit["pose"], np.array(poses))
+    assert position.max() < 4.0 and angle.max() < 4.0
+    turned = targets.fit_frames(np.rot90(np.stack(frames), axes=(1, 2)).copy(), "cpu")
+    assert np.all(np.abs(targets.angle_error_deg(turned["pose"][:, 2], np.array(poses)[:, 2]) - 90.0) < 5.0)
+
+    score = targets.geometric_scorer("cpu")
+    split = on_goal.copy()
+    split[:, 48:] = np.roll(on_goal[:, 48:], 20, axis=0)  # the right half of the T moved 20 px down
+    coverage = score(np.stack([on_goal, split]))
+    assert coverage[0] > 0.9 and coverage[1] == 0.0
+
+
+def test_target_checks_judge_each_threshold():
+    def chunks(*means):
+        return [{"mean": mean} for mean in means]
+
+    k = 8
+    heldout = {"num_chunks": k, "per_chunk": {
+        "rigidity_rollout_minus_simulator": chunks(*[-0.01] * 7, -0.06),  # chunk 8 bends the T too much
+        "psnr_db_rollout": chunks(*[30.0] * k), "psnr_db_copy_start": chunks(*[26.0] * k),
+        "block_position_error_px_rollout": chunks(*[10.0] * 3, 15.0, *[30.0] * 4),
+        "block_position_error_px_one_chunk": chunks(*[20.0] * k),
+        "block_angle_error_deg_rollout": chunks(*[5.0] * k), "block_angle_error_deg_one_chunk": chunks(*[9.0] * k),
+    }}
+    any_action = {"per_chunk": {"agent_visible_world_model": chunks(1.0, 0.5), "agent_error_px": chunks(4.0, 9.0)},
+                  "untouched": {"block_displacement_error_px": {"mean": 2.0}, "rigidity_world_model": {"mean": 0.9},
+                                "rigidity_simulator": {"mean": 0.95}}}
+    real = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9]
+    gaps = {f"p{i}": {"reward_model": {"success_rate_gap": 0.05, "final_coverage_gap": -0.05},
+                      "geometric": {"success_rate_gap": -0.2 if i == 3 else 0.0, "final_coverage_gap": 0.0}}
+            for i in range(8)}
+    good = {"pearson": 0.95, "spearman": 0.92, "mmrv": 0.03}
+    policies = {"gaps": gaps, "real_final_coverage_span": [min(real), max(real)], "agreement": good,
+                "agreement_by_score": {"geometric": {**good, "mmrv": 0.08}}}
+    checks = targets.target_checks({"heldout": heldout, "any_action": any_action, "policies": policies})
+    assert not checks["rigid_t"]["holds"] and checks["rigid_t"]["worst_rigidity_difference"] == -0.06
+    assert checks["block_pose"]["chunk_4"]["holds"] and not checks["block_pose"]["chunk_8"]["holds"]
+    assert checks["action_following"]["holds"] and checks["action_following"]["smallest_psnr_margin_db"] == 4.0
+    assert checks["any_action"]["lowest_agent_visible_fraction"] == 0.5
+    assert checks["any_action"]["untouched_rigidity_difference"] == pytest.approx(-0.05)
+    assert checks["success_reward_model"]["holds"] and checks["ranking_reward_model"]["holds"]
+    assert not checks["success_geometric"]["holds"] and checks["success_geometric"]["largest_success_rate_gap"] == -0.2
+    assert not checks["ranking_geometric"]["holds"]  # MMRV 0.08 > 0.05
