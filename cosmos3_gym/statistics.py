@@ -96,7 +96,8 @@ def mean_interval(
     values: Sequence[float], confidence: float = 0.95, bounds: tuple[float, float] | None = None
 ) -> tuple[float, float] | None:
     """Student-t confidence interval ``(low, high)`` for the mean of ``values``, clipped to ``bounds`` (the values'
-    known range, e.g. ``(0.0, 1.0)``) when given; None for fewer than 2 values."""
+    known range, e.g. ``(0.0, 1.0)``) when given; None for fewer than 2 values or any infinite or NaN one (e.g. the
+    PSNR of two identical frames), where no interval exists."""
     confidence = check_confidence(confidence)
     values = [float(value) for value in values]
     if bounds is not None:
@@ -106,7 +107,7 @@ def mean_interval(
         outside = [value for value in values if not low_bound <= value <= high_bound]
         if outside:
             raise InputError(f"values: {outside[:3]} lie outside the given bounds [{low_bound}, {high_bound}].")
-    if len(values) < 2:
+    if len(values) < 2 or not all(math.isfinite(value) for value in values):
         return None
     mean = statistics.fmean(values)
     half_width = student_t_quantile(0.5 + confidence / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(
