@@ -617,14 +617,10 @@ def blue_pixels(frames: np.ndarray) -> np.ndarray:
     return ((blue > 150) & (blue - red > 70) & (blue - green > 40)).sum(axis=(-2, -1))
 
 
-@pytest.mark.known_limitation
-def test_builtin_pusht_agent_vanishes_under_random_actions():
-    """KNOWN MODEL LIMITATION, owned by issue 18 (world-model fidelity); this test documents it (issue 20 item 7).
-
-    The built-in PushT model was trained on scripted pushes, whose action chunks move smoothly. Under
-    ``action_space.sample()`` (each of the 8 targets drawn independently over the table) it generates frames in
-    which the blue agent disc is gone after one step, while a constant action keeps it. When the model is fixed,
-    this test fails: turn it into the opposite assertion (the agent stays visible under random actions)."""
+def test_builtin_pusht_agent_stays_visible_under_random_actions():
+    """Issue 18: the built-in PushT model used to lose the blue agent disc after one step under
+    ``action_space.sample()`` (each of the 8 targets drawn independently over the table: its training data moved
+    smoothly). Trained since on uniform-random episodes too, it keeps the agent under random and constant actions."""
     envs = gym.make_vec("cosmos3_gym/PushT-v0", num_envs=4, device="cpu")
     try:
         observations, _ = envs.reset(seed=0, options={"initial_state_index": [0, 2, 0, 2]})
@@ -637,5 +633,5 @@ def test_builtin_pusht_agent_vanishes_under_random_actions():
         after = blue_pixels(observations["image"])
     finally:
         envs.close()
-    assert (after[:2] < 0.2 * start[:2]).all(), f"random actions: agent pixels {start[:2]} -> {after[:2]}"
+    assert (after[:2] > 0.5 * start[:2]).all(), f"random actions: agent pixels {start[:2]} -> {after[:2]}"
     assert (after[2:] > 0.5 * start[2:]).all(), f"constant action: agent pixels {start[2:]} -> {after[2:]}"
