@@ -184,12 +184,25 @@ def main(argv=None) -> dict:
                 next_sample += args.every
                 if args.trace and reference is None and env_steps >= args.from_step:
                     reference = (tracemalloc.take_snapshot(), _type_counts())
+                # written as it goes: a run stopped by a time limit keeps its samples
+                write_results(summary(args, samples, env_steps), name, args.out, args.overwrite)
                 if args.max_seconds is not None and samples[-1]["seconds"] > args.max_seconds:
                     break
         traced = _trace_report(reference) if reference is not None else None
     finally:
         env.close()
-    results = {
+    results = summary(args, samples, env_steps, traced)
+    for key, value in results["growth"].items():
+        if value is not None:
+            print(f"{key}: {value['start']:.1f} -> {value['end']:.1f} from env step {value['from_env_step']} to "
+                  f"{value['to_env_step']} ({value['growth']:+.1f}; floor {value['floor_growth']:+.1f}; "
+                  f"{value['growth_per_500_steps']:+.2f} per 500 steps)")
+    write_results(results, name, args.out, args.overwrite)
+    return results
+
+
+def summary(args, samples: list[dict], env_steps: int, traced: dict | None = None) -> dict:
+    return {
         "provenance": provenance(),
         "settings": {**vars(args), "torch_threads": torch.get_num_threads(),
                      "malloc_environment": {key: os.environ[key] for key in MALLOC_VARIABLES if key in os.environ}},
@@ -198,13 +211,6 @@ def main(argv=None) -> dict:
         "traced_growth": traced,
         "samples": samples,
     }
-    for key, value in results["growth"].items():
-        if value is not None:
-            print(f"{key}: {value['start']:.1f} -> {value['end']:.1f} from env step {value['from_env_step']} to "
-                  f"{value['to_env_step']} ({value['growth']:+.1f}; floor {value['floor_growth']:+.1f}; "
-                  f"{value['growth_per_500_steps']:+.2f} per 500 steps)")
-    write_results(results, name, args.out)
-    return results
 
 
 def _trace_report(reference, top: int = 15) -> dict:
