@@ -9,9 +9,11 @@ autoreset (episodes end at the PushT horizon or on success, so resets and their 
 
 Each sample (after ``gc.collect()``): host RSS (``/proc/self/statm``); the C heap as glibc's ``mallinfo2`` sees it
 (``heap_in_use_mb``: bytes handed out by malloc and not freed, mmapped blocks included; ``heap_free_mb``: freed
-bytes malloc keeps in its arenas): RSS that grows while ``heap_in_use_mb`` stays flat is the allocator holding on
-to freed memory (fragmentation), not a leak; the number of Python objects the garbage collector tracks; the
-engine's caches (text K/V, prompt ids, schedules, CUDA graphs); ``torch.cuda.memory_allocated`` / ``_reserved``.
+bytes malloc keeps in its arenas; ``host_rss_held_mb``: RSS less those). RSS that moves while ``heap_in_use_mb``
+and ``host_rss_held_mb`` stay flat is the allocator keeping freed memory for reuse, not a leak. Also: the number of
+Python objects the garbage collector tracks; the engine's caches (text K/V, prompt ids, schedules, CUDA graphs);
+``torch.cuda.memory_allocated`` / ``_reserved``; ``batch_sizes_seen``, how many different numbers of slots have
+stepped together so far (each new one is a new shape: a CUDA graph on a GPU, new oneDNN primitives on a CPU).
 ``--trace`` adds ``tracemalloc`` (Python allocations: the top growing source lines between ``--from-step`` and the
 end) and the object types whose counts grew. ``--malloc-trim`` calls ``malloc_trim(0)`` before each sample (RSS
 without what glibc retains). ``MALLOC_ARENA_MAX`` etc. are read from the environment and recorded.
@@ -46,7 +48,7 @@ from common import add_output_arguments, check_results_target, provenance, write
 
 from cosmos3_gym.envs.pusht import make_pusht_vector_env  # noqa: E402
 
-MEMORY_KEYS = ("host_rss_mb", "heap_in_use_mb", "heap_free_mb", "python_objects", "tracemalloc_mb",
+MEMORY_KEYS = ("host_rss_mb", "host_rss_held_mb", "heap_in_use_mb", "heap_free_mb", "python_objects", "tracemalloc_mb",
                "gpu_allocated_mb", "gpu_reserved_mb")
 MALLOC_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD")
 
@@ -88,17 +90,21 @@ def sample(env, env_steps: int, started: float, malloc_trim: bool) -> dict:
         LIBC.malloc_trim(0)
     engine = env.engine
     graphed = getattr(engine, "_graphed_forward", None)
+    heap = malloc_heap_mb()
     entry = {
         "env_steps": env_steps,
         "seconds": time.perf_counter() - started,
         "host_rss_mb": host_rss_mb(),
-        **malloc_heap_mb(),
+        **heap,
         "python_objects": len(gc.get_objects()),
         "text_cache": len(getattr(engine, "_text_cache", ())),
         "prompt_cache": len(getattr(engine, "_prompt_ids", ())),
         "schedules": len(getattr(engine, "_schedules", ())),
         "cuda_graphs": graphed.num_graphs if graphed is not None else 0,
     }
+    if heap:
+        # RSS without the freed memory glibc keeps for reuse: what the process holds (the leak detector)
+        entry["host_rss_held_mb"] = entry["host_rss_mb"] - heap["heap_free_mb"]
     if tracemalloc.is_tracing():
         entry["tracemalloc_mb"] = tracemalloc.get_traced_memory()[0] / 2**20
     if torch.cuda.is_available():
@@ -175,12 +181,15 @@ def main(argv=None) -> dict:
         started = time.perf_counter()
         samples.append(sample(env, 0, started, args.malloc_trim))
         env_steps, next_sample = 0, args.every
+        batch_sizes = set()  # numbers of slots stepping together (autoreset leaves the finished ones out for a step)
         vector_steps = -(-args.steps // args.envs)
         for _ in tqdm(range(vector_steps), desc=f"soak {args.envs} envs", unit="step"):
-            env.step(env.action_space.sample())
+            info = env.step(env.action_space.sample())[-1]
+            batch_sizes.add(int(args.envs - info["waiting"].sum()))
             env_steps += args.envs
             if env_steps >= next_sample:
-                samples.append(sample(env, env_steps, started, args.malloc_trim))
+                samples.append({**sample(env, env_steps, started, args.malloc_trim),
+                                "batch_sizes_seen": len(batch_sizes - {0})})
                 next_sample += args.every
                 if args.trace and reference is None and env_steps >= args.from_step:
                     reference = (tracemalloc.take_snapshot(), _type_counts())
