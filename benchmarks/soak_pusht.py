@@ -168,6 +168,7 @@ def main(argv=None) -> dict:
     device = "cpu" if args.device == "cpu" else "gpu"
     name = args.name or f"soak_pusht_{device}_{args.envs}envs.json"
     check_results_target(name, args.out, args.overwrite)  # before measuring
+    run = provenance()  # the commit that runs, not the one checked out when a long run ends
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.trace:
@@ -194,13 +195,13 @@ def main(argv=None) -> dict:
                 if args.trace and reference is None and env_steps >= args.from_step:
                     reference = (tracemalloc.take_snapshot(), _type_counts())
                 # written as it goes: a run stopped by a time limit keeps its samples
-                write_results(summary(args, samples, env_steps), name, args.out, args.overwrite)
+                write_results(summary(args, run, samples, env_steps), name, args.out, args.overwrite)
                 if args.max_seconds is not None and samples[-1]["seconds"] > args.max_seconds:
                     break
         traced = _trace_report(reference) if reference is not None else None
     finally:
         env.close()
-    results = summary(args, samples, env_steps, traced)
+    results = summary(args, run, samples, env_steps, traced)
     for key, value in results["growth"].items():
         if value is not None:
             print(f"{key}: {value['start']:.1f} -> {value['end']:.1f} from env step {value['from_env_step']} to "
@@ -210,9 +211,9 @@ def main(argv=None) -> dict:
     return results
 
 
-def summary(args, samples: list[dict], env_steps: int, traced: dict | None = None) -> dict:
+def summary(args, run: dict, samples: list[dict], env_steps: int, traced: dict | None = None) -> dict:
     return {
-        "provenance": provenance(),
+        "provenance": run,
         "settings": {**vars(args), "torch_threads": torch.get_num_threads(),
                      "malloc_environment": {key: os.environ[key] for key in MALLOC_VARIABLES if key in os.environ}},
         "env_steps_per_s": env_steps / samples[-1]["seconds"] if samples[-1]["seconds"] else None,
