@@ -159,6 +159,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop early (results still written) after this long, e.g. to fit a time limit")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--success-threshold", type=float, default=None,
+                        help="the env's success_threshold (default: the model's, 0.95); lower, episodes end at "
+                             "different steps and the number of slots stepping together varies more")
     parser.add_argument("--trace", action="store_true",
                         help="tracemalloc and object-type counts: what grew between --from-step and the end")
     parser.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) before each sample")
@@ -174,7 +177,8 @@ def main(argv=None) -> dict:
     if args.trace:
         tracemalloc.start(8)
 
-    env = make_pusht_vector_env(args.envs, device=args.device, optimize=bool(args.optimize))
+    overrides = {} if args.success_threshold is None else {"success_threshold": args.success_threshold}
+    env = make_pusht_vector_env(args.envs, device=args.device, optimize=bool(args.optimize), **overrides)
     samples, reference = [], None
     try:
         env.reset(seed=0)
