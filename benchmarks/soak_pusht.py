@@ -184,7 +184,7 @@ def main(argv=None) -> dict:
         env.reset(seed=0)
         env.action_space.seed(0)
         started = time.perf_counter()
-        samples.append(sample(env, 0, started, args.malloc_trim))
+        samples.append({**sample(env, 0, started, args.malloc_trim), "batch_sizes_seen": 0})
         env_steps, next_sample = 0, args.every
         batch_sizes = set()  # numbers of slots stepping together (autoreset leaves the finished ones out for a step)
         vector_steps = -(-args.steps // args.envs)
