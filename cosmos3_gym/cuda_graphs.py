@@ -87,6 +87,11 @@ class GraphedGenForward:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
+    @property
+    def row_counts(self) -> set[int]:
+        """The batch sizes (rows of the GEN forward) of the graphs kept now."""
+        return {len(key[0]) for key in self._graphs}
+
     def __call__(self, text: TextKV, layout: GenLayout, video, video_noisy, timesteps, actions=None,
                  action_noisy=None, domain_ids=None):
         tensors = (video, video_noisy, timesteps, actions, action_noisy, domain_ids)

@@ -635,10 +635,12 @@ class Cosmos3Engine:
         local_branches = branches[cfg_rank * rows_per_cfg_rank : (cfg_rank + 1) * rows_per_cfg_rank]
         num_rows = len(local_branches)
         if self._graphed_forward is not None and local_branches:
-            # CUDA graphs are kept per input shape: rows padded to a bucket let a vector env whose number of stepping
-            # slots changes (autoreset) replay a few graphs instead of capturing one per count. The padding rows
-            # repeat the first row; their outputs are dropped.
-            local_branches = local_branches + [local_branches[0]] * (_row_bucket(num_rows) - num_rows)
+            # CUDA graphs are kept per input shape: rows padded to a kept graph's size or a bucket let a vector env
+            # whose number of stepping slots changes (autoreset) replay the graphs it has instead of capturing more
+            # (each holds its own memory: the soak's host and GPU memory grew with every new capture). The padding
+            # rows repeat the first row; their outputs are dropped.
+            padded = _graph_rows(num_rows, self._graphed_forward.row_counts)
+            local_branches = local_branches + [local_branches[0]] * (padded - num_rows)
         rows = [b for b, _ in local_branches]
         row_index = torch.tensor(rows, dtype=torch.long, device=device)  # built once, not per step
         if rows:
@@ -730,6 +732,15 @@ class Cosmos3Engine:
 def _row_bucket(rows: int) -> int:
     """The padded row count of a CUDA-graphed batch: a power of two up to 8, then a multiple of 8."""
     return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
+
+
+def _graph_rows(rows: int, kept: set[int]) -> int:
+    """The row count a CUDA-graphed batch of ``rows`` runs at: the smallest kept graph's that is at most twice
+    ``rows`` (padding costs at most the rows again, in the denoiser only; a new graph costs a capture, a compile for
+    the new shape and the graph's memory for the engine's lifetime), else ``_row_bucket(rows)``. A 64-slot vector
+    env whose first step captured 64 rows thus replays that one graph while 32 to 64 slots step."""
+    fitting = [count for count in kept if rows <= count <= 2 * rows]
+    return min(fitting) if fitting else _row_bucket(rows)
 
 
 def _decode_frames(decode) -> str | None:
