@@ -62,9 +62,9 @@ def launch(args, name: str, extra: list[str], started: float) -> subprocess.Pope
                *args.shared, *extra]
     threads = args.threads or max(1, (os.cpu_count() or 1) // len(args.variants))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    log = open(work / f"{name}.log", "w")
     print(f"[{name}] {' '.join(command)}", flush=True)
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(work / f"{name}.log", "w") as log:  # the child keeps its own copy of the file descriptor
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def summary(args, name: str, returncode: int) -> dict:
