@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 from diffusers import Cosmos3OmniTransformer
 from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import Cosmos3OmniPipeline
@@ -110,3 +111,10 @@ def reference_velocities(
     )
     action_velocity = preds_action[0].float() if preds_action is not None else None
     return preds_vision[0].float(), action_velocity
+
+
+def relative_error(a, b) -> float:
+    """``|a - b| / |b|`` (Frobenius norms, float64) of two arrays or tensors: how the tests compare against a
+    reference."""
+    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()

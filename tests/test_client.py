@@ -29,6 +29,7 @@ from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.parallel.client import Cosmos3EngineClient, start_engine_client
 from cosmos3_gym.parallel.mesh import ParallelConfig
+from reference import relative_error
 
 BASE = dict(domain="pusht", chunk=4, num_inference_steps=2, fps=15.0, resolution_tier=256)
 ENGINE_KWARGS = dict(device="cpu", dtype="fp32", progress=False)
@@ -46,11 +47,6 @@ def requests() -> list[Cosmos3Request]:
         Cosmos3Request("forward_dynamics", image(2), "push", action=actions, guidance_scale=3.0, seed=2, **BASE),
         Cosmos3Request("policy", image(3), "reach", guidance_scale=1.0, seed=3, **BASE),
     ]
-
-
-def relative_error(a, b) -> float:
-    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 def gone(pid: int) -> bool:

@@ -14,13 +14,9 @@ from PIL import Image
 
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
+from reference import relative_error
 
 TIER, FPS, STEPS = 256, 15.0, 3
-
-
-def relative_error(a, b) -> float:
-    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from PIL import Image
 from cosmos3_gym.testing import build_tiny_checkpoint
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
+from reference import relative_error
 
 TOL = 1e-5
 BASE = dict(domain="pusht", chunk=4, num_inference_steps=2, fps=15.0, resolution_tier=256)
@@ -263,11 +264,6 @@ def reference_batch(checkpoint, name: str, seeds: tuple[int, ...]) -> list[dict]
 @functools.lru_cache(maxsize=None)
 def reference_engine(checkpoint) -> Cosmos3Engine:
     return load(checkpoint)
-
-
-def relative_error(a, b) -> float:
-    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 def check_layout(checkpoint, ranks: list[dict], layout: str) -> None:

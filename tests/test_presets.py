@@ -22,6 +22,7 @@ from cosmos3_gym.testing import build_tiny_checkpoint
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.sampling import make_schedule
+from reference import relative_error
 
 TASK = "put the marker in the bowl"
 # PR49's plain prompt for TASK, concat_view + the RoboLab camera description, 33 frames at 15 fps, 544x736 canvas.
@@ -363,11 +364,6 @@ def test_droid_robolab_request_is_pr49s(engine, tokenizer):
 
 def image(seed: int, size=(200, 280)) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8))
-
-
-def relative_error(a, b) -> float:
-    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 @pytest.fixture(scope="module")

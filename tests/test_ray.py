@@ -23,6 +23,7 @@ from cosmos3_gym.cli import main
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.parallel.ray_replicas import split_contiguous
+from reference import relative_error
 
 try:
     import ray
@@ -46,11 +47,6 @@ def image(seed: int, size=(200, 280)) -> Image.Image:
 
 def requests(n: int) -> list[Cosmos3Request]:
     return [Cosmos3Request("policy", image(i), f"task {i % 2}", seed=i, **BASE) for i in range(n)]
-
-
-def relative_error(a, b) -> float:
-    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 @pytest.fixture(scope="module")
