@@ -39,9 +39,9 @@ def write_video(path: str | os.PathLike, frames: np.ndarray, fps: float) -> Path
 def _write_without_ffmpeg(path: Path, frames: np.ndarray, fps: float) -> Path:
     try:
         import cv2
-
-        cv2.VideoWriter  # stand-ins for OpenCV (e.g. on bare GPU hosts) may lack the video writer
-    except (ImportError, AttributeError):
+    except ImportError:
+        cv2 = None
+    if not hasattr(cv2, "VideoWriter"):  # no OpenCV, or a stand-in without a video writer (bare GPU hosts)
         return write_video(path.with_suffix(".gif"), frames, fps)
     height, width = frames.shape[1:3]
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), float(fps), (width, height))

@@ -323,6 +323,28 @@ def test_write_video_falls_back_to_opencv_without_imageio_ffmpeg(tmp_path, monke
     capture.release()
 
 
+def test_write_video_writes_a_gif_when_cv2_has_no_video_writer(tmp_path, monkeypatch):
+    """GPU hosts carry a cv2 stand-in (resize only): without imageio-ffmpeg the video becomes a GIF, not a crash."""
+    import importlib.util
+    import sys
+    import types
+
+    import imageio.v3 as iio
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "imageio_ffmpeg" else find_spec(
+        name, *a))
+    monkeypatch.setitem(sys.modules, "cv2", types.ModuleType("cv2"))  # imports, but has no VideoWriter
+    frames = np.zeros((4, 16, 24, 3), np.uint8)
+    for i in range(4):  # distinct frames (a GIF writer may merge equal ones): a red band moving right
+        frames[i, :, 4 * i : 4 * i + 8, 0] = 255
+    path = write_video(tmp_path / "clip.mp4", frames, fps=10)
+    assert path == tmp_path / "clip.gif"
+    back = iio.imread(path, index=None)
+    assert back.shape[:3] == (4, 16, 24)
+    assert back[0, 8, 2, 0] > 200 and back[0, 8, 20, 0] < 50 and back[3, 8, 14, 0] > 200 and back[3, 8, 2, 0] < 50
+
+
 def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_assets, tmp_path):
     import sys
 

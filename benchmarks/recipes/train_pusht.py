@@ -232,8 +232,10 @@ def simulate(args, work: Path) -> dict:
         (data / "latent_cache").mkdir(exist_ok=True)
         for name in ("dataset", "heldout", "latent_cache"):
             link = work / name
-            if link.is_symlink() or link.exists():
-                shutil.rmtree(link) if link.is_dir() and not link.is_symlink() else link.unlink()
+            if link.is_dir() and not link.is_symlink():
+                shutil.rmtree(link)
+            elif link.is_symlink() or link.exists():
+                link.unlink()
             link.symlink_to(data.resolve() / name, target_is_directory=True)
     meta = json.loads((work / "dataset" / "meta.json").read_text())
     return {key: meta[key] for key in ("num_episodes", "steps_per_episode", "policies", "success_rate",

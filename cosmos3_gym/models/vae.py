@@ -354,13 +354,7 @@ class Cosmos3VAE(torch.nn.Module):
 def _decoder_forward(decoder: WanDecoder3d, x, feat_cache, feat_idx, first_chunk: bool, head: str):
     """``WanDecoder3d.forward`` (diffusers 0.42.1, copied) with a choice of output head: "all" (diffusers'), "none"
     (skip it: None) or "last" (only the pass's last output frame, from the last 3 frames; see ``_decode_in_chunks``)."""
-    idx = feat_idx[0]
-    cache_x = x[:, :, -CACHE_T:, :, :].clone()
-    if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
-        cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
-    x = decoder.conv_in(x, feat_cache[idx])
-    feat_cache[idx] = cache_x
-    feat_idx[0] += 1
+    x = _cached_causal_conv(decoder.conv_in, x, feat_cache, feat_idx)
     x = decoder.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
     for up_block in decoder.up_blocks:
         x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
@@ -373,11 +367,17 @@ def _decoder_forward(decoder: WanDecoder3d, x, feat_cache, feat_idx, first_chunk
         x = decoder.nonlinearity(decoder.norm_out(x[:, :, -3:]))
         return decoder.conv_out(x[:, :, -1:], x[:, :, :-1])
     x = decoder.nonlinearity(decoder.norm_out(x))
+    return _cached_causal_conv(decoder.conv_out, x, feat_cache, feat_idx)
+
+
+def _cached_causal_conv(conv, x, feat_cache, feat_idx):
+    """diffusers' step around one causal convolution of a chunked decode: convolve with the previous pass's cached
+    frames, then cache this input's last ``CACHE_T`` frames (with one frame of the old cache when it is shorter)."""
     idx = feat_idx[0]
     cache_x = x[:, :, -CACHE_T:, :, :].clone()
     if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
         cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
-    x = decoder.conv_out(x, feat_cache[idx])
+    x = conv(x, feat_cache[idx])
     feat_cache[idx] = cache_x
     feat_idx[0] += 1
     return x

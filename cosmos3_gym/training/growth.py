@@ -35,7 +35,8 @@ def layer_sources(old_layers: int, new_layers: int) -> list[tuple[int, bool]]:
 @torch.no_grad()
 def grow_depth(model: Cosmos3Transformer, num_layers: int) -> Cosmos3Transformer:
     """A new ``Cosmos3Transformer`` with ``num_layers`` layers per tower that computes what ``model`` does (see the
-    module docstring), on ``model``'s device and dtypes. ``model`` is left as it was."""
+    module docstring), on ``model``'s device and dtypes; ``model`` itself when it already has ``num_layers``. A
+    grown copy leaves ``model`` as it was."""
     old_layers = model.config.num_hidden_layers
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < old_layers:
         raise InputError(f"grow_depth: expected an integer >= the checkpoint's {old_layers} layers, got {num_layers!r}.")
