@@ -41,3 +41,17 @@ def tiny_ppo_model():
         for parameter in model.policy.parameters():
             parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
     return model
+
+
+@pytest.fixture
+def stub_engine_client(monkeypatch) -> list:
+    """``launcher.load_engine`` without worker processes: single-process env vars cleared, and the worker client
+    replaced by a stub that records its ``(path, config, kwargs)`` in the returned list and returns ``"client"``."""
+    from cosmos3_gym import launcher
+
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    started: list = []
+    monkeypatch.setattr(launcher, "Cosmos3EngineClient",
+                        lambda path, config, kwargs: started.append((path, config, kwargs)) or "client")
+    return started

@@ -158,13 +158,10 @@ def test_load_engine_picks_the_backend(tiny_checkpoint, monkeypatch):
     assert len(started) == 1
 
 
-def test_load_engine_passes_precision_to_every_rank(tiny_checkpoint, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    started = []
-    monkeypatch.setattr(launcher, "Cosmos3EngineClient", lambda path, config, kwargs: started.append(kwargs) or "c")
-    assert launcher.load_engine(tiny_checkpoint, dp=2, precision="fp8") == "c"
-    assert started[0]["precision"] == "fp8"  # the workers' from_pretrained gets it
+def test_load_engine_passes_precision_to_every_rank(tiny_checkpoint, stub_engine_client):
+    started = stub_engine_client
+    assert launcher.load_engine(tiny_checkpoint, dp=2, precision="fp8") == "client"
+    assert started[0][2]["precision"] == "fp8"  # the workers' from_pretrained gets it
     with pytest.raises(InputError, match="precision"):  # checked before any worker starts
         launcher.load_engine(tiny_checkpoint, dp=2, precision="int4")
     with pytest.raises(InputError, match="precision"):  # fp8 with tensor parallelism is refused up front
@@ -200,17 +197,12 @@ def test_env_load_options_reach_load_engine(tiny_checkpoint, monkeypatch):
                  initial_states=[np.zeros((96, 128, 3), np.uint8)], precision="fp8")
 
 
-def test_from_pretrained_with_ranks_is_deprecated_and_delegates(tiny_checkpoint, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    started = []
-    monkeypatch.setattr(launcher, "Cosmos3EngineClient", lambda path, config, kwargs: started.append(config)
-                        or "client")
+def test_from_pretrained_with_ranks_is_deprecated_and_delegates(tiny_checkpoint, stub_engine_client):
     with pytest.warns(DeprecationWarning, match="load_engine"):
         assert Cosmos3Engine.from_pretrained(tiny_checkpoint, tp=2, dtype="fp32") == "client"
     with pytest.warns(DeprecationWarning, match="load_engine"):
         Cosmos3Engine.from_pretrained(tiny_checkpoint, cfg_parallel=2)
-    assert started == [ParallelConfig(tp=2), ParallelConfig(cfg_parallel=2)]
+    assert [config for _, config, _ in stub_engine_client] == [ParallelConfig(tp=2), ParallelConfig(cfg_parallel=2)]
 
 
 # ---------------------------------------------------------------------- deprecated names

@@ -537,15 +537,12 @@ def test_settings_apply_a_preset_and_explicit_values_win():
             WorldModelSettings(**bad)
 
 
-def test_load_engine_gives_the_preset_to_the_workers(tiny_checkpoint, monkeypatch):
+def test_load_engine_gives_the_preset_to_the_workers(tiny_checkpoint, stub_engine_client):
     from cosmos3_gym import launcher
 
-    for var in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    started = []
-    monkeypatch.setattr(launcher, "Cosmos3EngineClient", lambda path, config, kwargs: started.append(kwargs) or "c")
-    assert launcher.load_engine(tiny_checkpoint, dp=2, preset="droid_robolab") == "c"
-    assert started[0]["preset"] == "droid_robolab"
+    started = stub_engine_client
+    assert launcher.load_engine(tiny_checkpoint, dp=2, preset="droid_robolab") == "client"
+    assert started[0][2]["preset"] == "droid_robolab"
     with pytest.raises(InputError, match="preset"):  # before any worker starts
         launcher.load_engine(tiny_checkpoint, dp=2, preset="nano")
     assert len(started) == 1
