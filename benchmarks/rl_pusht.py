@@ -313,7 +313,8 @@ def stage_grpo(run: Run, stage: str) -> None:
     config = GRPOConfig(iterations=args.iterations, group_size=args.group_size, horizon=args.horizon,
                         learning_rate=args.learning_rate, update_epochs=args.update_epochs,
                         minibatch_size=args.minibatch_size, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
-                        coverage_weight=args.coverage_weight, guard_every=args.guard_every, seed=args.seed)
+                        coverage_weight=args.coverage_weight,
+                        advantage_normalization=args.advantage_normalization, guard_every=args.guard_every, seed=args.seed)
     started = time.perf_counter()
     # Simulator workers fork before anything touches CUDA.
     replay_env = run.sim_env(starts, args.num_envs, 1, args.horizon) if stage == "grpo_wm" else None
@@ -382,7 +383,7 @@ def _iteration_line(key: str, record: dict) -> str:
 
 
 def stage_eval(run: Run) -> None:
-    for key in WORLDS.values():
+    for key in run.args.eval_policies:
         if not run.policy_path(key).is_file():
             print(f"eval: no {key} policy yet; skipped", flush=True)
             continue
@@ -467,9 +468,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--entropy-coef", type=float, default=0.0)
     parser.add_argument("--coverage-weight", type=float, default=0.1)
+    parser.add_argument("--advantage-normalization", choices=("group", "batch", "none"), default="group",
+                        help="GRPO's advantage: return minus group mean over the group's std, the batch's std or 1")
     parser.add_argument("--guard-every", type=int, default=1)
     parser.add_argument("--min-iou", type=float, default=0.8,
                         help="world-model frames whose block fits a rigid T worse than this score 0")
+    parser.add_argument("--eval-policies", default=",".join(WORLDS.values()),
+                        help=f"comma-separated GRPO policies the eval stage measures, of {','.join(WORLDS.values())}")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -483,6 +488,9 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:
         parser.error(f"--stages: unknown {unknown}; expected some of {list(STAGES)}")
+    args.eval_policies = [key.strip() for key in args.eval_policies.split(",") if key.strip()]
+    if not set(args.eval_policies) <= set(WORLDS.values()):
+        parser.error(f"--eval-policies: expected some of {list(WORLDS.values())}, got {args.eval_policies}")
     if args.num_envs % args.group_size:
         parser.error("--num-envs must be a multiple of --group-size")
     if args.eval_seed < args.seed + args.demo_episodes:

@@ -22,6 +22,22 @@ def test_group_advantages_are_normalised_within_groups():
     np.testing.assert_array_equal(advantages[4:], 0.0)  # equal returns: nothing to learn from
 
 
+def test_batch_and_unnormalised_advantages_keep_the_groups_relative_weight():
+    # Group 1 tells success from failure, group 2 differs by a tiny coverage amount: per-group std normalisation
+    # makes both +-1; the batch and unnormalised variants keep group 2's advantages 1000x smaller.
+    returns = np.array([1.0, 0.0, 0.0, 0.0, 0.001, 0.0, 0.0, 0.0])
+    grouped = group_advantages(returns, 4, "group")
+    np.testing.assert_allclose(grouped[:4], grouped[4:] * 1.0)
+    centred = np.array([0.75, -0.25, -0.25, -0.25, 0.00075, -0.00025, -0.00025, -0.00025])
+    np.testing.assert_allclose(group_advantages(returns, 4, "none"), centred)
+    batch = group_advantages(returns, 4, "batch")
+    np.testing.assert_allclose(batch, centred / centred.std())
+    np.testing.assert_allclose(batch[4:] / batch[:4], 0.001)
+    np.testing.assert_array_equal(group_advantages(np.full(8, 0.3), 4, "batch"), 0.0)
+    with pytest.raises(InputError, match="advantage_normalization"):
+        group_advantages(returns, 4, "mean")
+
+
 class ReachRight:
     """A toy vector env with the PushT envs' interface: success when the first action's x exceeds 0.3."""
 

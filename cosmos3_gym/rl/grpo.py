@@ -10,8 +10,9 @@ Readable top to bottom, CleanRL-style: the hyper-parameters are ``GRPOConfig``; 
    ``PushTSimVectorEnv`` (gym-pusht), so the trainer runs unchanged in both worlds.
 2. **Returns and advantages.** An episode's return is ``1[success] + coverage_weight * final score`` (sparse success,
    with a small dense term that separates failures: the score is ``info["coverage"]``, or the reward model's
-   ``info["score"]``). Its advantage is the return minus its group's mean over the group's std (no value network);
-   every chunk of the episode gets it. Groups whose returns are all equal teach nothing and get advantage 0.
+   ``info["score"]``). Its advantage is the return minus its group's mean (no value network), divided by the group's
+   std (GRPO), the batch's std or nothing (``advantage_normalization``, see ``group_advantages``); every chunk of the
+   episode gets it. Groups whose returns are all equal teach nothing and get advantage 0.
 3. **Update.** ``update_epochs`` passes of minibatches over the chunks of the rollouts: PPO's clipped ratio
    objective on the chunk's log-probability, minus ``entropy_coef`` x entropy, plus ``kl_coef`` x the k3 estimate of
    the KL to the reference policy (the behaviour-cloned start; keeps the policy near states the world model knows).
@@ -43,7 +44,9 @@ import torch
 from ..errors import CheckpointError, InputError
 from .policy import PixelGaussianPolicy, PolicyConfig
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "group_advantages"]
+__all__ = ["ADVANTAGE_NORMALIZATIONS", "GRPOConfig", "GRPOTrainer", "group_advantages"]
+
+ADVANTAGE_NORMALIZATIONS = ("group", "batch", "none")
 
 CHECKPOINT_FORMAT = "cosmos3_gym.grpo_checkpoint"
 Guard = Callable[[np.ndarray, np.ndarray, np.ndarray], dict[str, np.ndarray]]  # (starts, chunks, lengths) -> replay
@@ -61,6 +64,7 @@ class GRPOConfig:
     kl_coef: float = 0.05  # KL to the reference (behaviour-cloned) policy; 0 turns it off
     entropy_coef: float = 0.0
     coverage_weight: float = 0.1  # return = 1[success] + coverage_weight * final score
+    advantage_normalization: str = "group"  # "group", "batch" or "none": see group_advantages
     max_grad_norm: float = 1.0
     min_log_std: float = -4.0  # the Gaussian's log std is clamped here (no collapse, no blow-up)
     max_log_std: float = -1.0
@@ -68,12 +72,28 @@ class GRPOConfig:
     seed: int = 0
 
 
-def group_advantages(returns: np.ndarray, group_size: int) -> np.ndarray:
-    """``(return - group mean) / group std`` per slot (0 for groups whose returns are all equal)."""
+def group_advantages(returns: np.ndarray, group_size: int, normalization: str = "group") -> np.ndarray:
+    """Each slot's return minus its group's mean, divided by
+
+    * ``"group"``: the group's std (GRPO; 0 for groups whose returns are all equal). A group whose episodes all
+      fail but differ by 0.001 in coverage then gets advantages of +-1, as large as a group that tells success from
+      failure: with a sparse success and a small dense term the update follows the dense term's noise;
+    * ``"batch"``: the std over the whole batch of these differences (REINFORCE++-style): groups keep their
+      relative weight (success against failure counts ``1 / coverage_weight`` times a coverage difference);
+    * ``"none"``: nothing (Dr. GRPO, Liu et al. 2025: the std division biases the update towards easy and
+      hopeless groups).
+    """
+    if normalization not in ADVANTAGE_NORMALIZATIONS:
+        raise InputError(f"advantage_normalization: expected one of {ADVANTAGE_NORMALIZATIONS}, got {normalization!r}")
     grouped = np.asarray(returns, np.float64).reshape(-1, group_size)
-    std = grouped.std(axis=1, keepdims=True)
-    advantages = np.where(std > 1e-8, (grouped - grouped.mean(axis=1, keepdims=True)) / np.maximum(std, 1e-8), 0.0)
-    return advantages.reshape(-1)
+    centred = grouped - grouped.mean(axis=1, keepdims=True)
+    if normalization == "group":
+        std = grouped.std(axis=1, keepdims=True)
+        centred = np.where(std > 1e-8, centred / np.maximum(std, 1e-8), 0.0)
+    elif normalization == "batch":
+        std = centred.std()
+        centred = centred / std if std > 1e-8 else np.zeros_like(centred)
+    return centred.reshape(-1)
 
 
 @dataclass
@@ -104,6 +124,9 @@ class GRPOTrainer:
         if self.num_envs % self.config.group_size:
             raise InputError(f"group_size: num_envs ({self.num_envs}) must be a multiple of group_size "
                              f"({self.config.group_size}).")
+        if self.config.advantage_normalization not in ADVANTAGE_NORMALIZATIONS:
+            raise InputError(f"advantage_normalization: expected one of {ADVANTAGE_NORMALIZATIONS}, got "
+                             f"{self.config.advantage_normalization!r}")
         if num_starts is None:
             starts = getattr(env, "initial_states", None)
             if starts is None:
@@ -168,7 +191,7 @@ class GRPOTrainer:
                 break
 
         returns = success.astype(np.float64) + config.coverage_weight * final_score
-        advantages = group_advantages(returns, config.group_size)
+        advantages = group_advantages(returns, config.group_size, config.advantage_normalization)
         owner = np.concatenate(owners)
         stats = {
             "success_rate": float(success.mean()),
