@@ -10,6 +10,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 import cosmos3_gym  # noqa: F401  (registers the env ids)
@@ -311,4 +312,6 @@ def test_recipe_smoke_run(tmp_path):
     assert results["speed"]["gflop_per_last_frame"]["ratio"] > 10
     assert set(results["speed"]["batches"]) == {"1", "2"}
     LightDecoder.from_pretrained(tmp_path / "light_decoder")  # installable as <checkpoint>/light_decoder
+    weights = safetensors.torch.load_file(str(tmp_path / "light_decoder" / "model.safetensors"))
+    assert {tensor.dtype for tensor in weights.values()} == {torch.float16}  # --save-dtype's default
     shutil.rmtree(tmp_path / "work")

@@ -18,9 +18,10 @@ Needs gym-pusht (the ``sim`` extra). Stages:
    as ``decoder="light"`` runs it (the same dtype, channels-last), at ``--timing-batches`` (device-synchronised,
    median of ``--timing-repeats``), and conv FLOPs per last frame at batch 1 (``torch.utils.flop_counter``).
 
-Files in ``--out``: ``light_decoder/`` (config.json, model.safetensors, train_log.jsonl, train_config.json; a few MB:
-copy it to ``<assets>/checkpoint/light_decoder`` to install it) and ``train_light_decoder.json`` (settings, stage
-timings, metrics; card, commit and command). Datasets stay in ``--work``.
+Files in ``--out``: ``light_decoder/`` (config.json, model.safetensors in ``--save-dtype``, train_log.jsonl,
+train_config.json; 2.2 MB at the default size in fp16: copy it to ``<assets>/checkpoint/light_decoder`` to install
+it) and ``train_light_decoder.json`` (settings, stage timings, metrics; card, commit and command). Datasets stay in
+``--work``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from cosmos3_gym.training.light_decoder import (  # noqa: E402
 RESULTS_NAME = "train_light_decoder.json"
 DECODER_DIR = "light_decoder"
 MAX_DECODER_MB = 16.0  # what comes back from the device machine
+SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 FULL = dict(episodes=256, steps_per_episode=128, heldout_episodes=32, image_size=None, seconds=210.0,
             max_steps=100_000, batch_size=32, lr=1e-3, channels="128,96,64,32", blocks="2,1,1,1",
@@ -74,6 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stride", type=int, default=None, help="frames between windows (default: the chunk)")
     parser.add_argument("--encode-batch-size", type=int, default=64)
     parser.add_argument("--results-name", default=RESULTS_NAME)
+    parser.add_argument("--save-dtype", choices=sorted(SAVE_DTYPES), default="float16", help="stored weights")
     for name, value in FULL.items():  # sizes and budgets, defaulting to FULL (or SMOKE with --smoke)
         kind = int if name == "image_size" else type(value)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
@@ -193,8 +196,12 @@ def main(argv: list[str] | None = None) -> dict:
             steps=args.max_steps, seconds=args.seconds, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
             device=args.device, warmup_steps=min(100, args.max_steps // 10),
         )
-        decoder = stage("train", train_light_decoder, train_windows, decoder_dir, config)
+        stage("train", train_light_decoder, train_windows, decoder_dir, config)
         del train_windows  # gigabytes of frames on the device
+        # What ships: the weights in --save-dtype (fp16 halves the assets; the engine runs bf16 on a GPU anyway),
+        # evaluated as loaded back from the folder.
+        LightDecoder.from_pretrained(decoder_dir).save_pretrained(decoder_dir, dtype=SAVE_DTYPES[args.save_dtype])
+        decoder = LightDecoder.from_pretrained(decoder_dir, device=args.device)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         train_config = json.loads((decoder_dir / "train_config.json").read_text())

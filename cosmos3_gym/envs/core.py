@@ -481,7 +481,8 @@ def _object_array(values: list[Any]) -> np.ndarray:
 def _resolve_engine(checkpoint, engine, **load_options: Any):
     """The env's engine: the one given (any ``WorldModelEngine``), or ``load_engine(checkpoint, **load_options)``
     (``ENGINE_LOAD_KEYS``: device, dtype, vae_dtype, precision, optimize, backend, tp, cfg_parallel, dp, decoder).
-    With tp/cfg_parallel/dp > 1 (outside torchrun) that starts worker processes and returns a client with the same API."""
+    With tp/cfg_parallel/dp > 1 (outside torchrun) that starts worker processes and returns a client with the same
+    API."""
     if engine is not None:
         if checkpoint is not None:
             raise InputError("checkpoint: give either checkpoint= or engine=, not both.")

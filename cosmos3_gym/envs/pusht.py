@@ -209,8 +209,8 @@ def _make_with_builtin_engine(factory, args: tuple, arguments: dict[str, Any], o
     own_choice = any(name in arguments for name in ENGINE_LOAD_KEYS if name not in ("device", "dtype", "decoder"))
     if not optimize or arguments.get("engine") is not None or own_choice:
         return factory(*args, **arguments)
-    engine = fast_pusht_engine(arguments.pop("checkpoint"), arguments.pop("device", None), arguments.pop("dtype", None),
-                               decoder=arguments.pop("decoder", "vae"))
+    engine = fast_pusht_engine(arguments.pop("checkpoint"), arguments.pop("device", None),
+                               arguments.pop("dtype", None), decoder=arguments.pop("decoder", "vae"))
     try:
         env = factory(*args, engine=engine, **arguments)
     except BaseException:
