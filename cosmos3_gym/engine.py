@@ -42,7 +42,7 @@ from transformers import AutoTokenizer
 
 from . import presets, processor
 from .checkpoint import resolve_checkpoint, validate_checkpoint
-from .errors import InputError
+from .errors import CheckpointError, InputError
 from .models.light_decoder import LightDecoder
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
 from .models.vae import Cosmos3VAE
@@ -205,6 +205,7 @@ class Cosmos3Engine:
         self.parallel = parallel or ParallelContext(ParallelConfig(), None, transformer.device)
         if light_decoder is not None:
             check_decoder("light", self.parallel.config)
+            _check_light_decoder_fits(light_decoder, vae)
         self._owns_process_group = owns_process_group
         self.transformer = transformer.eval().requires_grad_(False)
         self.vae = vae.eval().requires_grad_(False)
@@ -347,7 +348,7 @@ class Cosmos3Engine:
             graphed_forward=self._graphed_forward,
         )
         self.vae.fuse_decoder_norms()
-        if self.light_decoder is not None:
+        if self.light_decoder is not None:  # channels-last convolutions (the engine's light decoder: bf16 on a GPU)
             self.light_decoder.use_channels_last()
         return self
 
@@ -799,6 +800,16 @@ def check_decoder(decoder, config: ParallelConfig) -> None:
             f"decoder: 'light' decodes in one process; with cfg_parallel * tp = {config.cfg_parallel * config.tp} "
             "the decode is tile-parallel over the ranks, which only the VAE does: use decoder='vae'"
         )
+
+
+def _check_light_decoder_fits(light_decoder: LightDecoder, vae: Cosmos3VAE) -> None:
+    """The light decoder reads the VAE's latents and gives its frames: same channels and compressions."""
+    for name in ("latent_channels", "spatial_compression", "temporal_compression"):
+        if getattr(light_decoder, name) != getattr(vae, name):
+            raise CheckpointError(
+                f"{LIGHT_DECODER_DIR}/config.json: {name} {getattr(light_decoder, name)} does not match the VAE's "
+                f"{getattr(vae, name)}; it was trained for another latent space"
+            )
 
 
 def find_light_decoder(checkpoint_root: str | Path) -> Path:

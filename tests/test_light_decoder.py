@@ -286,6 +286,15 @@ def test_decoder_option_errors_name_the_field(tiny_assets_without_light, stub_en
     assert stub_engine_client[0][2]["decoder"] == "vae"  # the workers' from_pretrained gets it
 
 
+def test_a_light_decoder_for_another_latent_space_is_refused(tmp_path, tiny_checkpoint):
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    LightDecoder(LightDecoderConfig(latent_channels=8, channels=(4, 4, 4, 4), blocks=(0, 0, 0, 0))).save_pretrained(
+        checkpoint / LIGHT_DECODER_DIR)
+    with pytest.raises(CheckpointError, match="latent_channels 8 does not match the VAE's 16"):
+        Cosmos3Engine.from_pretrained(checkpoint, decoder="light", progress=False)
+
+
 @pytest.fixture(scope="module")
 def tiny_assets_without_light(tmp_path_factory, tiny_checkpoint) -> Path:
     return build_tiny_pusht_assets(tmp_path_factory.mktemp("pusht_plain"), tiny_checkpoint)
