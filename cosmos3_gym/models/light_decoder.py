@@ -240,7 +240,8 @@ class LightDecoder(torch.nn.Module):
         return self
 
     def _channels_last(self, x: torch.Tensor) -> torch.Tensor:
-        if self.conv_in.weight.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 1:
+        # once at the input: every convolution after it keeps the layout of its input and weights
+        if self.conv_in.weight.is_contiguous(memory_format=torch.channels_last):
             return x.contiguous(memory_format=torch.channels_last)
         return x
 
