@@ -184,6 +184,15 @@ def test_training_steps_lower_the_loss_and_are_seeded(tmp_path):
     assert torch.equal(LightDecoder.from_pretrained(tmp_path / "a").conv_in.weight, trained.conv_in.weight)
 
 
+def test_latent_noise_perturbs_training_and_stays_seeded():
+    windows = random_windows()
+    settings = dict(decoder=TINY, steps=3, batch_size=2, device="cpu", progress=False)
+    plain = train_light_decoder(windows, None, LightDecoderTrainConfig(**settings))
+    noisy = [train_light_decoder(windows, None, LightDecoderTrainConfig(**settings, latent_noise=0.5)) for _ in "ab"]
+    assert torch.equal(noisy[0].conv_in.weight, noisy[1].conv_in.weight)
+    assert not torch.equal(plain.conv_in.weight, noisy[0].conv_in.weight)
+
+
 def test_time_budget_stops_training(tmp_path):
     config = LightDecoderTrainConfig(decoder=TINY, steps=10_000, seconds=0.5, batch_size=2, device="cpu",
                                      progress=False)

@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stride", type=int, default=None, help="frames between windows (default: the chunk)")
     parser.add_argument("--encode-batch-size", type=int, default=64)
     parser.add_argument("--results-name", default=RESULTS_NAME)
+    parser.add_argument("--latent-noise", type=float, default=0.0,
+                        help="std of noise added to the training latents (LightDecoderTrainConfig.latent_noise)")
     parser.add_argument("--save-dtype", choices=sorted(SAVE_DTYPES), default="float16", help="stored weights")
     for name, value in FULL.items():  # sizes and budgets, defaulting to FULL (or SMOKE with --smoke)
         kind = int if name == "image_size" else type(value)
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
             decoder=LightDecoderConfig(latent_channels=vae.latent_channels, channels=ints(args.channels),
                                        blocks=ints(args.blocks), temporal_compression=vae.temporal_compression),
             steps=args.max_steps, seconds=args.seconds, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-            device=args.device, warmup_steps=min(100, args.max_steps // 10),
+            device=args.device, warmup_steps=min(100, args.max_steps // 10), latent_noise=args.latent_noise,
         )
         stage("train", train_light_decoder, train_windows, decoder_dir, config)
         del train_windows  # gigabytes of frames on the device

@@ -10,8 +10,9 @@ Loss, per pixel frame of the window: ``l1_weight * L1 + gradient_weight * L1 of 
 differences`` (edges: the agent and the T's outline), with the VAE trainer's contrast weighting
 (``training.vae.reconstruction_weights``: pixels away from the background count more, PushT being mostly empty
 table) and ``last_frame_weight`` extra on each latent frame's last pixel frame (frames 0, 4, 8, ...: the one the env
-returns with ``decode="last"``). AdamW, warmup then cosine, bf16 autocast on a GPU, a step budget and optionally a
-time budget (``seconds``: then the schedule follows the elapsed time, and the step count depends on the machine).
+returns with ``decode="last"``); ``latent_noise`` optionally perturbs the latents (the world model's are generated).
+AdamW, warmup then cosine, bf16 autocast on a GPU, a step budget and optionally a time budget (``seconds``: then the
+schedule follows the elapsed time, and the step count depends on the machine).
 ``decoder_psnr`` measures the result on held-out windows against the real frames and the exact VAE decode.
 """
 
@@ -57,6 +58,9 @@ class LightDecoderTrainConfig:
     gradient_weight: float = 0.5
     contrast_weight: float = 10.0  # as the PushT VAE was trained (benchmarks/recipes/train_pusht.py)
     last_frame_weight: float = 1.0
+    # std of Gaussian noise added to the (unit-variance) latents of each batch: robustness to the world model's
+    # generated latents, which are near but not on the encoder's outputs; 0 trains on the encoded latents as they are
+    latent_noise: float = 0.0
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
     bf16: bool = True  # bf16 autocast on CUDA; ignored on CPU
@@ -81,7 +85,7 @@ class LightDecoderTrainConfig:
         if self.seconds is not None and (not isinstance(self.seconds, (int, float)) or not self.seconds > 0):
             fail("seconds", "a positive number or None")
         for name in ("lr", "weight_decay", "grad_clip", "l1_weight", "gradient_weight", "contrast_weight",
-                     "last_frame_weight"):
+                     "last_frame_weight", "latent_noise"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 fail(name, "a finite number >= 0")
@@ -228,8 +232,12 @@ def train_light_decoder(
             group["lr"] = lr
         index = torch.randint(len(data), (config.batch_size,), generator=generator).to(device)
         target = data.frames[index].float() / 255.0
+        latents = data.latents[index]
+        if config.latent_noise > 0:
+            noise = torch.randn(latents.shape, generator=generator).to(device)
+            latents = latents + config.latent_noise * noise
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss, parts = light_decoder_loss(decoder, data.latents[index], target, config)
+            loss, parts = light_decoder_loss(decoder, latents, target, config)
         loss.backward()
         if config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(decoder.parameters(), config.grad_clip)
