@@ -314,16 +314,38 @@ def tiny_assets_without_light(tmp_path_factory, tiny_checkpoint) -> Path:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_recipe_smoke_run(tmp_path):
-    pytest.importorskip("gym_pusht")
+def import_benchmark(name: str, folder: str = "benchmarks"):
+    import importlib
     import sys
 
-    recipes = Path(__file__).resolve().parents[1] / "benchmarks" / "recipes"
-    sys.path.insert(0, str(recipes))
+    path = str(Path(__file__).resolve().parents[1] / folder)
+    sys.path.insert(0, path)
     try:
-        import train_light_decoder as recipe
+        return importlib.import_module(name)
     finally:
-        sys.path.remove(str(recipes))
+        sys.path.remove(path)
+
+
+def test_throughput_benchmark_measures_the_light_path_beside_the_default(tmp_path, light_assets):
+    """``--decoder light --light-decoder DIR``: DIR installed into a copy of assets that have none, and a third path
+    measured in the same run (tiny model on a CPU: the plumbing, not the speed)."""
+    benchmark = import_benchmark("pusht_env_throughput_gpu")
+    plain = tmp_path / "plain"
+    shutil.copytree(light_assets, plain)
+    shutil.rmtree(plain / "checkpoint" / LIGHT_DECODER_DIR)
+    tiny_decoder(seed=2).save_pretrained(tmp_path / "trained")
+    results = benchmark.main(["--device", "cpu", "--envs", "1", "--steps", "1", "--warmup", "0",
+                              "--fidelity-episodes", "0", "--decoder", "light", "--light-decoder",
+                              str(tmp_path / "trained"), "--assets", str(plain), "--out", str(tmp_path / "out")])
+    entry = results["envs_1"]
+    assert {"baseline", "default", "light", "light_speedup_over_default", "light_obs_psnr_db"} <= set(entry)
+    installed = Path(results["settings"]["assets"]) / "checkpoint" / LIGHT_DECODER_DIR
+    assert torch.equal(LightDecoder.from_pretrained(installed).conv_in.weight, tiny_decoder(seed=2).conv_in.weight)
+
+
+def test_recipe_smoke_run(tmp_path):
+    pytest.importorskip("gym_pusht")
+    recipe = import_benchmark("train_light_decoder", "benchmarks/recipes")
     results = recipe.main(["--smoke", "--out", str(tmp_path), "--workers", "1", "--work", str(tmp_path / "work")])
     assert results["windows"]["train"] > 0 and results["training"]["steps"] >= 1
     assert set(results["psnr_db"]["last_frame"]) == {"light_vs_real", "vae_vs_real", "light_vs_vae"}
