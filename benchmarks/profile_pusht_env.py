@@ -4,7 +4,8 @@
     python benchmarks/profile_pusht_env.py --device cuda --envs 1,16,64,256 --out $OUT  # one GPU, ~3 min
 
 For each env count and each path (``--paths``: ``fast``, the default of ``gym.make_vec("cosmos3_gym/PushT-v0")``;
-``baseline``, the same env with ``optimize=False``: eager engine, fp32 VAE, every frame decoded), random actions:
+``baseline``, the same env with ``optimize=False``: eager engine, fp32 VAE, every frame decoded; with ``--decoder
+light`` also ``light``, the default env with ``decoder="light"``), random actions:
 
 * ``step_s``: wall time of one ``env.step`` (median of ``--steps`` after ``--warmup``), env steps/s = envs / step_s;
 * ``stages_s``: host time per stage of one step, measured with a device sync around each stage (so the stages add
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import add_output_arguments, check_results_target, provenance, sync, write_results  # noqa: E402
 from profile_gpu import profile_call, summarise  # noqa: E402
+from pusht_env_throughput_gpu import install_light_decoder  # noqa: E402
 
 from cosmos3_gym.envs.pusht import make_pusht_vector_env  # noqa: E402
 
@@ -107,10 +109,14 @@ def stub_model(engine) -> None:
     engine._graphed_forward = forward
     engine.vae.encode = encode
     engine.vae.decode = decode
+    if getattr(engine, "light_decoder", None) is not None:
+        engine.light_decoder.decode = decode
 
 
 def measure(num_envs: int, path: str, args) -> dict:
-    env = make_pusht_vector_env(num_envs, device=args.device, optimize=path == "fast")
+    options = {"decoder": "light"} if path == "light" else {}
+    env = make_pusht_vector_env(num_envs, assets_dir=args.assets, device=args.device, optimize=path != "baseline",
+                                **options)
     if args.host_only:
         stub_model(env.engine)
     try:
@@ -170,6 +176,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--envs", default="1,16,64,256", help="comma-separated env counts")
     parser.add_argument("--paths", default="fast,baseline", help="fast (the default env) and/or baseline")
+    parser.add_argument("--decoder", choices=("vae", "light"), default="vae",
+                        help="light: also profile the default env with decoder='light' (path 'light')")
+    parser.add_argument("--light-decoder", default=None,
+                        help="a trained light decoder folder, installed into a temporary copy of the assets "
+                             "(default: the assets' own checkpoint/light_decoder)")
+    parser.add_argument("--assets", default=None, help="PushT model folder (default: the installed built-in one)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, CUDA-graph captures)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -179,8 +191,13 @@ def main(argv=None) -> dict:
     add_output_arguments(parser)
     parser.add_argument("--name", default=None, help="results file name (default: profile_pusht_env_<device>.json)")
     args = parser.parse_args(argv)
+    if args.light_decoder and args.decoder != "light":
+        parser.error("--light-decoder goes with --decoder light")
     name = args.name or f"profile_pusht_env_{args.device.split(':')[0]}.json"
     check_results_target(name, args.out, args.overwrite)  # before measuring
+    if args.light_decoder:
+        args.assets = str(install_light_decoder(args.assets, Path(args.light_decoder)))
+    paths = args.paths.split(",") + (["light"] if args.decoder == "light" else [])
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {
@@ -189,7 +206,7 @@ def main(argv=None) -> dict:
                      "torch_threads": torch.get_num_threads()},
     }
     for num_envs in [int(n) for n in args.envs.split(",")]:
-        for path in args.paths.split(","):
+        for path in paths:
             try:
                 entry = measure(num_envs, path, args)
             except torch.OutOfMemoryError as error:

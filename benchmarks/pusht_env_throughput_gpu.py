@@ -2,12 +2,16 @@
 
     python benchmarks/pusht_env_throughput_gpu.py --out $OUT                       # one GPU, ~5 min
     python benchmarks/pusht_env_throughput_gpu.py --device cpu --envs 1 --steps 5 --fidelity-episodes 0   # CPU
+    python benchmarks/pusht_env_throughput_gpu.py --decoder light --light-decoder $OUT/light_decoder --out $OUT
 
 Two envs per env count, built by ``gym.make_vec("cosmos3_gym/PushT-v0", num_envs=N)``'s entry point:
 
 * ``baseline``: ``optimize=False``, the path before issue 24 (eager engine, fp32 VAE, every frame decoded);
 * ``default``: what ``gym.make_vec`` gives now (GPU: ``engine.optimize()``, bf16 VAE, direct convolutions, only the
-  frame the env returns decoded; CPU: the fp32 VAE's eager fast path).
+  frame the env returns decoded; CPU: the fp32 VAE's eager fast path);
+* with ``--decoder light`` a third, ``light``: the default with ``decoder="light"`` (the model's
+  ``light_decoder/`` decodes instead of the VAE). ``--light-decoder DIR`` installs a trained one
+  (``benchmarks/recipes/train_light_decoder.py``'s output) into a temporary copy of the assets first.
 
 Both reset with the same seed and step with the same random actions, **interleaved** (baseline step, default step,
 ...), so load changes hit both alike. Per env count: median seconds per step (the latency of one env step at N envs),
@@ -22,6 +26,7 @@ engine and the default engine, with 95 % CIs (both decode every frame there: the
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "recipes"))  # fidelity
 
 from common import add_output_arguments, check_results_target, provenance, sync, write_results  # noqa: E402
 
-from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
+from cosmos3_gym.engine import LIGHT_DECODER_DIR, Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import fast_pusht_engine, load_pusht_assets, make_pusht_vector_env  # noqa: E402
 
-PATHS = ("baseline", "default")
+BASE_PATHS = ("baseline", "default")
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -48,14 +53,24 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if error == 0 else float(10 * np.log10(1 / error))
 
 
+def paths(args) -> tuple[str, ...]:
+    return BASE_PATHS + (("light",) if args.decoder == "light" else ())
+
+
+def make_env(path: str, num_envs: int, args):
+    options = {"decoder": "light"} if path == "light" else {}
+    return make_pusht_vector_env(num_envs, assets_dir=args.assets, device=args.device, optimize=path != "baseline",
+                                 **options)
+
+
 def measure(num_envs: int, args) -> dict:
-    envs = {path: make_pusht_vector_env(num_envs, device=args.device, optimize=path == "default") for path in PATHS}
+    envs = {path: make_env(path, num_envs, args) for path in paths(args)}
     try:
         observations = {path: env.reset(seed=0)[0] for path, env in envs.items()}
         space = envs["baseline"].action_space
         space.seed(0)
-        times = {path: [] for path in PATHS}
-        obs_psnr = []
+        times = {path: [] for path in envs}
+        obs_psnr, light_psnr = [], []
         for step in range(args.warmup + args.steps):
             actions = space.sample()
             for path, env in envs.items():
@@ -66,12 +81,17 @@ def measure(num_envs: int, args) -> dict:
                 if step >= args.warmup:
                     times[path].append(time.perf_counter() - start)
             obs_psnr.append(psnr(observations["baseline"]["image"], observations["default"]["image"]))
+            if "light" in observations:
+                light_psnr.append(psnr(observations["default"]["image"], observations["light"]["image"]))
         entry = {}
-        for path in PATHS:
+        for path in envs:
             step_s = statistics.median(times[path])
             entry[path] = {"step_s": step_s, "step_times_s": times[path], "env_steps_per_s": num_envs / step_s}
         entry["speedup"] = entry["baseline"]["step_s"] / entry["default"]["step_s"]
         entry["obs_psnr_db"] = obs_psnr  # per step, warm-up steps included (step 1 first)
+        if "light" in entry:
+            entry["light_speedup_over_default"] = entry["default"]["step_s"] / entry["light"]["step_s"]
+            entry["light_obs_psnr_db"] = light_psnr  # light against default, per step (they drift apart too)
         if torch.cuda.is_available():
             entry["gpu_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
         return entry
@@ -92,7 +112,7 @@ def fidelity(args) -> dict:
 
     from cosmos3_gym.sim import pusht
 
-    assets = load_pusht_assets()
+    assets = load_pusht_assets(args.assets)
     chunk = int(assets.meta["chunk"])
     heldout = pusht.generate_pusht_dataset(
         Path(tempfile.mkdtemp()) / "heldout", args.fidelity_episodes, steps_per_episode=args.fidelity_chunks * chunk,
@@ -100,16 +120,27 @@ def fidelity(args) -> dict:
     )
     episodes = load_episodes(heldout, args.fidelity_episodes)
     results = {}
-    for path in PATHS:
+    for path in paths(args):
         if path == "baseline":
             engine = Cosmos3Engine.from_pretrained(assets.checkpoint, device=args.device, progress=False)
         else:
-            engine = fast_pusht_engine(assets.checkpoint, device=args.device)
+            engine = fast_pusht_engine(assets.checkpoint, device=args.device,
+                                       decoder="light" if path == "light" else "vae")
         try:
             results[path] = forward_fidelity(engine, assets.root, episodes, args.fidelity_chunks)
         finally:
             engine.close()
     return results
+
+
+def install_light_decoder(assets_dir: str | None, light_decoder: Path) -> Path:
+    """A temporary copy of the PushT assets with ``light_decoder`` as its checkpoint's light decoder."""
+    source = load_pusht_assets(assets_dir).root
+    target = Path(tempfile.mkdtemp(prefix="pusht_light_")) / "pusht"
+    shutil.copytree(source, target)
+    shutil.rmtree(target / "checkpoint" / LIGHT_DECODER_DIR, ignore_errors=True)
+    shutil.copytree(light_decoder, target / "checkpoint" / LIGHT_DECODER_DIR)
+    return target
 
 
 def main(argv=None) -> dict:
@@ -124,11 +155,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="torch.backends.cudnn.benchmark for both paths (the decoder's thin convolutions)")
+    parser.add_argument("--decoder", choices=("vae", "light"), default="vae",
+                        help="light: also measure the default env with decoder='light' (a third path)")
+    parser.add_argument("--light-decoder", default=None,
+                        help="a trained light decoder folder to measure, installed into a temporary copy of the "
+                             "assets (default: the assets' own checkpoint/light_decoder)")
+    parser.add_argument("--assets", default=None, help="PushT model folder (default: the installed built-in one)")
     add_output_arguments(parser)
     parser.add_argument("--name", default=None)
     args = parser.parse_args(argv)
+    if args.light_decoder and args.decoder != "light":
+        parser.error("--light-decoder goes with --decoder light")
     name = args.name or f"pusht_env_throughput_{'cpu' if args.device == 'cpu' else 'gpu'}.json"
     check_results_target(name, args.out, args.overwrite)  # before measuring
+    if args.light_decoder:
+        args.assets = str(install_light_decoder(args.assets, Path(args.light_decoder)))
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
@@ -146,6 +187,11 @@ def main(argv=None) -> dict:
                   f"{entry['default']['step_s'] * 1e3:8.1f} ms/step ({entry['default']['env_steps_per_s']:7.1f} "
                   f"env steps/s), {entry['speedup']:.2f}x; obs PSNR step 1 {entry['obs_psnr_db'][0]:.1f} dB",
                   flush=True)
+            if "light" in entry:
+                print(f"{num_envs:4d} envs: light {entry['light']['step_s'] * 1e3:8.1f} ms/step "
+                      f"({entry['light']['env_steps_per_s']:7.1f} env steps/s), "
+                      f"{entry['light_speedup_over_default']:.2f}x over default; obs PSNR vs default step 1 "
+                      f"{entry['light_obs_psnr_db'][0]:.1f} dB", flush=True)
     if args.fidelity_episodes > 0:
         results["fidelity"] = fidelity(args)
         for path, entry in results["fidelity"].items():

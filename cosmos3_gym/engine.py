@@ -42,7 +42,8 @@ from transformers import AutoTokenizer
 
 from . import presets, processor
 from .checkpoint import resolve_checkpoint, validate_checkpoint
-from .errors import InputError
+from .errors import CheckpointError, InputError
+from .models.light_decoder import LightDecoder
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
 from .models.vae import Cosmos3VAE
 from .parallel.collectives import (
@@ -57,6 +58,10 @@ from .quantization import apply_precision, check_precision
 from .sampling import FlowUniPCSampler, Schedule, cfg_combine, make_schedule
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
+# What decodes latents to pixels: "vae" (the checkpoint's VAE decoder, exact) or "light" (a ``LightDecoder`` trained
+# for the same latent space, read from the checkpoint's LIGHT_DECODER_DIR; cheaper, approximate).
+DECODERS = ("vae", "light")
+LIGHT_DECODER_DIR = "light_decoder"
 
 
 @dataclass
@@ -193,12 +198,18 @@ class Cosmos3Engine:
         text_cache_size: int = 256,
         parallel: ParallelContext | None = None,
         owns_process_group: bool = False,
+        light_decoder: LightDecoder | None = None,
     ):
-        """``transformer`` must already be sharded for ``parallel``'s tp group (``apply_tensor_parallel``)."""
+        """``transformer`` must already be sharded for ``parallel``'s tp group (``apply_tensor_parallel``).
+        ``light_decoder``: decodes instead of the VAE (``from_pretrained(decoder="light")``)."""
         self.parallel = parallel or ParallelContext(ParallelConfig(), None, transformer.device)
+        if light_decoder is not None:
+            check_decoder("light", self.parallel.config)
+            _check_light_decoder_fits(light_decoder, vae)
         self._owns_process_group = owns_process_group
         self.transformer = transformer.eval().requires_grad_(False)
         self.vae = vae.eval().requires_grad_(False)
+        self.light_decoder = light_decoder.eval().requires_grad_(False) if light_decoder is not None else None
         self.tokenizer = tokenizer
         self.scheduler_config = dict(scheduler_config)
         self.decode_video = decode_video
@@ -229,6 +240,7 @@ class Cosmos3Engine:
         cfg: int | None = None,
         precision: str = "bf16",
         preset: str | None = None,
+        decoder: str = "vae",
     ) -> "Cosmos3Engine":
         """Load a diffusers-layout Cosmos3 checkpoint (local directory or hub id) into this process.
 
@@ -249,11 +261,16 @@ class Cosmos3Engine:
         the ``fp8`` extra); "bf16" (default) keeps them in ``dtype``.
 
         ``preset`` (``presets.PRESETS``, e.g. "droid_robolab") is applied to every request that names none.
+
+        ``decoder`` "light" decodes with the ``LightDecoder`` in the checkpoint's ``light_decoder/`` folder instead
+        of the VAE (cheaper, approximate; both ``decode="all"`` and ``"last"``), in ``vae_dtype``. Not with the
+        tile-parallel decode: cfg_parallel * tp must be 1 (dp replicas are fine).
         """
         if preset is not None:
             presets.get_preset(preset)  # an unknown name fails before anything loads
         config = resolve_parallel_config(parallel, tp=tp, cfg_parallel=cfg_parallel, dp=dp, cfg=cfg)
         check_precision(precision, tp=config.tp)
+        check_decoder(decoder, config)
         context = parallel if isinstance(parallel, ParallelContext) else None
         launched = in_process_group()
         if context is None and config.world_size > 1 and not launched:
@@ -267,8 +284,10 @@ class Cosmos3Engine:
             return load_engine(
                 path_or_id, parallel=config, backend="mp", device=device, dtype=dtype, vae_dtype=vae_dtype,
                 decode_video=decode_video, progress=progress, optimize=optimize, precision=precision, preset=preset,
+                decoder=decoder,
             )
         layout = validate_checkpoint(resolve_checkpoint(path_or_id))
+        light_decoder_dir = find_light_decoder(layout.root) if decoder == "light" else None
         # Checked from config.json before any weights are read, on every rank alike.
         check_tensor_parallel(Cosmos3TransformerConfig.from_dict(layout.transformer_config), config.tp)
 
@@ -295,10 +314,13 @@ class Cosmos3Engine:
         parallelize_transformer(transformer, context)  # tensor parallel; optimize() adds the rest of the plan
         apply_precision(transformer, precision)  # before optimize(): compile and CUDA graphs capture the FP8 GEMMs
         vae = Cosmos3VAE.from_pretrained(layout.vae_dir, device=device, dtype=vae_dtype)
+        light_decoder = None
+        if light_decoder_dir is not None:
+            light_decoder = LightDecoder.from_pretrained(light_decoder_dir, device=device, dtype=vae_dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(layout.text_tokenizer_dir))
         engine = cls(
             transformer, vae, tokenizer, layout.scheduler_config, decode_video=decode_video, progress=progress,
-            parallel=context, owns_process_group=owns_process_group,
+            parallel=context, owns_process_group=owns_process_group, light_decoder=light_decoder,
         )
         engine.preset = preset
         return engine.optimize() if optimize else engine
@@ -326,7 +348,14 @@ class Cosmos3Engine:
             graphed_forward=self._graphed_forward,
         )
         self.vae.fuse_decoder_norms()
+        if self.light_decoder is not None:  # channels-last convolutions (the engine's light decoder: bf16 on a GPU)
+            self.light_decoder.use_channels_last()
         return self
+
+    @property
+    def decoder(self) -> str:
+        """What decodes the pixels: "vae" or "light" (``DECODERS``)."""
+        return "vae" if self.light_decoder is None else "light"
 
     @property
     def device(self) -> torch.device:
@@ -406,6 +435,8 @@ class Cosmos3Engine:
             self._home_device = self.device
         self.transformer.to("cpu")
         self.vae.to("cpu")
+        if self.light_decoder is not None:
+            self.light_decoder.to("cpu")
         if self._graphed_forward is not None:
             self._graphed_forward.reset()  # its graphs read the weights at their device addresses, which are gone
         tp_group = self.parallel.group("tp")
@@ -421,6 +452,8 @@ class Cosmos3Engine:
         if self._home_device is not None:
             self.transformer.to(self._home_device)
             self.vae.to(self._home_device)
+            if self.light_decoder is not None:
+                self.light_decoder.to(self._home_device)
             self._home_device = None
 
     def close(self) -> None:
@@ -703,7 +736,10 @@ class Cosmos3Engine:
 
     def _decode(self, video: torch.Tensor, frames: str = "all") -> torch.Tensor:
         """VAE decode, split over the cfg*tp ranks of this replica when there are several (all hold the same
-        latents); every rank gets the full pixels. ``frames="last"``: only the last frame (``Cosmos3VAE.decode``)."""
+        latents); every rank gets the full pixels. ``frames="last"``: only the last frame (``Cosmos3VAE.decode``).
+        With a light decoder (``decoder="light"``, one rank per replica) that decodes instead, in this process."""
+        if self.light_decoder is not None:
+            return self.light_decoder.decode(video, frames=frames)
         group = self.parallel.replica_group
         if group is None or dist.get_world_size(group) == 1:
             return self.vae.decode(video, frames=frames)
@@ -753,6 +789,38 @@ def _decode_frames(decode) -> str | None:
     if decode == "last":
         return "last"
     raise InputError(f"decode: expected True, False, 'all' or 'last', got {decode!r}")
+
+
+def check_decoder(decoder, config: ParallelConfig) -> None:
+    """``decoder`` is one of ``DECODERS``, and "light" runs in one rank per replica (cfg_parallel * tp == 1)."""
+    if decoder not in DECODERS:
+        raise InputError(f"decoder: expected one of {list(DECODERS)}, got {decoder!r}")
+    if decoder == "light" and config.cfg_parallel * config.tp > 1:
+        raise InputError(
+            f"decoder: 'light' decodes in one process; with cfg_parallel * tp = {config.cfg_parallel * config.tp} "
+            "the decode is tile-parallel over the ranks, which only the VAE does: use decoder='vae'"
+        )
+
+
+def _check_light_decoder_fits(light_decoder: LightDecoder, vae: Cosmos3VAE) -> None:
+    """The light decoder reads the VAE's latents and gives its frames: same channels and compressions."""
+    for name in ("latent_channels", "spatial_compression", "temporal_compression"):
+        if getattr(light_decoder, name) != getattr(vae, name):
+            raise CheckpointError(
+                f"{LIGHT_DECODER_DIR}/config.json: {name} {getattr(light_decoder, name)} does not match the VAE's "
+                f"{getattr(vae, name)}; it was trained for another latent space"
+            )
+
+
+def find_light_decoder(checkpoint_root: str | Path) -> Path:
+    """The checkpoint's ``light_decoder/`` folder; ``InputError`` naming ``decoder`` when it has none."""
+    folder = Path(checkpoint_root) / LIGHT_DECODER_DIR
+    if not (folder / "config.json").is_file():
+        raise InputError(
+            f"decoder: 'light' needs a light decoder in {folder} (LightDecoder.save_pretrained, trained by "
+            "cosmos3_gym.training.train_light_decoder); this checkpoint has none, use decoder='vae'"
+        )
+    return folder
 
 
 def _rows_to_host(tensors: list[torch.Tensor | None]) -> list[list[torch.Tensor] | None]:

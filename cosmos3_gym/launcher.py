@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import resolve_checkpoint, validate_checkpoint
-from .engine import Cosmos3Engine
+from .engine import Cosmos3Engine, check_decoder, find_light_decoder
 from .engine_protocol import WorldModelEngine
 from .errors import InputError
 from .models.transformer import Cosmos3TransformerConfig
@@ -68,6 +68,7 @@ def load_engine(
     cfg: int | None = None,
     precision: str = "bf16",
     preset: str | None = None,
+    decoder: str = "vae",
 ) -> WorldModelEngine:
     """Load a Cosmos3 checkpoint (local directory or hub id) as a ``WorldModelEngine``.
 
@@ -83,12 +84,13 @@ def load_engine(
     config = resolve_parallel_config(parallel, tp=tp, cfg_parallel=cfg_parallel, dp=dp, cfg=cfg)
     resolved = resolve_backend(backend, config)
     check_precision(precision, tp=config.tp)
+    check_decoder(decoder, config)
     if preset is not None:
         get_preset(preset)  # an unknown name fails before any worker starts
     if resolved != "ray" and (num_replicas != 1 or replica_resources is not None):
         raise InputError(f"num_replicas / replica_resources: only for backend='ray', not {resolved!r}")
     engine_kwargs = dict(device=device, dtype=dtype, vae_dtype=vae_dtype, decode_video=decode_video,
-                         progress=progress, optimize=optimize, precision=precision, preset=preset)
+                         progress=progress, optimize=optimize, precision=precision, preset=preset, decoder=decoder)
     if resolved == "inprocess":
         if config.world_size > 1 and not in_process_group() and not isinstance(parallel, ParallelContext):
             raise InputError(
@@ -101,6 +103,8 @@ def load_engine(
         raise InputError(f"parallel: a ParallelContext belongs to this process; backend {resolved!r} starts its own "
                          "processes and needs a ParallelConfig")
     layout = validate_checkpoint(resolve_checkpoint(path_or_id))
+    if decoder == "light":
+        find_light_decoder(layout.root)  # before any worker starts
     check_tensor_parallel(Cosmos3TransformerConfig.from_dict(layout.transformer_config), config.tp)
     if resolved == "mp":
         return Cosmos3EngineClient(layout.root, config, engine_kwargs)

@@ -2,6 +2,7 @@
 
     python benchmarks/recipes/pusht_fidelity_targets.py --assets DIR --out $OUT          # GPU defaults, < 5 min
     python benchmarks/recipes/pusht_fidelity_targets.py --smoke --out /tmp/targets      # CPU check, < 2 min
+    python benchmarks/recipes/pusht_fidelity_targets.py --decoder light --light-decoder DIR --out $OUT  # issue 24
 
 Needs gym-pusht (the ``sim`` extra); SB3 for ``file:`` policies saved by SB3. Writes ``pusht_fidelity_targets.json``
 (card, commit and command via ``common.provenance``) and ``pusht_side_by_side.mp4`` to ``--out`` and prints a
@@ -62,6 +63,7 @@ sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # t
 
 from common import add_output_arguments, check_results_target, provenance, results_dir, write_results  # noqa: E402
 from fidelity_pusht_chunks import load_episodes, mean_ci95  # noqa: E402
+from pusht_env_throughput_gpu import install_light_decoder  # noqa: E402
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env  # noqa: E402
@@ -529,7 +531,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     add_output_arguments(parser)
     parser.add_argument("--results-name", default="pusht_fidelity_targets.json")
+    parser.add_argument("--decoder", choices=("vae", "light"), default="vae",
+                        help="light: the world model decodes with its checkpoint's light_decoder/ (issue 24)")
+    parser.add_argument("--light-decoder", default=None,
+                        help="with --decoder light: a trained light decoder folder, installed into a temporary copy "
+                             "of the assets (default: the assets' own checkpoint/light_decoder)")
     args = parser.parse_args(argv)
+    if args.light_decoder and args.decoder != "light":
+        parser.error("--light-decoder goes with --decoder light")
     if args.smoke:
         args.episodes, args.chunks, args.random_episodes, args.video_episodes = 2, 2, 2, 1
         args.policy_starts, args.policy_chunks = 2, 2
@@ -537,6 +546,8 @@ def main(argv: list[str] | None = None) -> dict:
             args.policies = SMOKE_POLICIES
     check_results_target(args.results_name, args.out, args.overwrite)
 
+    if args.light_decoder:
+        args.assets = str(install_light_decoder(args.assets, Path(args.light_decoder)))
     assets = load_pusht_assets(args.assets)
     chunk, image_size = int(assets.meta["chunk"]), tuple(assets.meta["image_size"])
     timings: dict[str, float] = {}
@@ -551,9 +562,10 @@ def main(argv: list[str] | None = None) -> dict:
             episode["sim_states"] = archive["sim_states"]
     timings["heldout_simulation_s"] = time.perf_counter() - started
 
-    engine = Cosmos3Engine.from_pretrained(assets.checkpoint, device=args.device, progress=False)
+    engine = Cosmos3Engine.from_pretrained(assets.checkpoint, device=args.device, progress=False,
+                                           decoder=args.decoder)
     results: dict[str, Any] = {"assets": str(assets.root), "heldout_seed": args.heldout_seed,
-                               "smoke": args.smoke}
+                               "smoke": args.smoke, "decoder": args.decoder}
     try:
         started = time.perf_counter()
         results["heldout"], truth, model = heldout_fidelity(engine, assets.root, episodes, args.chunks, args.device,

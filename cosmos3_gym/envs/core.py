@@ -48,9 +48,9 @@ _SEED_BOUND = 2**63 - 1
 # "Not given" for arguments whose None means "none" (initial_states, reward_model): not given -> the checkpoint's.
 _UNSET: Any = object()
 # How to load a checkpoint (handed to ``_resolve_engine``): ``load_engine``'s arguments (``cfg`` is the deprecated
-# name of ``cfg_parallel``).
+# name of ``cfg_parallel``; ``decoder`` "light" decodes with the checkpoint's light_decoder/ instead of the VAE).
 ENGINE_LOAD_KEYS = (
-    "device", "dtype", "vae_dtype", "precision", "optimize", "backend", "tp", "cfg_parallel", "cfg", "dp",
+    "device", "dtype", "vae_dtype", "precision", "optimize", "backend", "tp", "cfg_parallel", "cfg", "dp", "decoder",
 )
 
 
@@ -480,8 +480,9 @@ def _object_array(values: list[Any]) -> np.ndarray:
 
 def _resolve_engine(checkpoint, engine, **load_options: Any):
     """The env's engine: the one given (any ``WorldModelEngine``), or ``load_engine(checkpoint, **load_options)``
-    (``ENGINE_LOAD_KEYS``: device, dtype, vae_dtype, precision, optimize, backend, tp, cfg_parallel, dp). With
-    tp/cfg_parallel/dp > 1 (outside torchrun) that starts worker processes and returns a client with the same API."""
+    (``ENGINE_LOAD_KEYS``: device, dtype, vae_dtype, precision, optimize, backend, tp, cfg_parallel, dp, decoder).
+    With tp/cfg_parallel/dp > 1 (outside torchrun) that starts worker processes and returns a client with the same
+    API."""
     if engine is not None:
         if checkpoint is not None:
             raise InputError("checkpoint: give either checkpoint= or engine=, not both.")

@@ -8,6 +8,8 @@ simulator (gym-pusht), a reward model and a few dozen start frames held out from
         meta.json           domain, raw_action_dim, fps, chunk, resolution_tier, image_size and the env defaults
                             task, num_steps, guidance_scale, success_threshold, max_episode_steps
         action_stats.json   the dataset's action statistics (raw actions are table pixels in [0, 512])
+        light_decoder/      optional: a LightDecoder for the opt-in ``decoder="light"`` (cheaper than the VAE's exact
+                            decode, approximate; benchmarks/recipes/train_light_decoder.py trains one)
       reward_model/         a ClassifierRewardModel trained on the simulator's coverage of the target (soft labels),
                             so its score estimates coverage
       initial_states.npz    frames uint8 [N, H, W, 3], task (0-d str), sim_seeds int64 [N] (gym-pusht reset seeds
@@ -151,6 +153,8 @@ def make_pusht_env(assets_dir: str | os.PathLike | None = None, optimize: bool =
 
     ``engine=`` (a shared ``Cosmos3Engine``) replaces the shipped checkpoint. ``optimize`` (default on): the shipped
     checkpoint runs on ``fast_pusht_engine``'s fast path; ``optimize=False`` loads it as ``WorldModel-v0`` would.
+    ``decoder="light"``: decode with the checkpoint's ``light_decoder/`` (cheaper, approximate) instead of the VAE;
+    ``InputError`` when it has none.
     """
     return _make_with_builtin_engine(WorldModelEnv, (), pusht_env_arguments(assets_dir, **kwargs), optimize)
 
@@ -164,21 +168,28 @@ def make_pusht_vector_env(
                                      optimize)
 
 
-def fast_pusht_engine(checkpoint: str | os.PathLike, device: Any = None, dtype: Any = None) -> Cosmos3Engine:
+def fast_pusht_engine(
+    checkpoint: str | os.PathLike, device: Any = None, dtype: Any = None, decoder: str = "vae"
+) -> Cosmos3Engine:
     """The engine the PushT env runs by default. On a GPU: ``Cosmos3Engine.optimize()`` (compiled blocks, CUDA
     graphs, fused decoder norms) and a bf16 VAE; on a CPU: the VAE's eager fast path (``Cosmos3VAE.optimize``:
     oneDNN channels-last convolutions, in-place norms, one latent frame per decoder pass), in bf16 where oneDNN has
     native bf16 kernels (AVX512-BF16 / AMX; 1.46x faster than fp32 on the decode there), and no compile (it would
     cost more start-up time than a short run saves). Measured in benchmarks/profile_pusht_env.py and
-    benchmarks/pusht_env_throughput_gpu.py (with the fidelity of bf16 against fp32)."""
+    benchmarks/pusht_env_throughput_gpu.py (with the fidelity of bf16 against fp32).
+
+    ``decoder="light"`` (opt-in): the checkpoint's ``light_decoder/`` decodes instead of the VAE, in the VAE's dtype
+    above and channels-last (``Cosmos3Engine.from_pretrained``); the VAE then only encodes."""
     # The device from_pretrained would pick (init_parallel's default), known before loading for the VAE dtype.
     on_gpu = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
     bf16_vae = on_gpu or _cpu_has_native_bf16()
-    engine = Cosmos3Engine.from_pretrained(checkpoint, device=device, dtype=dtype,
+    engine = Cosmos3Engine.from_pretrained(checkpoint, device=device, dtype=dtype, decoder=decoder,
                                            vae_dtype=torch.bfloat16 if bf16_vae else None, progress=False)
     if on_gpu:
         engine.optimize()
     engine.vae.optimize()
+    if engine.light_decoder is not None:
+        engine.light_decoder.use_channels_last()
     return engine
 
 
@@ -193,12 +204,13 @@ def _cpu_has_native_bf16() -> bool:
 def _make_with_builtin_engine(factory, args: tuple, arguments: dict[str, Any], optimize: bool):
     """``factory(*args, **arguments)``, with the shipped checkpoint loaded by ``fast_pusht_engine`` when
     ``optimize`` and it runs in this process (no engine given, tp = cfg = dp = 1); the env owns that engine."""
-    # Any engine option but the device and dtype (several ranks, a backend, a precision, a VAE dtype) is the
-    # user's own choice of engine: load_engine handles it, as for WorldModel-v0.
-    own_choice = any(name in arguments for name in ENGINE_LOAD_KEYS if name not in ("device", "dtype"))
+    # Any engine option but the device, dtype and decoder (several ranks, a backend, a precision, a VAE dtype) is
+    # the user's own choice of engine: load_engine handles it, as for WorldModel-v0.
+    own_choice = any(name in arguments for name in ENGINE_LOAD_KEYS if name not in ("device", "dtype", "decoder"))
     if not optimize or arguments.get("engine") is not None or own_choice:
         return factory(*args, **arguments)
-    engine = fast_pusht_engine(arguments.pop("checkpoint"), arguments.pop("device", None), arguments.pop("dtype", None))
+    engine = fast_pusht_engine(arguments.pop("checkpoint"), arguments.pop("device", None),
+                               arguments.pop("dtype", None), decoder=arguments.pop("decoder", "vae"))
     try:
         env = factory(*args, engine=engine, **arguments)
     except BaseException:

@@ -49,8 +49,9 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
             ``(frames [B,T,3,H,W] in [0,1], tasks) -> [B]`` or a reward-model instance
             (``cosmos3_gym.rewards.resolve_reward_model``).
         render_mode: None, "rgb_array", "rgb_array_list" or "human" (see ``rendering``).
-        device, dtype, vae_dtype, precision, optimize, backend: how a checkpoint is loaded (``load_engine``;
-            e.g. ``precision="fp8"``, ``optimize=True`` on a GPU). Not with ``engine=``.
+        device, dtype, vae_dtype, precision, optimize, backend, decoder: how a checkpoint is loaded
+            (``load_engine``; e.g. ``precision="fp8"``, ``optimize=True`` on a GPU, ``decoder="light"`` to decode
+            with the checkpoint's ``light_decoder/`` instead of the VAE: cheaper, approximate). Not with ``engine=``.
         tp, cfg_parallel, dp: tensor / CFG / data parallel degrees (``cfg`` is the deprecated name of
             ``cfg_parallel``); above 1 the engine runs in worker processes that the env starts (``load_engine``),
             the env process stays light.
