@@ -79,7 +79,7 @@ WORLDS = {"grpo_sim": "grpo_simulator", "grpo_wm": "grpo_world_model"}
 RESULTS_NAME = "rl_pusht.json"
 REPO_POLICY_DIR = "benchmarks/results/policies"
 FULL = dict(demo_episodes=1000, demo_max_steps=300, demo_stride=1, start_stride=8, bc_steps=40000, bc_batch_size=256,
-            eval_episodes=200, eval_chunks=38, num_envs=64, group_size=8, horizon=10, iterations=20, minibatch_size=512,
+            eval_episodes=200, eval_chunks=38, num_envs=64, group_size=8, horizon=4, iterations=80, minibatch_size=512,
             workers=16)
 TINY = dict(demo_episodes=3, demo_max_steps=24, demo_stride=4, start_stride=8, bc_steps=4, bc_batch_size=8,
             eval_episodes=3, eval_chunks=2, num_envs=4, group_size=2, horizon=2, iterations=2, minibatch_size=8,
@@ -468,9 +468,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--entropy-coef", type=float, default=0.0)
     parser.add_argument("--coverage-weight", type=float, default=0.1)
-    parser.add_argument("--advantage-normalization", choices=("group", "batch", "none"), default="group",
+    parser.add_argument("--advantage-normalization", choices=("group", "batch", "none"), default="batch",
                         help="GRPO's advantage: return minus group mean over the group's std, the batch's std or 1")
-    parser.add_argument("--guard-every", type=int, default=1)
+    parser.add_argument("--guard-every", type=int, default=10)
     parser.add_argument("--min-iou", type=float, default=0.8,
                         help="world-model frames whose block fits a rigid T worse than this score 0")
     parser.add_argument("--eval-policies", default=",".join(WORLDS.values()),

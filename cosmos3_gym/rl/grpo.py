@@ -64,7 +64,10 @@ class GRPOConfig:
     kl_coef: float = 0.05  # KL to the reference (behaviour-cloned) policy; 0 turns it off
     entropy_coef: float = 0.0
     coverage_weight: float = 0.1  # return = 1[success] + coverage_weight * final score
-    advantage_normalization: str = "group"  # "group", "batch" or "none": see group_advantages
+    # "group", "batch" or "none" (see group_advantages). "batch": on PushT (horizon 4, 80-100 iterations, 64 envs)
+    # GRPO in gym-pusht raised held-out success over BC by +9.5 and +11 points (CIs above zero, RESULTS.md, issue 17)
+    # where per-group std normalisation had followed the coverage noise of all-failure groups.
+    advantage_normalization: str = "batch"
     max_grad_norm: float = 1.0
     min_log_std: float = -4.0  # the Gaussian's log std is clamped here (no collapse, no blow-up)
     max_log_std: float = -1.0
@@ -363,7 +366,9 @@ class GRPOTrainer:
         policy.to(device)
         if reference is None and metadata["config"]["kl_coef"] > 0:
             raise InputError("reference: the checkpoint trains with a KL term; pass the reference (BC) policy.")
-        trainer = cls(policy, env, GRPOConfig(**metadata["config"]), reference=reference,
+        # Checkpoints from before advantage_normalization existed trained with the per-group std.
+        config = GRPOConfig(**{"advantage_normalization": "group", **metadata["config"]})
+        trainer = cls(policy, env, config, reference=reference,
                       num_starts=metadata["num_starts"], guard=guard)
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors.items():
