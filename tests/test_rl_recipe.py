@@ -25,7 +25,8 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
               "cpu"]
     recipe.main([*common, "--out", str(tmp_path / "first"), "--stages", "demos,bc,eval_bc"])
     # A second run with a fresh --out (another GPU call) continues from --work.
-    results = recipe.main([*common, "--out", str(out), "--stages", "grpo_sim,grpo_wm,eval"])
+    results = recipe.main([*common, "--out", str(out), "--stages", "grpo_sim,grpo_wm,eval",
+                           "--guard-every", "1"])
 
     assert set(results["policies"]) == {"bc", "grpo_simulator", "grpo_world_model"}
     for key, path in results["policies"].items():

@@ -35,7 +35,7 @@ from ..errors import InputError
 from ..models.light_decoder import LightDecoder, LightDecoderConfig
 from .data import encode_windows, read_dataset
 from .episodes import window_starts
-from .schedule import LR_SCHEDULES
+from .schedule import check_optimizer_settings
 from .vae import reconstruction_weights
 
 
@@ -84,17 +84,8 @@ class LightDecoderTrainConfig:
                 fail(name, "an integer >= 0")
         if self.seconds is not None and (not isinstance(self.seconds, (int, float)) or not self.seconds > 0):
             fail("seconds", "a positive number or None")
-        for name in ("lr", "weight_decay", "grad_clip", "l1_weight", "gradient_weight", "contrast_weight",
-                     "last_frame_weight", "latent_noise"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                fail(name, "a finite number >= 0")
-        if self.lr == 0:
-            fail("lr", "a positive number")
-        if self.lr_schedule not in LR_SCHEDULES:
-            fail("lr_schedule", f"one of {list(LR_SCHEDULES)}")
-        if not isinstance(self.min_lr_ratio, (int, float)) or not 0 <= self.min_lr_ratio <= 1:
-            fail("min_lr_ratio", "a number in [0, 1]")
+        check_optimizer_settings(self, fail, ("lr", "weight_decay", "grad_clip", "l1_weight", "gradient_weight",
+                                              "contrast_weight", "last_frame_weight", "latent_noise"))
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The learning-rate schedule both trainers use (world model and VAE)."""
+"""The learning-rate schedule the trainers use (world model, VAE, light decoder), and the checks of its settings."""
 
 from __future__ import annotations
 
@@ -20,3 +20,19 @@ def learning_rate(config, step: int) -> float:
     progress = min(max(step - config.warmup_steps, 0) / span, 1.0)
     floor = config.min_lr_ratio * config.lr
     return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def check_optimizer_settings(config, fail, non_negative: tuple[str, ...]) -> None:
+    """The checks every trainer config shares: each of ``non_negative`` (``lr`` among them) a finite number >= 0,
+    ``lr`` > 0, ``lr_schedule`` in ``LR_SCHEDULES`` and ``min_lr_ratio`` in [0, 1]; ``fail(name, expected)``
+    raises the config's error."""
+    for name in non_negative:
+        value = getattr(config, name)
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            fail(name, "a finite number >= 0")
+    if config.lr == 0:
+        fail("lr", "a positive number")
+    if config.lr_schedule not in LR_SCHEDULES:
+        fail("lr_schedule", f"one of {list(LR_SCHEDULES)}")
+    if not isinstance(config.min_lr_ratio, (int, float)) or not 0 <= config.min_lr_ratio <= 1:
+        fail("min_lr_ratio", "a number in [0, 1]")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from ..models.vae import WAN22_FIXED_CONFIG
 from .data import read_dataset
 from .episodes import load_episode
 from .distributed import init_distributed
-from .schedule import LR_SCHEDULES, learning_rate
+from .schedule import check_optimizer_settings, learning_rate
 
 
 @dataclass
@@ -103,16 +102,8 @@ class VAETrainConfig:
             fail("frames_per_clip", "1 + 4k frames (1, 5, 9, ...)")
         if self.resolution_tier not in processor.RESOLUTION_TIERS:
             fail("resolution_tier", f"one of {list(processor.RESOLUTION_TIERS)}")
-        for name in ("lr", "weight_decay", "grad_clip", "l1_weight", "l2_weight", "kl_weight", "contrast_weight"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                fail(name, "a finite number >= 0")
-        if self.lr == 0:
-            fail("lr", "a positive number")
-        if self.lr_schedule not in LR_SCHEDULES:
-            fail("lr_schedule", f"one of {list(LR_SCHEDULES)}")
-        if not isinstance(self.min_lr_ratio, (int, float)) or not 0 <= self.min_lr_ratio <= 1:
-            fail("min_lr_ratio", "a number in [0, 1]")
+        check_optimizer_settings(self, fail, ("lr", "weight_decay", "grad_clip", "l1_weight", "l2_weight", "kl_weight",
+                                              "contrast_weight"))
         if not self.train_encoder and self.init_vae is None:
             fail("train_encoder", "True unless init_vae names the VAE whose decoder to fine-tune")
 
