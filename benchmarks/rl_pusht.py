@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--entropy-coef", type=float, default=0.0)
     parser.add_argument("--coverage-weight", type=float, default=0.1)
-    parser.add_argument("--advantage-normalization", choices=("group", "batch", "none"), default="batch",
+    parser.add_argument("--advantage-normalization", choices=("group", "batch", "none"), default="group",
                         help="GRPO's advantage: return minus group mean over the group's std, the batch's std or 1")
     parser.add_argument("--guard-every", type=int, default=10)
     parser.add_argument("--min-iou", type=float, default=0.8,

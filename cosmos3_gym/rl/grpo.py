@@ -64,10 +64,9 @@ class GRPOConfig:
     kl_coef: float = 0.05  # KL to the reference (behaviour-cloned) policy; 0 turns it off
     entropy_coef: float = 0.0
     coverage_weight: float = 0.1  # return = 1[success] + coverage_weight * final score
-    # "group", "batch" or "none" (see group_advantages). "batch": on PushT (horizon 4, 80-100 iterations, 64 envs)
-    # GRPO in gym-pusht raised held-out success over BC by +9.5 and +11 points (CIs above zero, RESULTS.md, issue 17)
-    # where per-group std normalisation had followed the coverage noise of all-failure groups.
-    advantage_normalization: str = "batch"
+    # "group", "batch" or "none" (see group_advantages). On PushT (gym-pusht, horizon 4, 80 iterations) "group" and
+    # "batch" gained alike over BC (+13 and +9.5 / +11 points; RESULTS.md, issue 17): GRPO's own default stays.
+    advantage_normalization: str = "group"
     max_grad_norm: float = 1.0
     min_log_std: float = -4.0  # the Gaussian's log std is clamped here (no collapse, no blow-up)
     max_log_std: float = -1.0
@@ -78,13 +77,13 @@ class GRPOConfig:
 def group_advantages(returns: np.ndarray, group_size: int, normalization: str = "group") -> np.ndarray:
     """Each slot's return minus its group's mean, divided by
 
-    * ``"group"``: the group's std (GRPO; 0 for groups whose returns are all equal). A group whose episodes all
-      fail but differ by 0.001 in coverage then gets advantages of +-1, as large as a group that tells success from
-      failure: with a sparse success and a small dense term the update follows the dense term's noise;
-    * ``"batch"``: the std over the whole batch of these differences (REINFORCE++-style): groups keep their
-      relative weight (success against failure counts ``1 / coverage_weight`` times a coverage difference);
-    * ``"none"``: nothing (Dr. GRPO, Liu et al. 2025: the std division biases the update towards easy and
-      hopeless groups).
+    * ``"group"``: the group's std (GRPO; 0 for groups whose returns are all equal). A group whose episodes all fail
+      but differ a little in coverage gets advantages of +-1, as large as one that tells success from failure;
+    * ``"batch"``: the std over the whole batch of these differences (REINFORCE++-style): groups keep their relative
+      weight (success against failure counts ``1 / coverage_weight`` times a coverage difference);
+    * ``"none"``: nothing (Dr. GRPO, Liu et al. 2025, which argues the std division biases the update).
+
+    On PushT the first two gained alike (RESULTS.md, issue 17).
     """
     if normalization not in ADVANTAGE_NORMALIZATIONS:
         raise InputError(f"advantage_normalization: expected one of {ADVANTAGE_NORMALIZATIONS}, got {normalization!r}")
@@ -366,8 +365,7 @@ class GRPOTrainer:
         policy.to(device)
         if reference is None and metadata["config"]["kl_coef"] > 0:
             raise InputError("reference: the checkpoint trains with a KL term; pass the reference (BC) policy.")
-        # Checkpoints from before advantage_normalization existed trained with the per-group std.
-        config = GRPOConfig(**{"advantage_normalization": "group", **metadata["config"]})
+        config = GRPOConfig(**metadata["config"])  # checkpoints without advantage_normalization get "group"
         trainer = cls(policy, env, config, reference=reference,
                       num_starts=metadata["num_starts"], guard=guard)
         state: dict[int, dict[str, torch.Tensor]] = {}
