@@ -483,6 +483,10 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
     assert rates[-1] == pytest.approx(1e-4, rel=0.01)
     assert learning_rate(dataclasses.replace(config, lr_schedule="constant"), 99) == 1e-3
+    # under a time budget the decay follows the time spent when that is further along than the steps
+    assert learning_rate(config, 10, time_fraction=1.0) == pytest.approx(1e-4)
+    assert learning_rate(config, 55, time_fraction=0.5) == pytest.approx(rates[55])
+    assert learning_rate(config, 10, time_fraction=0.5) == pytest.approx(rates[55])
     with pytest.raises(InputError, match="lr_schedule"):
         VAETrainConfig(lr_schedule="linear").validate()
 

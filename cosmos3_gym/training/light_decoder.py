@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from ..errors import InputError
 from ..models.light_decoder import LightDecoder, LightDecoderConfig
 from .data import encode_windows, read_dataset
 from .episodes import window_starts
-from .schedule import check_optimizer_settings
+from .schedule import check_optimizer_settings, learning_rate
 from .vae import reconstruction_weights
 
 
@@ -163,20 +162,6 @@ def light_decoder_loss(
     return loss, {"l1": l1.detach(), "gradient": gradient.detach()}
 
 
-def _learning_rate(config: LightDecoderTrainConfig, step: int, elapsed: float) -> float:
-    """``schedule.learning_rate``'s warmup and decay, with the progress of the decay the larger of the steps' and,
-    under a time budget, the elapsed time's."""
-    if config.warmup_steps and step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if config.lr_schedule == "constant":
-        return config.lr
-    progress = max(step - config.warmup_steps, 0) / max(config.steps - config.warmup_steps, 1)
-    if config.seconds is not None:
-        progress = max(progress, elapsed / config.seconds)
-    floor = config.min_lr_ratio * config.lr
-    return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
 def train_light_decoder(
     windows: DecoderWindows, out_dir: str | os.PathLike | None = None, config: LightDecoderTrainConfig | None = None,
     *, init: LightDecoder | None = None,
@@ -218,7 +203,7 @@ def train_light_decoder(
         elapsed = time.perf_counter() - started
         if config.seconds is not None and elapsed >= config.seconds:
             break
-        lr = _learning_rate(config, step, elapsed)
+        lr = learning_rate(config, step, elapsed / config.seconds if config.seconds is not None else 0.0)
         for group in optimizer.param_groups:
             group["lr"] = lr
         index = torch.randint(len(data), (config.batch_size,), generator=generator).to(device)
