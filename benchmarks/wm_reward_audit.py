@@ -17,6 +17,9 @@ fool least.
    coverage (Pearson, MAE); per horizon and success rule (``threshold`` on the fitted coverage, ``min_iou`` on the
    fit's rigidity, ``persist`` consecutive chunks): imagined success rate, real success rate of the same episodes,
    the false-success rate (imagined successes that really failed) and recall (real successes the rule sees).
+4. ``--samples K`` > 1: the same action chunks replayed open loop in the world model K - 1 more times with other
+   sampling seeds; the comparison of step 3 again on the mean and on the minimum (pessimistic) coverage over the K
+   imagined episodes, rigidity likewise: whether disagreement between samples flags the false successes.
 
 Writes ``wm_reward_audit.json`` (card, commit, command) to ``--out``.
 """
@@ -99,8 +102,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--horizons", default="2,4,8", help="comma-separated chunks at which success is compared")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workers", type=int, default=2, help="gym-pusht processes")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="imagined episodes per action sequence (different sampling seeds), for the ensemble")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.samples < 1:
+        parser.error("--samples: expected an integer >= 1")
     horizons = [int(h) for h in args.horizons.split(",") if h.strip()]
     if not horizons or min(horizons) < 1 or max(horizons) > args.chunks:
         parser.error(f"--horizons: expected chunk counts in 1..{args.chunks}, got {args.horizons!r}")
@@ -144,6 +151,17 @@ def main(argv: list[str] | None = None) -> dict:
             env_score[:, t] = np.asarray(info.get("score", reward), float)
             fit = fit_tee(observations["image"])
             fit_coverage[:, t], fit_iou[:, t] = np.asarray(fit.coverage), np.asarray(fit.rigidity)
+        # More imagined episodes of the same action sequences: the sampling noise is all that differs.
+        ensemble_coverage, ensemble_iou = [fit_coverage], [fit_iou]
+        for sample in range(1, args.samples):
+            coverage, iou = np.zeros((n, chunks)), np.zeros((n, chunks))
+            observations, _ = world.reset(seed=args.seed + sample, options={"initial_state_index": indices})
+            for t in tqdm(range(chunks), desc=f"world model, sample {sample + 1}", unit="chunk"):
+                observations, *_ = world.step(taken[:, t])
+                fit = fit_tee(observations["image"])
+                coverage[:, t], iou[:, t] = np.asarray(fit.coverage), np.asarray(fit.rigidity)
+            ensemble_coverage.append(coverage)
+            ensemble_iou.append(iou)
         world_s = time.perf_counter() - started
         real_coverage, real_success_by = np.zeros((n, chunks)), np.zeros((n, chunks), bool)
         _, info = sim.reset(seed=0, options={"initial_state_index": indices})
@@ -164,6 +182,16 @@ def main(argv: list[str] | None = None) -> dict:
         **audit_metrics(fit_coverage, fit_iou, env_score, real_coverage, real_success_by, horizons),
         "provenance": provenance(),
     }
+    if args.samples > 1:
+        coverage, iou = np.stack(ensemble_coverage), np.stack(ensemble_iou)
+        report["ensemble"] = {
+            "samples": args.samples,
+            "mean_coverage_spread": float(coverage.std(axis=0).mean()),
+            "mean": audit_metrics(coverage.mean(0), iou.mean(0), coverage.mean(0), real_coverage, real_success_by,
+                                  horizons),
+            "pessimistic": audit_metrics(coverage.min(0), iou.min(0), coverage.min(0), real_coverage,
+                                         real_success_by, horizons),
+        }
     write_results(report, "wm_reward_audit.json", args.out, args.overwrite)
     for rule in report["rules"]:
         if rule["persist"] == 1 and rule["min_iou"] == 0.8 or rule["threshold"] == 0.95:
