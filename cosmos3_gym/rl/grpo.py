@@ -365,8 +365,7 @@ class GRPOTrainer:
         policy.to(device)
         if reference is None and metadata["config"]["kl_coef"] > 0:
             raise InputError("reference: the checkpoint trains with a KL term; pass the reference (BC) policy.")
-        config = GRPOConfig(**metadata["config"])  # checkpoints without advantage_normalization get "group"
-        trainer = cls(policy, env, config, reference=reference,
+        trainer = cls(policy, env, GRPOConfig(**metadata["config"]), reference=reference,
                       num_starts=metadata["num_starts"], guard=guard)
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors.items():
