@@ -287,7 +287,8 @@ def world_model_env(run: Run, starts, guard_horizon: int):
 
     args = run.args
     common = dict(reward_model=f"pusht_geometric?min_iou={args.min_iou}", success_threshold=0.95,
-                  max_episode_steps=guard_horizon,
+                  max_episode_steps=guard_horizon, imagination_samples=args.imagination_samples,
+                  imagination_reduce=args.imagination_reduce,
                   observation_size=(96, 96), device=args.device)
     if "group_size" in inspect.signature(WorldModelVectorEnv.__init__).parameters:
         common["group_size"] = args.group_size  # starts are passed per slot anyway; this adds info["group"]
@@ -471,6 +472,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--advantage-normalization", choices=("group", "batch", "none"), default="group",
                         help="GRPO's advantage: return minus group mean over the group's std, the batch's std or 1")
     parser.add_argument("--guard-every", type=int, default=10)
+    parser.add_argument("--imagination-samples", type=int, default=1,
+                        help="grpo_wm: score each chunk by this many imagined samples of it (the env's "
+                             "imagination_samples; K times the world-model work)")
+    parser.add_argument("--imagination-reduce", choices=("mean", "min"), default="mean",
+                        help="grpo_wm: the samples' mean score, or their minimum (pessimistic)")
     parser.add_argument("--min-iou", type=float, default=0.8,
                         help="world-model frames whose block fits a rigid T worse than this score 0")
     parser.add_argument("--eval-policies", default=",".join(WORLDS.values()),

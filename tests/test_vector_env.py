@@ -358,3 +358,42 @@ def test_groups_survive_autoreset(engine, batches, mode):
         assert np.array_equal(observations["image"][0], observations["image"][1])
         env.step(actions)
         assert batches[-1] == 4
+
+
+def mean_brightness(frames, tasks):
+    return frames.float().mean(dim=(1, 2, 3, 4))
+
+
+def test_imagination_samples_score_the_chunk_by_several_samples(engine, batches):
+    """K imagined samples per chunk in one engine call: the slot goes on from the first (the frames of K = 1), its
+    score is the mean or minimum of the K samples' scores; with K = 1 nothing changes."""
+    actions = [random_actions(make_vec_env(engine), k) for k in range(2)]
+    settings = dict(reward_model=mean_brightness, success_threshold=None, task=None)
+
+    def rollout(**kwargs):
+        env = make_vec_env(engine, **settings, **kwargs)
+        env.reset(seed=3)
+        return [env.step(chunk) for chunk in actions]
+
+    plain = rollout()
+    batches.clear()
+    mean = rollout(imagination_samples=3)
+    assert batches == [9, 9]  # 3 slots x 3 samples, one call per step
+    pessimistic = rollout(imagination_samples=3, imagination_reduce="min")
+    for step in range(2):
+        obs, reward, _, _, info = mean[step]
+        samples = info["score_samples"]
+        assert samples.shape == (3, 3) and np.ptp(samples, axis=1).max() > 0  # the samples differ by their noise
+        np.testing.assert_allclose(info["score"], samples.mean(axis=1))
+        np.testing.assert_allclose(reward, samples.mean(axis=1))
+        assert np.array_equal(obs["image"], pessimistic[step][0]["image"])
+        np.testing.assert_allclose(pessimistic[step][4]["score"], pessimistic[step][4]["score_samples"].min(axis=1))
+    # The first sample is the K = 1 rollout: same seeds, same frames and scores.
+    # (A batch of 9 and one of 3 may differ by float summation order: at most one uint8 level.)
+    np.testing.assert_allclose(mean[0][4]["score_samples"][:, 0], plain[0][4]["score"], rtol=1e-4)
+    assert np.abs(mean[0][0]["image"].astype(int) - plain[0][0]["image"].astype(int)).max() <= 1
+    assert "score_samples" not in plain[0][4]
+    with pytest.raises(InputError, match="imagination_samples"):
+        make_vec_env(engine, imagination_samples=0)
+    with pytest.raises(InputError, match="imagination_reduce"):
+        make_vec_env(engine, imagination_reduce="max")

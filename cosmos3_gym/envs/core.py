@@ -289,6 +289,10 @@ class WorldModelCore:
         self.check_started(slots)
         self.onload()
         seeds = [int(rng.integers(_SEED_BOUND)) for rng in rngs]
+        samples = self.settings.imagination_samples
+        # Further imagined samples of the same chunk (imagination_samples): their seeds come after the slot's own,
+        # so with one sample the random streams are as they always were.
+        extra_seeds = [[int(rng.integers(_SEED_BOUND)) for rng in rngs] for _ in range(samples - 1)]
         requests = [
             Cosmos3Request(
                 mode="forward_dynamics",
@@ -299,7 +303,8 @@ class WorldModelCore:
                 seed=seed,
                 **self.settings.request_fields(),
             )
-            for slot, action, seed in zip(slots, actions, seeds)
+            for sample_seeds in [seeds, *extra_seeds]
+            for slot, action, seed in zip(slots, actions, sample_seeds)
         ]
         decode = self.decode_mode()
         # An engine that can (Cosmos3Engine) leaves the pixels on its device: the reward model and the uint8
@@ -309,13 +314,21 @@ class WorldModelCore:
         # pixels [3, chunk + 1, H, W]: frame 0 re-renders the conditioning frame, 1.. are the chunk's new frames
         # (decode "last": [3, 1, H, W], the chunk's last frame only).
         first = 1 if decode == "all" else 0
-        # [B, T, 3, H, W] float32 (the values the host copies of a bf16 VAE's pixels had)
+        # [K * B, T, 3, H, W] float32 (the values the host copies of a bf16 VAE's pixels had), sample-major
         generated = _stack_rows([result.pixels[:, first:] for result in results]).transpose(1, 2).float()
         if generated.shape[-2:] != self.frame_size:
             raise RuntimeError(f"the model generated {tuple(generated.shape[-2:])} frames, expected {self.frame_size}")
-        scores = self._score(generated, [self._tasks[slot] for slot in slots])
-        frames_uint8 = _to_uint8_frames(generated)  # [B, T, H, W, 3]
-        return self._finish_step(list(slots), np.asarray(actions), seeds, scores, frames_uint8)
+        scores = self._score(generated, [self._tasks[slot] for slot in slots] * samples)
+        sample_scores = None
+        if scores is not None and samples > 1:
+            sample_scores = scores.reshape(samples, len(slots)).T  # [B, K]
+            scores = sample_scores.mean(axis=1) if self.settings.imagination_reduce == "mean" else \
+                sample_scores.min(axis=1)
+        frames_uint8 = _to_uint8_frames(generated[: len(slots)])  # [B, T, H, W, 3]: the first sample goes on
+        batch = self._finish_step(list(slots), np.asarray(actions), seeds, scores, frames_uint8)
+        if sample_scores is not None:
+            batch.infos["score_samples"] = sample_scores
+        return batch
 
     def _finish_step(
         self, slots: list[int], actions: np.ndarray, seeds: list[int], scores: np.ndarray | None,
