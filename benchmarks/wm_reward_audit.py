@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--horizons", default="2,4,8", help="comma-separated chunks at which success is compared")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workers", type=int, default=2, help="gym-pusht processes")
+    parser.add_argument("--num-steps", type=int, default=None, help="denoising steps (default: the model's)")
+    parser.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the model's)")
     parser.add_argument("--samples", type=int, default=1,
                         help="imagined episodes per action sequence (different sampling seeds), for the ensemble")
     parser.add_argument("--seed", type=int, default=0)
@@ -135,9 +137,11 @@ def main(argv: list[str] | None = None) -> dict:
     sim = PushTSimVectorEnv(n, starts=starts, action_stats=action_stats, group_size=1, chunk=chunk,
                             image_size=image_size, observation_size=(96, 96), max_episode_steps=chunks + 1,
                             workers=args.workers)
+    sampling = {key: value for key, value in (("num_steps", args.num_steps), ("guidance_scale", args.guidance_scale))
+                if value is not None}
     world = make_pusht_vector_env(n, initial_states=starts, reward_model="pusht_geometric?min_iou=0.0",
                                   success_threshold=None, max_episode_steps=chunks, observation_size=(96, 96),
-                                  device=args.device)
+                                  device=args.device, **sampling)
     policy = load_policy_file(args.policy, device=args.device)
     generator = torch.Generator().manual_seed(args.seed)
     taken = np.zeros((n, chunks, chunk, 2), np.float32)
