@@ -184,6 +184,35 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace a result of the same name already in benchmarks/results")
 
 
+def add_decoder_arguments(parser: argparse.ArgumentParser, light_help: str) -> None:
+    """``--decoder vae|light`` and ``--light-decoder DIR`` (a trained light decoder to use instead of the assets'
+    own), as the PushT env benchmarks take them; ``use_decoder_arguments`` checks and applies them."""
+    parser.add_argument("--decoder", choices=("vae", "light"), default="vae", help=light_help)
+    parser.add_argument("--light-decoder", default=None,
+                        help="with --decoder light: a trained light decoder folder, installed into a temporary copy "
+                             "of the assets (default: the assets' own checkpoint/light_decoder)")
+
+
+def use_decoder_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--light-decoder`` only with ``--decoder light``; given, ``args.assets`` becomes a temporary copy of the PushT
+    assets (``args.assets``, default the built-in ones) with that folder as its checkpoint's light decoder."""
+    if args.light_decoder and args.decoder != "light":
+        parser.error("--light-decoder goes with --decoder light")
+    if not args.light_decoder:
+        return
+    import shutil
+    import tempfile
+
+    from cosmos3_gym.engine import LIGHT_DECODER_DIR
+    from cosmos3_gym.envs.pusht import load_pusht_assets
+
+    target = Path(tempfile.mkdtemp(prefix="pusht_light_")) / "pusht"
+    shutil.copytree(load_pusht_assets(args.assets).root, target)
+    shutil.rmtree(target / "checkpoint" / LIGHT_DECODER_DIR, ignore_errors=True)
+    shutil.copytree(args.light_decoder, target / "checkpoint" / LIGHT_DECODER_DIR)
+    args.assets = str(target)
+
+
 def results_dir(out_dir: str | os.PathLike | None = None) -> Path:
     """The folder results are written to: ``out_dir``, else ``$OUT``, else benchmarks/results (created)."""
     out = Path(out_dir or os.environ.get("OUT") or COMMITTED_RESULTS)

@@ -35,9 +35,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_output_arguments, check_results_target, provenance, sync, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_decoder_arguments, add_output_arguments, check_results_target, provenance, sync, use_decoder_arguments,
+    write_results,
+)
 from profile_gpu import profile_call, summarise  # noqa: E402
-from pusht_env_throughput_gpu import install_light_decoder  # noqa: E402
 
 from cosmos3_gym.envs.pusht import make_pusht_vector_env  # noqa: E402
 
@@ -176,11 +178,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--envs", default="1,16,64,256", help="comma-separated env counts")
     parser.add_argument("--paths", default="fast,baseline", help="fast (the default env) and/or baseline")
-    parser.add_argument("--decoder", choices=("vae", "light"), default="vae",
-                        help="light: also profile the default env with decoder='light' (path 'light')")
-    parser.add_argument("--light-decoder", default=None,
-                        help="a trained light decoder folder, installed into a temporary copy of the assets "
-                             "(default: the assets' own checkpoint/light_decoder)")
+    add_decoder_arguments(parser, "light: also profile the default env with decoder='light' (path 'light')")
     parser.add_argument("--assets", default=None, help="PushT model folder (default: the installed built-in one)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, CUDA-graph captures)")
@@ -191,12 +189,9 @@ def main(argv=None) -> dict:
     add_output_arguments(parser)
     parser.add_argument("--name", default=None, help="results file name (default: profile_pusht_env_<device>.json)")
     args = parser.parse_args(argv)
-    if args.light_decoder and args.decoder != "light":
-        parser.error("--light-decoder goes with --decoder light")
     name = args.name or f"profile_pusht_env_{args.device.split(':')[0]}.json"
     check_results_target(name, args.out, args.overwrite)  # before measuring
-    if args.light_decoder:
-        args.assets = str(install_light_decoder(args.assets, Path(args.light_decoder)))
+    use_decoder_arguments(parser, args)
     paths = args.paths.split(",") + (["light"] if args.decoder == "light" else [])
     if args.threads:
         torch.set_num_threads(args.threads)

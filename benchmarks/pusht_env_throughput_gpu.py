@@ -26,7 +26,6 @@ engine and the default engine, with 95 % CIs (both decode every frame there: the
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
 import tempfile
@@ -40,9 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "recipes"))  # fidelity_pusht_chunks
 
-from common import add_output_arguments, check_results_target, provenance, sync, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_decoder_arguments, add_output_arguments, check_results_target, provenance, sync, use_decoder_arguments,
+    write_results,
+)
 
-from cosmos3_gym.engine import LIGHT_DECODER_DIR, Cosmos3Engine  # noqa: E402
+from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import fast_pusht_engine, load_pusht_assets, make_pusht_vector_env  # noqa: E402
 
 BASE_PATHS = ("baseline", "default")
@@ -133,16 +135,6 @@ def fidelity(args) -> dict:
     return results
 
 
-def install_light_decoder(assets_dir: str | None, light_decoder: Path) -> Path:
-    """A temporary copy of the PushT assets with ``light_decoder`` as its checkpoint's light decoder."""
-    source = load_pusht_assets(assets_dir).root
-    target = Path(tempfile.mkdtemp(prefix="pusht_light_")) / "pusht"
-    shutil.copytree(source, target)
-    shutil.rmtree(target / "checkpoint" / LIGHT_DECODER_DIR, ignore_errors=True)
-    shutil.copytree(light_decoder, target / "checkpoint" / LIGHT_DECODER_DIR)
-    return target
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -155,21 +147,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="torch.backends.cudnn.benchmark for both paths (the decoder's thin convolutions)")
-    parser.add_argument("--decoder", choices=("vae", "light"), default="vae",
-                        help="light: also measure the default env with decoder='light' (a third path)")
-    parser.add_argument("--light-decoder", default=None,
-                        help="a trained light decoder folder to measure, installed into a temporary copy of the "
-                             "assets (default: the assets' own checkpoint/light_decoder)")
+    add_decoder_arguments(parser, "light: also measure the default env with decoder='light' (a third path)")
     parser.add_argument("--assets", default=None, help="PushT model folder (default: the installed built-in one)")
     add_output_arguments(parser)
     parser.add_argument("--name", default=None)
     args = parser.parse_args(argv)
-    if args.light_decoder and args.decoder != "light":
-        parser.error("--light-decoder goes with --decoder light")
     name = args.name or f"pusht_env_throughput_{'cpu' if args.device == 'cpu' else 'gpu'}.json"
     check_results_target(name, args.out, args.overwrite)  # before measuring
-    if args.light_decoder:
-        args.assets = str(install_light_decoder(args.assets, Path(args.light_decoder)))
+    use_decoder_arguments(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark

@@ -61,9 +61,11 @@ import torch
 RECIPES = Path(__file__).resolve().parent
 sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
-from common import add_output_arguments, check_results_target, provenance, results_dir, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_decoder_arguments, add_output_arguments, check_results_target, provenance, results_dir,
+    use_decoder_arguments, write_results,
+)
 from fidelity_pusht_chunks import load_episodes, mean_ci95  # noqa: E402
-from pusht_env_throughput_gpu import install_light_decoder  # noqa: E402
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env  # noqa: E402
@@ -531,14 +533,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     add_output_arguments(parser)
     parser.add_argument("--results-name", default="pusht_fidelity_targets.json")
-    parser.add_argument("--decoder", choices=("vae", "light"), default="vae",
-                        help="light: the world model decodes with its checkpoint's light_decoder/ (issue 24)")
-    parser.add_argument("--light-decoder", default=None,
-                        help="with --decoder light: a trained light decoder folder, installed into a temporary copy "
-                             "of the assets (default: the assets' own checkpoint/light_decoder)")
+    add_decoder_arguments(parser, "light: the world model decodes with its checkpoint's light_decoder/ (issue 24)")
     args = parser.parse_args(argv)
-    if args.light_decoder and args.decoder != "light":
-        parser.error("--light-decoder goes with --decoder light")
     if args.smoke:
         args.episodes, args.chunks, args.random_episodes, args.video_episodes = 2, 2, 2, 1
         args.policy_starts, args.policy_chunks = 2, 2
@@ -546,8 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.policies = SMOKE_POLICIES
     check_results_target(args.results_name, args.out, args.overwrite)
 
-    if args.light_decoder:
-        args.assets = str(install_light_decoder(args.assets, Path(args.light_decoder)))
+    use_decoder_arguments(parser, args)
     assets = load_pusht_assets(args.assets)
     chunk, image_size = int(assets.meta["chunk"]), tuple(assets.meta["image_size"])
     timings: dict[str, float] = {}
