@@ -56,6 +56,15 @@ def mean_ci95(values, bounds: tuple[float, float] | None = None) -> dict[str, fl
     return {"mean": float(np.mean(values)), "ci95_low": low, "ci95_high": high, "n": len(values)}
 
 
+def finite_mean_ci95(values, bounds: tuple[float, float] | None = None) -> dict[str, float]:
+    """``mean_ci95`` of the finite values only (a PSNR of identical frames is inf; a NaN summary when none are)."""
+    values = np.asarray(values, np.float64).ravel()
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return {"mean": math.nan, "ci95_low": math.nan, "ci95_high": math.nan, "n": 0}
+    return mean_ci95(values, bounds)
+
+
 def rate_ci95(outcomes) -> dict[str, float]:
     """A success rate and its 95 % Wilson interval (``cosmos3_gym.statistics.wilson_interval``), as ``mean_ci95``."""
     outcomes = np.asarray(outcomes, dtype=bool).ravel()

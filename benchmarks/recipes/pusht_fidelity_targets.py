@@ -65,7 +65,7 @@ from common import (  # noqa: E402
     add_decoder_arguments, add_output_arguments, check_results_target, provenance, results_dir,
     use_decoder_arguments, write_results,
 )
-from fidelity_pusht_chunks import load_episodes, mean_ci95  # noqa: E402
+from fidelity_pusht_chunks import finite_mean_ci95, load_episodes, mean_ci95  # noqa: E402
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env  # noqa: E402
@@ -179,16 +179,6 @@ def episode_means(values: np.ndarray) -> np.ndarray:
         return np.where(finite.any(1), np.where(finite, flat, 0.0).sum(1) / finite.sum(1), np.nan)
 
 
-def summary(values: np.ndarray, bounds: tuple[float, float] | None = None) -> dict[str, float]:
-    """``mean_ci95`` of the finite values (NaN summary for none); ``bounds``: the values' known range (errors are
-    >= 0, rigidity and fractions in [0, 1]), which clips the interval."""
-    values = np.asarray(values, np.float64).ravel()
-    values = values[np.isfinite(values)]
-    if not len(values):
-        return {"mean": math.nan, "ci95_low": math.nan, "ci95_high": math.nan, "n": 0}
-    return mean_ci95(values, bounds)
-
-
 UNIT, ERROR = (0.0, 1.0), (0.0, math.inf)  # the bounds of rigidity / fractions and of errors
 
 
@@ -242,8 +232,8 @@ def heldout_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
                 mean_ci95([min(pusht.psnr(t, e), PSNR_CAP_DB) for t, e in zip(true_chunks[:, k], estimate[:, k])]))
         rigidity = {name: episode_means(fit["rigidity"][:, k]) for name, fit in fits.items()}
         for name, values in rigidity.items():
-            per_chunk[f"rigidity_{name}"].append(summary(values, UNIT))
-        difference = summary(rigidity["rollout"] - rigidity["simulator"])
+            per_chunk[f"rigidity_{name}"].append(finite_mean_ci95(values, UNIT))
+        difference = finite_mean_ci95(rigidity["rollout"] - rigidity["simulator"])
         per_chunk["rigidity_rollout_minus_simulator"].append(difference)
         per_chunk["rigidity_within_tolerance"].append(abs(difference["mean"]) <= RIGIDITY_TOLERANCE)
         true_fit = fits["simulator"]["pose"][:, k, -1]
@@ -251,15 +241,15 @@ def heldout_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
             position, angle = pose_errors(fits[name]["pose"][:, k, -1], true_fit)
             found = fits[name]["valid"][:, k, -1] & fits["simulator"]["valid"][:, k, -1]
             # A frame where either fit finds no block has no pose: left out (``block_found_rollout`` counts them).
-            per_chunk[f"block_position_error_px_{name}"].append(summary(np.where(found, position, np.nan), ERROR))
-            per_chunk[f"block_angle_error_deg_{name}"].append(summary(np.where(found, angle, np.nan), ERROR))
+            per_chunk[f"block_position_error_px_{name}"].append(finite_mean_ci95(np.where(found, position, np.nan), ERROR))
+            per_chunk[f"block_angle_error_deg_{name}"].append(finite_mean_ci95(np.where(found, angle, np.nan), ERROR))
         position, angle = pose_errors(true_fit, true_poses[:, (k + 1) * chunk])
-        per_chunk["block_position_error_px_fit_floor"].append(summary(position, ERROR))
-        per_chunk["block_angle_error_deg_fit_floor"].append(summary(angle, ERROR))
+        per_chunk["block_position_error_px_fit_floor"].append(finite_mean_ci95(position, ERROR))
+        per_chunk["block_angle_error_deg_fit_floor"].append(finite_mean_ci95(angle, ERROR))
         per_chunk["block_found_rollout"].append(float(fits["rollout"]["valid"][:, k, -1].mean()))
         visible, error = agent_following(rollout[:, k], true_chunks[:, k])
         per_chunk["agent_visible_rollout"].append(float(visible.mean()))
-        per_chunk["agent_error_px_rollout"].append(summary(episode_means(error), ERROR))
+        per_chunk["agent_error_px_rollout"].append(finite_mean_ci95(episode_means(error), ERROR))
     frames_true = truth
     frames_model = np.concatenate([truth[:, :1], rollout.reshape(count, steps, *truth.shape[2:])], axis=1)
     result = {"num_episodes": count, "num_chunks": num_chunks, "chunk": chunk,
@@ -315,12 +305,12 @@ def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chun
         "rigidity_world_model_minus_simulator", "untouched_fraction")}
     for k in range(num_chunks):
         frames = slice(k * chunk, (k + 1) * chunk)  # of the steps (frames 1..T)
-        per_chunk["agent_visible_world_model"].append(summary(visible[:, frames].mean(1), UNIT))
-        per_chunk["agent_error_px"].append(summary(episode_means(agent_error[:, frames]), ERROR))
-        per_chunk["rigidity_simulator"].append(summary(rigidity["simulator"][:, k], UNIT))
-        per_chunk["rigidity_world_model"].append(summary(rigidity["world_model"][:, k], UNIT))
+        per_chunk["agent_visible_world_model"].append(finite_mean_ci95(visible[:, frames].mean(1), UNIT))
+        per_chunk["agent_error_px"].append(finite_mean_ci95(episode_means(agent_error[:, frames]), ERROR))
+        per_chunk["rigidity_simulator"].append(finite_mean_ci95(rigidity["simulator"][:, k], UNIT))
+        per_chunk["rigidity_world_model"].append(finite_mean_ci95(rigidity["world_model"][:, k], UNIT))
         per_chunk["rigidity_world_model_minus_simulator"].append(
-            summary(rigidity["world_model"][:, k] - rigidity["simulator"][:, k]))
+            finite_mean_ci95(rigidity["world_model"][:, k] - rigidity["simulator"][:, k]))
         per_chunk["untouched_fraction"].append(float(untouched[:, k].mean()))
     errors = untouched_block_errors(fits["world_model"]["pose"], fits["simulator"]["pose"], untouched, chunk)
     return {
@@ -331,11 +321,11 @@ def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chun
             "definition": f"chunks where the simulator's true block moved < {UNTOUCHED_PX} px and < {UNTOUCHED_DEG} "
                           "deg; pooled over (episode, chunk)",
             "num_chunks": int(untouched.sum()),
-            "block_displacement_error_px": summary(errors["position_px"], ERROR),
-            "block_turn_error_deg": summary(errors["angle_deg"], ERROR),
-            "simulator_fitted_displacement_px": summary(errors["simulator_px"], ERROR),
-            "rigidity_simulator": summary(rigidity["simulator"][untouched], UNIT),
-            "rigidity_world_model": summary(rigidity["world_model"][untouched], UNIT),
+            "block_displacement_error_px": finite_mean_ci95(errors["position_px"], ERROR),
+            "block_turn_error_deg": finite_mean_ci95(errors["angle_deg"], ERROR),
+            "simulator_fitted_displacement_px": finite_mean_ci95(errors["simulator_px"], ERROR),
+            "rigidity_simulator": finite_mean_ci95(rigidity["simulator"][untouched], UNIT),
+            "rigidity_world_model": finite_mean_ci95(rigidity["world_model"][untouched], UNIT),
         },
     }
 

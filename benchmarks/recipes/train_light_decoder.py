@@ -28,25 +28,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 RECIPES = Path(__file__).resolve().parent
-sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent)]  # the repository, benchmarks/
+sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
 from common import add_output_arguments, check_results_target, provenance, timed, write_results  # noqa: E402
+from fidelity_pusht_chunks import finite_mean_ci95  # noqa: E402
 
 from cosmos3_gym.envs.pusht import fast_pusht_engine, load_pusht_assets  # noqa: E402
 from cosmos3_gym.models.light_decoder import LightDecoder, LightDecoderConfig  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
-from cosmos3_gym.statistics import mean_interval  # noqa: E402
 from cosmos3_gym.training.light_decoder import (  # noqa: E402
     LightDecoderTrainConfig, build_decoder_windows, decoder_psnr, train_light_decoder,
 )
@@ -91,14 +89,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(","))
-
-
-def mean_ci95(values) -> dict[str, float]:
-    values = np.asarray(values, dtype=np.float64)
-    values = values[np.isfinite(values)].tolist()  # identical frames give inf dB
-    low, high = mean_interval(values, 0.95) or (math.nan, math.nan)
-    return {"mean": float(np.mean(values)) if values else math.nan, "ci95_low": low, "ci95_high": high,
-            "n": len(values)}
 
 
 def simulate(args, work: Path, image_size: tuple[int, int]) -> dict[str, Path]:
@@ -221,12 +211,12 @@ def main(argv: list[str] | None = None) -> dict:
             for frames in ("last", "all"):
                 psnr = decoder_psnr(decoder, heldout_windows, vae, frames=frames)
                 report["last_frame" if frames == "last" else "all_frames"] = {
-                    key: mean_ci95(values) for key, values in psnr.items()
+                    key: finite_mean_ci95(values) for key, values in psnr.items()
                 }
             if torch.device(args.device).type == "cuda":  # as decoder="light" runs it on a GPU: bf16, channels-last
                 bf16 = LightDecoder.from_pretrained(decoder_dir, device=args.device, dtype=torch.bfloat16)
                 psnr = decoder_psnr(bf16.use_channels_last(), heldout_windows, frames="last")
-                report["last_frame"]["light_bf16_vs_real"] = mean_ci95(psnr["light_vs_real"])
+                report["last_frame"]["light_bf16_vs_real"] = finite_mean_ci95(psnr["light_vs_real"])
             return report
 
         results["psnr_db"] = stage("evaluate", evaluate)
