@@ -186,10 +186,10 @@ def fast_pusht_engine(
     engine = Cosmos3Engine.from_pretrained(checkpoint, device=device, dtype=dtype, decoder=decoder,
                                            vae_dtype=torch.bfloat16 if bf16_vae else None, progress=False)
     if on_gpu:
-        engine.optimize()
-    engine.vae.optimize()
-    if engine.light_decoder is not None:
+        engine.optimize()  # the light decoder's channels-last weights included
+    elif engine.light_decoder is not None:
         engine.light_decoder.use_channels_last()
+    engine.vae.optimize()
     return engine
 
 
