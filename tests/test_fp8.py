@@ -178,10 +178,7 @@ def test_fp8_engine_with_compile_and_cuda_graphs_matches_bf16_closely(tiny_check
     assert 0 < _relative(results["fp8"].video_latents, results["bf16"].video_latents) < 0.3
 
 
-def test_benchmark_twin_shares_the_und_tower_and_owns_its_gen_layers(tiny_transformer):
-    """benchmarks/fp8_gpu.py times every precision on a twin of one loaded model: the twin must compute what the
-    model computes, share the UND tower (no second copy of it), and own its GEN layers (quantizing them must not
-    touch the model's)."""
+def _fp8_benchmark():
     import sys
     from pathlib import Path
 
@@ -190,6 +187,14 @@ def test_benchmark_twin_shares_the_und_tower_and_owns_its_gen_layers(tiny_transf
         import fp8_gpu
     finally:
         sys.path.pop(0)
+    return fp8_gpu
+
+
+def test_benchmark_twin_shares_the_und_tower_and_owns_its_gen_layers(tiny_transformer):
+    """benchmarks/fp8_gpu.py times every precision on a twin of one loaded model: the twin must compute what the
+    model computes, share the UND tower (no second copy of it), and own its GEN layers (quantizing them must not
+    touch the model's)."""
+    fp8_gpu = _fp8_benchmark()
     twin = fp8_gpu.gen_twin(tiny_transformer, None, compile_blocks=False)
     assert twin.text_layers is tiny_transformer.text_layers and twin.proj_in is tiny_transformer.proj_in
     assert twin.gen_layers is not tiny_transformer.gen_layers
@@ -201,3 +206,33 @@ def test_benchmark_twin_shares_the_und_tower_and_owns_its_gen_layers(tiny_transf
         twin.gen_layers[0].mlp.down.weight.mul_(2.0)
     assert not torch.equal(twin.gen_layers[0].mlp.down.weight, tiny_transformer.gen_layers[0].mlp.down.weight)
     assert not torch.equal(fp8_gpu.velocity(twin, (3, 8, 8), 8, 15.0, "cpu")[0], v_model)
+
+
+def test_benchmark_turns_tf32_off_only_for_the_fp32_reference():
+    """The timed sections (diffusers' baseline included) run with PyTorch's TF32 defaults: ``tf32_off`` must give
+    them back after the fp32 reference, also when it fails."""
+    fp8_gpu = _fp8_benchmark()
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+        with pytest.raises(RuntimeError, match="reference failed"):
+            with fp8_gpu.tf32_off():
+                assert fp8_gpu.tf32_settings() == {"matmul_allow_tf32": False, "cudnn_allow_tf32": False}
+                raise RuntimeError("reference failed")
+        assert fp8_gpu.tf32_settings() == {"matmul_allow_tf32": False, "cudnn_allow_tf32": True}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_benchmark_compares_fp8_ranking_scores_with_bf16s():
+    fp8_gpu = _fp8_benchmark()
+
+    def ranking(scores):
+        return {"policies": {f"p{i}": {"world_model": {"final_coverage": s}} for i, s in enumerate(scores)}}
+
+    same = fp8_gpu.score_agreement(ranking([0.1, 0.5, 0.3]), ranking([0.1, 0.5, 0.3]))
+    assert same == {"pearson": pytest.approx(1.0), "max_abs_difference": 0.0}
+    other = fp8_gpu.score_agreement(ranking([0.1, 0.5, 0.3]), ranking([0.3, 0.1, 0.5]))
+    assert other["pearson"] < 0 and other["max_abs_difference"] == pytest.approx(0.4)
+    with pytest.raises(SystemExit, match="--skip: unknown section"):
+        fp8_gpu.section_list("pusht,vector_envs", fp8_gpu.SKIPPABLE_SECTIONS, "--skip")
