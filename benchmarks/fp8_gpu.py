@@ -230,12 +230,13 @@ def vector_env_throughput(engine: Cosmos3Engine, vaes: dict, num_envs: int, sett
     table: dict = {"num_envs": num_envs, "resolution_tier": ENV_TIER, "image_hw": list(settings["env_image"].shape[:2]),
                    "diffusers_one_env_step_s": diffusers_step_s}
     for name, vae in vaes.items():
-        engine.vae = vae
-        envs = gym.make_vec(ENV_ID, num_envs=num_envs, engine=engine, task=ENV_TASK, domain="droid_lerobot",
-                            initial_states=[scene(*settings["env_image"].shape[:2], seed=i) for i in range(num_envs)],
-                            chunk=settings["chunk"], num_steps=settings["steps"], guidance_scale=settings["guidance"],
-                            fps=settings["fps"], resolution_tier=ENV_TIER)
+        engine.vae, envs = vae, None
         try:
+            envs = gym.make_vec(ENV_ID, num_envs=num_envs, engine=engine, task=ENV_TASK, domain="droid_lerobot",
+                                initial_states=[scene(*settings["env_image"].shape[:2], seed=i)
+                                                for i in range(num_envs)],
+                                chunk=settings["chunk"], num_steps=settings["steps"],
+                                guidance_scale=settings["guidance"], fps=settings["fps"], resolution_tier=ENV_TIER)
             envs.reset(seed=0)
             actions = np.random.default_rng(0).uniform(-1, 1, envs.action_space.shape).astype(np.float32)
             started = time.perf_counter()
@@ -246,7 +247,8 @@ def vector_env_throughput(engine: Cosmos3Engine, vaes: dict, num_envs: int, sett
             table[name] = {"error": "OOM"}
             continue
         finally:
-            envs.close()
+            if envs is not None:
+                envs.close()
             engine.vae = own_vae
             free_memory()
         entry = {"step_s": seconds, "first_step_s": first, "env_steps_per_s": num_envs / seconds}
@@ -409,8 +411,8 @@ def pusht_accuracy(results: dict, save, device: str, policies: list[str], rankin
                 "block_error_px_mean": float(np.nanmean([c["mean"] for c in rollout["block_error_px"]])),
                 "seconds": time.perf_counter() - started,
             }
-            print("pusht following", name, {k: v for k, v in following[name].items() if k.endswith(("_mean", "s"))},
-                  flush=True)
+            summary = {k: v for k, v in following[name].items() if k.endswith("_mean") or k == "seconds"}
+            print("pusht following", name, summary, flush=True)
         save()
 
     # The ranking (each run's "agreement": world-model against simulator scores): bf16 seed 0, the first FP8 policy,
@@ -438,7 +440,7 @@ def pusht_accuracy(results: dict, save, device: str, policies: list[str], rankin
     return results
 
 
-PUSHT_RUN_S = 30.0  # the longest PushT run (a policy ranking) on an H200, with margin
+PUSHT_RUN_S = 30.0  # a PushT run (following or ranking) on an H200: a guess, each run records its "seconds"
 PUSHT_RANKED_POLICIES = "random,scripted:0,scripted:25,scripted:50,agent"
 
 
@@ -661,7 +663,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-envs", type=int, default=16)
     parser.add_argument("--error-policies", default=",".join(FP8_LAYER_POLICIES),
                         help="FP8 layer policies whose velocity error is measured")
-    parser.add_argument("--pusht-policies", default="all,keep_qkv,keep_qkv_edges,mlp_only",
+    parser.add_argument("--pusht-policies", default=f"{DEFAULT_FP8_LAYERS},all,keep_qkv_edges,mlp_only",
                         help="FP8 layer policies whose PushT action following is measured")
     parser.add_argument("--pusht-ranking-policies", default=f"{DEFAULT_FP8_LAYERS},all",
                         help="FP8 layer policies whose PushT policy ranking is measured")
@@ -713,7 +715,9 @@ def main(argv: list[str] | None = None) -> dict:
             results["decode_latents"] = "random normal latents (decode speed does not depend on their values)"
             if "decode" in only:
                 run_section(results, "decode", budget, 0, lambda: decode_variants(vae, latents, compiled=False), save)
-            if "decode_compiled" in only and not tiny:  # compiling the whole decoder takes minutes
+            if "decode_compiled" in only and tiny:
+                results["decode_compiled"] = {"skipped": "--tiny: compiling the whole decoder takes minutes on a CPU"}
+            elif "decode_compiled" in only:
                 run_section(results, "decode_compiled", budget, DECODE_COMPILED_S,
                             lambda: decode_variants(vae, latents, compiled=True), save)
         results["wall_s"] = time.perf_counter() - budget.start
