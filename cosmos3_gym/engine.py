@@ -491,6 +491,15 @@ class Cosmos3Engine:
     def prepare(self, request: Cosmos3Request, *, encode: bool = True) -> _Prepared:
         """Validate a request and build its conditioning: prompts, clean latents, clean actions, schedule.
         With ``encode=False`` the clean pixels are kept for a later batched ``_encode_conditions``."""
+        prepared, _ = self._prepare(request, defer_uint8_frames=False)
+        if encode:
+            self._encode_conditions([prepared])
+        return prepared
+
+    def _prepare(self, request: Cosmos3Request, defer_uint8_frames: bool) -> tuple[_Prepared, tuple | None]:
+        """``prepare`` without the encode. With ``defer_uint8_frames``, an observation that
+        ``processor.prepare_uint8_conditioning`` takes is not put on the canvas (``pixels`` stays None): it comes
+        back as ``(observation, canvas layout, pixel frames to encode)`` for ``_prepare_batch`` to do them at once."""
         if not isinstance(request, Cosmos3Request):
             raise InputError(f"requests: expected Cosmos3Request, got {type(request).__name__}")
         r = presets.resolve_request(request, self.preset)
@@ -517,13 +526,21 @@ class Cosmos3Engine:
         num_frames = r.chunk + 1
         latent_t = (num_frames - 1) // self.vae.temporal_compression + 1
         clean_frames = self._clean_frames(r, latent_t)
-        frames = processor.load_frames(presets.adapt_observation(r.observation, r.observation_adapter))
+        observation = presets.adapt_observation(r.observation, r.observation_adapter)
         # The VAE is causal in time: latent frames 0..k depend only on pixel frames 0..4k, so encoding just the
         # pixel frames that feed clean latents gives the same latents as encoding the whole clip.
         encoded_pixel_frames = (max(clean_frames) * self.vae.temporal_compression + 1) if clean_frames else 1
-        cond = processor.prepare_conditioning(frames, r.resolution_tier, encoded_pixel_frames, canvas=r.canvas)
-        canvas_h, canvas_w = cond.canvas_hw
-        h, w = cond.latent_hw
+        layout = None
+        if defer_uint8_frames:
+            layout = processor.uint8_layout(observation, r.resolution_tier, encoded_pixel_frames, r.canvas)
+        if layout is None:
+            frames = processor.load_frames(observation)
+            layout = processor.prepare_conditioning(frames, r.resolution_tier, encoded_pixel_frames, canvas=r.canvas)
+            pixels, deferred = layout.pixels, None
+        else:
+            pixels, deferred = None, (observation, layout, encoded_pixel_frames)
+        canvas_h, canvas_w = layout.canvas_hw
+        h, w = layout.latent_hw
 
         x0_actions, clean_rows = processor.prepare_action_rows(
             r.mode, r.chunk, raw_dim, action_dim, actions=r.action, history=r.action_history,
@@ -535,11 +552,9 @@ class Cosmos3Engine:
         seed = r.seed if r.seed is not None else secrets.randbelow(2**63)
         prepared = _Prepared(
             r, seed, domain_id, raw_dim, cond_ids, uncond_ids, clean_frames, clean_rows,
-            cond.pixels, x0_actions, (latent_t, h, w), schedule, history_rows=r.action_history_length,
+            pixels, x0_actions, (latent_t, h, w), schedule, history_rows=r.action_history_length,
         )
-        if encode:
-            self._encode_conditions([prepared])
-        return prepared
+        return prepared, deferred
 
     def _prompt_token_ids(self, r: Cosmos3Request, num_frames: int, height: int, width: int):
         """``processor.build_prompt_token_ids``, cached per prompt setting: the tokenizer's chat template (Jinja)
@@ -618,8 +633,24 @@ class Cosmos3Engine:
         return video_noise, action_noise
 
     def _prepare_batch(self, requests: list) -> list[_Prepared]:
-        """``prepare`` each request, then VAE-encode all their conditioning frames in shape-batched passes."""
-        prepared = [self.prepare(r, encode=False) for r in requests]
+        """``prepare`` each request, then VAE-encode all their conditioning frames in shape-batched passes.
+
+        The same tensors as ``prepare`` one by one; what was the largest host cost of a vector env's step, putting
+        every slot's frame on the canvas, is done for all slots with uint8 frames of one shape together, on the
+        device (``processor.prepare_uint8_conditioning``)."""
+        prepared, by_shape = [], {}
+        for request in requests:
+            p, deferred = self._prepare(request, defer_uint8_frames=True)
+            prepared.append(p)
+            if deferred is not None:
+                observation, layout, num_frames = deferred
+                by_shape.setdefault((observation.shape, layout, num_frames), []).append((p, observation))
+        for (_, layout, num_frames), group in by_shape.items():
+            pixels = processor.prepare_uint8_conditioning(
+                [observation for _, observation in group], layout, num_frames, device=self.device
+            )
+            for (p, _), clip in zip(group, pixels):
+                p.pixels = clip
         self._encode_conditions(prepared)
         return prepared
 

@@ -19,6 +19,7 @@ bundles of these settings live in ``presets.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -57,17 +58,21 @@ __all__ = [
     "VAE_SPATIAL_FACTOR",
     "VIEW_POINTS",
     "ActionStats",
+    "CanvasLayout",
     "Conditioning",
     "build_prompt_text",
     "build_prompt_token_ids",
+    "canvas_layout",
     "flip_gripper",
     "load_action_file",
     "load_frames",
     "prepare_action_chunk",
     "prepare_action_rows",
     "prepare_conditioning",
+    "prepare_uint8_conditioning",
     "resolve_domain",
     "resolve_prompt_format",
+    "uint8_layout",
     "save_action_file",
 ]
 
@@ -288,6 +293,23 @@ def prepare_conditioning(
     antialiased bicubic, where PR49 uses Pillow's bicubic; the RoboLab 540x640 composite never is.)
     """
     frames = load_frames(frames)
+    _check_canvas_settings(resolution_tier, num_frames, canvas)
+
+    snapped = frames.shape[1] % VAE_SPATIAL_FACTOR == 0 and frames.shape[2] % VAE_SPATIAL_FACTOR == 0
+    if snapped or canvas == "native":
+        # VideoProcessor's snap to a multiple of 16 is then the identity (PIL and torch alike), or the native canvas
+        # skips it, leaving its 2x - 1: computed here on one contiguous tensor it is bit-identical and ~10x cheaper
+        # than the per-frame PIL round trip.
+        pixels = _to_model_range(torch.from_numpy(frames).to(device=device).permute(3, 0, 1, 2)[None])
+        pixels = pixels.to(dtype=dtype)
+    else:
+        pixels = _VIDEO_PROCESSOR.preprocess_video(_video_processor_input(frames)).to(device=device, dtype=dtype)
+    layout = canvas_layout(tuple(pixels.shape[-2:]), resolution_tier)
+    pixels = _frames_on_canvas(_keep_frames(pixels, num_frames), layout).to(dtype=dtype)
+    return Conditioning(pixels, layout.canvas_hw, layout.content_hw, layout.latent_hw)
+
+
+def _check_canvas_settings(resolution_tier: Any, num_frames: Any, canvas: Any) -> None:
     if canvas not in CANVAS_MODES:
         raise InputError(f"canvas: got {canvas!r}; expected one of {list(CANVAS_MODES)}.")
     if str(resolution_tier) not in _ACTION_RESOLUTION_BINS:
@@ -295,49 +317,111 @@ def prepare_conditioning(
     if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
         raise InputError(f"num_frames: expected an integer >= 1, got {num_frames!r}.")
 
-    snapped = frames.shape[1] % VAE_SPATIAL_FACTOR == 0 and frames.shape[2] % VAE_SPATIAL_FACTOR == 0
-    if snapped or canvas == "native":
-        # VideoProcessor's snap to a multiple of 16 is then the identity (PIL and torch alike), or the native canvas
-        # skips it, leaving its 2x - 1: computed here on one contiguous tensor it is bit-identical and ~10x cheaper
-        # than the per-frame PIL round trip.
-        pixels = torch.from_numpy(frames).to(device=device).permute(3, 0, 1, 2)[None] * 2.0 - 1.0
-        pixels = pixels.to(dtype=dtype)
-    else:
-        pixels = _VIDEO_PROCESSOR.preprocess_video(_video_processor_input(frames)).to(device=device, dtype=dtype)
-    source_h, source_w = pixels.shape[-2:]
+
+def _to_model_range(pixels: torch.Tensor) -> torch.Tensor:
+    """[0, 1] -> [-1, 1], VideoProcessor.preprocess_video's 2x - 1."""
+    return pixels * 2.0 - 1.0
+
+
+@dataclass(frozen=True)
+class CanvasLayout:
+    """Where a frame of ``source_hw`` goes on the tier's canvas (``Conditioning`` has the same fields)."""
+
+    source_hw: tuple[int, int]
+    canvas_hw: tuple[int, int]
+    content_hw: tuple[int, int]
+    latent_hw: tuple[int, int]
+
+
+@functools.lru_cache(maxsize=256)  # a vector env asks for the same few layouts at every step
+def canvas_layout(source_hw: tuple[int, int], resolution_tier: int) -> CanvasLayout:
+    """The tier's canvas closest in aspect ratio to ``source_hw`` (already snapped to a multiple of 16 unless the
+    canvas is native) and the content's size on it: fit inside without upscaling, the pipeline's rounding."""
+    source_h, source_w = (int(size) for size in source_hw)
     target_h, target_w = VideoProcessor.classify_height_width_bin(
         source_h, source_w, ratios=_ACTION_RESOLUTION_BINS[str(resolution_tier)]
     )
-
-    clip_frames = pixels.shape[2]
-    if clip_frames < num_frames:
-        last_frame = pixels[:, :, -1:].expand(-1, -1, num_frames - clip_frames, -1, -1)
-        pixels = torch.cat([pixels, last_frame], dim=2)
-    else:
-        pixels = pixels[:, :, :num_frames]
-
-    # Fit inside the canvas without upscaling; the same rounding as the pipeline (int(x + 0.5)).
     scale = min(target_w / source_w, target_h / source_h, 1.0)
     content_h = max(1, int(scale * source_h + 0.5))
     content_w = max(1, int(scale * source_w + 0.5))
+    latent_hw = (max(content_h // VAE_SPATIAL_FACTOR, 1), max(content_w // VAE_SPATIAL_FACTOR, 1))
+    return CanvasLayout((source_h, source_w), (target_h, target_w), (content_h, content_w), latent_hw)
 
-    channels = pixels.shape[1]
-    images = pixels.permute(0, 2, 1, 3, 4).reshape(-1, channels, source_h, source_w)  # [T, C, H, W]
-    if (content_h, content_w) != (source_h, source_w):
+
+def _keep_frames(pixels: torch.Tensor, num_frames: int) -> torch.Tensor:
+    """``[B, C, T, H, W]`` clips padded to ``num_frames`` by repeating their last frame, or cut to their first."""
+    clip_frames = pixels.shape[2]
+    if clip_frames < num_frames:
+        last_frame = pixels[:, :, -1:].expand(-1, -1, num_frames - clip_frames, -1, -1)
+        return torch.cat([pixels, last_frame], dim=2)
+    return pixels[:, :, :num_frames]
+
+
+def _frames_on_canvas(pixels: torch.Tensor, layout: CanvasLayout) -> torch.Tensor:
+    """``[B, C, T, *source_hw]`` -> ``[B, C, T, *canvas_hw]``: downscale (bicubic, antialias) if the content is
+    smaller than the source, then pad bottom/right."""
+    batch, channels, num_frames = pixels.shape[:3]
+    (content_h, content_w), (target_h, target_w) = layout.content_hw, layout.canvas_hw
+    images = pixels.permute(0, 2, 1, 3, 4).reshape(-1, channels, *layout.source_hw)  # [B * T, C, H, W]
+    if layout.content_hw != layout.source_hw:
         images = F.interpolate(images, size=(content_h, content_w), mode="bicubic", align_corners=False, antialias=True)
     pad_bottom, pad_right = target_h - content_h, target_w - content_w
     if pad_bottom or pad_right:
         # Reflect padding needs the pad to be smaller than the content along that axis.
         pad_mode = "replicate" if pad_right >= content_w or pad_bottom >= content_h else "reflect"
         images = F.pad(images, (0, pad_right, 0, pad_bottom), mode=pad_mode)
-    pixels = images.reshape(1, num_frames, channels, target_h, target_w).permute(0, 2, 1, 3, 4).to(dtype=dtype)
+    return images.reshape(batch, num_frames, channels, target_h, target_w).permute(0, 2, 1, 3, 4)
 
-    return Conditioning(
-        pixels=pixels,
-        canvas_hw=(target_h, target_w),
-        content_hw=(content_h, content_w),
-        latent_hw=(max(content_h // VAE_SPATIAL_FACTOR, 1), max(content_w // VAE_SPATIAL_FACTOR, 1)),
-    )
+
+def uint8_layout(observation: Any, resolution_tier: int, num_frames: int, canvas: str) -> CanvasLayout | None:
+    """The canvas layout of an ``observation`` that ``prepare_uint8_conditioning`` takes, else None (then
+    ``prepare_conditioning``): a uint8 RGB image ``HWC`` or clip ``THWC`` as a numpy array (a vector env's frames)
+    that needs no resampling: its size already a multiple of 16 (or the native canvas), content not downscaled.
+    Checks the settings as ``prepare_conditioning`` does."""
+    if not (isinstance(observation, np.ndarray) and observation.dtype == np.uint8 and observation.ndim in (3, 4)):
+        return None
+    if observation.shape[-1] != 3 or 0 in observation.shape:
+        return None
+    _check_canvas_settings(resolution_tier, num_frames, canvas)
+    source_hw = observation.shape[-3:-1]
+    if canvas != "native" and (source_hw[0] % VAE_SPATIAL_FACTOR or source_hw[1] % VAE_SPATIAL_FACTOR):
+        return None
+    layout = canvas_layout(tuple(source_hw), resolution_tier)
+    return layout if layout.content_hw == layout.source_hw else None
+
+
+@functools.lru_cache(maxsize=None)
+def _uint8_to_model_range() -> torch.Tensor:
+    """[256] float32: the value ``prepare_conditioning`` gives each 8-bit level, computed by its own functions
+    (``load_frames``' x / 255, then 2x - 1), so a table lookup gives the same bits."""
+    levels = np.arange(256, dtype=np.uint8).reshape(1, 256, 1)
+    return _to_model_range(torch.from_numpy(load_frames(levels)[0, 0, :, 0]))
+
+
+def prepare_uint8_conditioning(
+    observations: list[np.ndarray], layout: CanvasLayout, num_frames: int, *, device: torch.device | str = "cpu"
+) -> list[torch.Tensor]:
+    """``prepare_conditioning(observation, ...).pixels`` (``[1, 3, num_frames, *canvas_hw]`` float32, the same
+    values) of each of many same-shape observations that ``uint8_layout`` took (``layout``), on ``device``.
+
+    Why: per request, ``prepare_conditioning`` makes ~6 float passes over every frame on the host (x / 255, range
+    checks, 2x - 1, ...), the largest host cost of a 64-env step. Here each 8-bit level becomes its float by one
+    table lookup (exact: a level has one value). On a GPU the uint8 frames go up stacked, in one copy of a quarter of
+    the float32 bytes, and the lookup runs there; on a CPU it runs clip by clip, whose floats stay in the cache (a
+    64-clip float batch would not). Repeating frames and padding are copies, the same on any device."""
+    device = torch.device(device)
+    table = _uint8_to_model_range()
+    clips = [clip[None] if clip.ndim == 3 else clip[:num_frames] for clip in observations]  # [T, H, W, 3] each
+    if device.type == "cpu":
+        pixels = [torch.from_numpy(table.numpy().take(clip)).permute(3, 0, 1, 2)[None] for clip in clips]
+        return [_frames_on_canvas(_keep_frames(clip, num_frames), layout) for clip in pixels]
+    levels = torch.from_numpy(np.stack(clips))  # [B, T, H, W, 3] uint8
+    if device.type == "cuda":  # pinned: the copy does not wait for the kernels already queued
+        levels = levels.pin_memory().to(device, non_blocking=True)
+    levels = levels.to(device)
+    pixels = table.to(device).index_select(0, levels.reshape(-1).int()).reshape(levels.shape)  # int32: half of int64
+    pixels = pixels.permute(0, 4, 1, 2, 3)  # [B, 3, T, H, W]
+    return list(_frames_on_canvas(_keep_frames(pixels, num_frames), layout).split(1))
 
 
 def _video_processor_input(frames: np.ndarray) -> list[Image.Image] | np.ndarray:

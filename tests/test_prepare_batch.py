@@ -1,0 +1,125 @@
+"""``Cosmos3Engine._prepare_batch`` (a vector env's whole batch at once) gives exactly what ``prepare`` gives one
+request at a time: every field of every prepared request, the canvas pixels and the encoded latents."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from cosmos3_gym import processor
+from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)
+
+
+def uint8_frames(seed: int, shape) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def actions(seed: int, rows: int = 4) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-1, 1, (rows, 2)).astype(np.float32)
+
+
+def varied_requests() -> tuple[list[Cosmos3Request], int]:
+    """Requests of every kind a batch may mix, and how many of them take the uint8 batch path."""
+    common = dict(domain="pusht", chunk=4, num_inference_steps=2, resolution_tier=256)
+    fast = [  # uint8 numpy frames on a multiple of 16 that are not downscaled
+        *(Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(s, (256, 256, 3)), task="push the T",
+                         action=actions(s), seed=s, **common) for s in range(4)),
+        Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(4, (256, 256, 3)), task="another prompt",
+                       action=actions(4, rows=2), seed=4, guidance_scale=1.0, **common),
+        Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(5, (96, 160, 3)), task="padded canvas",
+                       action=actions(5), seed=5, fps=10.0, **common),  # padded (reflect) onto 192x320
+        Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(6, (256, 256, 3)), task="push the T",
+                       action=actions(6), seed=6, action_history=actions(7, rows=3), action_history_length=2,
+                       flip_gripper=True, **common),
+        Cosmos3Request(mode="policy", observation=uint8_frames(8, (256, 256, 3)), seed=8,
+                       **{**common, "num_inference_steps": 3}),
+        Cosmos3Request(mode="inverse_dynamics", observation=uint8_frames(9, (3, 256, 256, 3)), seed=9,
+                       **common),  # a clip, repeated to the encoded frames
+        Cosmos3Request(mode="policy", observation=uint8_frames(10, (9, 256, 256, 3)), seed=10,
+                       cond_frame_indexes=[0, 1], **common),  # a clip, cut to the encoded frames
+        Cosmos3Request(mode="policy", observation=uint8_frames(11, (208, 272, 3)), seed=11, canvas="native",
+                       **common),
+    ]
+    slow = [  # everything else goes through prepare_conditioning as before
+        Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(12, (200, 280, 3)), task="push the T",
+                       action=actions(12), seed=12, **common),  # snapped to 16 through PIL
+        Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(13, (512, 512, 3)), task="push the T",
+                       action=actions(13), seed=13, **common),  # downscaled
+        Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(14, (256, 256, 3)) / np.float32(255),
+                       task="push the T", action=actions(14), seed=14, **common),  # float frames
+        Cosmos3Request(mode="forward_dynamics", observation=torch.from_numpy(uint8_frames(15, (3, 256, 256))),
+                       task="push the T", action=actions(15), seed=15, **common),  # a CHW tensor
+        Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(16, (256, 256, 4)), task="push the T",
+                       action=actions(16), seed=16, **common),  # RGBA
+    ]
+    requests = fast + slow
+    order = np.random.default_rng(0).permutation(len(requests))  # fast and slow interleaved
+    return [requests[i] for i in order], len(fast)
+
+
+def assert_same(old, new, where: str) -> None:
+    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+        assert isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor), where
+        assert old.dtype == new.dtype and old.device == new.device, where
+        assert torch.equal(old, new), where
+    elif isinstance(old, np.ndarray):
+        assert isinstance(new, np.ndarray) and old.dtype == new.dtype and np.array_equal(old, new), where
+    elif dataclasses.is_dataclass(old):
+        assert type(old) is type(new), where
+        for f in dataclasses.fields(old):
+            assert_same(getattr(old, f.name), getattr(new, f.name), f"{where}.{f.name}")
+    else:
+        assert type(old) is type(new) and old == new, where
+
+
+def test_prepare_batch_equals_prepare_one_by_one(engine, monkeypatch):
+    requests, num_fast = varied_requests()
+
+    one_by_one = [engine.prepare(r, encode=False) for r in requests]
+    old_pixels = [p.pixels for p in one_by_one]
+    engine._encode_conditions(one_by_one)
+
+    batched_observations, new_pixels = [], []
+    prepare_uint8 = processor.prepare_uint8_conditioning
+
+    def counting(observations, *args, **kwargs):
+        batched_observations.extend(observations)
+        return prepare_uint8(observations, *args, **kwargs)
+
+    def encode(prepared):
+        new_pixels.extend(p.pixels for p in prepared)
+        Cosmos3Engine._encode_conditions(engine, prepared)
+
+    monkeypatch.setattr(processor, "prepare_uint8_conditioning", counting)
+    monkeypatch.setattr(engine, "_encode_conditions", encode)
+    batched = engine._prepare_batch(requests)
+
+    assert len(batched_observations) == num_fast  # the fast path ran, for exactly the requests it takes
+    assert len(batched) == len(requests)
+    for index, (old, new) in enumerate(zip(one_by_one, batched)):
+        assert_same(old_pixels[index], new_pixels[index], f"request {index}: pixels")
+        assert new.pixels is None and new.x0_video is not None
+        assert_same(old, new, f"request {index}")
+
+
+def test_uint8_conditioning_every_level(engine):
+    """Each 8-bit level maps to the float ``load_frames`` + ``prepare_conditioning`` give it, on a reflect-padded
+    canvas, from an HWC image and from a THWC clip."""
+    levels = np.arange(256, dtype=np.uint8)
+    image = np.stack([np.roll(levels, shift) for shift in range(3)], axis=-1).reshape(16, 16, 3).repeat(6, 0)
+    image = np.ascontiguousarray(np.concatenate([image, image[:, ::-1]], axis=1)).repeat(2, 1)  # [96, 64, 3]
+    for observation in (image, np.stack([image, image[::-1]])):
+        for num_frames in (1, 3):
+            layout = processor.uint8_layout(observation, 256, num_frames, "diffusers")
+            assert layout is not None and layout.canvas_hw != layout.source_hw  # padded
+            expected = processor.prepare_conditioning(observation, 256, num_frames).pixels
+            (pixels,) = processor.prepare_uint8_conditioning([observation], layout, num_frames)
+            assert torch.equal(pixels, expected)
