@@ -410,18 +410,26 @@ def prepare_uint8_conditioning(
     the float32 bytes, and the lookup runs there; on a CPU it runs clip by clip, whose floats stay in the cache (a
     64-clip float batch would not). Repeating frames and padding are copies, the same on any device."""
     device = torch.device(device)
-    table = _uint8_to_model_range()
     clips = [clip[None] if clip.ndim == 3 else clip[:num_frames] for clip in observations]  # [T, H, W, 3] each
-    if device.type == "cpu":
-        pixels = [torch.from_numpy(table.numpy().take(clip)).permute(3, 0, 1, 2)[None] for clip in clips]
-        return [_frames_on_canvas(_keep_frames(clip, num_frames), layout) for clip in pixels]
-    levels = torch.from_numpy(np.stack(clips))  # [B, T, H, W, 3] uint8
-    if device.type == "cuda":  # pinned: the copy does not wait for the kernels already queued
-        levels = levels.pin_memory().to(device, non_blocking=True)
-    levels = levels.to(device)
-    pixels = table.to(device).index_select(0, levels.reshape(-1).int()).reshape(levels.shape)  # int32: half of int64
-    pixels = pixels.permute(0, 4, 1, 2, 3)  # [B, 3, T, H, W]
-    return list(_frames_on_canvas(_keep_frames(pixels, num_frames), layout).split(1))
+    lookup = _uint8_lookup_clip_by_clip if device.type == "cpu" else _uint8_lookup_stacked
+    return [_frames_on_canvas(_keep_frames(pixels, num_frames), layout) for pixels in lookup(clips, device)]
+
+
+def _uint8_lookup_clip_by_clip(clips: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """``[T, H, W, 3]`` uint8 clips -> ``[1, 3, T, H, W]`` in [-1, 1], on the host."""
+    table = _uint8_to_model_range().numpy()
+    return [torch.from_numpy(table.take(clip)).permute(3, 0, 1, 2)[None] for clip in clips]
+
+
+def _uint8_lookup_stacked(clips: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """``_uint8_lookup_clip_by_clip`` on ``device`` for clips of one shape: one copy up, one lookup."""
+    # Stacked straight into pinned memory for a GPU: the copy up does not wait for the kernels already queued.
+    levels = torch.empty((len(clips), *clips[0].shape), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    np.stack(clips, out=levels.numpy())  # [B, T, H, W, 3]
+    levels = levels.to(device, non_blocking=True)
+    table = _uint8_to_model_range().to(device)
+    pixels = table.index_select(0, levels.reshape(-1).int()).reshape(levels.shape)  # int32 indexes: half of int64's
+    return list(pixels.permute(0, 4, 1, 2, 3).split(1))  # [1, 3, T, H, W] each
 
 
 def _video_processor_input(frames: np.ndarray) -> list[Image.Image] | np.ndarray:

@@ -123,3 +123,23 @@ def test_uint8_conditioning_every_level(engine):
             expected = processor.prepare_conditioning(observation, 256, num_frames).pixels
             (pixels,) = processor.prepare_uint8_conditioning([observation], layout, num_frames)
             assert torch.equal(pixels, expected)
+
+
+def test_uint8_lookup_stacked_equals_clip_by_clip():
+    """The GPU's lookup (clips stacked, one upload, ``index_select``), run on the CPU, gives the CPU's values."""
+    clips = [uint8_frames(seed, (2, 32, 48, 3)) for seed in range(3)]
+    device = torch.device("cpu")
+    stacked = processor._uint8_lookup_stacked(clips, device)
+    for new, old in zip(stacked, processor._uint8_lookup_clip_by_clip(clips, device)):
+        assert new.shape == (1, 3, 2, 32, 48) and torch.equal(new, old)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_uint8_conditioning_on_cuda_equals_host():
+    observations = [uint8_frames(seed, (96, 160, 3)) for seed in range(4)]
+    layout = processor.uint8_layout(observations[0], 256, 1, "diffusers")
+    pixels = processor.prepare_uint8_conditioning(observations, layout, 1, device="cuda")
+    for observation, on_device in zip(observations, pixels):
+        assert on_device.is_cuda
+        assert torch.equal(on_device.cpu(), processor.prepare_conditioning(observation, 256, 1).pixels)
