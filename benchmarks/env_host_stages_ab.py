@@ -1,6 +1,8 @@
 """Before/after of the PushT env's host stages (``request_prep``, ``env_rest``), interleaved in one run.
 
     python benchmarks/env_host_stages_ab.py --before 69ec05a --envs 16,64 --rounds 2          # CPU, ~2 min
+    python benchmarks/env_host_stages_ab.py --before 7348a19 --envs 16,64 --rounds 3 --steps 3 \
+        --name env_host_stages_ab_prepare_batch_cpu.json                                       # issue 24, batched prep
 
 Runs ``profile_pusht_env.py --host-only`` (transformer and VAE stubbed: the host stages alone) on the ``--before``
 commit (a ``git archive`` of it, run with this tree's benchmark scripts) and on this tree, alternating
@@ -54,9 +56,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--name", default=None,
+                        help="results file name (default env_host_stages_ab_<device>.json), to keep earlier A/Bs")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    name = f"env_host_stages_ab_{args.device}.json"
+    name = args.name or f"env_host_stages_ab_{args.device}.json"
     check_results_target(name, args.out, args.overwrite)  # before measuring
     results = {"provenance": provenance(), "settings": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
