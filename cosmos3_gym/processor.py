@@ -391,15 +391,19 @@ def uint8_layout(observation: Any, resolution_tier: int, num_frames: int, canvas
 
 
 @functools.lru_cache(maxsize=None)
-def _uint8_to_model_range() -> torch.Tensor:
-    """[256] float32: the value ``prepare_conditioning`` gives each 8-bit level, computed by its own functions
-    (``load_frames``' x / 255, then 2x - 1), so a table lookup gives the same bits."""
+def _uint8_to_model_range(device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """[256] float32 on ``device``: the value ``prepare_conditioning`` gives each 8-bit level, computed by its own
+    functions (``load_frames``' x / 255, then 2x - 1), so a table lookup gives the same bits. Kept per device: a
+    copy up from pageable memory would wait for the GPU at every step."""
+    if device.type != "cpu":
+        return _uint8_to_model_range().to(device)
     levels = np.arange(256, dtype=np.uint8).reshape(1, 256, 1)
     return _to_model_range(torch.from_numpy(load_frames(levels)[0, 0, :, 0]))
 
 
 def prepare_uint8_conditioning(
-    observations: list[np.ndarray], layout: CanvasLayout, num_frames: int, *, device: torch.device | str = "cpu"
+    observations: list[np.ndarray], layout: CanvasLayout, num_frames: int, *, device: torch.device | str = "cpu",
+    stacked: bool | None = None,
 ) -> list[torch.Tensor]:
     """``prepare_conditioning(observation, ...).pixels`` (``[1, 3, num_frames, *canvas_hw]`` float32, the same
     values) of each of many same-shape observations that ``uint8_layout`` took (``layout``), on ``device``.
@@ -407,29 +411,25 @@ def prepare_uint8_conditioning(
     Why: per request, ``prepare_conditioning`` makes ~6 float passes over every frame on the host (x / 255, range
     checks, 2x - 1, ...), the largest host cost of a 64-env step. Here each 8-bit level becomes its float by one
     table lookup (exact: a level has one value). On a GPU the uint8 frames go up stacked, in one copy of a quarter of
-    the float32 bytes, and the lookup runs there; on a CPU it runs clip by clip, whose floats stay in the cache (a
-    64-clip float batch would not). Repeating frames and padding are copies, the same on any device."""
+    the float32 bytes, and the lookups run there; on a CPU the host still writes every float (clip by clip, so that
+    they stay in the cache), which saves less. Repeating frames and padding are copies, the same on any device.
+    ``stacked``: the GPU's way (default: on any device but the CPU)."""
     device = torch.device(device)
     clips = [clip[None] if clip.ndim == 3 else clip[:num_frames] for clip in observations]  # [T, H, W, 3] each
-    lookup = _uint8_lookup_clip_by_clip if device.type == "cpu" else _uint8_lookup_stacked
-    return [_frames_on_canvas(_keep_frames(pixels, num_frames), layout) for pixels in lookup(clips, device)]
+    if device.type != "cpu" if stacked is None else stacked:
+        # Stacked straight into pinned memory for a GPU: the copy up does not wait for the kernels already queued.
+        levels = torch.empty((len(clips), *clips[0].shape), dtype=torch.uint8, pin_memory=device.type == "cuda")
+        np.stack(clips, out=levels.numpy())  # [B, T, H, W, 3]
+        pixels = _uint8_to_pixels(levels.to(device, non_blocking=True)).permute(0, 4, 1, 2, 3)  # [B, 3, T, H, W]
+        return list(_frames_on_canvas(_keep_frames(pixels, num_frames), layout).split(1))
+    pixels = [_uint8_to_pixels(torch.from_numpy(clip))[None].permute(0, 4, 1, 2, 3) for clip in clips]
+    return [_frames_on_canvas(_keep_frames(clip, num_frames), layout) for clip in pixels]
 
 
-def _uint8_lookup_clip_by_clip(clips: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """``[T, H, W, 3]`` uint8 clips -> ``[1, 3, T, H, W]`` in [-1, 1], on the host."""
-    table = _uint8_to_model_range().numpy()
-    return [torch.from_numpy(table.take(clip)).permute(3, 0, 1, 2)[None] for clip in clips]
-
-
-def _uint8_lookup_stacked(clips: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """``_uint8_lookup_clip_by_clip`` on ``device`` for clips of one shape: one copy up, one lookup."""
-    # Stacked straight into pinned memory for a GPU: the copy up does not wait for the kernels already queued.
-    levels = torch.empty((len(clips), *clips[0].shape), dtype=torch.uint8, pin_memory=device.type == "cuda")
-    np.stack(clips, out=levels.numpy())  # [B, T, H, W, 3]
-    levels = levels.to(device, non_blocking=True)
-    table = _uint8_to_model_range().to(device)
-    pixels = table.index_select(0, levels.reshape(-1).int()).reshape(levels.shape)  # int32 indexes: half of int64's
-    return list(pixels.permute(0, 4, 1, 2, 3).split(1))  # [1, 3, T, H, W] each
+def _uint8_to_pixels(levels: torch.Tensor) -> torch.Tensor:
+    """uint8 levels -> their float32 values in [-1, 1] (``_uint8_to_model_range``), on the levels' device."""
+    table = _uint8_to_model_range(levels.device)
+    return table.index_select(0, levels.reshape(-1).int()).reshape(levels.shape)  # int32 indexes: half of int64's
 
 
 def _video_processor_input(frames: np.ndarray) -> list[Image.Image] | np.ndarray:

@@ -125,13 +125,13 @@ def test_uint8_conditioning_every_level(engine):
             assert torch.equal(pixels, expected)
 
 
-def test_uint8_lookup_stacked_equals_clip_by_clip():
-    """The GPU's lookup (clips stacked, one upload, ``index_select``), run on the CPU, gives the CPU's values."""
-    clips = [uint8_frames(seed, (2, 32, 48, 3)) for seed in range(3)]
-    device = torch.device("cpu")
-    stacked = processor._uint8_lookup_stacked(clips, device)
-    for new, old in zip(stacked, processor._uint8_lookup_clip_by_clip(clips, device)):
-        assert new.shape == (1, 3, 2, 32, 48) and torch.equal(new, old)
+def test_uint8_conditioning_stacked_equals_clip_by_clip():
+    """The GPU's way (clips stacked, one copy, one lookup), run on the CPU, gives the CPU's way's tensors."""
+    observations = [uint8_frames(seed, (2, 96, 160, 3)) for seed in range(3)]
+    layout = processor.uint8_layout(observations[0], 256, 5, "diffusers")
+    stacked = processor.prepare_uint8_conditioning(observations, layout, 5, stacked=True)
+    for new, old in zip(stacked, processor.prepare_uint8_conditioning(observations, layout, 5, stacked=False)):
+        assert new.shape == (1, 3, 5, 192, 320) and torch.equal(new, old)
 
 
 @pytest.mark.gpu
