@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
                 results[f"{side}_envs_{num_envs}"] = {"stages_s": stages, "runs": [e["stages_s"] for e in entries]}
                 line = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in stages.items())
                 print(f"{side:6s} {num_envs:3d} envs | ms: {line}", flush=True)
-    write_results(results, name, args.out)
+    write_results(results, name, args.out, overwrite=args.overwrite)
     return results
 
 
