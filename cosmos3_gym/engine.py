@@ -535,8 +535,8 @@ class Cosmos3Engine:
             layout = processor.uint8_layout(observation, r.resolution_tier, encoded_pixel_frames, r.canvas)
         if layout is None:
             frames = processor.load_frames(observation)
-            layout = processor.prepare_conditioning(frames, r.resolution_tier, encoded_pixel_frames, canvas=r.canvas)
-            pixels, deferred = layout.pixels, None
+            cond = processor.prepare_conditioning(frames, r.resolution_tier, encoded_pixel_frames, canvas=r.canvas)
+            pixels, deferred, layout = cond.pixels, None, cond  # a Conditioning has the layout's sizes too
         else:
             pixels, deferred = None, (observation, layout, encoded_pixel_frames)
         canvas_h, canvas_w = layout.canvas_hw
