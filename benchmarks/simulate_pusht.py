@@ -6,10 +6,10 @@ against a baseline tree (an older commit), in one run, and whether both wrote th
 
 Each tree runs in its own process (``PYTHONPATH`` puts that tree's ``cosmos3_gym`` first) whose main module imports
 torch and the engine at the top, as ``benchmarks/recipes/train_pusht.py`` does: spawned workers re-import the main
-module, so that cost is part of what the recipe pays. The time is the wall time of the whole
-``generate_pusht_dataset`` call (worker start-up, simulation, policy inference, writing the episodes). The default
-policy mix is issue 18's round-5 mix (scripted, random, replay, uniform and the three policy files acting on
-rendered frames) with the shipped checkpoint's action statistics.
+module, so that cost is part of what the recipe pays. The time is the median over ``--repeats`` runs (the trees
+alternate) of the wall time of the whole ``generate_pusht_dataset`` call (worker start-up, simulation, policy
+inference, writing the episodes). The default policy mix is issue 18's round-5 mix (scripted, random, replay,
+uniform and the three policy files acting on rendered frames) with the shipped checkpoint's action statistics.
 
 ``--baseline`` is a git revision (its ``cosmos3_gym`` is extracted with ``git archive``) or a folder holding an older
 ``cosmos3_gym``; ``--baseline none`` times this tree alone. ``identical`` in the results compares every array of
@@ -116,6 +116,7 @@ def run_tree(tree: Path, settings: dict, scratch: Path, label: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    import numpy as np
     from common import add_output_arguments, provenance, write_results
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=12)
     parser.add_argument("--policy-mix", default=ISSUE_18_MIX, help="name=share,... (default: issue 18's mix)")
     parser.add_argument("--baseline", default=BASELINE, help="git revision, folder with cosmos3_gym, or none")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each tree (median reported)")
     parser.add_argument("--name", default=None, help="results file name (default simulate_pusht_cpu{N}w.json)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
@@ -138,14 +140,19 @@ def main(argv: list[str] | None = None) -> dict:
         (scratch / "baseline").mkdir()
         baseline_tree = extract_baseline(args.baseline, scratch / "baseline")
         trees = {"current": ROOT} if baseline_tree is None else {"baseline": baseline_tree, "current": ROOT}
-        runs = {}
-        for label, tree in trees.items():
-            runs[label] = run_tree(tree, settings, scratch, label)
-            seconds = runs[label]["seconds"]
-            results[label] = {"seconds": round(seconds, 3), "episodes_per_s": round(args.episodes / seconds, 3)}
-            print(f"{label}: {seconds:.2f} s, {args.episodes / seconds:.2f} episodes/s", flush=True)
+        runs, times = {}, {label: [] for label in trees}
+        for repeat in range(args.repeats):  # alternating, so a slow spell of a shared machine hits both
+            for label, tree in trees.items():
+                runs[label] = run_tree(tree, settings, scratch, label)
+                times[label].append(runs[label]["seconds"])
+                print(f"{label}: {times[label][-1]:.2f} s, {args.episodes / times[label][-1]:.2f} episodes/s",
+                      flush=True)
+    for label, seconds in times.items():
+        median = float(np.median(seconds))
+        results[label] = {"seconds": round(median, 3), "episodes_per_s": round(args.episodes / median, 3),
+                          "all_seconds": [round(t, 3) for t in seconds]}
     if "baseline" in runs:
-        results["speedup"] = round(runs["baseline"]["seconds"] / runs["current"]["seconds"], 3)
+        results["speedup"] = round(results["baseline"]["seconds"] / results["current"]["seconds"], 3)
         results["identical"] = runs["baseline"]["digest"] == runs["current"]["digest"]
         print(f"speedup {results['speedup']}x, identical data: {results['identical']}")
     results["digest"] = runs["current"]["digest"]["files"]

@@ -257,6 +257,10 @@ def test_scripted_pusher_solves_some_episodes_in_the_simulator():
 
 def test_generate_dataset_writes_the_documented_layout(tmp_path):
     pytest.importorskip("gym_pusht")
+    import cv2
+
+    # The parent has used OpenCV's thread pool before it forks the workers (a forked worker must not resize it).
+    cv2.resize(np.zeros((1024, 1024, 3), np.uint8), (512, 512))
     out = pusht.generate_pusht_dataset(
         tmp_path / "data", 3, steps_per_episode=6, image_size=(32, 48), workers=2, seed=7, progress=False,
         policy_mix={"random": 1, "scripted": 1, "replay": 1},

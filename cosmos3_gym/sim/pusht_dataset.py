@@ -100,7 +100,10 @@ def generate_pusht_dataset(
         else:
             method = "forkserver" if "forkserver" in methods else "spawn"
         context = multiprocessing.get_context(method)
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread_per_worker) as pool:
+        # A forked worker keeps the parent's thread pools' state: OpenCV's setNumThreads hangs there (it tears down
+        # a pool whose threads stayed in the parent), so only fresh workers get the one-thread cap.
+        initializer = None if method == "fork" else _one_thread_per_worker
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=initializer) as pool:
             for summary in pool.map(_simulate_and_write, jobs):
                 summaries.append(summary)
                 bar.update()
@@ -177,7 +180,8 @@ def episode_policy(seed: int, index: int, policy_mix: dict[str, float]) -> tuple
 
 def _one_thread_per_worker() -> None:
     """The workers fill the cores; OpenCV's thread pool (gym-pusht's resize) and torch's (a policy file's CNN) would
-    each add one thread per core to every worker (16 x 16 threads on 16 cores)."""
+    each add one thread per core to every worker (16 x 16 threads on 16 cores). For workers that start fresh (a
+    fork server's or spawned), not forked from a parent that has used those pools."""
     import cv2
 
     cv2.setNumThreads(1)
