@@ -103,7 +103,7 @@ def extract_baseline(baseline: str, into: Path) -> Path | None:
 
 def run_tree(tree: Path, settings: dict, scratch: Path, label: str) -> dict:
     env = dict(os.environ, **{CHILD: "1"}, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    settings = dict(settings, data=str(scratch / label))
+    settings = dict(settings, data=str(scratch / f"data_{label}"))
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(settings)], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     if done.returncode:
@@ -111,7 +111,7 @@ def run_tree(tree: Path, settings: dict, scratch: Path, label: str) -> dict:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if Path(result["package"]) != tree / "cosmos3_gym":
         raise SystemExit(f"{label} run imported {result['package']}, not {tree / 'cosmos3_gym'}")
-    shutil.rmtree(scratch / label, ignore_errors=True)
+    shutil.rmtree(settings["data"], ignore_errors=True)
     return result
 
 
