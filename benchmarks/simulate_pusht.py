@@ -102,7 +102,8 @@ def extract_baseline(baseline: str, into: Path) -> Path | None:
 
 
 def run_tree(tree: Path, settings: dict, scratch: Path, label: str) -> dict:
-    env = dict(os.environ, **{CHILD: "1"}, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    path = os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = dict(os.environ, **{CHILD: "1"}, PYTHONPATH=path)
     settings = dict(settings, data=str(scratch / f"data_{label}"))
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(settings)], cwd=ROOT, env=env,
                           capture_output=True, text=True)
