@@ -19,7 +19,7 @@ from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.media import write_video
 from cosmos3_gym.processor import ActionStats
 from cosmos3_gym.rewards import ClassifierRewardModel
-from cosmos3_gym.sim import pusht
+from cosmos3_gym.sim import pusht, pusht_policies
 
 FRAME = 64  # tiny stand-in frames: 64 x 64 stays 64 x 64 at tier 256 (4 x 4 latents)
 
@@ -257,6 +257,10 @@ def test_scripted_pusher_solves_some_episodes_in_the_simulator():
 
 def test_generate_dataset_writes_the_documented_layout(tmp_path):
     pytest.importorskip("gym_pusht")
+    import cv2
+
+    # The parent has used OpenCV's thread pool before it forks the workers (a forked worker must not resize it).
+    cv2.resize(np.zeros((1024, 1024, 3), np.uint8), (512, 512))
     out = pusht.generate_pusht_dataset(
         tmp_path / "data", 3, steps_per_episode=6, image_size=(32, 48), workers=2, seed=7, progress=False,
         policy_mix={"random": 1, "scripted": 1, "replay": 1},
@@ -401,3 +405,102 @@ def test_uniform_and_policy_file_episodes(tmp_path):
     for path in sorted((out / "episodes").iterdir()):
         with np.load(path) as first, np.load(again / "episodes" / path.name) as second:
             np.testing.assert_array_equal(first["actions"], second["actions"])
+
+
+def _gym_pusht_pixel_env(size):
+    """gym-pusht's own env with "pixels" observations: what ``PushTSim`` drew its frames with before it read the
+    drawing itself."""
+    return pusht.require_gym_pusht()(obs_type="pixels", render_mode="rgb_array", observation_width=size[1],
+                                     observation_height=size[0])
+
+
+def test_sim_frames_are_gym_pushts_pixel_observations():
+    pytest.importorskip("gym_pusht")
+    for size in ((32, 48), (96, 96)):
+        env, sim, lazy = _gym_pusht_pixel_env(size), pusht.PushTSim(size), pusht.PushTSim(size, render_every_step=False)
+        try:
+            for seed, policy in ((0, pusht.RandomWaypoints(np.random.default_rng(0))),
+                                 (1, pusht_policies.UniformTargets(np.random.default_rng(1)))):
+                expected = env.reset(seed=seed)[0]
+                np.testing.assert_array_equal(sim.reset(seed), expected)
+                assert lazy.reset(seed) is None
+                np.testing.assert_array_equal(lazy.render(), expected)
+                for _ in range(12):
+                    action = policy(sim.agent_xy, sim.block_pose)
+                    expected = env.step(np.asarray(action, np.float64))[0]
+                    frame = sim.step(action)
+                    lazy.step(action)
+                    np.testing.assert_array_equal(frame, expected)
+                    np.testing.assert_array_equal(sim.render(), expected)  # the cached frame, a copy
+                    np.testing.assert_array_equal(lazy.render(), expected)
+                    frame[:] = 0  # the caller's copy: the simulator's frame stays
+                    np.testing.assert_array_equal(sim.render(), expected)
+                np.testing.assert_array_equal(sim.restore(sim.sim_state), sim.env._render())  # gym-pusht's draw
+        finally:
+            env.close(), sim.close(), lazy.close()
+
+
+def _reference_episode(seed, index, mix, steps, size, stats):
+    """Episode ``index`` as ``generate_pusht_dataset`` simulated it before it was made faster: gym-pusht's pixel env
+    stepped and rendered at every step (and re-rendered for a frame policy), the replay's reference episode rendered
+    too. The same random draws in the same order."""
+    from cosmos3_gym.rl.policy import load_policy_file
+    from cosmos3_gym.sim import pusht_dataset
+
+    family, noise, rng = pusht_dataset.episode_policy(seed, index, mix)
+    env = _gym_pusht_pixel_env(size)
+    sim_seed = int(rng.integers(2**31))
+
+    def rollout(policy):
+        frame, info = env.reset(seed=sim_seed)
+        frames, actions, coverage = [frame], [], [env._get_coverage()]
+        for _ in range(steps):
+            actions.append(policy(np.asarray(info["pos_agent"], float), np.asarray(info["block_pose"], float)))
+            frame, _, _, _, info = env.step(np.asarray(actions[-1], np.float64))
+            frames.append(frame)
+            coverage.append(info["coverage"])
+        return np.stack(frames), np.asarray(actions, np.float32), np.asarray(coverage, np.float32)
+
+    if family == "random":
+        policy = pusht.RandomWaypoints(rng)
+    elif family == "uniform":
+        policy = pusht_policies.UniformTargets(rng)
+    elif family.startswith("file:"):
+        generator = torch.Generator().manual_seed(int(rng.integers(2**63)))
+        policy = pusht_policies.ChunkedFramePolicy(load_policy_file(family[len("file:"):]), env._render,
+                                                   ActionStats.from_json(stats).denormalize, generator)
+    elif family == "scripted":
+        policy = pusht.ScriptedPusher(rng, noise=noise)
+    else:
+        policy = pusht.Replay(rollout(pusht.ScriptedPusher(rng))[1], rng, noise)
+    try:
+        return family, rollout(policy)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataset_episodes_are_what_the_plain_gym_pusht_loop_gives(tmp_path, workers):
+    """Every family of the policy mix, in this process and in worker processes (a fork server then, with a policy
+    file): the same frames, actions and coverage, bit for bit, as gym-pusht's own pixel env stepped in a plain loop."""
+    pytest.importorskip("gym_pusht")
+    from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig, save_policy_file
+
+    torch.manual_seed(0)
+    policy_path = save_policy_file(PixelGaussianPolicy(PolicyConfig(image_size=32, chunk=4, channels=[4, 4, 4, 4],
+                                                                    hidden=16)), tmp_path / "bc.safetensors")
+    stats = {"action": {"min": [100.0, 200.0], "max": [400.0, 360.0]}}
+    mix = {"scripted": 1, "random": 1, "replay": 1, "uniform": 1, f"file:{policy_path}": 1}
+    size, steps, episodes = (32, 48), 10, 10
+    out = pusht.generate_pusht_dataset(tmp_path / "data", episodes, steps_per_episode=steps, image_size=size,
+                                       policy_mix=mix, action_stats=stats, seed=3, workers=workers, progress=False)
+    families = set()
+    for index in range(episodes):
+        family, (frames, actions, coverage) = _reference_episode(3, index, {k: v / 5 for k, v in mix.items()},
+                                                                 steps, size, stats)
+        families.add(family)
+        with np.load(out / "episodes" / f"episode_{index:06d}.npz") as episode:
+            np.testing.assert_array_equal(episode["frames"], frames)
+            np.testing.assert_array_equal(episode["actions"], actions)
+            np.testing.assert_array_equal(episode["coverage"], coverage)
+    assert families == set(mix), families  # the seed draws every family

@@ -4,6 +4,7 @@ policy, a dataset and a restart from any recorded step need: ``PushTSim`` and ``
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -36,10 +37,12 @@ class PushTSim:
 
     ``reset(seed)`` and ``step(action)`` return the rendered frame (uint8 ``[H, W, 3]``); ``agent_xy``,
     ``block_pose``, ``coverage`` and ``reward`` (of the last step) describe the state. Stepping on after success is
-    allowed (gym-pusht would terminate; datasets keep fixed-length episodes). Frames are rendered from the 512 x 512
-    table by gym-pusht itself (a downscale for sizes up to 512). With ``render_every_step=False`` the env runs as
-    gym-pusht's state env, ``reset``/``step``/``restore`` return None and ``render()`` draws the frame on demand
-    (the same pixels; a policy acting once per chunk needs one frame per chunk, and drawing costs 5x a step).
+    allowed (gym-pusht would terminate; datasets keep fixed-length episodes). Frames are gym-pusht's "pixels"
+    observations pixel for pixel: its 512 x 512 drawing of the table, resized by OpenCV (a downscale for sizes up to
+    512), read off the drawing without gym-pusht's slow copy. With ``render_every_step=False``,
+    ``reset``/``step``/``restore`` return None and ``render()`` draws the frame on demand (the same pixels; a policy
+    acting once per chunk needs one frame per chunk, and drawing costs more than a step). A frame is drawn at most
+    once per state: ``render()`` right after ``step()`` returns a copy of the frame the step returned.
 
     ``sim_state`` (float64 ``[10]``, ``SIM_STATE_FIELDS``) is everything the physics integrates; ``restore(state)``
     puts the simulator back there, so an episode can restart from any recorded step (the same frame; the same
@@ -51,19 +54,22 @@ class PushTSim:
         height, width = _check_image_size(image_size)
         self.image_size = (height, width)
         self.render_every_step = bool(render_every_step)
-        self.env = require_gym_pusht()(obs_type="pixels" if self.render_every_step else "state",
-                                       render_mode="rgb_array", observation_width=width, observation_height=height)
+        # Always gym-pusht's state env: frames are drawn here (``_draw_frame``), the same pixels as its "pixels"
+        # observation at a fraction of the cost.
+        self.env = require_gym_pusht()(obs_type="state", render_mode="rgb_array", observation_width=width,
+                                       observation_height=height)
         self.fps = float(self.env.metadata["render_fps"])
         self.reward = 0.0
         self.coverage = 0.0
         self._info: dict[str, Any] | None = None
+        self._frame: np.ndarray | None = None  # the current state's frame, once drawn
 
     def reset(self, seed: int) -> np.ndarray | None:
-        frame, self._info = self.env.reset(seed=int(seed))
+        _, self._info = self.env.reset(seed=int(seed))
         self.reward = 0.0
         # gym-pusht reports coverage only after a step; ask the env for the start's (a private but stable method).
         self.coverage = float(self.env._get_coverage())
-        return frame if self.render_every_step else None
+        return self._moved()
 
     def restore(self, state: Sequence[float]) -> np.ndarray | None:
         """Put the simulator in ``state`` (a ``sim_state``): positions and velocities of the agent and the block."""
@@ -88,7 +94,7 @@ class PushTSim:
         self._info = env._get_info()
         self.reward = 0.0
         self.coverage = float(env._get_coverage())
-        return self.render() if self.render_every_step else None
+        return self._moved()
 
     @property
     def sim_state(self) -> np.ndarray:
@@ -102,16 +108,45 @@ class PushTSim:
     def step(self, action: Sequence[float]) -> np.ndarray | None:
         if self._info is None:
             raise InputError("PushTSim: call reset(seed) before step().")
-        frame, reward, _, _, self._info = self.env.step(np.asarray(action, dtype=np.float64))
+        _, reward, _, _, self._info = self.env.step(np.asarray(action, dtype=np.float64))
         self.reward = float(reward)
         self.coverage = float(self._info["coverage"])
-        return frame if self.render_every_step else None
+        return self._moved()
 
     def render(self) -> np.ndarray:
-        """The current frame, uint8 ``[H, W, 3]``."""
+        """The current frame, uint8 ``[H, W, 3]`` (drawn once per state: a policy reading the frame a step has
+        just returned gets a copy of it)."""
         if self._info is None:
             raise InputError("PushTSim: call reset(seed) before render().")
-        return self.env._render()
+        if self._frame is None:
+            self._frame = self._draw_frame()
+        return self._frame.copy()
+
+    def _moved(self) -> np.ndarray | None:
+        """The state changed: the frame to return (drawn now with ``render_every_step``, else on demand)."""
+        self._frame = None
+        if not self.render_every_step:
+            return None
+        self._frame = self._draw_frame()
+        return self._frame.copy()
+
+    def _draw_frame(self) -> np.ndarray:
+        """gym-pusht's observation frame, pixel for pixel: its 512 x 512 drawing (``_draw``) resized by OpenCV to
+        ``image_size``. gym-pusht reads the drawing through ``surfarray.pixels3d`` and a transposed copy (0.7 ms,
+        more than the physics); a 32-bit XRGB surface's bytes are BGRA in memory, one ``cvtColor`` away (0.02 ms)."""
+        import cv2
+        import pygame
+
+        screen = self.env._draw()
+        rows, columns = screen.get_height(), screen.get_width()
+        xrgb = (32, (0xFF0000, 0xFF00, 0xFF), 4 * columns)
+        if (screen.get_bitsize(), screen.get_masks()[:3], screen.get_pitch()) == xrgb and sys.byteorder == "little":
+            table = cv2.cvtColor(np.frombuffer(screen.get_buffer(), np.uint8).reshape(rows, columns, 4),
+                                 cv2.COLOR_BGRA2RGB)
+        else:
+            table = np.frombuffer(pygame.image.tobytes(screen, "RGB"), np.uint8).reshape(rows, columns, 3)
+        height, width = self.image_size
+        return cv2.resize(table, (width, height))
 
     @property
     def agent_xy(self) -> np.ndarray:
@@ -149,7 +184,7 @@ def rollout_episode(
         coverage.append(sim.coverage)
     coverage = np.asarray(coverage, np.float32)
     return {
-        "frames": np.stack(frames).astype(np.uint8),
+        "frames": np.stack(frames).astype(np.uint8, copy=False),  # 25 MB at 256 x 256: no second copy
         "actions": np.asarray(actions, np.float32).reshape(steps, RAW_ACTION_DIM),
         "rewards": np.asarray(rewards, np.float32),
         "coverage": coverage,
