@@ -355,3 +355,20 @@ def test_recipe_smoke_run(tmp_path):
     weights = safetensors.torch.load_file(str(tmp_path / "light_decoder" / "model.safetensors"))
     assert {tensor.dtype for tensor in weights.values()} == {torch.float16}  # --save-dtype's default
     shutil.rmtree(tmp_path / "work")
+
+
+def test_builtin_pusht_model_ships_a_trained_light_decoder():
+    """The built-in model's light decoder is trained for its latent space: its first observation is close to the
+    exact VAE decode of the same step (an untrained decoder gives ~10 dB; the H200 run measured 30-33 dB)."""
+    observations = {}
+    for decoder in ("vae", "light"):
+        env = gym.make("cosmos3_gym/PushT-v0", decoder=decoder)
+        try:
+            env.reset(seed=3)
+            action = np.linspace(-0.5, 0.5, np.prod(env.action_space.shape), dtype=np.float32)
+            observation, *_ = env.step(action.reshape(env.action_space.shape))
+            observations[decoder] = observation["image"].astype(np.float64) / 255.0
+        finally:
+            env.close()
+    mse = float(np.mean((observations["light"] - observations["vae"]) ** 2))
+    assert 10 * np.log10(1.0 / mse) > 24.0
