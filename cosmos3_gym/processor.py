@@ -415,8 +415,10 @@ def prepare_uint8_conditioning(
     they stay in the cache), which saves less. Repeating frames and padding are copies, the same on any device.
     ``stacked``: the GPU's way (default: on any device but the CPU)."""
     device = torch.device(device)
+    if stacked is None:
+        stacked = device.type != "cpu"
     clips = [clip[None] if clip.ndim == 3 else clip[:num_frames] for clip in observations]  # [T, H, W, 3] each
-    if device.type != "cpu" if stacked is None else stacked:
+    if stacked:
         # Stacked straight into pinned memory for a GPU: the copy up does not wait for the kernels already queued.
         levels = torch.empty((len(clips), *clips[0].shape), dtype=torch.uint8, pin_memory=device.type == "cuda")
         np.stack(clips, out=levels.numpy())  # [B, T, H, W, 3]
