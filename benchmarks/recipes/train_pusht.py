@@ -144,6 +144,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "file:benchmarks/results/policies/rl_pusht_bc.safetensors=0.3' (policies of "
                              "cosmos3_gym.sim.pusht.generate_pusht_dataset; default its DEFAULT_POLICY_MIX). Policy "
                              "files need --wm-init (its action statistics map their actions)")
+    parser.add_argument("--rollout-reward-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="retrain the reward model on the new world model's rollouts (off: keep --first-part's, "
+                             "for a fine-tune that a later call continues)")
+    parser.add_argument("--evaluate", action=argparse.BooleanOptionalAction, default=True,
+                        help="evaluate the packaged model when --eval-reserve-s of --deadline-s is left")
     parser.add_argument("--encode-batch-size", type=int, default=128, help="windows per VAE encode call")
     parser.add_argument("--lerobot", action="store_true",
                         help="train VAE and world model from the simulated episodes written as a LeRobot v3.0 "
@@ -521,9 +526,12 @@ def main(argv: list[str] | None = None) -> dict:
             # what is left of --deadline-s after evaluation's reserve and the export (about 30 s)
             seconds_left = lambda: args.deadline_s - args.eval_reserve_s - 30.0 - stages.elapsed()  # noqa: E731
             stages.run("world_model", world_model_stage, args, work, assets, seconds_left)
-        stages.run("reward_model_on_rollouts", reward_model_stage, args, work, assets, on_rollouts=True)
+        if args.rollout_reward_model:
+            stages.run("reward_model_on_rollouts", reward_model_stage, args, work, assets, on_rollouts=True)
         stages.run("package", package, args, assets, out)
-        if args.deadline_s - stages.elapsed() >= args.eval_reserve_s:
+        if not args.evaluate:
+            stages.results["stages"]["evaluate"] = {"skipped": "--no-evaluate"}
+        elif args.deadline_s - stages.elapsed() >= args.eval_reserve_s:
             stages.run("evaluate", evaluate_stage, args, work, assets, out)
         else:
             stages.results["stages"]["evaluate"] = {"skipped": f"less than {args.eval_reserve_s} s left"}
