@@ -125,3 +125,70 @@ class GraphedGenForward:
             if t is not None:
                 groups.setdefault(t.dtype, []).append(i)
         return _Graph(graph, static, list(groups.values()), outputs, static_layout)
+
+
+@dataclasses.dataclass(eq=False)
+class _FunctionGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]  # static buffers, one per tensor argument
+    outputs: torch.Tensor | tuple[torch.Tensor, ...]
+
+
+class GraphedFunction:
+    """A pure function of its tensor arguments replayed as one CUDA graph per signature, for the engine's eager stages
+    around the GEN forward (the VAE encode of the conditioning frames, the light decoder's decode): at one env those
+    are a few hundred small kernels each, and the host launching them one by one is what the step waits for.
+
+    ``fn(*tensors, **options)`` must be a pure function of the tensors' *values* for a fixed signature (the tensors'
+    shapes and dtypes, and the options, which must be hashable): any Python-side state it reads or mutates is frozen
+    at capture. The Wan VAE's encode qualifies: its causal feature cache is a Python list that ``_encode`` clears at
+    the start of every call and fills within it, so for one input shape every call takes the same path over the same
+    cache slots (the capture records the cached tensors as graph memory). A call copies its tensors into the graph's
+    static buffers (on the graph's device), replays, and returns copies of the outputs (a tensor or a tuple of them).
+    ``max_graphs`` as for ``GraphedGenForward``; ``reset()`` when the module's weights move.
+    """
+
+    def __init__(self, fn, device: torch.device | str, max_graphs: int = 4, name: str = "cuda_graphs"):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise InputError(f"{name}: needs a CUDA device, the function runs on {device}")
+        self.fn = fn
+        self.device = device
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple, _FunctionGraph] = OrderedDict()
+
+    def reset(self) -> None:
+        self._graphs.clear()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def row_counts(self, like: torch.Tensor, **options) -> set[int]:
+        """The batch sizes (dim 0) of the kept graphs of a single-tensor call shaped like ``like`` in every other dim,
+        with these ``options`` (for padding a batch to a graph already captured, see ``engine._graph_rows``)."""
+        rest = (tuple(like.shape[1:]), like.dtype)
+        wanted = tuple(sorted(options.items()))
+        return {
+            shapes[0][0][0] for shapes, opts in self._graphs
+            if len(shapes) == 1 and (shapes[0][0][1:], shapes[0][1]) == rest and opts == wanted
+        }
+
+    def __call__(self, *tensors: torch.Tensor, **options):
+        tensors = tuple(t.to(self.device) for t in tensors)
+        key = (tuple((tuple(t.shape), t.dtype) for t in tensors), tuple(sorted(options.items())))
+        entry = self._graphs.get(key)
+        if entry is None:
+            static = [t.clone() for t in tensors]
+            graph, outputs = capture(lambda: self.fn(*static, **options))
+            entry = self._graphs[key] = _FunctionGraph(graph, static, outputs)
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+            for buffer, tensor in zip(entry.inputs, tensors):
+                buffer.copy_(tensor)
+        entry.graph.replay()
+        if isinstance(entry.outputs, torch.Tensor):
+            return entry.outputs.clone()
+        return tuple(t.clone() for t in entry.outputs)
