@@ -342,7 +342,7 @@ class Cosmos3Engine:
         encode's batches padded to a kept graph's rows as the GEN forward's are). At one env these eager stages are
         launch-bound: ~11 ms of encode and ~2 ms of light decode per step on an H200 for a few ms of GPU work
         (benchmarks/results/profile_pusht_env_h200_light_prep.json). ``stage_graphs=False`` on a later call turns
-        them off again (benchmarks/pusht_env_throughput_gpu.py ``--stage-graphs both`` compares the two).
+        them off again, as ``use_stage_graphs(False)`` (``benchmarks/pusht_env_throughput_gpu.py --stage-graphs-ab``).
 
         ``tp_overlap`` (tp > 1; default: on a GPU): the GEN layers' all-reduces overlap the next row block's compute
         (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce where the tp group is on one GPU host.
@@ -356,7 +356,7 @@ class Cosmos3Engine:
         if use_graphs and self.device.type != "cuda":
             raise InputError(f"cuda_graphs: needs a CUDA device; this engine runs on {self.device}")
         use_stage_graphs = use_graphs if stage_graphs is None else stage_graphs
-        if use_stage_graphs and self.device.type != "cuda":
+        if use_stage_graphs and self.device.type != "cuda":  # before anything changes
             raise InputError(f"stage_graphs: needs a CUDA device; this engine runs on {self.device}")
         overlap = self.device.type == "cuda" if tp_overlap is None else tp_overlap
         self._graphed_forward = parallelize_transformer(
@@ -366,22 +366,26 @@ class Cosmos3Engine:
         self.vae.fuse_decoder_norms()
         if self.light_decoder is not None:  # channels-last convolutions (the engine's light decoder: bf16 on a GPU)
             self.light_decoder.use_channels_last()
-        self._use_stage_graphs(use_stage_graphs)
-        return self
+        return self.use_stage_graphs(use_stage_graphs)
 
-    def _use_stage_graphs(self, on: bool) -> None:
+    def use_stage_graphs(self, on: bool = True) -> "Cosmos3Engine":
+        """``optimize``'s ``stage_graphs`` alone: turn the CUDA-graphed VAE encode and light decode on or off (off
+        drops their graphs) and leave the rest as it is; for an A/B of them on one optimised engine."""
+        if on and self.device.type != "cuda":
+            raise InputError(f"stage_graphs: needs a CUDA device; this engine runs on {self.device}")
         # Captured lazily, at each shape's first call: whatever optimizes the modules after optimize() (the PushT
         # env's vae.optimize() swaps the encoder's convolution classes) is in place by then. The graphs call the
         # modules through these bound methods, so they follow a later module change only after reset().
         if not on:
             self._graphed_encode = self._graphed_light_decode = None
-            return
+            return self
         if self._graphed_encode is None:
             self._graphed_encode = GraphedFunction(self.vae.encode, self.device, max_graphs=8, name="stage_graphs")
         if self.light_decoder is not None and self._graphed_light_decode is None:
             self._graphed_light_decode = GraphedFunction(
                 self.light_decoder.decode, self.device, max_graphs=8, name="stage_graphs"
             )
+        return self
 
     @property
     def stage_graphs(self) -> bool:
@@ -497,6 +501,7 @@ class Cosmos3Engine:
         """Release the model (idempotent); also ends the process group if ``from_pretrained`` started it."""
         if not self._closed:
             self._text_cache.clear()
+            self.use_stage_graphs(False)  # their graphs' memory pools
             self._closed = True
             if self._owns_process_group and dist.is_initialized():
                 dist.destroy_process_group()

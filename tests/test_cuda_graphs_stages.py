@@ -27,6 +27,8 @@ def test_stage_graphs_on_cpu_name_the_option(tiny_checkpoint):
     engine = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)
     with pytest.raises(InputError, match="stage_graphs"):
         engine.optimize(stage_graphs=True)
+    with pytest.raises(InputError, match="stage_graphs"):
+        engine.use_stage_graphs(True)
     from cosmos3_gym.cuda_graphs import GraphedFunction
 
     with pytest.raises(InputError, match="stage_graphs"):
