@@ -12,6 +12,9 @@ A graph bakes in device addresses and Python-level structure, so one graph is ke
 dtypes of every input tensor plus the text lengths (which decide how attention is split by prompt length, see
 ``GenLayout.length_groups``). Each call copies its inputs into the graph's static buffers, replays, and returns
 copies of the outputs (the next replay overwrites the static ones).
+
+``GraphedFunction`` does the same for the engine's other launch-bound stages, pure functions of a few tensors: the
+VAE encode of the conditioning frames and the light decoder's decode (``Cosmos3Engine.optimize(stage_graphs=...)``).
 """
 
 from __future__ import annotations
