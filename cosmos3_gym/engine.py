@@ -855,9 +855,10 @@ def _row_bucket(rows: int) -> int:
 
 def _graph_rows(rows: int, kept: set[int]) -> int:
     """The row count a CUDA-graphed batch of ``rows`` runs at: the smallest kept graph's that is at most twice
-    ``rows`` (padding costs at most the rows again, in the denoiser only; a new graph costs a capture, a compile for
-    the new shape and the graph's memory for the engine's lifetime), else ``_row_bucket(rows)``. A 64-slot vector
-    env whose first step captured 64 rows thus replays that one graph while 32 to 64 slots step."""
+    ``rows`` (padding costs at most the rows again, in the denoiser, the encode and the light decode; a new graph
+    costs a capture, a compile for the new shape and the graph's memory for the engine's lifetime), else
+    ``_row_bucket(rows)``. A 64-slot vector env whose first step captured 64 rows thus replays that one graph while 32
+    to 64 slots step."""
     fitting = [count for count in kept if rows <= count <= 2 * rows]
     return min(fitting) if fitting else _row_bucket(rows)
 
