@@ -195,3 +195,28 @@ class GraphedFunction:
         if isinstance(entry.outputs, torch.Tensor):
             return entry.outputs.clone()
         return tuple(t.clone() for t in entry.outputs)
+
+
+def row_bucket(rows: int) -> int:
+    """The padded row count of a CUDA-graphed batch: a power of two up to 8, then a multiple of 8."""
+    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
+
+
+def graph_rows(rows: int, kept: set[int]) -> int:
+    """The row count a CUDA-graphed batch of ``rows`` runs at: the smallest kept graph's that is at most twice
+    ``rows`` (padding costs at most the rows again, in the engine's denoiser, encode and light decode and in the
+    reward model; a new graph costs a capture, a compile for the new shape and the graph's memory for the engine's
+    lifetime), else ``row_bucket(rows)``. A 64-slot vector env whose first step captured 64 rows thus replays that one
+    graph while 32 to 64 slots step."""
+    fitting = [count for count in kept if rows <= count <= 2 * rows]
+    return min(fitting) if fitting else row_bucket(rows)
+
+
+def replay_padded(graphed: GraphedFunction, batch: torch.Tensor, **options) -> torch.Tensor:
+    """``graphed(batch, **options)`` for a function that treats each row of ``batch`` on its own, with the rows
+    zero-padded to ``graph_rows`` (a kept graph's rows or a bucket) so that changing batch sizes replay few graphs."""
+    rows = batch.shape[0]
+    padded = graph_rows(rows, graphed.row_counts(batch, **options))
+    if padded > rows:
+        batch = torch.cat([batch, batch.new_zeros((padded - rows, *batch.shape[1:]))])
+    return graphed(batch, **options)[:rows]

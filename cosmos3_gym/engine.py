@@ -42,7 +42,9 @@ from transformers import AutoTokenizer
 
 from . import presets, processor
 from .checkpoint import resolve_checkpoint, validate_checkpoint
-from .cuda_graphs import GraphedFunction
+from .cuda_graphs import GraphedFunction, replay_padded
+from .cuda_graphs import graph_rows as _graph_rows
+from .cuda_graphs import row_bucket as _row_bucket  # noqa: F401 (the engine's name for it before cuda_graphs had it)
 from .errors import CheckpointError, InputError
 from .models.light_decoder import LightDecoder
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
@@ -639,11 +641,11 @@ class Cosmos3Engine:
 
     def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """``vae.encode``, or its CUDA-graphed replay (``optimize(stage_graphs=True)``) with the rows padded to a kept
-        graph's or a bucket (``_graph_rows``; the encoder treats each sample on its own, so padding rows change
+        graph's or a bucket (``cuda_graphs.graph_rows``; the encoder treats each sample on its own, so padding rows change
         nothing in the others)."""
         if self._graphed_encode is None:
             return self.vae.encode(pixels)
-        return _replay_padded(self._graphed_encode, pixels)
+        return replay_padded(self._graphed_encode, pixels)
 
     def _schedule(
         self, num_steps: int, flow_shift: float | None, use_karras_sigmas: bool | None, native: bool = False
@@ -820,7 +822,7 @@ class Cosmos3Engine:
         latents); every rank gets the full pixels. ``frames="last"``: only the last frame (``Cosmos3VAE.decode``).
         With a light decoder (``decoder="light"``, one rank per replica) that decodes instead, in this process."""
         if self._graphed_light_decode is not None:  # per-sample too: padded as the encode
-            return _replay_padded(self._graphed_light_decode, video, frames=frames)
+            return replay_padded(self._graphed_light_decode, video, frames=frames)
         if self.light_decoder is not None:
             return self.light_decoder.decode(video, frames=frames)
         group = self.parallel.replica_group
@@ -846,31 +848,6 @@ class Cosmos3Engine:
             0, guided_index, cfg_combine(cond_action[guided_index], v_action[batch:], guidance)
         )
         return video, action
-
-
-def _row_bucket(rows: int) -> int:
-    """The padded row count of a CUDA-graphed batch: a power of two up to 8, then a multiple of 8."""
-    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
-
-
-def _graph_rows(rows: int, kept: set[int]) -> int:
-    """The row count a CUDA-graphed batch of ``rows`` runs at: the smallest kept graph's that is at most twice
-    ``rows`` (padding costs at most the rows again, in the denoiser, the encode and the light decode; a new graph
-    costs a capture, a compile for the new shape and the graph's memory for the engine's lifetime), else
-    ``_row_bucket(rows)``. A 64-slot vector env whose first step captured 64 rows thus replays that one graph while 32
-    to 64 slots step."""
-    fitting = [count for count in kept if rows <= count <= 2 * rows]
-    return min(fitting) if fitting else _row_bucket(rows)
-
-
-def _replay_padded(graphed: GraphedFunction, batch: torch.Tensor, **options) -> torch.Tensor:
-    """``graphed(batch, **options)`` for a function that treats each row of ``batch`` on its own, with the rows
-    zero-padded to ``_graph_rows`` (a kept graph's rows or a bucket) so that changing batch sizes replay few graphs."""
-    rows = batch.shape[0]
-    padded = _graph_rows(rows, graphed.row_counts(batch, **options))
-    if padded > rows:
-        batch = torch.cat([batch, batch.new_zeros((padded - rows, *batch.shape[1:]))])
-    return graphed(batch, **options)[:rows]
 
 
 def _decode_frames(decode) -> str | None:

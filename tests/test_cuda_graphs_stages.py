@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request, _replay_padded
+from cosmos3_gym.cuda_graphs import replay_padded
+from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.models.light_decoder import LightDecoder, LightDecoderConfig
 
@@ -63,7 +64,7 @@ class _RecordingGraph:
 def test_replay_pads_rows_with_zeros_and_crops_them(rows, kept, padded):
     batch = torch.arange(rows * 6, dtype=torch.float32).reshape(rows, 1, 2, 3) + 1
     graphed = _RecordingGraph(kept)
-    out = _replay_padded(graphed, batch, frames="last")
+    out = replay_padded(graphed, batch, frames="last")
     (seen, options), = graphed.calls
     assert seen.shape[0] == padded and options == {"frames": "last"}
     assert torch.equal(seen[:rows], batch) and not seen[rows:].any()
