@@ -13,8 +13,8 @@ Two envs per env count, built by ``gym.make_vec("cosmos3_gym/PushT-v0", num_envs
   ``light_decoder/`` decodes instead of the VAE). ``--light-decoder DIR`` installs a trained one
   (``benchmarks/recipes/train_light_decoder.py``'s output) into a temporary copy of the assets first;
 * with ``--stage-graphs-ab`` one more per optimised path, ``default_eager_stages`` (and ``light_eager_stages``): the
-  same engine after ``use_stage_graphs(False)``, i.e. the VAE encode and the light decode eager while the GEN
-  forward stays CUDA-graphed, so the stage graphs' gain is measured against its baseline in the same run
+  same engine after ``use_stage_graphs(False)`` (and the reward model's ``use_cuda_graphs(False)``), i.e. the VAE
+  encode, the light decode and the reward scoring eager while the GEN forward stays CUDA-graphed, so the stage graphs' gain is measured against its baseline in the same run
   (``stage_graphs_speedup`` per path; ``*_obs_psnr_db``: graphed against eager stages, per step).
 
 Both reset with the same seed and step with the same random actions, **interleaved** (baseline step, default step,
@@ -73,6 +73,8 @@ def make_env(path: str, num_envs: int, args):
                                 **options)
     if path.endswith(EAGER_STAGES):
         env.engine.use_stage_graphs(False)  # the GEN forward's graphs stay; encode and light decode run eager
+        if hasattr(env.reward_model, "use_cuda_graphs"):
+            env.reward_model.use_cuda_graphs(False)  # and the reward model's scoring
     return env
 
 
