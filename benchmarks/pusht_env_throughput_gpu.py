@@ -73,8 +73,8 @@ def make_env(path: str, num_envs: int, args):
                                 **options)
     if path.endswith(EAGER_STAGES):
         env.engine.use_stage_graphs(False)  # the GEN forward's graphs stay; encode and light decode run eager
-        if hasattr(env.reward_model, "use_cuda_graphs"):
-            env.reward_model.use_cuda_graphs(False)  # and the reward model's scoring
+        if hasattr(env._core.reward_model, "use_cuda_graphs"):
+            env._core.reward_model.use_cuda_graphs(False)  # and the reward model's scoring
     return env
 
 

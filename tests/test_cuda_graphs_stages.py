@@ -207,8 +207,8 @@ def test_pusht_light_env_with_stage_graphs_matches_eager_stages():
     eager = pusht_env.make_pusht_vector_env(2, device="cuda", decoder="light")
     try:
         eager.engine.use_stage_graphs(False)
-        eager.reward_model.use_cuda_graphs(False)
-        assert graphed.engine.stage_graphs and graphed.reward_model.cuda_graphs
+        eager._core.reward_model.use_cuda_graphs(False)
+        assert graphed.engine.stage_graphs and graphed._core.reward_model.cuda_graphs
         assert graphed.engine._graphed_light_decode is not None
         for env in (graphed, eager):
             env.reset(seed=3)
