@@ -3,6 +3,8 @@
     python benchmarks/pusht_env_throughput_gpu.py --out $OUT                       # one GPU, ~5 min
     python benchmarks/pusht_env_throughput_gpu.py --device cpu --envs 1 --steps 5 --fidelity-episodes 0   # CPU
     python benchmarks/pusht_env_throughput_gpu.py --decoder light --light-decoder $OUT/light_decoder --out $OUT
+    python benchmarks/pusht_env_throughput_gpu.py --envs 1,16 --steps 20 --fidelity-episodes 0 --decoder light \
+        --stage-graphs-ab --out $OUT                                                   # the stage graphs' A/B
 
 Two envs per env count, built by ``gym.make_vec("cosmos3_gym/PushT-v0", num_envs=N)``'s entry point:
 
@@ -14,8 +16,9 @@ Two envs per env count, built by ``gym.make_vec("cosmos3_gym/PushT-v0", num_envs
   (``benchmarks/recipes/train_light_decoder.py``'s output) into a temporary copy of the assets first;
 * with ``--stage-graphs-ab`` one more per optimised path, ``default_eager_stages`` (and ``light_eager_stages``): the
   same engine after ``use_stage_graphs(False)`` (and the reward model's ``use_cuda_graphs(False)``), i.e. the VAE
-  encode, the light decode and the reward scoring eager while the GEN forward stays CUDA-graphed, so the stage graphs' gain is measured against its baseline in the same run
-  (``stage_graphs_speedup`` per path; ``*_obs_psnr_db``: graphed against eager stages, per step).
+  encode, the light decode and the reward scoring eager while the GEN forward stays CUDA-graphed: the stage graphs'
+  gain against its baseline in the same run (``stage_graphs_speedup`` per path; ``*_stage_graphs_obs_psnr_db``:
+  graphed against eager stages, per step).
 
 Both reset with the same seed and step with the same random actions, **interleaved** (baseline step, default step,
 ...), so load changes hit both alike. Per env count: median seconds per step (the latency of one env step at N envs),
@@ -51,7 +54,6 @@ from common import (  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import fast_pusht_engine, load_pusht_assets, make_pusht_vector_env  # noqa: E402
 
-BASE_PATHS = ("baseline", "default")
 EAGER_STAGES = "_eager_stages"
 
 

@@ -342,7 +342,7 @@ class Cosmos3Engine:
         ``stage_graphs`` (default: ``cuda_graphs``' value): the VAE encode of the conditioning frames and the light
         decoder's decode replayed as CUDA graphs too (``cuda_graphs.GraphedFunction``, one graph per batch shape; the
         encode's batches padded to a kept graph's rows as the GEN forward's are). At one env these eager stages are
-        launch-bound: ~11 ms of encode and ~2 ms of light decode per step on an H200 for a few ms of GPU work
+        launch-bound: ~11 ms of encode and ~2 ms of light decode per PushT step on an H200, the GPU idle most of it
         (benchmarks/results/profile_pusht_env_h200_light_prep.json). ``stage_graphs=False`` on a later call turns
         them off again, as ``use_stage_graphs(False)`` (``benchmarks/pusht_env_throughput_gpu.py --stage-graphs-ab``).
 
@@ -641,8 +641,8 @@ class Cosmos3Engine:
 
     def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """``vae.encode``, or its CUDA-graphed replay (``optimize(stage_graphs=True)``) with the rows padded to a kept
-        graph's or a bucket (``cuda_graphs.graph_rows``; the encoder treats each sample on its own, so padding rows change
-        nothing in the others)."""
+        graph's or a bucket (``cuda_graphs.graph_rows``; the encoder treats each sample on its own, so padding rows
+        change nothing in the others)."""
         if self._graphed_encode is None:
             return self.vae.encode(pixels)
         return replay_padded(self._graphed_encode, pixels)
