@@ -3,6 +3,8 @@
     python benchmarks/pusht_env_throughput_gpu.py --out $OUT                       # one GPU, ~5 min
     python benchmarks/pusht_env_throughput_gpu.py --device cpu --envs 1 --steps 5 --fidelity-episodes 0   # CPU
     python benchmarks/pusht_env_throughput_gpu.py --decoder light --light-decoder $OUT/light_decoder --out $OUT
+    python benchmarks/pusht_env_throughput_gpu.py --envs 1,16 --steps 20 --fidelity-episodes 0 --decoder light \
+        --stage-graphs-ab --out $OUT                                                   # the stage graphs' A/B
 
 Two envs per env count, built by ``gym.make_vec("cosmos3_gym/PushT-v0", num_envs=N)``'s entry point:
 
@@ -11,7 +13,12 @@ Two envs per env count, built by ``gym.make_vec("cosmos3_gym/PushT-v0", num_envs
   frame the env returns decoded; CPU: the fp32 VAE's eager fast path);
 * with ``--decoder light`` a third, ``light``: the default with ``decoder="light"`` (the model's
   ``light_decoder/`` decodes instead of the VAE). ``--light-decoder DIR`` installs a trained one
-  (``benchmarks/recipes/train_light_decoder.py``'s output) into a temporary copy of the assets first.
+  (``benchmarks/recipes/train_light_decoder.py``'s output) into a temporary copy of the assets first;
+* with ``--stage-graphs-ab`` one more per optimised path, ``default_eager_stages`` (and ``light_eager_stages``): the
+  same engine after ``use_stage_graphs(False)`` (and the reward model's ``use_cuda_graphs(False)``), i.e. the VAE
+  encode, the light decode and the reward scoring eager while the GEN forward stays CUDA-graphed: the stage graphs'
+  gain against its baseline in the same run (``stage_graphs_speedup`` per path; ``*_stage_graphs_obs_psnr_db``:
+  graphed against eager stages, per step).
 
 Both reset with the same seed and step with the same random actions, **interleaved** (baseline step, default step,
 ...), so load changes hit both alike. Per env count: median seconds per step (the latency of one env step at N envs),
@@ -47,7 +54,7 @@ from common import (  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import fast_pusht_engine, load_pusht_assets, make_pusht_vector_env  # noqa: E402
 
-BASE_PATHS = ("baseline", "default")
+EAGER_STAGES = "_eager_stages"
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -56,13 +63,21 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def paths(args) -> tuple[str, ...]:
-    return BASE_PATHS + (("light",) if args.decoder == "light" else ())
+    optimised = ("default",) + (("light",) if args.decoder == "light" else ())
+    eager_stages = tuple(path + EAGER_STAGES for path in optimised) if args.stage_graphs_ab else ()
+    return ("baseline",) + optimised + eager_stages
 
 
 def make_env(path: str, num_envs: int, args):
-    options = {"decoder": "light"} if path == "light" else {}
-    return make_pusht_vector_env(num_envs, assets_dir=args.assets, device=args.device, optimize=path != "baseline",
-                                 **options)
+    base = path.removesuffix(EAGER_STAGES)
+    options = {"decoder": "light"} if base == "light" else {}
+    env = make_pusht_vector_env(num_envs, assets_dir=args.assets, device=args.device, optimize=base != "baseline",
+                                **options)
+    if path.endswith(EAGER_STAGES):
+        env.engine.use_stage_graphs(False)  # the GEN forward's graphs stay; encode and light decode run eager
+        if hasattr(env._core.reward_model, "use_cuda_graphs"):
+            env._core.reward_model.use_cuda_graphs(False)  # and the reward model's scoring
+    return env
 
 
 def measure(num_envs: int, args) -> dict:
@@ -72,7 +87,7 @@ def measure(num_envs: int, args) -> dict:
         space = envs["baseline"].action_space
         space.seed(0)
         times = {path: [] for path in envs}
-        obs_psnr, light_psnr = [], []
+        obs_psnr, light_psnr, stage_psnr = [], [], {}
         for step in range(args.warmup + args.steps):
             actions = space.sample()
             for path, env in envs.items():
@@ -85,6 +100,11 @@ def measure(num_envs: int, args) -> dict:
             obs_psnr.append(psnr(observations["baseline"]["image"], observations["default"]["image"]))
             if "light" in observations:
                 light_psnr.append(psnr(observations["default"]["image"], observations["light"]["image"]))
+            for path in observations:
+                if path.endswith(EAGER_STAGES):
+                    stage_psnr.setdefault(path, []).append(
+                        psnr(observations[path.removesuffix(EAGER_STAGES)]["image"], observations[path]["image"])
+                    )
         entry = {}
         for path in envs:
             step_s = statistics.median(times[path])
@@ -94,6 +114,10 @@ def measure(num_envs: int, args) -> dict:
         if "light" in entry:
             entry["light_speedup_over_default"] = entry["default"]["step_s"] / entry["light"]["step_s"]
             entry["light_obs_psnr_db"] = light_psnr  # light against default, per step (they drift apart too)
+        for path, values in stage_psnr.items():
+            graphed = path.removesuffix(EAGER_STAGES)
+            entry[graphed]["stage_graphs_speedup"] = entry[path]["step_s"] / entry[graphed]["step_s"]
+            entry[f"{graphed}_stage_graphs_obs_psnr_db"] = values  # graphed against eager stages, per step
         if torch.cuda.is_available():
             entry["gpu_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
         return entry
@@ -148,6 +172,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="torch.backends.cudnn.benchmark for both paths (the decoder's thin convolutions)")
     add_decoder_arguments(parser, "light: also measure the default env with decoder='light' (a third path)")
+    parser.add_argument("--stage-graphs-ab", action="store_true",
+                        help="also each optimised path after engine.use_stage_graphs(False) (VAE encode, light decode "
+                             "eager), interleaved with the rest: the stage graphs against their baseline in one run")
     parser.add_argument("--assets", default=None, help="PushT model folder (default: the installed built-in one)")
     add_output_arguments(parser)
     parser.add_argument("--name", default=None)
@@ -177,6 +204,13 @@ def main(argv=None) -> dict:
                       f"({entry['light']['env_steps_per_s']:7.1f} env steps/s), "
                       f"{entry['light_speedup_over_default']:.2f}x over default; obs PSNR vs default step 1 "
                       f"{entry['light_obs_psnr_db'][0]:.1f} dB", flush=True)
+            for path in paths(args):
+                if path.endswith(EAGER_STAGES):
+                    graphed = path.removesuffix(EAGER_STAGES)
+                    print(f"{num_envs:4d} envs: {graphed} with stage graphs {entry[graphed]['step_s'] * 1e3:8.1f} "
+                          f"ms/step, eager stages {entry[path]['step_s'] * 1e3:8.1f} ms/step, "
+                          f"{entry[graphed]['stage_graphs_speedup']:.2f}x; obs PSNR step 1 "
+                          f"{entry[f'{graphed}_stage_graphs_obs_psnr_db'][0]:.1f} dB", flush=True)
     if args.fidelity_episodes > 0:
         results["fidelity"] = fidelity(args)
         for path, entry in results["fidelity"].items():

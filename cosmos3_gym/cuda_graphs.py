@@ -12,6 +12,9 @@ A graph bakes in device addresses and Python-level structure, so one graph is ke
 dtypes of every input tensor plus the text lengths (which decide how attention is split by prompt length, see
 ``GenLayout.length_groups``). Each call copies its inputs into the graph's static buffers, replays, and returns
 copies of the outputs (the next replay overwrites the static ones).
+
+``GraphedFunction`` does the same for the engine's other launch-bound stages, pure functions of a few tensors: the
+VAE encode of the conditioning frames and the light decoder's decode (``Cosmos3Engine.optimize(stage_graphs=...)``).
 """
 
 from __future__ import annotations
@@ -125,3 +128,95 @@ class GraphedGenForward:
             if t is not None:
                 groups.setdefault(t.dtype, []).append(i)
         return _Graph(graph, static, list(groups.values()), outputs, static_layout)
+
+
+@dataclasses.dataclass(eq=False)
+class _FunctionGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]  # static buffers, one per tensor argument
+    outputs: torch.Tensor | tuple[torch.Tensor, ...]
+
+
+class GraphedFunction:
+    """A pure function of its tensor arguments replayed as one CUDA graph per signature, for the engine's eager stages
+    around the GEN forward (the VAE encode of the conditioning frames, the light decoder's decode): at one env those
+    are a few hundred small kernels each, and the host launching them one by one is what the step waits for.
+
+    ``fn(*tensors, **options)`` must be a pure function of the tensors' *values* for a fixed signature (the tensors'
+    shapes and dtypes, and the options, which must be hashable): any Python-side state it reads or mutates is frozen
+    at capture. The Wan VAE's encode qualifies: its causal feature cache is a Python list that ``_encode`` clears at
+    the start of every call and fills within it, so for one input shape every call takes the same path over the same
+    cache slots (the capture records the cached tensors as graph memory). A call copies its tensors into the graph's
+    static buffers (on the graph's device), replays, and returns copies of the outputs (a tensor or a tuple of them).
+    ``max_graphs`` as for ``GraphedGenForward``; ``reset()`` when the module's weights move.
+    """
+
+    def __init__(self, fn, device: torch.device | str, max_graphs: int = 4, name: str = "cuda_graphs"):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise InputError(f"{name}: needs a CUDA device, the function runs on {device}")
+        self.fn = fn
+        self.device = device
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple, _FunctionGraph] = OrderedDict()
+
+    def reset(self) -> None:
+        self._graphs.clear()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def row_counts(self, like: torch.Tensor, **options) -> set[int]:
+        """The batch sizes (dim 0) of the kept graphs of a single-tensor call shaped like ``like`` in every other dim,
+        with these ``options`` (for padding a batch to a graph already captured, see ``engine._graph_rows``)."""
+        rest = (tuple(like.shape[1:]), like.dtype)
+        wanted = tuple(sorted(options.items()))
+        return {
+            shapes[0][0][0] for shapes, opts in self._graphs
+            if len(shapes) == 1 and (shapes[0][0][1:], shapes[0][1]) == rest and opts == wanted
+        }
+
+    def __call__(self, *tensors: torch.Tensor, **options):
+        tensors = tuple(t.to(self.device) for t in tensors)
+        key = (tuple((tuple(t.shape), t.dtype) for t in tensors), tuple(sorted(options.items())))
+        entry = self._graphs.get(key)
+        if entry is None:
+            static = [t.clone() for t in tensors]
+            graph, outputs = capture(lambda: self.fn(*static, **options))
+            entry = self._graphs[key] = _FunctionGraph(graph, static, outputs)
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+            for buffer, tensor in zip(entry.inputs, tensors):
+                buffer.copy_(tensor)
+        entry.graph.replay()
+        if isinstance(entry.outputs, torch.Tensor):
+            return entry.outputs.clone()
+        return tuple(t.clone() for t in entry.outputs)
+
+
+def row_bucket(rows: int) -> int:
+    """The padded row count of a CUDA-graphed batch: a power of two up to 8, then a multiple of 8."""
+    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
+
+
+def graph_rows(rows: int, kept: set[int]) -> int:
+    """The row count a CUDA-graphed batch of ``rows`` runs at: the smallest kept graph's that is at most twice
+    ``rows`` (padding costs at most the rows again, in the engine's denoiser, encode and light decode and in the
+    reward model; a new graph costs a capture, a compile for the new shape and the graph's memory for the engine's
+    lifetime), else ``row_bucket(rows)``. A 64-slot vector env whose first step captured 64 rows thus replays that one
+    graph while 32 to 64 slots step."""
+    fitting = [count for count in kept if rows <= count <= 2 * rows]
+    return min(fitting) if fitting else row_bucket(rows)
+
+
+def replay_padded(graphed: GraphedFunction, batch: torch.Tensor, **options) -> torch.Tensor:
+    """``graphed(batch, **options)`` for a function that treats each row of ``batch`` on its own, with the rows
+    zero-padded to ``graph_rows`` (a kept graph's rows or a bucket) so that changing batch sizes replay few graphs."""
+    rows = batch.shape[0]
+    padded = graph_rows(rows, graphed.row_counts(batch, **options))
+    if padded > rows:
+        batch = torch.cat([batch, batch.new_zeros((padded - rows, *batch.shape[1:]))])
+    return graphed(batch, **options)[:rows]

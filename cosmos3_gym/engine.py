@@ -42,6 +42,9 @@ from transformers import AutoTokenizer
 
 from . import presets, processor
 from .checkpoint import resolve_checkpoint, validate_checkpoint
+from .cuda_graphs import GraphedFunction, replay_padded
+from .cuda_graphs import graph_rows as _graph_rows
+from .cuda_graphs import row_bucket as _row_bucket  # noqa: F401 (the engine's name for it before cuda_graphs had it)
 from .errors import CheckpointError, InputError
 from .models.light_decoder import LightDecoder
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
@@ -220,6 +223,9 @@ class Cosmos3Engine:
         self._closed = False
         self._home_device: torch.device | None = None  # set while offloaded
         self._graphed_forward = None  # a cuda_graphs.GraphedGenForward once optimize() turns CUDA graphs on
+        # cuda_graphs.GraphedFunction of vae.encode and light_decoder.decode once optimize() turns stage graphs on
+        self._graphed_encode = None
+        self._graphed_light_decode = None
         self._schedules: dict[tuple, Schedule] = {}  # read-only, shared by every request of one setting
 
     @classmethod
@@ -325,11 +331,20 @@ class Cosmos3Engine:
         engine.preset = preset
         return engine.optimize() if optimize else engine
 
-    def optimize(self, *, cuda_graphs: bool | None = None, tp_overlap: bool | None = None) -> "Cosmos3Engine":
+    def optimize(
+        self, *, cuda_graphs: bool | None = None, tp_overlap: bool | None = None, stage_graphs: bool | None = None
+    ) -> "Cosmos3Engine":
         """The fast path measured in benchmarks/gpu_suite.py and benchmarks/parallel_gpu.py: regional
         ``torch.compile`` of the transformer blocks, the VAE decoder's fused RMS-norm + SiLU and, on a CUDA device,
         the GEN forward replayed as CUDA graphs (``cuda_graphs``; default: on when this engine runs on a GPU; under
         tensor parallelism every rank of the tp group captures its forward, all-reduces included, at the same step).
+
+        ``stage_graphs`` (default: ``cuda_graphs``' value): the VAE encode of the conditioning frames and the light
+        decoder's decode replayed as CUDA graphs too (``cuda_graphs.GraphedFunction``, one graph per batch shape; the
+        encode's batches padded to a kept graph's rows as the GEN forward's are). At one env these eager stages are
+        launch-bound: ~11 ms of encode and ~2 ms of light decode per PushT step on an H200, the GPU idle most of it
+        (benchmarks/results/profile_pusht_env_h200_light_prep.json). ``stage_graphs=False`` on a later call turns
+        them off again, as ``use_stage_graphs(False)`` (``benchmarks/pusht_env_throughput_gpu.py --stage-graphs-ab``).
 
         ``tp_overlap`` (tp > 1; default: on a GPU): the GEN layers' all-reduces overlap the next row block's compute
         (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce where the tp group is on one GPU host.
@@ -342,6 +357,9 @@ class Cosmos3Engine:
             use_graphs = self.device.type == "cuda"
         if use_graphs and self.device.type != "cuda":
             raise InputError(f"cuda_graphs: needs a CUDA device; this engine runs on {self.device}")
+        use_stage_graphs = use_graphs if stage_graphs is None else stage_graphs
+        if use_stage_graphs and self.device.type != "cuda":  # before anything changes
+            raise InputError(f"stage_graphs: needs a CUDA device; this engine runs on {self.device}")
         overlap = self.device.type == "cuda" if tp_overlap is None else tp_overlap
         self._graphed_forward = parallelize_transformer(
             self.transformer, self.parallel, compile=True, tp_overlap=overlap, cuda_graphs=use_graphs,
@@ -350,7 +368,31 @@ class Cosmos3Engine:
         self.vae.fuse_decoder_norms()
         if self.light_decoder is not None:  # channels-last convolutions (the engine's light decoder: bf16 on a GPU)
             self.light_decoder.use_channels_last()
+        return self.use_stage_graphs(use_stage_graphs)
+
+    def use_stage_graphs(self, on: bool = True) -> "Cosmos3Engine":
+        """``optimize``'s ``stage_graphs`` alone: turn the CUDA-graphed VAE encode and light decode on or off (off
+        drops their graphs) and leave the rest as it is; for an A/B of them on one optimised engine."""
+        if on and self.device.type != "cuda":
+            raise InputError(f"stage_graphs: needs a CUDA device; this engine runs on {self.device}")
+        # Captured lazily, at each shape's first call: whatever optimizes the modules after optimize() (the PushT
+        # env's vae.optimize() swaps the encoder's convolution classes) is in place by then. The graphs call the
+        # modules through these bound methods, so they follow a later module change only after reset().
+        if not on:
+            self._graphed_encode = self._graphed_light_decode = None
+            return self
+        if self._graphed_encode is None:
+            self._graphed_encode = GraphedFunction(self.vae.encode, self.device, max_graphs=8, name="stage_graphs")
+        if self.light_decoder is not None and self._graphed_light_decode is None:
+            self._graphed_light_decode = GraphedFunction(
+                self.light_decoder.decode, self.device, max_graphs=8, name="stage_graphs"
+            )
         return self
+
+    @property
+    def stage_graphs(self) -> bool:
+        """Whether the VAE encode (and the light decoder's decode) replay as CUDA graphs (``optimize``)."""
+        return self._graphed_encode is not None
 
     @property
     def decoder(self) -> str:
@@ -437,8 +479,9 @@ class Cosmos3Engine:
         self.vae.to("cpu")
         if self.light_decoder is not None:
             self.light_decoder.to("cpu")
-        if self._graphed_forward is not None:
-            self._graphed_forward.reset()  # its graphs read the weights at their device addresses, which are gone
+        for graphed in (self._graphed_forward, self._graphed_encode, self._graphed_light_decode):
+            if graphed is not None:
+                graphed.reset()  # its graphs read the weights at their device addresses, which are gone
         tp_group = self.parallel.group("tp")
         if tp_group is not None:
             # Only now that no graph holds them: the symmetric all-reduce buffers (re-made on the next forward).
@@ -460,6 +503,7 @@ class Cosmos3Engine:
         """Release the model (idempotent); also ends the process group if ``from_pretrained`` started it."""
         if not self._closed:
             self._text_cache.clear()
+            self.use_stage_graphs(False)  # their graphs' memory pools
             self._closed = True
             if self._owns_process_group and dist.is_initialized():
                 dist.destroy_process_group()
@@ -589,11 +633,19 @@ class Cosmos3Engine:
         for group in by_shape.values():
             for start in range(0, len(group), max_batch):
                 part = group[start : start + max_batch]
-                latents = self.vae.encode(torch.cat([p.pixels for p in part]).to(self.device))
+                latents = self._encode(torch.cat([p.pixels for p in part]).to(self.device))
                 for p, latent in zip(part, latents):
                     _, h, w = p.latent_thw
                     p.x0_video = latent[None, :, :, :h, :w]
                     p.pixels = None
+
+    def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``vae.encode``, or its CUDA-graphed replay (``optimize(stage_graphs=True)``) with the rows padded to a kept
+        graph's or a bucket (``cuda_graphs.graph_rows``; the encoder treats each sample on its own, so padding rows
+        change nothing in the others)."""
+        if self._graphed_encode is None:
+            return self.vae.encode(pixels)
+        return replay_padded(self._graphed_encode, pixels)
 
     def _schedule(
         self, num_steps: int, flow_shift: float | None, use_karras_sigmas: bool | None, native: bool = False
@@ -769,6 +821,8 @@ class Cosmos3Engine:
         """VAE decode, split over the cfg*tp ranks of this replica when there are several (all hold the same
         latents); every rank gets the full pixels. ``frames="last"``: only the last frame (``Cosmos3VAE.decode``).
         With a light decoder (``decoder="light"``, one rank per replica) that decodes instead, in this process."""
+        if self._graphed_light_decode is not None:  # per-sample too: padded as the encode
+            return replay_padded(self._graphed_light_decode, video, frames=frames)
         if self.light_decoder is not None:
             return self.light_decoder.decode(video, frames=frames)
         group = self.parallel.replica_group
@@ -794,20 +848,6 @@ class Cosmos3Engine:
             0, guided_index, cfg_combine(cond_action[guided_index], v_action[batch:], guidance)
         )
         return video, action
-
-
-def _row_bucket(rows: int) -> int:
-    """The padded row count of a CUDA-graphed batch: a power of two up to 8, then a multiple of 8."""
-    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
-
-
-def _graph_rows(rows: int, kept: set[int]) -> int:
-    """The row count a CUDA-graphed batch of ``rows`` runs at: the smallest kept graph's that is at most twice
-    ``rows`` (padding costs at most the rows again, in the denoiser only; a new graph costs a capture, a compile for
-    the new shape and the graph's memory for the engine's lifetime), else ``_row_bucket(rows)``. A 64-slot vector
-    env whose first step captured 64 rows thus replays that one graph while 32 to 64 slots step."""
-    fitting = [count for count in kept if rows <= count <= 2 * rows]
-    return min(fitting) if fitting else _row_bucket(rows)
 
 
 def _decode_frames(decode) -> str | None:

@@ -517,7 +517,13 @@ def _resolve_engine(checkpoint, engine, **load_options: Any):
 def _resolve_reward_model(spec: Any, engine: Cosmos3Engine):
     if spec is None:
         return None
-    return resolve_reward_model(spec, engine.device, vae=engine.vae)
+    model = resolve_reward_model(spec, engine.device, vae=engine.vae)
+    # A reward model that can replay its scoring as CUDA graphs does where the engine replays its own stages so
+    # (``Cosmos3Engine.optimize``): at one env the scoring's kernel launches are a share of the step.
+    use_graphs = getattr(model, "use_cuda_graphs", None)
+    if getattr(engine, "stage_graphs", False) and callable(use_graphs) and engine.device.type == "cuda":
+        use_graphs()
+    return model
 
 
 def _check_reward_settings(reward_model: Any, settings: WorldModelSettings) -> None:

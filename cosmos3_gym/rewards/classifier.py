@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..cuda_graphs import GraphedFunction, replay_padded
 from ..errors import CheckpointError, InputError
 from .base import check_frames
 
@@ -87,6 +88,33 @@ class ClassifierRewardModel(nn.Module):
             *(_ResidualBlock(c_in, c_out) for c_in, c_out in zip(channels, channels[1:]))
         )
         self.head = nn.Linear(channels[-1], 1)
+        self._graphed_scores: GraphedFunction | None = None  # use_cuda_graphs
+
+    def use_cuda_graphs(self, on: bool = True) -> "ClassifierRewardModel":
+        """Replay ``score_frames`` as CUDA graphs (one per image shape, rows padded as ``cuda_graphs.graph_rows``;
+        GroupNorm scores each frame alone, so padding rows change nothing): the env's one-env step launches its ~30
+        kernels at once. Same math. Needs the model on a CUDA device; moving it (``to``) drops the graphs, and while
+        it is off the GPU the eager forward runs. The PushT env turns it on where its engine replays its stages as
+        CUDA graphs (``Cosmos3Engine.stage_graphs``)."""
+        if not on:
+            self._graphed_scores = None
+            return self
+        device = self.head.weight.device
+        if device.type != "cuda":
+            raise InputError(f"cuda_graphs: needs the reward model on a CUDA device, it is on {device}")
+        if self._graphed_scores is None:
+            self._graphed_scores = GraphedFunction(self._scores, device, max_graphs=8)
+        return self
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self._graphed_scores is not None
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .half() move or recast the weights the graphs read at their old addresses
+        if self._graphed_scores is not None:
+            self._graphed_scores.reset()
+        return super()._apply(fn, *args, **kwargs)
 
     @property
     def frames_read(self) -> str:
@@ -112,6 +140,12 @@ class ClassifierRewardModel(nn.Module):
     @torch.no_grad()
     def score_frames(self, images: torch.Tensor) -> torch.Tensor:
         """Images ``[N, 3, H, W]`` float in [0, 1] -> success probabilities ``[N]``."""
+        graphed = self._graphed_scores
+        if graphed is not None and self.head.weight.device == graphed.device:
+            return replay_padded(graphed, images)
+        return self._scores(images)
+
+    def _scores(self, images: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.logits(images))
 
     @torch.no_grad()
