@@ -339,12 +339,13 @@ class Cosmos3Engine:
         the GEN forward replayed as CUDA graphs (``cuda_graphs``; default: on when this engine runs on a GPU; under
         tensor parallelism every rank of the tp group captures its forward, all-reduces included, at the same step).
 
-        ``stage_graphs`` (default: ``cuda_graphs``' value): the VAE encode of the conditioning frames and the light
-        decoder's decode replayed as CUDA graphs too (``cuda_graphs.GraphedFunction``, one graph per batch shape; the
+        ``stage_graphs`` (opt-in, default off: written and tested on CPU, its GPU tests and
+        ``benchmarks/pusht_env_throughput_gpu.py --stage-graphs-ab`` not yet run on a GPU): the VAE encode of the
+        conditioning frames and the light decoder's decode replayed as CUDA graphs too (``cuda_graphs.GraphedFunction``, one graph per batch shape; the
         encode's batches padded to a kept graph's rows as the GEN forward's are). At one env these eager stages are
         launch-bound: ~11 ms of encode and ~2 ms of light decode per PushT step on an H200, the GPU idle most of it
-        (benchmarks/results/profile_pusht_env_h200_light_prep.json). ``stage_graphs=False`` on a later call turns
-        them off again, as ``use_stage_graphs(False)`` (``benchmarks/pusht_env_throughput_gpu.py --stage-graphs-ab``).
+        (benchmarks/results/profile_pusht_env_h200_light_prep.json). ``use_stage_graphs(on)`` turns them on or off
+        on an optimised engine.
 
         ``tp_overlap`` (tp > 1; default: on a GPU): the GEN layers' all-reduces overlap the next row block's compute
         (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce where the tp group is on one GPU host.
@@ -357,7 +358,7 @@ class Cosmos3Engine:
             use_graphs = self.device.type == "cuda"
         if use_graphs and self.device.type != "cuda":
             raise InputError(f"cuda_graphs: needs a CUDA device; this engine runs on {self.device}")
-        use_stage_graphs = use_graphs if stage_graphs is None else stage_graphs
+        use_stage_graphs = bool(stage_graphs)
         if use_stage_graphs and self.device.type != "cuda":  # before anything changes
             raise InputError(f"stage_graphs: needs a CUDA device; this engine runs on {self.device}")
         overlap = self.device.type == "cuda" if tp_overlap is None else tp_overlap

@@ -38,7 +38,7 @@ def test_stage_graphs_on_cpu_name_the_option(tiny_checkpoint):
 
 def test_optimize_on_cpu_keeps_the_eager_stages(tiny_checkpoint):
     engine = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)
-    engine.optimize()  # CUDA graphs default off on a CPU, and the stage graphs follow them
+    engine.optimize()  # the stage graphs are opt-in
     assert not engine.stage_graphs
     engine.optimize(stage_graphs=False)
     assert not engine.stage_graphs
@@ -206,8 +206,9 @@ def test_pusht_light_env_with_stage_graphs_matches_eager_stages():
     graphed = pusht_env.make_pusht_vector_env(2, device="cuda", decoder="light")
     eager = pusht_env.make_pusht_vector_env(2, device="cuda", decoder="light")
     try:
-        eager.engine.use_stage_graphs(False)
-        eager._core.reward_model.use_cuda_graphs(False)
+        assert not eager.engine.stage_graphs and not eager._core.reward_model.cuda_graphs  # opt-in
+        graphed.engine.use_stage_graphs(True)
+        graphed._core.reward_model.use_cuda_graphs(True)
         assert graphed.engine.stage_graphs and graphed._core.reward_model.cuda_graphs
         assert graphed.engine._graphed_light_decode is not None
         for env in (graphed, eager):
