@@ -504,3 +504,32 @@ def test_dataset_episodes_are_what_the_plain_gym_pusht_loop_gives(tmp_path, work
             np.testing.assert_array_equal(episode["actions"], actions)
             np.testing.assert_array_equal(episode["coverage"], coverage)
     assert families == set(mix), families  # the seed draws every family
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ((), ["simulate", "world_model", "reward_model", "package", "evaluate"]),
+    (("--no-rollout-reward-model", "--no-evaluate"), ["simulate", "world_model", "package"]),
+])
+def test_train_pusht_second_part_can_skip_the_reward_model_and_the_evaluation(tmp_path, monkeypatch, flags, expected):
+    """A fine-tune that a later call continues (``--no-rollout-reward-model --no-evaluate``) runs only simulation,
+    training and packaging; by default the reward model is retrained on the rollouts and the model evaluated."""
+    import sys
+
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks" / "recipes")
+    sys.path.insert(0, benchmarks)
+    try:
+        import train_pusht
+    finally:
+        sys.path.remove(benchmarks)
+    ran = []
+
+    def stage(name):
+        return lambda *args, **kwargs: ran.append(name) or {}
+
+    for name in ("simulate", "world_model_stage", "reward_model_stage", "package", "evaluate_stage"):
+        monkeypatch.setattr(train_pusht, name, stage(name.removesuffix("_stage")))
+    monkeypatch.setattr(train_pusht, "unpack_first_part", lambda *args: None)
+    monkeypatch.setattr(train_pusht, "write_results", lambda *args, **kwargs: None)
+    train_pusht.main(["--part", "second", "--first-part", str(tmp_path), "--out", str(tmp_path / "out"),
+                      "--work", str(tmp_path / "work"), "--deadline-s", "1e6", *flags])
+    assert ran == expected
