@@ -12,6 +12,7 @@ benchmarks/results is never overwritten unless ``--overwrite`` is given; scripts
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -170,6 +171,48 @@ def build_wan22_vae(device: str = "cuda", dtype=torch.float32):
                  latents_std=(0.5 + torch.rand(48, generator=g)).tolist())
     torch.manual_seed(0)
     return AutoencoderKLWan(**WAN22_VAE, **stats).to(device=device, dtype=dtype).eval()
+
+
+def fp8_unavailable_reason() -> str | None:
+    """Why FP8 GEMMs cannot run here (no CUDA GPU, one below compute capability 8.9, no torchao), or None when they
+    can: ``cosmos3_gym.quantization.check_fp8_supported``'s message."""
+    from cosmos3_gym.errors import InputError
+    from cosmos3_gym.quantization import check_fp8_supported
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9); no CUDA device here"
+    try:
+        check_fp8_supported("cuda")
+    except InputError as error:
+        return str(error)
+    return None
+
+
+def fp8_available() -> bool:
+    return fp8_unavailable_reason() is None
+
+
+def gen_twin(master, policy: str | None, compile_blocks: bool):
+    """A ``Cosmos3Transformer`` that shares ``master``'s UND tower, embeddings and heads and has its own copy of the
+    GEN layers: bf16 (``policy`` None) or FP8 by ``apply_fp8(layers=policy)``, its GEN blocks wrapped in
+    ``torch.compile`` as ``compile_blocks`` does. Make it while ``master``'s GEN blocks are not compiled yet (a copy of
+    a compiled block would call the original's forward). The twin counts as compiled (``blocks_compiled``), so an
+    engine's ``optimize()`` on it only adds the CUDA graphs: the UND blocks are ``master``'s, compiled with it."""
+    from cosmos3_gym.quantization import apply_fp8
+
+    if master.blocks_compiled:
+        raise ValueError("gen_twin: make the twin before compiling the master's blocks")
+    twin = copy.copy(master)
+    twin._modules = dict(master._modules)  # own module table: the GEN layers below are twin's alone
+    twin.gen_layers = copy.deepcopy(master.gen_layers)
+    twin.blocks_compiled = False
+    if policy is not None:
+        apply_fp8(twin, layers=policy)
+    if compile_blocks:
+        for block in twin.gen_layers:
+            block.gen_forward = torch.compile(block.gen_forward)
+    twin.blocks_compiled = True
+    return twin
 
 
 COMMITTED_RESULTS = Path(__file__).resolve().parent / "results"

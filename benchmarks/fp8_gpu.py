@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "recipes"))  # fidelity_pusht*
 
 from common import (  # noqa: E402
-    add_output_arguments, check_results_target, gemm_peak_tflops, provenance, timed,
+    add_output_arguments, check_results_target, fp8_available, gemm_peak_tflops, gen_twin, provenance, timed,
     write_results,
 )
 from gpu_suite import (  # noqa: E402
@@ -117,10 +117,6 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def fp8_available() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
 @contextlib.contextmanager
@@ -257,24 +253,6 @@ def vector_env_throughput(engine: Cosmos3Engine, vaes: dict, num_envs: int, sett
         table[name] = entry
         print("vector env", name, entry, flush=True)
     return table
-
-
-def gen_twin(master: Cosmos3Transformer, policy: str | None, compile_blocks: bool) -> Cosmos3Transformer:
-    """A transformer that shares ``master``'s UND tower, embeddings and heads and has its own copy of the GEN
-    layers: bf16 (``policy`` None) or FP8 by ``apply_fp8(layers=policy)``, compiled as ``compile_blocks`` compiles
-    them. ``master``'s GEN blocks are never compiled, so that their copies start plain."""
-    twin = copy.copy(master)
-    twin._modules = dict(master._modules)  # own module table: the GEN layers below are twin's alone
-    twin.gen_layers = copy.deepcopy(master.gen_layers)
-    twin.blocks_compiled = False
-    if policy is not None:
-        apply_fp8(twin, layers=policy)
-    if compile_blocks:
-        for block in twin.gen_layers:
-            block.gen_forward = torch.compile(block.gen_forward)
-    # The UND blocks are master's, compiled once in main(); optimize() must not compile them again.
-    twin.blocks_compiled = True
-    return twin
 
 
 def measure_variant(master, engine, policy, settings, shapes, peak, device, tiny, baseline_actions, diffusers,

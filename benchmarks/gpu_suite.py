@@ -1,12 +1,30 @@
 """One-call benchmark suite: diffusers' Cosmos3OmniPipeline vs this engine on the SAME random Cosmos3-Nano weights.
 
-    python benchmarks/gpu_suite.py --out $OUT            # on a lent GPU (H100/H200), ~6-8 minutes
+    python benchmarks/gpu_suite.py --fp8 off --out $OUT  # on a lent GPU (H100/H200), ~6-8 minutes
+    python benchmarks/gpu_suite.py --only-fp8 --out $OUT # the fp8 columns with their same-run baselines, ~4-5 minutes
+    python benchmarks/gpu_suite.py --out $OUT            # both in one run (~8-10 minutes: more than one 9-minute call)
     python benchmarks/gpu_suite.py --tiny --out /tmp/x   # CPU dry run of every code path with tiny models
 
 Reports (JSON with card, commit, command): bf16 GEMM peak; per-request latency per mode broken into
 encode / text / denoise / decode against diffusers; GEN forward time and MFU at batch 1/4/16 for tiers 256 and 480;
 forward-dynamics env throughput at 1/4/16/64 envs (tier 256) against diffusers called once per env; peak memory;
 bf16 parity of our engine against diffusers on the Nano request and against an fp32 reference on a Nano-width model.
+
+``optimised``: the same engine after ``Cosmos3Engine.optimize()`` (compiled blocks, CUDA-graphed GEN forward) with
+the fastest bf16 VAE decode: the policy request, 1 and 16 envs, the GEN-forward table.
+
+``fp8`` (``--fp8 auto``, the default: where FP8 runs, i.e. a CUDA GPU of compute capability >= 8.9 with torchao;
+elsewhere recorded as skipped with the reason): the optimised variant with FP8 GEMMs in the GEN layers
+(``cosmos3_gym.quantization.apply_fp8`` on ``DEFAULT_FP8_LAYERS``, on a twin of the transformer that shares its UND
+tower: ``common.gen_twin``), optimised the same way and decoding with the optimised variant's VAE. It measures the
+policy request without and with decode (speedups over, and time as a fraction of, the same-run diffusers request:
+issue 23's "<= 0.40x diffusers"), its actions' and video latents' relative error against the optimised bf16 result
+of the same request, the GEN forward at tier 480 batch 1 and 16 against the optimised bf16 forward, and the fd env
+throughput at ``--env-counts`` against diffusers one env at a time; ``targets`` says which of issue 23's targets the
+run meets. A failure inside it is recorded in its place; the rest of the results still writes. ``--only-fp8`` runs
+only what it is compared with (diffusers' policy request and one-env step, the optimised variant with its GEN
+forward at tier 480 batch 1 / 16 only) and the variant itself, into gpu_suite_fp8.json. Under ``--tiny`` (no FP8 on
+a CPU) a bf16 stand-in twin runs the same path against the eager engine, at two env counts of at most 4.
 """
 
 from __future__ import annotations
@@ -26,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from common import (  # noqa: E402
-    SCHEDULER, add_output_arguments, build_nano_transformer, build_wan22_vae, gemm_peak_tflops, provenance, sync, timed,
-    write_results,
+    SCHEDULER, add_output_arguments, build_nano_transformer, build_wan22_vae, check_results_target,
+    fp8_unavailable_reason, gemm_peak_tflops, gen_twin, provenance, sync, timed, write_results,
 )
 
 from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG  # noqa: E402
@@ -35,6 +53,7 @@ from cosmos3_gym.tokenizer import build_tiny_tokenizer  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
 from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
+from cosmos3_gym.quantization import DEFAULT_FP8_LAYERS, fp8_linear_names  # noqa: E402
 
 
 def gen_forward_flops(cfg: Cosmos3TransformerConfig, gen_tokens: int, text_tokens: int) -> float:
@@ -188,14 +207,16 @@ def gen_forward_inputs(model, thw, batch: int, chunk: int, fps: float, device) -
     return text, layout, video, noisy_v, ts, acts, noisy_a, dom
 
 
-def gen_forward_table(model, chunk, fps, latent_shape_480, peak, device, batches=(1, 4, 16), forward=None) -> dict:
-    """GEN forward time and MFU at the given batch sizes for tiers 256 (256x256 canvas) and 480 (480x832).
+def gen_forward_table(model, chunk, fps, latent_shape_480, peak, device, batches=(1, 4, 16), forward=None,
+                      tiers=("256", "480")) -> dict:
+    """GEN forward time and MFU at the given batch sizes for ``tiers`` 256 (256x256 canvas) and 480 (480x832).
 
     ``forward`` runs the pass (default ``model`` itself; e.g. a ``GraphedGenForward`` of it)."""
     cfg = model.config
     forward = forward or model
     table = {}
-    for tier, thw in (("256", (chunk // 4 + 1, 16, 16)), ("480", latent_shape_480)):
+    shapes = {"256": (chunk // 4 + 1, 16, 16), "480": latent_shape_480}
+    for tier, thw in ((tier, shapes[tier]) for tier in tiers):
         for batch in batches:
             inputs = gen_forward_inputs(model, thw, batch, chunk, fps, device)
             _, layout, *_ = inputs
@@ -215,8 +236,11 @@ def gen_forward_table(model, chunk, fps, latent_shape_480, peak, device, batches
 
 
 def optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, steps, guidance, fps, fd_actions,
-                      latent_shape, peak, device, gen_tables: bool = True) -> dict:
-    """The same measurements with regional torch.compile of the decoder blocks and the fastest bf16 VAE decode."""
+                      latent_shape, peak, device, gen_shapes: tuple | None = ((1, 4, 16), ("256", "480"))) -> dict:
+    """The same measurements with regional torch.compile of the decoder blocks and the fastest bf16 VAE decode.
+
+    ``gen_shapes``: ``(batches, tiers)`` of the GEN-forward table, None for none. The policy request's result (what
+    the fp8 variant's error is measured against) comes back under ``"_policy_result"``, for the caller to pop."""
     device = engine.device
     torch.backends.cudnn.benchmark = True
     vae_fp32 = engine.vae
@@ -251,7 +275,7 @@ def optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, ste
     engine.step(request, decode=False)  # compile warm-up
     optimised["first_call_with_compile_s"] = time.perf_counter() - t0
     ours = latency_breakdown(engine, request)
-    ours.pop("result")
+    optimised["_policy_result"] = ours.pop("result")
     optimised["policy_request_tier480"] = ours
     optimised["speedup_no_decode_vs_diffusers"] = per_mode["policy"]["diffusers_no_decode_s"] / \
         ours["total_no_decode_s"]
@@ -261,25 +285,157 @@ def optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, ste
     # Fewer shapes than the eager tables: every new shape costs a compile.
     optimised["fd_env_throughput_tier256"] = env_throughput(engine, [1, 16], d_env, chunk, steps, guidance, fps,
                                                             fd_actions)
-    if gen_tables:
+    if gen_shapes:
+        batches, tiers = gen_shapes
         optimised["gen_forward"] = gen_forward_table(engine.transformer, chunk, fps, latent_shape, peak, device,
-                                                     batches=(1, 4, 16), forward=engine.gen_forward)
+                                                     batches=batches, forward=engine.gen_forward, tiers=tiers)
     optimised["vae_decode_tier480"] = vae_result
     return optimised
 
 
-def main() -> None:
+# The issue-23 targets (same run as diffusers): policy request time as a fraction of diffusers', GEN forward speedup
+# over our bf16 forward (tier 480), 16 envs' throughput over diffusers stepping one env at a time (tier 256).
+FP8_TARGETS = {"policy_no_decode_time_vs_diffusers_max": 0.40, "policy_with_decode_time_vs_diffusers_max": 0.45,
+               "gen_forward_tier480_speedup_vs_bf16_min": 1.4, "envs_16_speedup_vs_diffusers_one_at_a_time_min": 4.0}
+
+
+def fp8_variant(engine, twin, layers: str | None, baseline: dict, per_mode, image, tier, counts, d_env, chunk, steps,
+                guidance, fps, fd_actions, latent_shape, peak, device, gen_batches, optimise_vae=None) -> dict:
+    """The optimised variant's measurements on ``twin`` (``gen_twin``: the engine's UND tower, its own FP8 GEN
+    layers by policy ``layers``; None: a bf16 stand-in, the CPU dry run's path), decoding with ``engine``'s VAE.
+
+    ``baseline``: the bf16 numbers to compare with, ``{"name", "result"`` (the policy request's ``Cosmos3Result``),
+    ``"gen_forward"`` (a ``gen_forward_table``)``}``. ``optimise_vae`` (GPU): an fp32 VAE whose decoder norms the bf16
+    ``optimize()`` already fused, for the twin engine's own ``optimize()`` (CUDA graphs; the twin's blocks are
+    compiled) to fuse again without effect before the engine's VAE (the decode the optimised variant chose) is
+    swapped in. ``gen_batches``: the GEN-forward batch sizes at tier 480 (empty: none).
+
+    Sections fail on their own: an error is recorded in its place and the next section runs."""
+    entry: dict = {"layers": layers or "bf16 stand-in (no FP8 on this device)",
+                   "fp8_linears": len(fp8_linear_names(twin, layers)) if layers else 0,
+                   "fp8_linears_of_the_default_policy": len(fp8_linear_names(twin, DEFAULT_FP8_LAYERS)),
+                   "bf16_baseline": baseline["name"]}
+    variant = Cosmos3Engine(twin, optimise_vae or engine.vae, engine.tokenizer, engine.scheduler_config,
+                            progress=False)
+    if optimise_vae is not None:
+        variant.optimize()
+        variant.vae = engine.vae
+    entry["compile_note"] = (f"as the optimised variant: twin GEN blocks compiled, CUDA-graphed GEN forward "
+                             f"({variant.gen_forward is not variant.transformer}), the optimised variant's VAE decode"
+                             if optimise_vae is not None else "not optimised (CPU): the eager twin, the engine's VAE")
+
+    def section(name, measure):
+        try:
+            measure()
+        except Exception as error:  # noqa: BLE001 - recorded; the variant's other sections still run
+            entry[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            error = None  # drop the traceback's frames (and the tensors they hold) before freeing memory
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def request_latency():
+        request = our_request("policy", image, chunk, steps, guidance, fps, tier)
+        t0 = time.perf_counter()
+        variant.step(request, decode=False)  # compile + capture of the request's shapes
+        entry["first_call_with_compile_s"] = time.perf_counter() - t0
+        ours = latency_breakdown(variant, request)
+        result = ours.pop("result")
+        entry["policy_request_tier480"] = ours
+        d_no_decode = per_mode["policy"]["diffusers_no_decode_s"]
+        d_with_decode = per_mode["policy"]["diffusers_with_decode_s"]
+        entry["speedup_no_decode_vs_diffusers"] = d_no_decode / ours["total_no_decode_s"]
+        entry["speedup_with_decode_vs_diffusers"] = d_with_decode / ours["total_with_decode_s"]
+        entry["time_vs_diffusers_no_decode"] = ours["total_no_decode_s"] / d_no_decode  # the issue's "0.40x"
+        entry["time_vs_diffusers_with_decode"] = ours["total_with_decode_s"] / d_with_decode
+        reference = baseline.get("result")
+        if reference is not None:
+            entry["action_rel_vs_bf16"] = rel(result.action, reference.action)
+            entry["video_latents_rel_vs_bf16"] = rel(result.video_latents, reference.video_latents)
+            bf16_request = baseline.get("policy_request_tier480") or {}
+            for key in ("no_decode", "with_decode"):
+                if f"total_{key}_s" in bf16_request:
+                    entry[f"speedup_{key}_vs_bf16"] = bf16_request[f"total_{key}_s"] / ours[f"total_{key}_s"]
+        print("fp8 policy", {k: v for k, v in entry.items() if k != "policy_request_tier480"}, ours)
+
+    def gen_forward():
+        table = gen_forward_table(variant.transformer, chunk, fps, latent_shape, peak, device, batches=gen_batches,
+                                  forward=variant.gen_forward, tiers=("480",))
+        for key, row in table.items():
+            base = baseline.get("gen_forward", {}).get(key, {}).get("forward_s")
+            if base and "forward_s" in row:
+                row["speedup_vs_bf16"] = base / row["forward_s"]
+        entry["gen_forward"] = table
+
+    def env_table():
+        entry["fd_env_throughput_tier256"] = env_throughput(variant, counts, d_env, chunk, steps, guidance, fps,
+                                                            fd_actions)
+
+    section("policy_request_tier480", request_latency)
+    if gen_batches:
+        section("gen_forward", gen_forward)
+    section("fd_env_throughput_tier256", env_table)  # last: its largest env count is the likeliest to fail
+    entry["targets"] = fp8_targets(entry)
+    graphed = variant.gen_forward
+    if graphed is not variant.transformer:
+        graphed.reset()  # the twin's CUDA graphs' memory
+    variant.close()
+    return entry
+
+
+def fp8_targets(entry: dict) -> dict:
+    """Each of ``FP8_TARGETS`` met (True / False), or None where its number is missing."""
+
+    def at_most(value, limit):
+        return None if value is None else bool(value <= limit)
+
+    def at_least(value, limit):
+        return None if value is None else bool(value >= limit)
+
+    gen = entry.get("gen_forward") or {}
+    envs_16 = (entry.get("fd_env_throughput_tier256") or {}).get("envs_16") or {}
+    targets = {
+        "policy_no_decode_time_vs_diffusers_le_0.40": at_most(entry.get("time_vs_diffusers_no_decode"),
+                                                              FP8_TARGETS["policy_no_decode_time_vs_diffusers_max"]),
+        "policy_with_decode_time_vs_diffusers_le_0.45": at_most(
+            entry.get("time_vs_diffusers_with_decode"), FP8_TARGETS["policy_with_decode_time_vs_diffusers_max"]),
+        "envs_16_ge_4x_diffusers_one_at_a_time": at_least(
+            envs_16.get("speedup_vs_diffusers_one_at_a_time"),
+            FP8_TARGETS["envs_16_speedup_vs_diffusers_one_at_a_time_min"]),
+    }
+    for key in ("tier480_b1", "tier480_b16"):
+        targets[f"gen_forward_{key}_ge_1.4x_bf16"] = at_least(
+            (gen.get(key) or {}).get("speedup_vs_bf16"), FP8_TARGETS["gen_forward_tier480_speedup_vs_bf16_min"])
+    targets["note"] = ("envs: batched engine.step (the suite's env table), not gym.make_vec; with decode: diffusers "
+                       "with its fp32 VAE, its documented setting")
+    return targets
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="CPU dry run with tiny models")
     add_output_arguments(parser)
     parser.add_argument("--env-counts", default="1,4,16,64")
     parser.add_argument("--quick", action="store_true",
                         help="request latencies and env throughput only: no GEN-forward tables, no bf16 check")
+    parser.add_argument("--fp8", choices=("auto", "on", "off"), default="auto",
+                        help=f"the fp8 variant (FP8 GEMMs on policy {DEFAULT_FP8_LAYERS!r}, optimised as the "
+                             f"optimised variant): auto measures it where FP8 runs (CUDA, compute capability >= 8.9, "
+                             f"torchao) and records why not elsewhere; on fails at the start where it cannot run")
+    parser.add_argument("--only-fp8", action="store_true",
+                        help="only what the fp8 variant is compared with and the variant itself (gpu_suite_fp8.json):"
+                             " diffusers' policy request and one-env step, the bf16 optimised variant (its GEN "
+                             "forward at tier 480 only), the fp8 variant; ~4-5 min on an H200")
     parser.add_argument("--compiled-gen-forward", default=None, metavar="BATCHES",
                         help="only the compiled GEN-forward table at these batch sizes (e.g. 4): no diffusers "
                              "pipeline, no requests (gpu_suite_gen_forward.json)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = "cpu" if args.tiny else "cuda"
+    fp8_reason = "--fp8 off" if args.fp8 == "off" else fp8_unavailable_reason()
+    if args.fp8 == "on" and fp8_reason:
+        parser.error(f"--fp8 on: {fp8_reason}")
+    if args.only_fp8 and args.fp8 == "off":
+        parser.error("--only-fp8 with --fp8 off measures nothing")
     torch.backends.cuda.matmul.allow_tf32 = False
     results: dict = {"provenance": provenance()}
     if not args.tiny:
@@ -292,7 +448,19 @@ def main() -> None:
         results["compiled_gen_forward"] = compiled_gen_forward(args.tiny, device, batches, peak)
         write_results(results, "gpu_suite_gen_forward.json" if not args.tiny else "gpu_suite_gen_forward_tiny.json",
                       args.out, args.overwrite)
-        return
+        return results
+
+    name = "_".join(["gpu_suite", *(["fp8"] if args.only_fp8 else []), *(["tiny"] if args.tiny else [])]) + ".json"
+    check_results_target(name, args.out, args.overwrite)
+    # The fp8 variant: measured where FP8 runs; under --tiny (no FP8 on a CPU) a bf16 stand-in takes the same path.
+    measure_fp8 = not fp8_reason
+    run_fp8_path = measure_fp8 or (args.tiny and args.fp8 != "off")
+    if measure_fp8:
+        # The twin's FP8 blocks compile as new entries of the bf16 blocks' code object: room for both, so that
+        # neither falls back to eager at dynamo's default limit of 8.
+        for option in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, option):
+                setattr(torch._dynamo.config, option, 64)
 
     t0 = time.perf_counter()
     pipe, engine, dtype = make_models(args.tiny, device)
@@ -301,11 +469,12 @@ def main() -> None:
     image = scene(480, 832) if not args.tiny else scene(256, 256)
     tier = 480 if not args.tiny else 256
 
-    # ---- per-request latency, every mode, ours vs diffusers (tier 480, 4 steps, guidance 3) ----
+    # ---- per-request latency, every mode (--only-fp8: the policy request), ours vs diffusers (tier 480) ----
     actions = np.random.default_rng(0).uniform(-1, 1, (chunk, 10)).astype(np.float32)
     per_mode = {}
     forward_times = count_forwards(pipe.transformer)
-    for mode in ("policy", "forward_dynamics", "inverse_dynamics"):
+    modes = ("policy",) if args.only_fp8 else ("policy", "forward_dynamics", "inverse_dynamics")
+    for mode in modes:
         acts = actions if mode == "forward_dynamics" else None
         forward_times.clear()
         ref_latent = diffusers_request(pipe, mode, image, chunk, steps, guidance, fps, tier, acts)  # warm-up
@@ -317,6 +486,8 @@ def main() -> None:
                                                       output_type="np"), repeats=1, warmup=0)
         ours = latency_breakdown(engine, our_request(mode, image, chunk, steps, guidance, fps, tier, acts))
         result = ours.pop("result")
+        if mode == "policy":
+            policy_result = result
         entry = {"diffusers_no_decode_s": d_latent, "diffusers_with_decode_s": d_decode,
                  "diffusers_forward_s": forwards, "ours": ours,
                  "speedup_no_decode": d_latent / ours["total_no_decode_s"],
@@ -339,21 +510,71 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     counts = [int(x) for x in args.env_counts.split(",")]
-    results["fd_env_throughput_tier256"] = env_throughput(engine, counts, d_env, chunk, steps, guidance, fps,
-                                                          fd_actions)
-    if not args.quick:
+    if args.only_fp8:
+        results["fd_env_throughput_tier256"] = {"diffusers_one_env_step_s": d_env}
+    else:
+        results["fd_env_throughput_tier256"] = env_throughput(engine, counts, d_env, chunk, steps, guidance, fps,
+                                                              fd_actions)
+    if not args.quick and not args.only_fp8:
         results["gen_forward"] = gen_forward_table(engine.transformer, chunk, fps, latent_shape, peak, device)
 
+    # The fp8 variant's GEN layers are copied (and quantized) now, while the engine's blocks are not compiled yet.
+    twin, twin_error = None, None
+    if run_fp8_path:
+        try:
+            twin = gen_twin(engine.transformer, None if fp8_reason else DEFAULT_FP8_LAYERS,
+                            compile_blocks=not args.tiny)
+        except Exception as error:  # noqa: BLE001 - recorded in the results, the rest of the suite still runs
+            twin_error = f"{type(error).__name__}: {error}"[:2000]
+    gen_batches = () if args.quick else (1, 16)
+
     # ---- optimised variant: compiled decoder blocks + the fastest bf16 VAE decode ----
+    baseline = None  # the bf16 numbers the fp8 variant is compared with
+    fp32_vae = engine.vae  # its norms fused by the optimised engine.optimize(); the fp8 engine's optimize() reuses it
     if not args.tiny:
         # Keep what we have if the optimised run fails.
-        write_results(results, "gpu_suite.json", args.out, args.overwrite)
+        write_results(results, name, args.out, args.overwrite)
+        gen_shapes = None if args.quick else ((1, 16), ("480",)) if args.only_fp8 else ((1, 4, 16), ("256", "480"))
         try:
             results["optimised"] = optimised_variant(engine, result, per_mode, image, counts, d_env, chunk, steps,
                                                      guidance, fps, fd_actions, latent_shape, peak, device,
-                                                     gen_tables=not args.quick)
+                                                     gen_shapes=gen_shapes)
+            optimised = results["optimised"]
+            baseline = {"name": "the optimised variant (bf16, same run)", "result": optimised.pop("_policy_result"),
+                        "policy_request_tier480": optimised["policy_request_tier480"],
+                        "gen_forward": optimised.get("gen_forward", {})}
         except Exception as error:  # noqa: BLE001 - recorded in the results, the rest of the suite still runs
             results["optimised"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    elif run_fp8_path:  # CPU: no optimised variant; the eager engine is the stand-in's baseline
+        eager_gen = results.get("gen_forward") or (gen_forward_table(
+            engine.transformer, chunk, fps, latent_shape, peak, device, batches=gen_batches, tiers=("480",))
+            if gen_batches else {})
+        baseline = {"name": "the eager bf16 engine (--tiny: no optimised variant on a CPU)", "result": policy_result,
+                    "policy_request_tier480": per_mode["policy"]["ours"], "gen_forward": eager_gen}
+
+    # ---- fp8 variant: the optimised variant with FP8 GEMMs (DEFAULT_FP8_LAYERS) in the GEN layers ----
+    if fp8_reason and not (args.tiny and run_fp8_path):
+        results["fp8"] = {"skipped": fp8_reason}
+    elif twin is None:
+        results["fp8"] = {"error": f"building the FP8 GEN layers: {twin_error}"}
+    else:
+        write_results(results, name, args.out, args.overwrite)
+        graphed = engine.gen_forward
+        if graphed is not engine.transformer:
+            graphed.reset()  # the bf16 CUDA graphs' memory: the bf16 engine's last use is over
+        # --tiny: a bf16 stand-in and two env counts at most (64 tiny envs take minutes on a CPU).
+        fp8_counts = counts if not args.tiny else [n for n in counts if n <= 4][:2]
+        try:
+            entry = fp8_variant(engine, twin, None if fp8_reason else DEFAULT_FP8_LAYERS,
+                                baseline or {"name": "none: the optimised variant failed"}, per_mode, image, tier,
+                                fp8_counts, d_env, chunk, steps, guidance, fps, fd_actions, latent_shape, peak,
+                                device, gen_batches, optimise_vae=None if args.tiny else fp32_vae)
+        except Exception as error:  # noqa: BLE001 - recorded in the results, the rest of the suite still runs
+            entry = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        results["fp8"] = {"skipped": fp8_reason, "bf16_stand_in": entry} if fp8_reason else entry
+        if not fp8_reason:
+            results["fp8"]["dynamo_recompile_limit"] = getattr(torch._dynamo.config, "recompile_limit", None)
+    twin = baseline = None
     results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
     del engine
     gc.collect()
@@ -361,9 +582,11 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     # ---- bf16 vs fp32: our bf16 GEN forward against diffusers fp32 on a Nano-width, 4-layer model ----
-    if not args.tiny and not args.quick:
+    if not args.tiny and not args.quick and not args.only_fp8:
+        write_results(results, name, args.out, args.overwrite)
         results["bf16_vs_fp32_nano_width_4_layers"] = bf16_versus_fp32(device, chunk, fps)
-    write_results(results, "gpu_suite.json" if not args.tiny else "gpu_suite_tiny.json", args.out, args.overwrite)
+    write_results(results, name, args.out, args.overwrite)
+    return results
 
 
 def compiled_gen_forward(tiny: bool, device: str, batches: tuple[int, ...], peak: float) -> dict:
