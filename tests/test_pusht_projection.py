@@ -95,6 +95,10 @@ def test_a_bent_block_becomes_a_rigid_tee(projection):
     np.testing.assert_allclose(states[0, :2], [100.0, 400.0], atol=1.5)
     np.testing.assert_allclose(states[0, 2:4], bar_pose[:2], atol=8.0)
     assert 0.5 < _wrapped(states[0, 4]) < 0.85
+    # A threshold above its rigidity keeps it as generated.
+    kept, found = RigidBlockProjection(min_rigidity=0.9)(bent[None])
+    assert not found.any()
+    np.testing.assert_array_equal(kept, bent[None])
 
 
 @needs_gym_pusht
@@ -113,6 +117,9 @@ def test_rigid_block_takes_only_a_bool_and_names_gym_pusht_when_missing(monkeypa
     for bad in ("yes", 1, None, 0.0):
         with pytest.raises(InputError, match="rigid_block"):
             check_rigid_block(bad)
+    for bad in (1.5, -0.1, "0.8", True):
+        with pytest.raises(InputError, match="min_rigidity"):
+            RigidBlockProjection(min_rigidity=bad)
     assert check_rigid_block(False) is False
     monkeypatch.setattr(pusht_projection, "has_gym_pusht", lambda: False)
     assert check_rigid_block(False) is False  # off: no simulator needed

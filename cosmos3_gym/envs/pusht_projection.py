@@ -9,7 +9,9 @@ the best-fitting rigid T (``rewards.pusht_geometric.fit_tee``) and the agent's p
 ``block.position`` and ``block.angle`` (the same body frame, ``sim.pusht_geometry``; a test renders states, fits
 them and compares).
 
-A frame where no block or no agent is visible is left as generated (there is no state to read). Velocities are not
+A frame where no block or no agent is visible is left as generated (there is no state to read), and so is one whose
+fit's rigidity is below ``min_rigidity`` (default 0: every found block; a threshold keeps a badly melted T, whose
+fitted angle may be wrong, as generated). Velocities are not
 visible on one frame: the re-drawn frame, like every frame, carries none. Needs gym-pusht (the ``sim`` extra).
 """
 
@@ -42,16 +44,22 @@ class RigidBlockProjection:
     agent are found re-drawn by gym-pusht from the state read off it; the others unchanged (see the module
     docstring). One simulator per frame size, made on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_rigidity: float = 0.0) -> None:
+        if isinstance(min_rigidity, bool) or not isinstance(min_rigidity, (int, float)) or \
+                not 0.0 <= min_rigidity <= 1.0:
+            raise InputError(f"min_rigidity: expected a number in [0, 1], got {min_rigidity!r}.")
+        self.min_rigidity = float(min_rigidity)
         self._sims: dict[tuple[int, int], PushTSim] = {}
 
     def read_state(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(states [N, 5], found [N])``: agent x, y and block x, y, angle (table pixels, radians) read off
-        ``frames``; ``found`` where both the block and the agent are visible."""
+        ``frames``; ``found`` where both the block and the agent are visible (and the fit's rigidity is at least
+        ``min_rigidity``)."""
         fit = fit_tee(frames)
         agent, _ = read_positions(frames)
         states = np.concatenate([agent, fit.pose.double().cpu().numpy()], axis=1)
-        return states, fit.valid.cpu().numpy() & np.isfinite(agent).all(axis=1)
+        found = fit.valid & (fit.rigidity >= self.min_rigidity)
+        return states, found.cpu().numpy() & np.isfinite(agent).all(axis=1)
 
     def render(self, states: np.ndarray, image_size: tuple[int, int]) -> np.ndarray:
         """gym-pusht's frames uint8 ``[N, H, W, 3]`` of ``states [N, 5]`` (as ``read_state``), at rest."""
