@@ -223,6 +223,34 @@ def test_action_stats_only_annotate(engine):
     assert annotated.action_stats is stats
 
 
+def test_handover_projection_replaces_only_the_chunks_last_frame(engine):
+    calls = []
+
+    def grey_out(frames):  # a stand-in for PushT's rigid_block: every last frame becomes mid-grey
+        calls.append(frames.copy())
+        return np.full_like(frames, 128), np.ones(len(frames), dtype=bool)
+
+    plain = make_env(engine, return_frames=True, reward_model=mean_brightness)
+    projected = make_env(engine, return_frames=True, reward_model=mean_brightness, handover_projection=grey_out)
+    chunks = actions(5, 2)
+    plain.reset(seed=2)
+    projected.reset(seed=2)
+    _, plain_reward, *_, plain_info = plain.step(chunks[0])
+    observation, reward, *_, info = projected.step(chunks[0])
+    # The projection saw the chunk's last frame as generated; the other frames stay as generated.
+    np.testing.assert_array_equal(calls[0], plain_info["frames"][-1:])
+    np.testing.assert_array_equal(info["frames"][:-1], plain_info["frames"][:-1])
+    assert (info["frames"][-1] == 128).all() and (observation["image"] == 128).all()
+    assert bool(info["handover_projected"]) and "handover_projected" not in plain_info
+    # Scored with the projected frame, and the next chunk starts from it.
+    frames = torch.from_numpy(info["frames"]).permute(0, 3, 1, 2).float().div(255)
+    assert reward == pytest.approx(float(mean_brightness(frames[None], [""])[0]), abs=1e-5)
+    assert reward != pytest.approx(plain_reward, abs=1e-5)
+    assert (projected._core.frame(0) == 128).all()
+    plain.close()
+    projected.close()
+
+
 def test_offload_and_onload_keep_results(engine):
     env = make_env(engine)
     chunks = actions(6, n=2)
@@ -370,6 +398,7 @@ def test_bad_reward_model_output(engine):
         (dict(request_options={"seed": 1}), "request_options"),
         (dict(action_stats={"min": [0.0], "max": [1.0]}), "action_stats"),
         (dict(domain="no_such_robot"), "domain"),
+        (dict(handover_projection="rigid"), "handover_projection"),
     ],
 )
 def test_bad_construction_arguments(engine, tiny_checkpoint, kwargs, field):

@@ -3,6 +3,8 @@
     python benchmarks/recipes/pusht_fidelity_targets.py --assets DIR --out $OUT          # GPU defaults, < 5 min
     python benchmarks/recipes/pusht_fidelity_targets.py --smoke --out /tmp/targets      # CPU check, < 2 min
     python benchmarks/recipes/pusht_fidelity_targets.py --decoder light --light-decoder DIR --out $OUT  # issue 24
+    python benchmarks/recipes/pusht_fidelity_targets.py --rigid-block --out $OUT   # the env's rigid_block=True
+    python benchmarks/recipes/pusht_fidelity_targets.py --rigid-block-min-rigidity 0.8 --out $OUT  # only T-like fits
 
 Needs gym-pusht (the ``sim`` extra); SB3 for ``file:`` policies saved by SB3. Writes ``pusht_fidelity_targets.json``
 (card, commit and command via ``common.provenance``) and ``pusht_side_by_side.mp4`` to ``--out`` and prints a
@@ -39,6 +41,12 @@ seeds 0 and 1), the random-action starts ``--heldout-seed + 200000 ...`` and the
 6. **Video.** ``pusht_side_by_side.mp4``: gym-pusht | world model for the first ``--video-episodes`` held-out
    episodes (the rollouts of 1., same start and actions), one after the other.
 
+``--rigid-block``: every world-model env (rollouts, random actions, policies; not the ``one_chunk`` restarts, the
+reference) re-draws each chunk's last frame as a rigid T (``envs.pusht_projection``). That frame is then rigid by
+construction, so ``rigidity_rollout_generated`` (and ``rigidity_world_model_generated`` for random actions) also
+reports the rigidity over the other frames of each chunk, the ones the model generated. ``--rigid-block-min-rigidity
+R``: the same, re-drawing only frames whose fit has rigidity >= R (``RigidBlockProjection(min_rigidity=R)``).
+
 ``targets`` in the JSON (and the summary's last lines) judges each threshold of the issue on the means
 (``target_checks``). GPU sizes (defaults): 32 held-out episodes x 8 chunks, 32 random-action episodes x 8 chunks,
 10 policies x 32 starts x 16 chunks (one 320-slot vector env). The simulator (one process) takes most of the time.
@@ -69,6 +77,7 @@ from fidelity_pusht_chunks import finite_mean_ci95, load_episodes, mean_ci95  # 
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env  # noqa: E402
+from cosmos3_gym.envs.pusht_projection import RigidBlockProjection  # noqa: E402
 from cosmos3_gym.media import write_video  # noqa: E402
 from cosmos3_gym.rewards.pusht_geometric import CENTROID_Y, DEFAULT_MIN_IOU, fit_tee  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
@@ -188,12 +197,14 @@ UNIT, ERROR = (0.0, 1.0), (0.0, math.inf)  # the bounds of rigidity / fractions 
 
 
 def heldout_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks: int, device: str,
-                     seed: int = 0) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+                     seed: int = 0, env_options: dict | None = None) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     """Targets 1-3 on the held-out episodes; also returns the true and the rolled-out frames ``[N, K * chunk + 1, H,
-    W, 3]`` (for the video)."""
+    W, 3]`` (for the video). ``env_options``: the rollout env's (e.g. ``rigid_block``; not the ``one_chunk``
+    restarts')."""
     count = len(episodes)
     rollout_env = make_pusht_vector_env(count, assets_dir=assets_dir, engine=engine, return_frames=True,
-                                        reward_model=None, success_threshold=None, max_episode_steps=None)
+                                        reward_model=None, success_threshold=None, max_episode_steps=None,
+                                        **(env_options or {}))
     restart_env = make_pusht_vector_env(count * num_chunks, assets_dir=assets_dir, engine=engine,
                                         return_frames=True, reward_model=None, success_threshold=None,
                                         max_episode_steps=None)
@@ -222,6 +233,7 @@ def heldout_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
     copy_start = np.repeat(chunk_starts[:, :, None], chunk, axis=2)
     per_chunk: dict[str, list] = {key: [] for key in (
         "psnr_db_rollout", "psnr_db_one_chunk", "psnr_db_copy_start", "rigidity_simulator", "rigidity_rollout",
+        "rigidity_rollout_generated",
         "rigidity_one_chunk", "rigidity_rollout_minus_simulator", "rigidity_within_tolerance",
         "block_position_error_px_rollout", "block_position_error_px_one_chunk", "block_position_error_px_fit_floor",
         "block_angle_error_deg_rollout", "block_angle_error_deg_one_chunk", "block_angle_error_deg_fit_floor",
@@ -233,6 +245,9 @@ def heldout_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
         rigidity = {name: episode_means(fit["rigidity"][:, k]) for name, fit in fits.items()}
         for name, values in rigidity.items():
             per_chunk[f"rigidity_{name}"].append(finite_mean_ci95(values, UNIT))
+        # The frames before the hand-over frame: as generated even with --rigid-block.
+        per_chunk["rigidity_rollout_generated"].append(
+            finite_mean_ci95(episode_means(fits["rollout"]["rigidity"][:, k, :-1]), UNIT))
         difference = finite_mean_ci95(rigidity["rollout"] - rigidity["simulator"])
         per_chunk["rigidity_rollout_minus_simulator"].append(difference)
         per_chunk["rigidity_within_tolerance"].append(abs(difference["mean"]) <= RIGIDITY_TOLERANCE)
@@ -280,11 +295,12 @@ def simulate_actions(sim_seeds: list[int], actions: np.ndarray, stats, image_siz
 
 
 def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chunks: int, image_size, device: str,
-                        seed: int = 0) -> dict[str, Any]:
+                        seed: int = 0, env_options: dict | None = None) -> dict[str, Any]:
     """Target 4: uniformly random action chunks in both worlds from the same held-out starts."""
     count = len(sim_seeds)
     envs = make_pusht_vector_env(count, assets_dir=assets_dir, engine=engine, return_frames=True,
-                                 reward_model=None, success_threshold=None, max_episode_steps=None)
+                                 reward_model=None, success_threshold=None, max_episode_steps=None,
+                                 **(env_options or {}))
     try:
         space = envs.single_action_space
         space.seed(seed)
@@ -300,9 +316,11 @@ def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chun
     visible, agent_error = agent_following(model[:, 1:], truth[:, 1:])
     # Rigidity per episode and chunk, the mean over the chunk's frames: [N, K].
     rigidity = {name: fit["rigidity"][:, 1:].reshape(count, num_chunks, chunk).mean(-1) for name, fit in fits.items()}
+    # Without each chunk's last (hand-over) frame: the frames the model generated, even with --rigid-block.
+    generated_rigidity = fits["world_model"]["rigidity"][:, 1:].reshape(count, num_chunks, chunk)[..., :-1].mean(-1)
     per_chunk: dict[str, list] = {key: [] for key in (
         "agent_visible_world_model", "agent_error_px", "rigidity_simulator", "rigidity_world_model",
-        "rigidity_world_model_minus_simulator", "untouched_fraction")}
+        "rigidity_world_model_minus_simulator", "rigidity_world_model_generated", "untouched_fraction")}
     for k in range(num_chunks):
         frames = slice(k * chunk, (k + 1) * chunk)  # of the steps (frames 1..T)
         per_chunk["agent_visible_world_model"].append(finite_mean_ci95(visible[:, frames].mean(1), UNIT))
@@ -311,6 +329,7 @@ def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chun
         per_chunk["rigidity_world_model"].append(finite_mean_ci95(rigidity["world_model"][:, k], UNIT))
         per_chunk["rigidity_world_model_minus_simulator"].append(
             finite_mean_ci95(rigidity["world_model"][:, k] - rigidity["simulator"][:, k]))
+        per_chunk["rigidity_world_model_generated"].append(finite_mean_ci95(generated_rigidity[:, k], UNIT))
         per_chunk["untouched_fraction"].append(float(untouched[:, k].mean()))
     errors = untouched_block_errors(fits["world_model"]["pose"], fits["simulator"]["pose"], untouched, chunk)
     return {
@@ -345,11 +364,13 @@ def geometric_scorer(device: str):
 
 
 def success_and_ranking(policies: str, engine, assets_dir: Path, num_starts: int, num_chunks: int,
-                        first_sim_seed: int, device: str, seed: int) -> dict[str, Any]:
+                        first_sim_seed: int, device: str, seed: int,
+                        env_options: dict | None = None) -> dict[str, Any]:
     """Target 5: ``compare_with_simulator`` scored by the reward model and by the geometric coverage."""
     result = compare_with_simulator(policies, num_starts=num_starts, num_chunks=num_chunks,
                                     first_sim_seed=first_sim_seed, assets_dir=assets_dir, engine=engine, seed=seed,
-                                    extra_scores={"geometric": geometric_scorer(device)})
+                                    extra_scores={"geometric": geometric_scorer(device)},
+                                    env_options=env_options)
     gaps = {}
     for spec, entry in result["policies"].items():
         sim = entry["simulator"]
@@ -443,11 +464,12 @@ def format_summary(results: dict[str, Any]) -> str:
     if held:
         chunks = held["per_chunk"]
         lines.append(f"held-out: {held['num_episodes']} episodes x {held['num_chunks']} chunks of {held['chunk']}")
-        lines.append("chunk  rigidity WM | sim | diff (|d|<=0.05)   PSNR WM | one_chunk | copy   block px WM | "
+        lines.append("chunk  rigidity WM (before hand-over) | sim | diff (|d|<=0.05)   PSNR WM | one_chunk | copy   block px WM | "
                      "one_chunk  deg WM | one_chunk")
         for k in range(held["num_chunks"]):
             lines.append(
-                f"{k + 1:>5}  {chunks['rigidity_rollout'][k]['mean']:.3f} | "
+                f"{k + 1:>5}  {chunks['rigidity_rollout'][k]['mean']:.3f} "
+                f"({chunks['rigidity_rollout_generated'][k]['mean']:.3f}) | "
                 f"{chunks['rigidity_simulator'][k]['mean']:.3f}"
                 f" | {_ci(chunks['rigidity_rollout_minus_simulator'][k], 3)} "
                 f"{'ok' if chunks['rigidity_within_tolerance'][k] else 'NO'}  "
@@ -521,6 +543,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workers", type=int, default=None, help="simulator processes for the held-out data")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rigid-block", action="store_true", help="the world-model envs re-draw each chunk's last "
+                        "frame as a rigid T (the PushT env's rigid_block=True)")
+    parser.add_argument("--rigid-block-min-rigidity", type=float, default=None, help="--rigid-block, re-drawing only "
+                        "frames whose fitted T has at least this rigidity (RigidBlockProjection(min_rigidity=))")
     add_output_arguments(parser)
     parser.add_argument("--results-name", default="pusht_fidelity_targets.json")
     add_decoder_arguments(parser, "light: the world model decodes with its checkpoint's light_decoder/ (issue 24)")
@@ -550,25 +576,31 @@ def main(argv: list[str] | None = None) -> dict:
     engine = Cosmos3Engine.from_pretrained(assets.checkpoint, device=args.device, progress=False,
                                            decoder=args.decoder)
     results: dict[str, Any] = {"assets": str(assets.root), "heldout_seed": args.heldout_seed,
-                               "smoke": args.smoke, "decoder": args.decoder}
+                               "smoke": args.smoke, "decoder": args.decoder,
+                               "rigid_block": args.rigid_block or args.rigid_block_min_rigidity is not None,
+                               "rigid_block_min_rigidity": args.rigid_block_min_rigidity}
+    # The world-model envs' options (not the one_chunk restarts'): the hand-over projection, if asked for.
+    env_options: dict[str, Any] = {"rigid_block": args.rigid_block}
+    if args.rigid_block_min_rigidity is not None:
+        env_options = {"handover_projection": RigidBlockProjection(min_rigidity=args.rigid_block_min_rigidity)}
     try:
         started = time.perf_counter()
         results["heldout"], truth, model = heldout_fidelity(engine, assets.root, episodes, args.chunks, args.device,
-                                                            args.seed)
+                                                            args.seed, env_options)
         timings["heldout_s"] = time.perf_counter() - started
         print(f"held-out episodes: {timings['heldout_s']:.0f} s", flush=True)
 
         started = time.perf_counter()
         random_starts = list(range(args.heldout_seed + 200_000, args.heldout_seed + 200_000 + args.random_episodes))
         results["any_action"] = any_action_fidelity(engine, assets.root, random_starts, args.chunks, image_size,
-                                                    args.device, args.seed)
+                                                    args.device, args.seed, env_options)
         timings["any_action_s"] = time.perf_counter() - started
         print(f"uniform random actions: {timings['any_action_s']:.0f} s", flush=True)
 
         started = time.perf_counter()
         results["policies"] = success_and_ranking(args.policies, engine, assets.root, args.policy_starts,
                                                   args.policy_chunks, args.heldout_seed + 100_000, args.device,
-                                                  args.seed)
+                                                  args.seed, env_options)
         timings["policies_s"] = time.perf_counter() - started
         print(f"policies: {timings['policies_s']:.0f} s", flush=True)
     finally:

@@ -84,8 +84,10 @@ class WorldModelCore:
     """Settings, engine, reward model and per-slot state for ``num_slots`` episodes; see the module docstring.
 
     Keyword arguments: ``checkpoint`` or ``engine``; ``settings`` (a ``WorldModelSettings``) and/or any of its
-    fields; ``initial_states``, ``reward_model`` (not given: the checkpoint's; None: none); how to load a checkpoint
-    (``ENGINE_LOAD_KEYS``).
+    fields; ``initial_states``, ``reward_model`` (not given: the checkpoint's; None: none); ``handover_projection``
+    (None, or a callable uint8 frames ``[N, H, W, 3]`` -> ``(frames, projected bool [N])`` that cleans each chunk's
+    last frame before it is scored, observed and conditions the next chunk, e.g. PushT's ``rigid_block``); how to
+    load a checkpoint (``ENGINE_LOAD_KEYS``).
 
     Precedence, lowest first: ``WorldModelSettings``' defaults (or ``settings=``), the checkpoint's own settings
     (``checkpoint_defaults``; for settings fields only when ``settings=`` is not given: that object is complete),
@@ -101,6 +103,7 @@ class WorldModelCore:
         settings: WorldModelSettings | None = None,
         initial_states: Any = _UNSET,
         reward_model: Any = _UNSET,
+        handover_projection: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
         **kwargs: Any,
     ):
         # Everything that does not need the model is checked before a checkpoint is loaded.
@@ -109,9 +112,13 @@ class WorldModelCore:
         if kwargs:
             raise InputError(
                 f"{sorted(kwargs)}: unknown arguments; expected settings {list(WorldModelSettings.field_names())}, "
-                f"engine options {list(ENGINE_LOAD_KEYS)}, checkpoint, engine, settings, initial_states or "
-                "reward_model."
+                f"engine options {list(ENGINE_LOAD_KEYS)}, checkpoint, engine, settings, initial_states, "
+                "reward_model or handover_projection."
             )
+        if handover_projection is not None and not callable(handover_projection):
+            raise InputError(f"handover_projection: expected a callable or None, got "
+                             f"{type(handover_projection).__name__}.")
+        self.handover_projection = handover_projection
         carried: dict[str, Any] = {}
         if checkpoint is not None and engine is None:
             checkpoint = resolve_checkpoint(checkpoint)
@@ -318,6 +325,9 @@ class WorldModelCore:
         generated = _stack_rows([result.pixels[:, first:] for result in results]).transpose(1, 2).float()
         if generated.shape[-2:] != self.frame_size:
             raise RuntimeError(f"the model generated {tuple(generated.shape[-2:])} frames, expected {self.frame_size}")
+        projected = None
+        if self.handover_projection is not None:
+            generated, projected = self._project_last_frames(generated)
         scores = self._score(generated, [self._tasks[slot] for slot in slots] * samples)
         sample_scores = None
         if scores is not None and samples > 1:
@@ -328,7 +338,20 @@ class WorldModelCore:
         batch = self._finish_step(list(slots), np.asarray(actions), seeds, scores, frames_uint8)
         if sample_scores is not None:
             batch.infos["score_samples"] = sample_scores
+        if projected is not None:
+            batch.infos["handover_projected"] = projected[: len(slots)]
         return batch
+
+    def _project_last_frames(self, generated: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        """``handover_projection`` applied to the last frame of every generated chunk ``[B, T, 3, H, W]``: the
+        frames with their last one replaced (a new tensor; the other frames stay as generated) and ``projected [B]``.
+        Before scoring, so the reward, the observation and the next chunk's conditioning frame are one frame."""
+        last = _to_uint8_frames(generated[:, -1:])[:, 0]  # [B, H, W, 3]
+        frames, projected = self.handover_projection(last)
+        projected = np.asarray(projected, dtype=np.bool_)
+        pixels = torch.from_numpy(np.ascontiguousarray(frames)).to(generated.device).permute(0, 3, 1, 2)
+        generated = torch.cat([generated[:, :-1], pixels[:, None].to(generated.dtype) / 255.0], dim=1)
+        return generated, projected
 
     def _finish_step(
         self, slots: list[int], actions: np.ndarray, seeds: list[int], scores: np.ndarray | None,
@@ -433,6 +456,9 @@ class WorldModelCore:
         self.closed = True
         if self.owns_engine:
             self.engine.close()
+        close_projection = getattr(self.handover_projection, "close", None)
+        if callable(close_projection):
+            close_projection()
         self._started[:] = False
 
     def _check_open(self) -> None:

@@ -18,6 +18,10 @@ simulator (gym-pusht), a reward model and a few dozen start frames held out from
 ``gym.make("cosmos3_gym/PushT-v0")`` needs nothing else: no gym-pusht, no GPU, no network. Every argument of
 ``WorldModelEnv`` can still be given and wins over the shipped defaults (a changed checkpoint setting is logged).
 The same model is ``checkpoint="pusht"`` (or ``"builtin:pusht"``) wherever a checkpoint is accepted.
+
+``rigid_block=True`` (opt-in, needs gym-pusht): each chunk's last frame, which conditions the next chunk, is re-drawn
+by gym-pusht from the agent position and the rigid-T block pose read off it (``pusht_projection``), so the block's
+deformation does not carry over from chunk to chunk; ``info["handover_projected"]`` says where a state was found.
 ``assets_dir=`` (or the environment variable
 ``COSMOS3_GYM_PUSHT_ASSETS``) points to another folder of that layout, e.g. one written by
 ``benchmarks/recipes/train_pusht.py``.
@@ -154,7 +158,8 @@ def make_pusht_env(assets_dir: str | os.PathLike | None = None, optimize: bool =
     ``engine=`` (a shared ``Cosmos3Engine``) replaces the shipped checkpoint. ``optimize`` (default on): the shipped
     checkpoint runs on ``fast_pusht_engine``'s fast path; ``optimize=False`` loads it as ``WorldModel-v0`` would.
     ``decoder="light"``: decode with the checkpoint's ``light_decoder/`` (cheaper, approximate) instead of the VAE;
-    ``InputError`` when it has none.
+    ``InputError`` when it has none. ``rigid_block=True``: re-draw each hand-over frame as a rigid T (module
+    docstring).
     """
     return _make_with_builtin_engine(WorldModelEnv, (), pusht_env_arguments(assets_dir, **kwargs), optimize)
 
@@ -220,10 +225,17 @@ def _make_with_builtin_engine(factory, args: tuple, arguments: dict[str, Any], o
     return env
 
 
-def pusht_env_arguments(assets_dir: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
+def pusht_env_arguments(
+    assets_dir: str | os.PathLike | None = None, rigid_block: bool = False, **overrides: Any
+) -> dict[str, Any]:
     """The ``WorldModelEnv`` arguments ``make_pusht_env`` uses: the defaults of ``assets_dir`` updated with
-    ``overrides`` (an ``engine`` override drops the default checkpoint). The env logs the overrides that change a
-    setting of the checkpoint."""
+    ``overrides`` (an ``engine`` override drops the default checkpoint); ``rigid_block=True`` adds the
+    ``handover_projection`` that re-draws each chunk's last frame as a rigid T (``pusht_projection``). The env logs
+    the overrides that change a setting of the checkpoint."""
+    from .pusht_projection import RigidBlockProjection, check_rigid_block  # the simulator's modules: only here
+
+    if check_rigid_block(rigid_block):
+        overrides["handover_projection"] = RigidBlockProjection()
     arguments = {**pusht_env_defaults(load_pusht_assets(assets_dir)), **overrides}
     if arguments.get("engine") is not None and "checkpoint" not in overrides:
         del arguments["checkpoint"]

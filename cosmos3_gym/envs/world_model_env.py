@@ -48,6 +48,9 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
         reward_model: not given: the checkpoint's (if any); None: reward 0; a registered name, a callable
             ``(frames [B,T,3,H,W] in [0,1], tasks) -> [B]`` or a reward-model instance
             (``cosmos3_gym.rewards.resolve_reward_model``).
+        handover_projection: None, or a callable (uint8 frames ``[N, H, W, 3]`` -> ``(frames, projected bool
+            [N])``) that replaces each chunk's last frame before it is scored, observed and conditions the next
+            chunk; ``info["handover_projected"]`` reports it. PushT-v0's ``rigid_block=True`` sets one.
         render_mode: None, "rgb_array", "rgb_array_list" or "human" (see ``rendering``).
         device, dtype, vae_dtype, precision, optimize, backend, decoder: how a checkpoint is loaded
             (``load_engine``; e.g. ``precision="fp8"``, ``optimize=True`` on a GPU, ``decoder="light"`` to decode

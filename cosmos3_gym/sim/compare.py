@@ -337,10 +337,12 @@ def compare_with_simulator(
     device: str | None = None,
     seed: int = 0,
     extra_scores: Mapping[str, Callable[[np.ndarray], np.ndarray]] | None = None,
+    env_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``compare_policies`` for the PushT world model in ``assets_dir`` (default: the built-in one) from the
     simulator starts ``first_sim_seed .. first_sim_seed + num_starts - 1``; ``engine`` shares a loaded model. The
     world model's frames are scored by the assets' reward model and by ``extra_scores`` (see ``compare_policies``).
+    ``env_options``: more arguments of the world model's env (``make_pusht_vector_env``, e.g. ``rigid_block``).
     Needs gym-pusht."""
     from ..envs.pusht import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults
     from ..envs.settings import check_int
@@ -355,7 +357,8 @@ def compare_with_simulator(
     stats = ActionStats.from_json(defaults["action_stats"], mode=assets.meta.get("action_normalization", "minmax"))
     overrides = {"engine": engine} if engine is not None else {"device": device}
     env = make_pusht_vector_env(len(runs) * num_starts, assets_dir=assets.root, return_frames=True,
-                                reward_model=None, success_threshold=None, max_episode_steps=None, **overrides)
+                                reward_model=None, success_threshold=None, max_episode_steps=None, **overrides,
+                                **(env_options or {}))
     reward_model = ClassifierRewardModel.load(assets.reward_model, device=env.engine.device)
 
     @torch.no_grad()
