@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pusht import TABLE_SIZE
+from .pusht_geometry import TABLE_SIZE
 
 # The T's drawn centroid in the block body's frame (pymunk's body origin is the top bar's centre): a least-squares
 # fit over simulator frames, 2.4 px worst case.
