@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import platform
@@ -171,6 +172,13 @@ def build_wan22_vae(device: str = "cuda", dtype=torch.float32):
                  latents_std=(0.5 + torch.rand(48, generator=g)).tolist())
     torch.manual_seed(0)
     return AutoencoderKLWan(**WAN22_VAE, **stats).to(device=device, dtype=dtype).eval()
+
+
+def free_memory() -> None:
+    """Collect garbage and give the CUDA caching allocator's free blocks back (between a benchmark's sections)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def fp8_unavailable_reason() -> str | None:

@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import gc
 import math
 import re
 import sys
@@ -60,11 +59,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "recipes"))  # fidelity_pusht*
 
 from common import (  # noqa: E402
-    add_output_arguments, check_results_target, fp8_available, gemm_peak_tflops, gen_twin, provenance, timed,
-    write_results,
+    add_output_arguments, check_results_target, fp8_available, free_memory, gemm_peak_tflops, gen_twin, provenance,
+    timed, write_results,
 )
 from gpu_suite import (  # noqa: E402
-    GEN_PROMPT, diffusers_request, gen_forward_flops, gen_forward_inputs, latency_breakdown, make_models,
+    GEN_PROMPT, diffusers_request, first_call_and_breakdown, gen_forward_flops, gen_forward_inputs, make_models,
     our_request, rel, scene,
 )
 
@@ -111,12 +110,6 @@ def run_section(results: dict, name: str, budget: Budget, estimate_s: float, fn,
             results[name]["section_s"] = time.perf_counter() - started
         print(f"[{name}] {time.perf_counter() - started:.0f} s, {budget.left():.0f} s of budget left", flush=True)
     save()
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
@@ -295,11 +288,7 @@ def measure_variant(master, engine, policy, settings, shapes, peak, device, tiny
         variant_engine.optimize()  # CUDA graphs (the blocks are compiled already; the VAE norms fused once)
     request = our_request("policy", settings["image"], chunk, settings["steps"], settings["guidance"], fps,
                           settings["tier"])
-    started = time.perf_counter()
-    variant_engine.step(request, decode=False)  # compile + capture of the request's shape
-    entry["request_first_call_s"] = time.perf_counter() - started
-    breakdown = latency_breakdown(variant_engine, request)
-    result = breakdown.pop("result")
+    entry["request_first_call_s"], breakdown, result = first_call_and_breakdown(variant_engine, request)
     entry["policy_request"] = breakdown
     if diffusers and "policy_request_no_decode_s" in diffusers:
         entry["speedup_no_decode_vs_diffusers"] = diffusers["policy_request_no_decode_s"] / \

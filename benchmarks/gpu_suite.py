@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from common import (  # noqa: E402
     SCHEDULER, add_output_arguments, build_nano_transformer, build_wan22_vae, check_results_target,
-    fp8_unavailable_reason, gemm_peak_tflops, gen_twin, provenance, sync, timed, write_results,
+    fp8_unavailable_reason, free_memory, gemm_peak_tflops, gen_twin, provenance, sync, timed, write_results,
 )
 
 from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG  # noqa: E402
@@ -142,6 +142,16 @@ def count_forwards(model):
     model.register_forward_pre_hook(pre)
     model.register_forward_hook(post)
     return times
+
+
+def first_call_and_breakdown(engine, request) -> tuple[float, dict, object]:
+    """Seconds of the request's first call (compiles and CUDA-graph captures of its shapes), then its
+    ``latency_breakdown`` and result."""
+    started = time.perf_counter()
+    engine.step(request, decode=False)
+    first_call_s = time.perf_counter() - started
+    breakdown = latency_breakdown(engine, request)
+    return first_call_s, breakdown, breakdown.pop("result")
 
 
 def latency_breakdown(engine, request) -> dict:
@@ -330,17 +340,11 @@ def fp8_variant(engine, twin, layers: str | None, baseline: dict, per_mode, imag
         except Exception as error:  # noqa: BLE001 - recorded; the variant's other sections still run
             entry[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
             error = None  # drop the traceback's frames (and the tensors they hold) before freeing memory
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_memory()
 
     def request_latency():
         request = our_request("policy", image, chunk, steps, guidance, fps, tier)
-        t0 = time.perf_counter()
-        variant.step(request, decode=False)  # compile + capture of the request's shapes
-        entry["first_call_with_compile_s"] = time.perf_counter() - t0
-        ours = latency_breakdown(variant, request)
-        result = ours.pop("result")
+        entry["first_call_with_compile_s"], ours, result = first_call_and_breakdown(variant, request)
         entry["policy_request_tier480"] = ours
         d_no_decode = per_mode["policy"]["diffusers_no_decode_s"]
         d_with_decode = per_mode["policy"]["diffusers_with_decode_s"]
@@ -518,9 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
     d_env, _ = timed(lambda: diffusers_request(pipe, "forward_dynamics", small, chunk, steps, guidance, fps, 256,
                                                fd_actions, output_type="np"), repeats=2)
     pipe = None  # frees diffusers' weights for the env tables (a `del` would trip pyflakes on the lambdas above)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
     counts = [int(x) for x in args.env_counts.split(",")]
     if args.only_fp8:
         results["fd_env_throughput_tier256"] = {"diffusers_one_env_step_s": d_env}
@@ -574,8 +576,7 @@ def main(argv: list[str] | None = None) -> dict:
         graphed = engine.gen_forward
         if graphed is not engine.transformer:
             graphed.reset()  # the bf16 CUDA graphs' memory: the bf16 engine's last use is over
-            gc.collect()
-            torch.cuda.empty_cache()
+            free_memory()
         # --tiny: a bf16 stand-in and two env counts at most (64 tiny envs take minutes on a CPU).
         fp8_counts = counts if not args.tiny else [n for n in counts if n <= 4][:2]
         try:
@@ -591,9 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
     twin = baseline = None
     results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
     del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
 
     # ---- bf16 vs fp32: our bf16 GEN forward against diffusers fp32 on a Nano-width, 4-layer model ----
     if not args.tiny and not args.quick and not args.only_fp8:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -67,7 +68,34 @@ def capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
     return graph, outputs
 
 
-class GraphedGenForward:
+class _GraphCache:
+    """The captured graphs of one callable, by signature, least recently used dropped first beyond ``max_graphs``
+    (each graph holds its own memory). ``reset()`` drops them all (after the weights they read moved)."""
+
+    def __init__(self, max_graphs: int):
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple, Any] = OrderedDict()
+
+    def reset(self) -> None:
+        self._graphs.clear()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def _cached(self, key: tuple, capture_entry) -> tuple[Any, bool]:
+        """``(entry, captured)``: the kept graph of ``key``, or a new one from ``capture_entry()``."""
+        entry = self._graphs.get(key)
+        if entry is not None:
+            self._graphs.move_to_end(key)
+            return entry, False
+        entry = self._graphs[key] = capture_entry()
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return entry, True
+
+
+class GraphedGenForward(_GraphCache):
     """Drop-in for ``Cosmos3Transformer.__call__`` (the GEN forward) on one CUDA device.
 
     The first call of a signature runs the forward once on a side stream (compiles, cuDNN / cuBLAS set-up), captures
@@ -79,16 +107,8 @@ class GraphedGenForward:
     def __init__(self, transformer: Cosmos3Transformer, max_graphs: int = 8):
         if transformer.device.type != "cuda":
             raise InputError(f"cuda_graphs: needs the transformer on a CUDA device, it is on {transformer.device}")
+        super().__init__(max_graphs)
         self.transformer = transformer
-        self.max_graphs = max_graphs
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-
-    def reset(self) -> None:
-        self._graphs.clear()
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
 
     @property
     def row_counts(self) -> set[int]:
@@ -99,15 +119,8 @@ class GraphedGenForward:
                  action_noisy=None, domain_ids=None):
         tensors = (video, video_noisy, timesteps, actions, action_noisy, domain_ids)
         flat = _flat_inputs(text, layout, *tensors)
-        key = _signature(text, flat)
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._capture(text, layout, flat)
-            self._graphs[key] = entry
-            while len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
+        entry, captured = self._cached(_signature(text, flat), lambda: self._capture(text, layout, flat))
+        if not captured:
             for group in entry.copy_groups:
                 torch._foreach_copy_([entry.inputs[i] for i in group], [flat[i] for i in group])
         entry.graph.replay()
@@ -137,7 +150,7 @@ class _FunctionGraph:
     outputs: torch.Tensor | tuple[torch.Tensor, ...]
 
 
-class GraphedFunction:
+class GraphedFunction(_GraphCache):
     """A pure function of its tensor arguments replayed as one CUDA graph per signature, for the engine's eager stages
     around the GEN forward (the VAE encode of the conditioning frames, the light decoder's decode): at one env those
     are a few hundred small kernels each, and the host launching them one by one is what the step waits for.
@@ -155,21 +168,13 @@ class GraphedFunction:
         device = torch.device(device)
         if device.type != "cuda":
             raise InputError(f"{name}: needs a CUDA device, the function runs on {device}")
+        super().__init__(max_graphs)
         self.fn = fn
         self.device = device
-        self.max_graphs = max_graphs
-        self._graphs: OrderedDict[tuple, _FunctionGraph] = OrderedDict()
-
-    def reset(self) -> None:
-        self._graphs.clear()
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
 
     def row_counts(self, like: torch.Tensor, **options) -> set[int]:
         """The batch sizes (dim 0) of the kept graphs of a single-tensor call shaped like ``like`` in every other dim,
-        with these ``options`` (for padding a batch to a graph already captured, see ``engine._graph_rows``)."""
+        with these ``options`` (for padding a batch to a graph already captured, see ``graph_rows``)."""
         rest = (tuple(like.shape[1:]), like.dtype)
         wanted = tuple(sorted(options.items()))
         return {
@@ -180,21 +185,19 @@ class GraphedFunction:
     def __call__(self, *tensors: torch.Tensor, **options):
         tensors = tuple(t.to(self.device) for t in tensors)
         key = (tuple((tuple(t.shape), t.dtype) for t in tensors), tuple(sorted(options.items())))
-        entry = self._graphs.get(key)
-        if entry is None:
-            static = [t.clone() for t in tensors]
-            graph, outputs = capture(lambda: self.fn(*static, **options))
-            entry = self._graphs[key] = _FunctionGraph(graph, static, outputs)
-            while len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
+        entry, captured = self._cached(key, lambda: self._capture(tensors, options))
+        if not captured:
             for buffer, tensor in zip(entry.inputs, tensors):
                 buffer.copy_(tensor)
         entry.graph.replay()
         if isinstance(entry.outputs, torch.Tensor):
             return entry.outputs.clone()
         return tuple(t.clone() for t in entry.outputs)
+
+    def _capture(self, tensors: tuple[torch.Tensor, ...], options: dict) -> _FunctionGraph:
+        static = [t.clone() for t in tensors]
+        graph, outputs = capture(lambda: self.fn(*static, **options))
+        return _FunctionGraph(graph, static, outputs)
 
 
 def row_bucket(rows: int) -> int:

@@ -42,9 +42,7 @@ from transformers import AutoTokenizer
 
 from . import presets, processor
 from .checkpoint import resolve_checkpoint, validate_checkpoint
-from .cuda_graphs import GraphedFunction, replay_padded
-from .cuda_graphs import graph_rows as _graph_rows
-from .cuda_graphs import row_bucket as _row_bucket  # noqa: F401 (the engine's name for it before cuda_graphs had it)
+from .cuda_graphs import GraphedFunction, graph_rows, replay_padded
 from .errors import CheckpointError, InputError
 from .models.light_decoder import LightDecoder
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
@@ -341,8 +339,9 @@ class Cosmos3Engine:
 
         ``stage_graphs`` (opt-in, default off: written and tested on CPU, its GPU tests and
         ``benchmarks/pusht_env_throughput_gpu.py --stage-graphs-ab`` not yet run on a GPU): the VAE encode of the
-        conditioning frames and the light decoder's decode replayed as CUDA graphs too (``cuda_graphs.GraphedFunction``, one graph per batch shape; the
-        encode's batches padded to a kept graph's rows as the GEN forward's are). At one env these eager stages are
+        conditioning frames and the light decoder's decode replayed as CUDA graphs too
+        (``cuda_graphs.GraphedFunction``, one graph per batch shape; the encode's batches padded to a kept graph's
+        rows as the GEN forward's are). At one env these eager stages are
         launch-bound: ~11 ms of encode and ~2 ms of light decode per PushT step on an H200, the GPU idle most of it
         (benchmarks/results/profile_pusht_env_h200_light_prep.json). ``use_stage_graphs(on)`` turns them on or off
         on an optimised engine.
@@ -756,7 +755,7 @@ class Cosmos3Engine:
             # whose number of stepping slots changes (autoreset) replay the graphs it has instead of capturing more
             # (each holds its own memory: the soak's host and GPU memory grew with every new capture). The padding
             # rows repeat the first row; their outputs are dropped.
-            padded = _graph_rows(num_rows, self._graphed_forward.row_counts)
+            padded = graph_rows(num_rows, self._graphed_forward.row_counts)
             local_branches = local_branches + [local_branches[0]] * (padded - num_rows)
         rows = [b for b, _ in local_branches]
         row_index = torch.tensor(rows, dtype=torch.long, device=device)  # built once, not per step

@@ -17,11 +17,7 @@ from cosmos3_gym.cuda_graphs import replay_padded
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.models.light_decoder import LightDecoder, LightDecoderConfig
-
-
-def needs_cuda(test):
-    """GPU tests carry the ``gpu`` marker (``pytest -m "not gpu"`` leaves them out) and skip without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+from test_cuda_graphs import needs_cuda
 
 
 def test_stage_graphs_on_cpu_name_the_option(tiny_checkpoint):
@@ -199,10 +195,6 @@ def test_pusht_light_env_with_stage_graphs_matches_eager_stages():
     and actions: the same observations up to a uint8 rounding step and the same rewards up to float noise."""
     from cosmos3_gym.envs import pusht as pusht_env
 
-    try:
-        pusht_env.load_pusht_assets()
-    except Exception:  # noqa: BLE001 - a package built before the model was trained
-        pytest.skip("the built-in PushT model is not installed")
     graphed = pusht_env.make_pusht_vector_env(2, device="cuda", decoder="light")
     eager = pusht_env.make_pusht_vector_env(2, device="cuda", decoder="light")
     try:

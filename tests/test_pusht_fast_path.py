@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from cosmos3_gym.engine import Cosmos3Request, _row_bucket
+from cosmos3_gym.cuda_graphs import row_bucket as _row_bucket
+from cosmos3_gym.engine import Cosmos3Request
 from cosmos3_gym.envs import pusht as pusht_env
 from cosmos3_gym.errors import CheckpointError, InputError
 

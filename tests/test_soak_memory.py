@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from cosmos3_gym.cuda_graphs import _flat_inputs, _signature
-from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request, _graph_rows
+from cosmos3_gym.cuda_graphs import graph_rows as _graph_rows
+from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.envs import WorldModelVectorEnv
 
 
