@@ -337,8 +337,8 @@ class Cosmos3Engine:
         the GEN forward replayed as CUDA graphs (``cuda_graphs``; default: on when this engine runs on a GPU; under
         tensor parallelism every rank of the tp group captures its forward, all-reduces included, at the same step).
 
-        ``stage_graphs`` (opt-in, default off: written and tested on CPU, its GPU tests and
-        ``benchmarks/pusht_env_throughput_gpu.py --stage-graphs-ab`` not yet run on a GPU): the VAE encode of the
+        ``stage_graphs`` (opt-in, default off: its GPU tests ran on an H200, its speed-up
+        (``benchmarks/pusht_env_throughput_gpu.py --stage-graphs-ab``) is not yet measured): the VAE encode of the
         conditioning frames and the light decoder's decode replayed as CUDA graphs too
         (``cuda_graphs.GraphedFunction``, one graph per batch shape; the encode's batches padded to a kept graph's
         rows as the GEN forward's are). At one env these eager stages are

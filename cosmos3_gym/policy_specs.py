@@ -7,6 +7,8 @@ spec                   policy
 ``random``             uniform random actions (seeded)
 ``scripted:NOISE``     the PushT scripted pusher with NOISE px of target noise; it reads the true block pose, so
                        it runs in the simulator only (``eval-real``)
+``scripted-frames:N``  the same pusher reading agent and block off each chunk's first frame
+                       (``sim.pusht_frame_pusher``): it acts on frames, so it runs closed loop in a world model too
 ``agent``              the world-model checkpoint's own policy mode (``PolicyAgent``)
 ``file:PATH``          a policy file this package saved; its safetensors metadata says what it is (below)
 ``sb3:PATH``           a Stable-Baselines3 PPO policy of ``agents.save_sb3_policy`` (``ppo:PATH`` is an alias)
@@ -61,7 +63,7 @@ SB3_FILE_FORMAT = "cosmos3_gym.sb3_policy.v1"  # agents/sb3_policy.FORMAT (not i
 POLICY_FILE_LOADERS: dict[str, str | Callable[[str], Any]] = {
     "pixel_gaussian": "cosmos3_gym.rl.policy:load_policy_file",
 }
-SPEC_HELP = ("'random', 'agent', 'scripted:NOISE', 'file:PATH' (a policy file of this package), 'sb3:PATH' / "
+SPEC_HELP = ("'random', 'agent', 'scripted:NOISE', 'scripted-frames:NOISE', 'file:PATH' (a policy file of this package), 'sb3:PATH' / "
              "'ppo:PATH' (a save_sb3_policy file)")
 
 
@@ -74,12 +76,13 @@ def register_policy_file_kind(kind: str, loader: str | Callable[[str], Any]) -> 
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """A parsed spec. ``kind``: random | scripted | agent | sb3 (or its alias ppo) | file | factory; ``file_kind``:
+    """A parsed spec. ``kind``: random | scripted | scripted-frames | agent | sb3 (or its alias ppo) | file | factory;
+    ``file_kind``:
     for ``file``, the kind in the file's metadata ("sb3" for save_sb3_policy files)."""
 
     spec: str
     kind: str
-    noise: float = 0.0  # scripted: target noise in px
+    noise: float = 0.0  # scripted, scripted-frames: target noise in px
     path: str | None = None  # sb3 / file: the policy file; factory: the module or .py file
     file_kind: str | None = None
     attribute: str | None = None  # factory: the factory's (dotted) name
@@ -87,7 +90,7 @@ class PolicySpec:
     @property
     def acts_on_frames(self) -> bool:
         """True for policies that observe images (and so run closed loop in a world model)."""
-        return self.kind in ("agent", "sb3", "ppo", "file")
+        return self.kind in ("agent", "sb3", "ppo", "file", "scripted-frames")
 
     closed_loop_in_world_model = acts_on_frames  # the name sim.compare used
 
@@ -105,14 +108,14 @@ def parse_policy_spec(text: str, *, allow_factory: bool = False) -> PolicySpec:
     if text in ("random", "agent"):
         return PolicySpec(text, text)
     name, colon, argument = text.partition(":")
-    if name == "scripted" and colon:
+    if name in ("scripted", "scripted-frames") and colon:
         try:
             noise = float(argument or 0.0)
         except ValueError:
             noise = -1.0
         if not noise >= 0:
             raise InputError(f"policy: {text!r}: NOISE must be a number of pixels >= 0.")
-        return PolicySpec(text, "scripted", noise=noise)
+        return PolicySpec(text, name, noise=noise)
     if name in ("sb3", "ppo") and argument:
         from .agents.sb3_policy import read_sb3_policy_metadata
 
@@ -123,7 +126,8 @@ def parse_policy_spec(text: str, *, allow_factory: bool = False) -> PolicySpec:
         return PolicySpec(text, name, path=argument, file_kind="sb3")
     if name == "file" and argument:
         return PolicySpec(text, "file", path=argument, file_kind=policy_file_kind(argument, text))
-    if allow_factory and colon and name and argument and name not in ("sb3", "ppo", "file", "scripted"):
+    if allow_factory and colon and name and argument and name not in ("sb3", "ppo", "file", "scripted",
+                                                                      "scripted-frames"):
         module_name, _, attribute = text.rpartition(":")
         return PolicySpec(text, "factory", path=module_name, attribute=attribute)
     raise InputError(f"policy: {text!r} is not one of {SPEC_HELP}" +
@@ -181,10 +185,19 @@ def _json_or_text(value: str) -> Any:
 
 
 def load_frame_agent(spec: PolicySpec | str, *, make_agent: Callable[[], Any] | None = None,
-                     device: str = "cpu") -> Any:
+                     device: str = "cpu", action_stats: Any = None, chunk: int | None = None,
+                     seed: int = 0) -> Any:
     """The frame agent (``act(frames [N, H, W, 3]) -> [N, chunk, dim]``) of a policy that observes images:
-    a policy file, or ``make_agent()`` for ``"agent"``."""
+    a policy file, ``make_agent()`` for ``"agent"``, or for ``scripted-frames:NOISE`` the PushT pusher that reads
+    frames (it needs the world model's ``action_stats`` and ``chunk``; ``seed`` seeds its noise)."""
     spec = parse_policy_spec(spec) if isinstance(spec, str) else spec
+    if spec.kind == "scripted-frames":
+        if action_stats is None or chunk is None:
+            raise InputError(f"policy: {spec.spec!r} needs action_stats and chunk (the world model's action "
+                             "normalisation and chunk length).")
+        from .sim.pusht_frame_pusher import FrameScriptedPusher
+
+        return FrameScriptedPusher(spec.noise, chunk, action_stats, seed=seed)
     if spec.kind == "agent":
         if make_agent is None:
             raise InputError("make_agent: the 'agent' policy needs make_agent() -> the checkpoint's PolicyAgent.")
@@ -263,6 +276,9 @@ def load_policy(spec: str, env: Any, *, seed: int | None = 0) -> Any:
     if parsed.kind == "scripted":
         raise InputError(f"policy: {spec!r} reads the simulator's true state; it runs in `cosmos3-gym eval-real` "
                          "only.")
+    if parsed.kind == "scripted-frames":
+        raise InputError(f"policy: {spec!r} runs in `cosmos3-gym eval-real` and the simulator comparisons "
+                         "(sim.compare), which give it the checkpoint's action statistics.")
     if parsed.is_sb3_file:
         from .agents.sb3_policy import load_sb3_policy
 

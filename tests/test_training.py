@@ -368,6 +368,19 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(work, dataset, vae_d
         train_world_model(dataset, resumed, world_model_config(work, **settings, resume=True, chunk=8), vae_dir)
 
 
+def test_max_seconds_stops_at_a_log_step_and_still_saves_and_exports(work, dataset, vae_dir):
+    # A budget already spent by construction: the run stops at its first log step (3) of 40, writes its state and
+    # exports a checkpoint that says how many steps it trained.
+    out = work / "timed"
+    config = world_model_config(work, steps=40, log_every=3, max_seconds=1e-9)
+    checkpoint = train_world_model(dataset, out, config, vae_dir)
+    assert json.loads((out / "training" / "state" / "state.json").read_text())["step"] == 3
+    assert [r["step"] for r in read_log(out / "training" / "log.jsonl")] == [3]
+    assert (checkpoint / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    with pytest.raises(InputError, match="max_seconds"):
+        world_model_config(work, max_seconds=0.0).validate()
+
+
 def _ddp_train(dataset, vae_dir, out, cache_dir):
     """One rank of a 2-process gloo run: 2 DDP steps; returns this rank's weights."""
     config = world_model_config(Path(cache_dir).parent, steps=2, batch_size=2)

@@ -79,9 +79,10 @@ from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env  # noqa: E402
 from cosmos3_gym.envs.pusht_projection import RigidBlockProjection  # noqa: E402
 from cosmos3_gym.media import write_video  # noqa: E402
+from cosmos3_gym.policy_specs import parse_policy_spec  # noqa: E402
 from cosmos3_gym.rewards.pusht_geometric import CENTROID_Y, DEFAULT_MIN_IOU, fit_tee  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
-from cosmos3_gym.sim.compare import compare_with_simulator, replay_actions  # noqa: E402
+from cosmos3_gym.sim.compare import compare_with_simulator, ranking_agreement, replay_actions  # noqa: E402
 from cosmos3_gym.sim.readoff import read_positions  # noqa: E402
 
 # The policy files committed in benchmarks/results: behaviour cloning, GRPO in the simulator and in the world model
@@ -94,8 +95,9 @@ POLICY_FILES = [*(RESULTS / "policies" / f"rl_pusht_{name}.safetensors" for name
 # A chunk where nothing moves is copied exactly by the copy-the-start floor: infinite PSNR, with no mean or CI. Capped
 # here, so such chunks count as "the floor is perfect" and the rollout falls short of it there.
 PSNR_CAP_DB = 60.0
-DEFAULT_POLICIES = ",".join(["random", "scripted:0", "scripted:10", "scripted:25", "scripted:50", "agent",
-                             *(f"file:{path}" for path in POLICY_FILES)])
+DEFAULT_POLICIES = ",".join(["random", "scripted:0", "scripted:10", "scripted:25", "scripted:50",
+                             "scripted-frames:0", "scripted-frames:10", "scripted-frames:25", "scripted-frames:50",
+                             "agent", *(f"file:{path}" for path in POLICY_FILES)])
 SMOKE_POLICIES = f"random,scripted:0,file:{POLICY_FILES[0]}"
 RIGIDITY_TOLERANCE = 0.05  # issue 18: the world model's rigidity within 0.05 of the simulator's
 UNTOUCHED_PX, UNTOUCHED_DEG = 1.0, 1.0  # the simulator's block moved less than this over a chunk: nothing touched it
@@ -381,6 +383,16 @@ def success_and_ranking(policies: str, engine, assets_dir: Path, num_starts: int
     real = [entry["simulator"]["final_coverage"] for entry in result["policies"].values()]
     result["gaps"] = gaps
     result["real_final_coverage_span"] = [min(real), max(real)]
+    # The ranking a user of the world model gets: the policies that act on what they see (or on nothing: random), so
+    # that both worlds run the same policy, closed loop; without the true-state pusher's open-loop replays.
+    frame_policies = [spec for spec in result["policies"] if parse_policy_spec(spec).kind != "scripted"]
+    if len(frame_policies) >= 2:
+        real = np.array([result["policies"][spec]["simulator"]["final_coverage"] for spec in frame_policies])
+        result["agreement_frame_policies"] = {"policies": frame_policies, **{
+            scorer: ranking_agreement(np.array([
+                (entry["world_model"] if scorer == "reward_model" else entry["world_model_by_score"][scorer])
+                ["final_coverage"] for entry in (result["policies"][spec] for spec in frame_policies)]), real)
+            for scorer in ("reward_model", *result.get("agreement_by_score", {}))}}
     return result
 
 
@@ -512,6 +524,13 @@ def format_summary(results: dict[str, Any]) -> str:
                                 *ranking.get("agreement_by_score", {}).items()):
             lines.append(f"  ranking ({name}): pearson {agreement['pearson']:.3f} spearman {agreement['spearman']:.3f}"
                          f" mmrv {agreement['mmrv']:.3f} mae {agreement['mean_absolute_error']:.3f}")
+        frame = ranking.get("agreement_frame_policies")
+        if frame:
+            lines.append(f"  ranking of the {len(frame['policies'])} policies that act on frames (closed loop in both "
+                         "worlds): " + "; ".join(
+                             f"{name.replace('_', ' ')}: pearson {value['pearson']:.3f} spearman "
+                             f"{value['spearman']:.3f} mmrv {value['mmrv']:.3f}"
+                             for name, value in frame.items() if name != "policies"))
         low, high = ranking["real_final_coverage_span"]
         lines.append(f"  real final coverage spans {low:.2f} .. {high:.2f}")
     if "targets" in results:

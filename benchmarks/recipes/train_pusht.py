@@ -102,7 +102,9 @@ SMOKE = dict(
 # Training speed is measured with this many steps on a few episodes (the second half of them timed), then the
 # stage gets the steps that fit its time budget, at least MIN_STEPS and at most its --*-max-steps.
 PROBE_STEPS, PROBE_EPISODES, MIN_STEPS = 40, 4, 4
-FIRST_PART_ARCHIVE = "first_part.tar.gz"  # what --part first hands to --part second: vae/ and assets/pusht/
+FIRST_PART_ARCHIVE = "first_part.tar.gz"
+# Time the world model's budget leaves for retraining the reward model on its rollouts (38-54 s on one H200).
+ROLLOUT_REWARD_MODEL_RESERVE_S = 80.0  # what --part first hands to --part second: vae/ and assets/pusht/
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -320,8 +322,10 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     log = last_log_line(work / "world_model_probe" / "training" / "log.jsonl")
     steps_per_s = log["samples_per_s"] / config.batch_size
     steps = steps_for_budget(steps_per_s, min(args.wm_seconds, seconds_left()), args.wm_max_steps)
+    # The step count assumes the probe's speed; max_seconds also stops the run in time when it turns out slower
+    # (another job starting on the same GPU, say), so the checkpoint is written before the call's limit.
     config = dataclasses.replace(config, steps=steps, warmup_steps=min(args.wm_warmup, steps // 5),
-                                 work_dir=str(work / "world_model"))
+                                 work_dir=str(work / "world_model"), max_seconds=max(seconds_left(), 1.0))
     checkpoint = assets / CHECKPOINT_DIR
     train_world_model(training_dataset(args, work), checkpoint, config, vae_dir=work / "vae")
     # The env's defaults live next to what training wrote (domain, chunk, tier, fps, image size).
@@ -523,8 +527,10 @@ def main(argv: list[str] | None = None) -> dict:
                 tar.add(assets, arcname=str(assets.relative_to(work)))
             return stages.results
         if args.part != "decoder":
-            # what is left of --deadline-s after evaluation's reserve and the export (about 30 s)
-            seconds_left = lambda: args.deadline_s - args.eval_reserve_s - 30.0 - stages.elapsed()  # noqa: E731
+            # what is left of --deadline-s after the export (about 30 s) and the stages that follow
+            after = 30.0 + (ROLLOUT_REWARD_MODEL_RESERVE_S if args.rollout_reward_model else 0.0) + (
+                args.eval_reserve_s if args.evaluate else 0.0)
+            seconds_left = lambda: args.deadline_s - after - stages.elapsed()  # noqa: E731
             stages.run("world_model", world_model_stage, args, work, assets, seconds_left)
         if args.rollout_reward_model:
             stages.run("reward_model_on_rollouts", reward_model_stage, args, work, assets, on_rollouts=True)

@@ -10,14 +10,15 @@
   (Wilson interval) and mean final coverage (Student-t interval clipped to [0, 1]) over many seeded episodes.
 
 Policy specs come from the one registry, ``cosmos3_gym.policy_specs`` (comma-separated): ``random``,
-``scripted:NOISE`` (the scripted pusher with NOISE px of target noise), ``agent`` (the checkpoint's own policy mode),
+``scripted:NOISE`` (the scripted pusher with NOISE px of target noise), ``scripted-frames:NOISE`` (the same pusher
+reading the agent and the block off the frames), ``agent`` (the checkpoint's own policy mode),
 ``file:PATH`` (any policy file this package saves: the BC / GRPO pixel policies of ``cosmos3_gym.rl`` and SB3
 policies; the file's metadata says which) and ``sb3:PATH`` / ``ppo:PATH`` (a ``save_sb3_policy`` file). File
 policies act deterministically (their mean action).
 
-How a policy runs in the world model. Policies that see images (``agent`` and the policy files) run closed loop in
-both worlds: in the simulator on its frames, in the world model on the model's own frames. The
-simulator's reference policies (``scripted:NOISE``, which reads the true block pose, and ``random``) cannot observe
+How a policy runs in the world model. Policies that see images (``agent``, ``scripted-frames:NOISE`` and the policy
+files) run closed loop in both worlds: in the simulator on its frames, in the world model on the model's own frames.
+The simulator's reference policies (``scripted:NOISE``, which reads the true block pose, and ``random``) cannot observe
 the world model's state, so the world model replays, open loop, the action chunks they produced in the simulator
 from the same start: it predicts what those actions do. The world model's score of an episode is the reward
 model's estimate of coverage on its frames; in the simulator it is gym-pusht's true coverage.
@@ -38,7 +39,7 @@ from . import pusht
 
 __all__ = [
     "PolicyRun", "compare_policies", "compare_with_simulator", "evaluate_in_simulator", "format_comparison",
-    "format_real_only", "mmrv", "parse_policy_specs", "pearson", "spearman", "ssim",
+    "format_real_only", "mmrv", "parse_policy_specs", "pearson", "ranking_agreement", "spearman", "ssim",
 ]
 
 
@@ -147,6 +148,8 @@ def simulate_policy(run: PolicySpec, sim_seeds: Sequence[int], num_chunks: int, 
     chunk, 2]``, called once per chunk on the current frames. ``progress``: a tqdm bar advanced by the env steps
     taken."""
     sims = [pusht.PushTSim(image_size) for _ in sim_seeds]
+    if callable(getattr(agent, "start_episodes", None)):
+        agent.start_episodes()  # a stateful frame agent (scripted-frames) starts new episodes
     try:
         frames = np.stack([sim.reset(s) for sim, s in zip(sims, sim_seeds)])
         starts = frames.copy()
@@ -220,7 +223,8 @@ def compare_policies(
         raise InputError(f"vector_env: expected {slots} slots (policies x starts), got {vector_env.num_envs}")
     chunk = vector_env.single_action_space.shape[0]
     image_size = tuple(vector_env.single_observation_space["image"].shape[:2])
-    agents = [_frame_policy_agent(run, make_agent, chunk) if run.acts_on_frames else None for run in runs]
+    agents = [_frame_policy_agent(run, make_agent, chunk, stats, seed) if run.acts_on_frames else None
+              for run in runs]
 
     simulated = [simulate_policy(run, sim_seeds, num_chunks, chunk, image_size, stats, agent, seed)
                  for run, agent in zip(runs, agents)]
@@ -229,6 +233,9 @@ def compare_policies(
 
     scorers = {None: score_frames, **dict(extra_scores or {})}  # None: the first scorer's key (no name clash)
     vector_env.reset(seed=seed, options={"frames": list(starts)})
+    for agent in agents:
+        if callable(getattr(agent, "start_episodes", None)):
+            agent.start_episodes()  # the world model's episodes start afresh, as the simulator's did
     frames = starts
     predicted = {name: [scorer(starts)] for name, scorer in scorers.items()}
     for k in range(num_chunks):
@@ -265,19 +272,19 @@ def compare_policies(
         "sim_seeds": sim_seeds,
         "agreement": {
             "score": "final coverage: the reward model's estimate on world-model frames vs gym-pusht's true value",
-            **_agreement(guess, real),
+            **ranking_agreement(guess, real),
         },
     }
     if extra_scores:
         result["agreement_by_score"] = {
-            name: _agreement(np.array([entry["world_model_by_score"][name]["final_coverage"]
+            name: ranking_agreement(np.array([entry["world_model_by_score"][name]["final_coverage"]
                                        for entry in per_policy.values()]), real)
             for name in extra_scores
         }
     return result
 
 
-def _agreement(guess: np.ndarray, real: np.ndarray) -> dict[str, float]:
+def ranking_agreement(guess: np.ndarray, real: np.ndarray) -> dict[str, float]:
     """Pearson / Spearman / MMRV / mean absolute error of per-policy predicted against real scores."""
     several = len(real) > 1
     return {
@@ -288,10 +295,11 @@ def _agreement(guess: np.ndarray, real: np.ndarray) -> dict[str, float]:
     }
 
 
-def _frame_policy_agent(run: PolicySpec, make_agent: Callable[[], Any] | None, chunk: int) -> Any:
-    """The agent of a policy that acts on frames (``make_agent()`` for "agent", else its file), which must act in
-    chunks of the world model's length."""
-    agent = load_frame_agent(run, make_agent=make_agent)
+def _frame_policy_agent(run: PolicySpec, make_agent: Callable[[], Any] | None, chunk: int, stats: Any,
+                        seed: int = 0) -> Any:
+    """The agent of a policy that acts on frames (``make_agent()`` for "agent", the frame-reading pusher, else its
+    file), which must act in chunks of the world model's length."""
+    agent = load_frame_agent(run, make_agent=make_agent, action_stats=stats, chunk=chunk, seed=seed)
     shape = getattr(agent, "action_shape", None)
     if run.kind != "agent" and shape is not None and tuple(shape) != (chunk, 2):
         raise InputError(f"policies: {run.spec!r} acts in chunks of shape {list(shape)}; the world model takes "
@@ -462,7 +470,7 @@ def evaluate_in_simulator(
         with tqdm(total=len(runs) * num_episodes * num_chunks * chunk, unit="step", desc="gym-pusht (env steps)",
                   disable=not progress) as bar:
             for run in runs:
-                agent = _frame_policy_agent(run, make_agent, chunk) if run.acts_on_frames else None
+                agent = _frame_policy_agent(run, make_agent, chunk, stats, seed) if run.acts_on_frames else None
                 coverage = []
                 for batch, start in enumerate(range(0, num_episodes, batch_size)):
                     # The batch index joins the seed so the random policy's draws differ between batches.

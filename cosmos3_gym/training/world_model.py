@@ -169,6 +169,10 @@ class WorldModelTrainConfig:
     resume: bool = False  # continue from work_dir/state when it exists
     log_every: int = 10
     save_every: int = 1000  # training-state checkpoints (one kept); 0: only at the end
+    # Wall-clock budget from the trainer's construction (data loading and latent encoding included): training stops
+    # at the first log step past it and saves and exports as at the end. For jobs that share a GPU or a time-limited
+    # machine, where a step count measured in advance can be too many. None: run all ``steps``.
+    max_seconds: float | None = None
     save_dtype: str = "float32"  # exported transformer weights: float32 | float16 | bfloat16
     vae_save_dtype: str = "float32"  # exported VAE weights: float32 | float16 | bfloat16
     export_ema: bool = True
@@ -199,7 +203,7 @@ class WorldModelTrainConfig:
                 fail(name, "an integer >= 0")
         for name in ("lr", "logit_std") + (("fps",) if self.fps is not None else ()) + (
             ("flow_shift",) if self.flow_shift is not None else ()
-        ):
+        ) + (("max_seconds",) if self.max_seconds is not None else ()):
             if not is_number(getattr(self, name)) or getattr(self, name) <= 0:
                 fail(name, "a positive number")
         for name in ("weight_decay", "grad_clip", "video_loss_weight", "action_loss_weight", "cond_noise_std"):
@@ -684,6 +688,7 @@ class WorldModelTrainer:
         ctx: DistributedContext,
     ):
         config.validate()
+        self.constructed = time.perf_counter()  # max_seconds counts from here
         self.config, self.ctx = config, ctx
         self.vae_dir = Path(vae_dir)
         self.out_dir = Path(out_dir).expanduser()
@@ -825,10 +830,21 @@ class WorldModelTrainer:
                         handle.write(json.dumps(record) + "\n")
                     bar.set_postfix(loss=f"{summary['loss']:.4f}")
                 started, last_log_step = time.perf_counter(), self.step
+                if self.out_of_time():
+                    break
             if config.save_every and self.step % config.save_every == 0 and self.step < config.steps:
                 self.save_state()
         bar.close()
         self.save_state()
+
+    def out_of_time(self) -> bool:
+        """True once ``max_seconds`` have passed on any rank (all ranks agree, so they stop at the same step)."""
+        if self.config.max_seconds is None:
+            return False
+        late = torch.tensor(float(time.perf_counter() - self.constructed > self.config.max_seconds))
+        if self.ctx.world_size > 1:
+            late = self.ctx.all_reduce_sum(late.to(self.ctx.device)).cpu()
+        return bool(late > 0)
 
     def condition_on_rollouts(self, batch: FlowMatchingBatch, autocast: bool) -> FlowMatchingBatch:
         """``batch`` with frame 0 of the samples that draw a rollout replaced by the model's own (rollout.py)."""
