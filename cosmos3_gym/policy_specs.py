@@ -63,8 +63,8 @@ SB3_FILE_FORMAT = "cosmos3_gym.sb3_policy.v1"  # agents/sb3_policy.FORMAT (not i
 POLICY_FILE_LOADERS: dict[str, str | Callable[[str], Any]] = {
     "pixel_gaussian": "cosmos3_gym.rl.policy:load_policy_file",
 }
-SPEC_HELP = ("'random', 'agent', 'scripted:NOISE', 'scripted-frames:NOISE', 'file:PATH' (a policy file of this package), 'sb3:PATH' / "
-             "'ppo:PATH' (a save_sb3_policy file)")
+SPEC_HELP = ("'random', 'agent', 'scripted:NOISE', 'scripted-frames:NOISE', 'file:PATH' (a policy file of this "
+             "package), 'sb3:PATH' / 'ppo:PATH' (a save_sb3_policy file)")
 
 
 def register_policy_file_kind(kind: str, loader: str | Callable[[str], Any]) -> None:

@@ -139,3 +139,24 @@ def test_target_checks_judge_each_threshold():
     assert checks["success_reward_model"]["holds"] and checks["ranking_reward_model"]["holds"]
     assert not checks["success_geometric"]["holds"] and checks["success_geometric"]["largest_success_rate_gap"] == -0.2
     assert not checks["ranking_geometric"]["holds"]  # MMRV 0.08 > 0.05
+
+
+def test_success_and_ranking_ranks_the_frame_policies_without_the_open_loop_replays(monkeypatch):
+    # Stand-in comparison: the open-loop scripted pusher is under-credited (0.4 for 0.9 real); the three policies
+    # that act on frames are ranked exactly by the geometric score and reversed by the reward model.
+    def entry(real, reward_model, geometric):
+        score = lambda coverage: {"final_coverage": coverage, "success_rate": 0.0}  # noqa: E731
+        return {"simulator": score(real), "world_model": score(reward_model),
+                "world_model_by_score": {"geometric": score(geometric)}}
+
+    policies = {"random": entry(0.0, 0.6, 0.0), "scripted:0": entry(0.9, 0.4, 0.4),
+                "scripted-frames:0": entry(0.6, 0.2, 0.5), "agent": entry(0.3, 0.4, 0.2)}
+    monkeypatch.setattr(targets, "compare_with_simulator", lambda *args, **kwargs: {"policies": policies})
+    result = targets.success_and_ranking("unused", None, None, 2, 2, 0, "cpu", 0)
+    frame = result["agreement_frame_policies"]
+    assert frame["policies"] == ["random", "scripted-frames:0", "agent"]
+    assert frame["geometric"]["spearman"] == pytest.approx(1.0) and frame["geometric"]["mmrv"] == 0.0
+    assert frame["reward_model"]["spearman"] == pytest.approx(-1.0)
+    assert frame["geometric"]["mean_absolute_error"] == pytest.approx((0.0 + 0.1 + 0.1) / 3)
+    assert result["real_final_coverage_span"] == [0.0, 0.9]
+    assert result["gaps"]["scripted:0"]["geometric"]["final_coverage_gap"] == pytest.approx(-0.5)

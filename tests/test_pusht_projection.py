@@ -23,9 +23,7 @@ def _state(agent=(100.0, 400.0), block=(250.0, 220.0, 0.6)) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def projection():
-    if not pusht_projection.has_gym_pusht():
-        pytest.skip("needs gym-pusht")
+def projection():  # its tests are all marked needs_gym_pusht
     projection = RigidBlockProjection()
     yield projection
     projection.close()

@@ -373,26 +373,25 @@ def success_and_ranking(policies: str, engine, assets_dir: Path, num_starts: int
                                     first_sim_seed=first_sim_seed, assets_dir=assets_dir, engine=engine, seed=seed,
                                     extra_scores={"geometric": geometric_scorer(device)},
                                     env_options=env_options)
-    gaps = {}
+    gaps, scored = {}, {}
     for spec, entry in result["policies"].items():
         sim = entry["simulator"]
-        scored = {"reward_model": entry["world_model"], **entry["world_model_by_score"]}
+        scored[spec] = {"reward_model": entry["world_model"], **entry["world_model_by_score"]}
         gaps[spec] = {name: {"success_rate_gap": model["success_rate"] - sim["success_rate"],
                              "final_coverage_gap": model["final_coverage"] - sim["final_coverage"]}
-                      for name, model in scored.items()}
-    real = [entry["simulator"]["final_coverage"] for entry in result["policies"].values()]
+                      for name, model in scored[spec].items()}
+    real = {spec: entry["simulator"]["final_coverage"] for spec, entry in result["policies"].items()}
     result["gaps"] = gaps
-    result["real_final_coverage_span"] = [min(real), max(real)]
+    result["real_final_coverage_span"] = [min(real.values()), max(real.values())]
     # The ranking a user of the world model gets: the policies that act on what they see (or on nothing: random), so
     # that both worlds run the same policy, closed loop; without the true-state pusher's open-loop replays.
     frame_policies = [spec for spec in result["policies"] if parse_policy_spec(spec).kind != "scripted"]
     if len(frame_policies) >= 2:
-        real = np.array([result["policies"][spec]["simulator"]["final_coverage"] for spec in frame_policies])
+        frame_real = np.array([real[spec] for spec in frame_policies])
         result["agreement_frame_policies"] = {"policies": frame_policies, **{
-            scorer: ranking_agreement(np.array([
-                (entry["world_model"] if scorer == "reward_model" else entry["world_model_by_score"][scorer])
-                ["final_coverage"] for entry in (result["policies"][spec] for spec in frame_policies)]), real)
-            for scorer in ("reward_model", *result.get("agreement_by_score", {}))}}
+            name: ranking_agreement(np.array([scored[spec][name]["final_coverage"] for spec in frame_policies]),
+                                    frame_real)
+            for name in scored[frame_policies[0]]}}
     return result
 
 
@@ -476,8 +475,8 @@ def format_summary(results: dict[str, Any]) -> str:
     if held:
         chunks = held["per_chunk"]
         lines.append(f"held-out: {held['num_episodes']} episodes x {held['num_chunks']} chunks of {held['chunk']}")
-        lines.append("chunk  rigidity WM (before hand-over) | sim | diff (|d|<=0.05)   PSNR WM | one_chunk | copy   block px WM | "
-                     "one_chunk  deg WM | one_chunk")
+        lines.append("chunk  rigidity WM (before hand-over) | sim | diff (|d|<=0.05)   PSNR WM | one_chunk | copy   "
+                     "block px WM | one_chunk  deg WM | one_chunk")
         for k in range(held["num_chunks"]):
             lines.append(
                 f"{k + 1:>5}  {chunks['rigidity_rollout'][k]['mean']:.3f} "

@@ -102,9 +102,9 @@ SMOKE = dict(
 # Training speed is measured with this many steps on a few episodes (the second half of them timed), then the
 # stage gets the steps that fit its time budget, at least MIN_STEPS and at most its --*-max-steps.
 PROBE_STEPS, PROBE_EPISODES, MIN_STEPS = 40, 4, 4
-FIRST_PART_ARCHIVE = "first_part.tar.gz"
-# Time the world model's budget leaves for retraining the reward model on its rollouts (38-54 s on one H200).
-ROLLOUT_REWARD_MODEL_RESERVE_S = 80.0  # what --part first hands to --part second: vae/ and assets/pusht/
+FIRST_PART_ARCHIVE = "first_part.tar.gz"  # what --part first hands to --part second: vae/ and assets/pusht/
+# Time the world model's budget leaves for retraining the reward model on its rollouts (38-62 s on one H200).
+ROLLOUT_REWARD_MODEL_RESERVE_S = 80.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

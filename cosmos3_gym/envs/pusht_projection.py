@@ -22,9 +22,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..rewards.pusht_geometric import fit_tee
 from ..sim.pusht_sim import SIM_STATE_FIELDS, PushTSim, has_gym_pusht
-from ..sim.readoff import read_positions
+from ..sim.readoff import read_state
 
 __all__ = ["RigidBlockProjection", "check_rigid_block"]
 
@@ -55,11 +54,8 @@ class RigidBlockProjection:
         """``(states [N, 5], found [N])``: agent x, y and block x, y, angle (table pixels, radians) read off
         ``frames``; ``found`` where both the block and the agent are visible (and the fit's rigidity is at least
         ``min_rigidity``)."""
-        fit = fit_tee(frames)
-        agent, _ = read_positions(frames)
-        states = np.concatenate([agent, fit.pose.double().cpu().numpy()], axis=1)
-        found = fit.valid & (fit.rigidity >= self.min_rigidity)
-        return states, found.cpu().numpy() & np.isfinite(agent).all(axis=1)
+        agent, block_pose, block_found = read_state(frames, self.min_rigidity)
+        return np.concatenate([agent, block_pose], axis=1), block_found & np.isfinite(agent).all(axis=1)
 
     def render(self, states: np.ndarray, image_size: tuple[int, int]) -> np.ndarray:
         """gym-pusht's frames uint8 ``[N, H, W, 3]`` of ``states [N, 5]`` (as ``read_state``), at rest."""

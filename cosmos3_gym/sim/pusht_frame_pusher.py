@@ -3,14 +3,13 @@
 ``ScriptedPusher`` reads gym-pusht's true agent position and block pose every step, so a world model can only replay
 its actions open loop: once the imagined block drifts a few pixels, the replayed pushes miss it, and the world model
 under-credits the policy for a reason that has nothing to do with how users evaluate theirs (closed loop, on the
-frames they see). ``FrameScriptedPusher`` reads both off each chunk's first frame instead (the agent's blue disc by
-colour, ``readoff.read_positions``; the block by fitting a rigid T, ``rewards.pusht_geometric.fit_tee``: within about
-1 px and 0.4 degrees on simulator frames) and plans the
-chunk's steps by predicting where the agent goes: gym-pusht's PD controller (the agent lags its targets, covering about
-a quarter of the way in one step) integrated from the frame's agent position, with the block held still within the
-chunk. It then runs closed loop in gym-pusht and in a world model alike, on whatever frames each world shows it, like
-the BC and RL pixel policies. In gym-pusht it reaches about 0.7 final coverage in 16 chunks where the per-step
-pusher reaches 0.9 (planning as if the agent reached each target instead: 0.2).
+frames they see). ``FrameScriptedPusher`` reads both off each chunk's first frame instead (``readoff.read_state``:
+the agent's blue disc by colour, the block by fitting a rigid T; within about 1 px and 0.4 degrees on simulator
+frames) and plans the chunk's steps by predicting where the agent goes: gym-pusht's PD controller (the agent lags its
+targets, covering about a quarter of the way in one step) integrated from the frame's agent position, with the block
+held still within the chunk. It then runs closed loop in gym-pusht and in a world model alike, on whatever frames
+each world shows it, like the BC and RL pixel policies. In gym-pusht it reaches about 0.6 final coverage in 16 chunks
+where the per-step pusher reaches 0.9 (planning as if the agent reached each target instead: 0.2).
 """
 
 from __future__ import annotations
@@ -20,10 +19,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..rewards.pusht_geometric import fit_tee
 from .pusht_geometry import TABLE_SIZE
 from .pusht_policies import ScriptedPusher
-from .readoff import read_positions
+from .readoff import read_state
 
 __all__ = ["FrameScriptedPusher"]
 
@@ -68,9 +66,7 @@ class FrameScriptedPusher:
                              for slot in range(count)]
             self._last_targets = np.full((count, 2), TABLE_SIZE / 2.0)
             self._velocities = np.zeros((count, 2))
-        agents, _ = read_positions(frames)
-        fit = fit_tee(frames)
-        poses, found = fit.pose.double().cpu().numpy(), fit.valid.cpu().numpy()
+        agents, poses, found = read_state(frames)
         targets = np.empty((count, self.chunk, 2), np.float64)
         for slot in range(count):
             position = agents[slot] if np.isfinite(agents[slot]).all() else self._last_targets[slot]

@@ -54,3 +54,16 @@ def read_positions(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     agent, block = _masks(frames)
     return centroids(agent), centroids(block)
+
+
+def read_state(frames: np.ndarray, min_rigidity: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """uint8 frames ``[N, H, W, 3]`` -> (agent ``[N, 2]``, NaN where not visible; block pose ``[N, 3]`` (x, y, angle
+    of gym-pusht's ``block.position`` / ``block.angle``: the best-fitting rigid T, ``rewards.pusht_geometric.fit_tee``);
+    ``block_found [N]``: a block is visible and its fit's rigidity is at least ``min_rigidity``). On simulator frames
+    both are within about 1 px and 0.4 degrees of the true state."""
+    from ..rewards.pusht_geometric import fit_tee  # torch: only for the callers that fit the block's pose
+
+    fit = fit_tee(frames)
+    agent, _ = read_positions(frames)
+    found = (fit.valid & (fit.rigidity >= min_rigidity)).cpu().numpy()
+    return agent, fit.pose.double().cpu().numpy(), found

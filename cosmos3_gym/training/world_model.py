@@ -841,10 +841,10 @@ class WorldModelTrainer:
         """True once ``max_seconds`` have passed on any rank (all ranks agree, so they stop at the same step)."""
         if self.config.max_seconds is None:
             return False
-        late = torch.tensor(float(time.perf_counter() - self.constructed > self.config.max_seconds))
+        late = time.perf_counter() - self.constructed > self.config.max_seconds
         if self.ctx.world_size > 1:
-            late = self.ctx.all_reduce_sum(late.to(self.ctx.device)).cpu()
-        return bool(late > 0)
+            late = self.ctx.all_reduce_sum(torch.tensor(float(late), device=self.ctx.device)).item() > 0
+        return late
 
     def condition_on_rollouts(self, batch: FlowMatchingBatch, autocast: bool) -> FlowMatchingBatch:
         """``batch`` with frame 0 of the samples that draw a rollout replaced by the model's own (rollout.py)."""
