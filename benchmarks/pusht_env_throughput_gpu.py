@@ -14,11 +14,11 @@ Two envs per env count, built by ``gym.make_vec("cosmos3_gym/PushT-v0", num_envs
 * with ``--decoder light`` a third, ``light``: the default with ``decoder="light"`` (the model's
   ``light_decoder/`` decodes instead of the VAE). ``--light-decoder DIR`` installs a trained one
   (``benchmarks/recipes/train_light_decoder.py``'s output) into a temporary copy of the assets first;
-* with ``--stage-graphs-ab`` the optimised paths turn on the opt-in stage graphs (``engine.use_stage_graphs(True)``
-  and the reward model's ``use_cuda_graphs(True)``: VAE encode, light decode and reward scoring replayed as CUDA
-  graphs), and one more path each, ``default_eager_stages`` (and ``light_eager_stages``), keeps those stages eager
-  while the GEN forward stays CUDA-graphed: the stage graphs' gain against its baseline in the same run (``stage_graphs_speedup`` per path; ``*_stage_graphs_obs_psnr_db``:
-  graphed against eager stages, per step).
+* with ``--stage-graphs-ab`` one more path each, ``default_eager_stages`` (and ``light_eager_stages``), turns the
+  stage graphs off (``engine.use_stage_graphs(False)`` and the reward model's ``use_cuda_graphs(False)``: VAE encode,
+  light decode and reward scoring eager, on a GPU graphed by default) while the GEN forward stays CUDA-graphed: the
+  stage graphs' gain against its baseline in the same run (``stage_graphs_speedup`` per path;
+  ``*_stage_graphs_obs_psnr_db``: graphed against eager stages, per step).
 
 Both reset with the same seed and step with the same random actions, **interleaved** (baseline step, default step,
 ...), so load changes hit both alike. Per env count: median seconds per step (the latency of one env step at N envs),
@@ -73,11 +73,10 @@ def make_env(path: str, num_envs: int, args):
     options = {"decoder": "light"} if base == "light" else {}
     env = make_pusht_vector_env(num_envs, assets_dir=args.assets, device=args.device, optimize=base != "baseline",
                                 **options)
-    if args.stage_graphs_ab and base != "baseline" and not path.endswith(EAGER_STAGES):
-        # the stage graphs are opt-in: the optimised paths get them, their *_eager_stages twins stay without
-        env.engine.use_stage_graphs(True)
+    if path.endswith(EAGER_STAGES):  # the optimised paths' stage graphs (their default on a GPU) turned off
+        env.engine.use_stage_graphs(False)
         if hasattr(env._core.reward_model, "use_cuda_graphs"):
-            env._core.reward_model.use_cuda_graphs(True)  # and the reward model's scoring
+            env._core.reward_model.use_cuda_graphs(False)  # and the reward model's scoring
     return env
 
 

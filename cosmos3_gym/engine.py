@@ -337,14 +337,16 @@ class Cosmos3Engine:
         the GEN forward replayed as CUDA graphs (``cuda_graphs``; default: on when this engine runs on a GPU; under
         tensor parallelism every rank of the tp group captures its forward, all-reduces included, at the same step).
 
-        ``stage_graphs`` (opt-in, default off: its GPU tests ran on an H200, its speed-up
-        (``benchmarks/pusht_env_throughput_gpu.py --stage-graphs-ab``) is not yet measured): the VAE encode of the
-        conditioning frames and the light decoder's decode replayed as CUDA graphs too
+        ``stage_graphs`` (default off, as each graph keeps its stage's activations, for a large VAE at full
+        resolution memory taken from the batch; the PushT env's ``fast_pusht_engine`` turns it on): the VAE encode
+        of the conditioning frames and the light decoder's decode replayed as CUDA graphs too
         (``cuda_graphs.GraphedFunction``, one graph per batch shape; the encode's batches padded to a kept graph's
-        rows as the GEN forward's are). At one env these eager stages are
-        launch-bound: ~11 ms of encode and ~2 ms of light decode per PushT step on an H200, the GPU idle most of it
-        (benchmarks/results/profile_pusht_env_h200_light_prep.json). ``use_stage_graphs(on)`` turns them on or off
-        on an optimised engine.
+        rows as the GEN forward's are). At one env these eager
+        stages are launch-bound (~11 ms of encode and ~2 ms of light decode per PushT step on an H200, the GPU idle
+        most of it: benchmarks/results/profile_pusht_env_h200_light_prep.json); graphed, one PushT env steps in 41
+        instead of 50 ms, 8.7 instead of 21.5 ms with ``decoder="light"``, with the same observations
+        (benchmarks/results/pusht_env_stage_graphs_h200.json). ``use_stage_graphs(on)`` turns them on or off on an
+        optimised engine.
 
         ``tp_overlap`` (tp > 1; default: on a GPU): the GEN layers' all-reduces overlap the next row block's compute
         (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce where the tp group is on one GPU host.

@@ -34,7 +34,7 @@ def test_stage_graphs_on_cpu_name_the_option(tiny_checkpoint):
 
 def test_optimize_on_cpu_keeps_the_eager_stages(tiny_checkpoint):
     engine = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)
-    engine.optimize()  # the stage graphs are opt-in
+    engine.optimize()  # the stage graphs are off unless asked for (the PushT env's fast engine asks)
     assert not engine.stage_graphs
     engine.optimize(stage_graphs=False)
     assert not engine.stage_graphs
@@ -131,19 +131,21 @@ def test_engine_with_stage_graphs_matches_eager_stages_and_survives_offload(tiny
         loaded = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", dtype="fp32", progress=False)
         return loaded.optimize(stage_graphs=stage_graphs)
 
-    graphed, eager = engine(True), engine(False)  # opt-in: None means off
+    graphed, eager = engine(True), engine(None)  # None: the default, off
     assert graphed.stage_graphs and not eager.stage_graphs
+    # The graphed encode runs the 3 rows padded to 4, so cuBLAS may pick another kernel for it; on an H200 that moved
+    # 2 of 768 latents by 1.9e-4 after 3 guided steps. A wrong row or a stale graph input would be off by O(1).
     for seed in (0, 1):
         ours, reference = graphed.step(requests(seed)), eager.step(requests(seed))
         for a, b in zip(ours, reference):
-            np.testing.assert_allclose(a.action, b.action, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(a.video_latents, b.video_latents, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(a.pixels, b.pixels, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(a.action, b.action, rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(a.video_latents, b.video_latents, rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(a.pixels, b.pixels, rtol=1e-3, atol=1e-3)
     assert graphed._graphed_encode.num_graphs == 1
     graphed.offload()
     assert graphed._graphed_encode.num_graphs == 0
     again = graphed.step(requests(0))
-    np.testing.assert_allclose(again[0].action, eager.step(requests(0))[0].action, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(again[0].action, eager.step(requests(0))[0].action, rtol=1e-3, atol=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------- the reward model
@@ -193,17 +195,18 @@ def test_graphed_reward_scores_match_eager_and_survive_a_move():
 
 @needs_cuda
 def test_pusht_light_env_with_stage_graphs_matches_eager_stages():
-    """The opt-in light PushT env (the issue's 1-env latency target), graphed stages against eager ones, same seed
-    and actions: the same observations up to a uint8 rounding step and the same rewards up to float noise."""
+    """The light PushT env (the issue's 1-env latency target), graphed stages (its default on a GPU) against eager
+    ones, same seed and actions: the same observations up to a uint8 rounding step and the same rewards up to float
+    noise."""
     from cosmos3_gym.envs import pusht as pusht_env
 
     graphed = pusht_env.make_pusht_vector_env(2, device="cuda", decoder="light")
     eager = pusht_env.make_pusht_vector_env(2, device="cuda", decoder="light")
     try:
-        assert not eager.engine.stage_graphs and not eager._core.reward_model.cuda_graphs  # opt-in
-        graphed.engine.use_stage_graphs(True)
-        graphed._core.reward_model.use_cuda_graphs(True)
-        assert graphed.engine.stage_graphs and graphed._core.reward_model.cuda_graphs
+        assert graphed.engine.stage_graphs and graphed._core.reward_model.cuda_graphs  # the default
+        eager.engine.use_stage_graphs(False)
+        eager._core.reward_model.use_cuda_graphs(False)
+        assert not eager.engine.stage_graphs and not eager._core.reward_model.cuda_graphs
         assert graphed.engine._graphed_light_decode is not None
         for env in (graphed, eager):
             env.reset(seed=3)

@@ -381,6 +381,20 @@ def test_max_seconds_stops_at_a_log_step_and_still_saves_and_exports(work, datas
         world_model_config(work, max_seconds=0.0).validate()
 
 
+def test_under_max_seconds_the_cosine_decay_follows_time(work, dataset, vae_dir):
+    # Far more steps than the budget allows: by steps alone the cosine would not move (step 40 of 10**6); under a
+    # 5 s budget it follows time, so the learning rate falls towards its floor before the run stops.
+    out = work / "time_schedule"
+    config = world_model_config(work, steps=10**6, log_every=2, max_seconds=5.0, lr_schedule="cosine",
+                                min_lr_ratio=0.1)
+    train_world_model(dataset, out, config, vae_dir)
+    log = read_log(out / "training" / "log.jsonl")
+    assert log[-1]["step"] < 10**6 and len(log) >= 3
+    assert log[0]["lr"] > 0.9 * config.lr  # the first log step comes before any time check
+    assert log[-1]["lr"] < 0.6 * config.lr
+    assert all(a["lr"] >= b["lr"] for a, b in zip(log, log[1:]))
+
+
 def _ddp_train(dataset, vae_dir, out, cache_dir):
     """One rank of a 2-process gloo run: 2 DDP steps; returns this rank's weights."""
     config = world_model_config(Path(cache_dir).parent, steps=2, batch_size=2)

@@ -13,7 +13,8 @@ Needs gym-pusht (the ``sim`` extra). Stages:
    and given the env defaults in its meta.json (task, num_steps, guidance_scale, success_threshold,
    max_episode_steps). A training stage's time budget becomes a step count from a short speed probe on a few
    episodes (``PROBE_STEPS``), capped by ``--vae-max-steps`` / ``--wm-max-steps``; reading the episodes and encoding
-   the latents come on top;
+   the latents come on top. The world model's steps get ``PROBE_SPEED_HEADROOM`` and its run ends, with its cosine
+   decay, at the budget (``WorldModelTrainConfig.max_seconds``);
 4. train the reward model (``ClassifierRewardModel``) on the simulator's coverage of the target (soft labels);
 5. check the assets' size (``--max-size-mb``) and pack them (``pusht_assets.tar.gz``: extract it in
    ``cosmos3_gym/assets/`` to install the model);
@@ -102,6 +103,7 @@ SMOKE = dict(
 # Training speed is measured with this many steps on a few episodes (the second half of them timed), then the
 # stage gets the steps that fit its time budget, at least MIN_STEPS and at most its --*-max-steps.
 PROBE_STEPS, PROBE_EPISODES, MIN_STEPS = 40, 4, 4
+PROBE_SPEED_HEADROOM = 2.0  # the world model's steps: this many times what the probe's speed fits in its budget
 FIRST_PART_ARCHIVE = "first_part.tar.gz"  # what --part first hands to --part second: vae/ and assets/pusht/
 # Time the world model's budget leaves for retraining the reward model on its rollouts (38-62 s on one H200).
 ROLLOUT_REWARD_MODEL_RESERVE_S = 80.0
@@ -321,11 +323,13 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     train_world_model(training_dataset(args, work), work / "world_model_probe", probe, vae_dir=work / "vae")
     log = last_log_line(work / "world_model_probe" / "training" / "log.jsonl")
     steps_per_s = log["samples_per_s"] / config.batch_size
-    steps = steps_for_budget(steps_per_s, min(args.wm_seconds, seconds_left()), args.wm_max_steps)
-    # The step count assumes the probe's speed; max_seconds also stops the run in time when it turns out slower
-    # (another job starting on the same GPU, say), so the checkpoint is written before the call's limit.
+    budget = max(min(args.wm_seconds, seconds_left()), 1.0)
+    # The probe's speed is a guess either way: on an H200 it read 2.9-3.6 steps/s where the run then made 4.3-5.0
+    # (round 7), and a job starting beside it on the same GPU slows the run. So the step count has headroom, and
+    # max_seconds ends the run, and its cosine decay, at the budget (WorldModelTrainConfig.max_seconds).
+    steps = steps_for_budget(steps_per_s * PROBE_SPEED_HEADROOM, budget, args.wm_max_steps)
     config = dataclasses.replace(config, steps=steps, warmup_steps=min(args.wm_warmup, steps // 5),
-                                 work_dir=str(work / "world_model"), max_seconds=max(seconds_left(), 1.0))
+                                 work_dir=str(work / "world_model"), max_seconds=budget)
     checkpoint = assets / CHECKPOINT_DIR
     train_world_model(training_dataset(args, work), checkpoint, config, vae_dir=work / "vae")
     # The env's defaults live next to what training wrote (domain, chunk, tier, fps, image size).

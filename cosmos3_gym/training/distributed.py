@@ -32,6 +32,11 @@ class DistributedContext:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
     def close(self) -> None:
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -170,8 +170,10 @@ class WorldModelTrainConfig:
     log_every: int = 10
     save_every: int = 1000  # training-state checkpoints (one kept); 0: only at the end
     # Wall-clock budget from the trainer's construction (data loading and latent encoding included): training stops
-    # at the first log step past it and saves and exports as at the end. For jobs that share a GPU or a time-limited
-    # machine, where a step count measured in advance can be too many. None: run all ``steps``.
+    # at the first log step past it and saves and exports as at the end, and the cosine decay follows whichever of
+    # steps and time is further along (checked at each log step), so a run that is faster or slower than planned
+    # still ends its schedule at the budget. For jobs that share a GPU or a time-limited machine, where a step count
+    # measured in advance is a guess: give ``steps`` with headroom. None: run all ``steps``.
     max_seconds: float | None = None
     save_dtype: str = "float32"  # exported transformer weights: float32 | float16 | bfloat16
     vae_save_dtype: str = "float32"  # exported VAE weights: float32 | float16 | bfloat16
@@ -796,11 +798,12 @@ class WorldModelTrainer:
         trainable_params = [p for p in self.transformer.parameters() if p.requires_grad]
         tracker = _LossTracker(device)
         started, last_log_step = time.perf_counter(), self.step
+        self.train_started, time_fraction = started, 0.0
         bar = tqdm(total=config.steps, initial=self.step, desc="training",
                    disable=not (config.progress and ctx.is_main))
         while self.step < config.steps:
             for group in self.optimizer.param_groups:
-                group["lr"] = learning_rate(config, self.step)
+                group["lr"] = learning_rate(config, self.step, time_fraction)
             batch = sample_batch(
                 self.windows, step_generator(config.seed, self.step, ctx.rank), config, domain_id=self.domain_id,
                 raw_action_dim=self.raw_action_dim, action_dim=self.transformer.config.action_dim, fps=self.fps,
@@ -830,21 +833,25 @@ class WorldModelTrainer:
                         handle.write(json.dumps(record) + "\n")
                     bar.set_postfix(loss=f"{summary['loss']:.4f}")
                 started, last_log_step = time.perf_counter(), self.step
-                if self.out_of_time():
+                time_fraction = self.time_fraction()
+                if time_fraction >= 1.0:
                     break
             if config.save_every and self.step % config.save_every == 0 and self.step < config.steps:
                 self.save_state()
         bar.close()
         self.save_state()
 
-    def out_of_time(self) -> bool:
-        """True once ``max_seconds`` have passed on any rank (all ranks agree, so they stop at the same step)."""
+    def time_fraction(self) -> float:
+        """The share of ``max_seconds`` left at the start of training that has passed (0 without a budget; 1 or more:
+        out of time), the largest over ranks, so all ranks set the same learning rate and stop at the same step."""
         if self.config.max_seconds is None:
-            return False
-        late = time.perf_counter() - self.constructed > self.config.max_seconds
+            return 0.0
+        deadline = self.constructed + self.config.max_seconds
+        now = time.perf_counter()
+        fraction = 1.0 if now >= deadline else (now - self.train_started) / (deadline - self.train_started)
         if self.ctx.world_size > 1:
-            late = self.ctx.all_reduce_sum(torch.tensor(float(late), device=self.ctx.device)).item() > 0
-        return late
+            fraction = self.ctx.all_reduce_max(torch.tensor(fraction, device=self.ctx.device)).item()
+        return fraction
 
     def condition_on_rollouts(self, batch: FlowMatchingBatch, autocast: bool) -> FlowMatchingBatch:
         """``batch`` with frame 0 of the samples that draw a rollout replaced by the model's own (rollout.py)."""
