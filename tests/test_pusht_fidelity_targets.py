@@ -160,3 +160,30 @@ def test_success_and_ranking_ranks_the_frame_policies_without_the_open_loop_repl
     assert frame["geometric"]["mean_absolute_error"] == pytest.approx((0.0 + 0.1 + 0.1) / 3)
     assert result["real_final_coverage_span"] == [0.0, 0.9]
     assert result["gaps"]["scripted:0"]["geometric"]["final_coverage_gap"] == pytest.approx(-0.5)
+
+
+def test_a_run_cut_short_keeps_the_stages_it_finished(monkeypatch, tmp_path):
+    # The policy stage is the long one (6 of 7 minutes on an H200): when a time limit kills it, the held-out and
+    # random-action stages are already on disk, marked unfinished.
+    import json
+
+    class Engine:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(targets.pusht, "generate_pusht_dataset", lambda path, *args, **kwargs: Path(path))
+    monkeypatch.setattr(targets, "load_episodes", lambda *args: [])
+    monkeypatch.setattr(targets.Cosmos3Engine, "from_pretrained", lambda *args, **kwargs: Engine())
+    monkeypatch.setattr(targets, "heldout_fidelity", lambda *args: ({"per_chunk": "held"}, [], []))
+    monkeypatch.setattr(targets, "any_action_fidelity", lambda *args: {"agent": "random"})
+
+    def cut(*args):
+        raise KeyboardInterrupt("the call's time limit")
+
+    monkeypatch.setattr(targets, "success_and_ranking", cut)
+    with pytest.raises(KeyboardInterrupt):
+        targets.main(["--out", str(tmp_path), "--device", "cpu", "--results-name", "cut.json"])
+    written = json.loads((tmp_path / "cut.json").read_text())
+    assert written["unfinished"] is True
+    assert written["heldout"] == {"per_chunk": "held"} and written["any_action"] == {"agent": "random"}
+    assert "policies" not in written and set(written["timings"]) >= {"heldout_s", "any_action_s"}

@@ -601,12 +601,19 @@ def main(argv: list[str] | None = None) -> dict:
     env_options: dict[str, Any] = {"rigid_block": args.rigid_block}
     if args.rigid_block_min_rigidity is not None:
         env_options = {"handover_projection": RigidBlockProjection(min_rigidity=args.rigid_block_min_rigidity)}
+    command = provenance(["benchmarks/recipes/pusht_fidelity_targets.py", *(argv or sys.argv[1:])])
+
+    def write_so_far() -> None:  # a run cut short by a time limit keeps the stages it finished (replaced at the end)
+        write_results({"provenance": command, "unfinished": True, **results, "timings": timings},
+                      args.results_name, args.out, args.overwrite)
+
     try:
         started = time.perf_counter()
         results["heldout"], truth, model = heldout_fidelity(engine, assets.root, episodes, args.chunks, args.device,
                                                             args.seed, env_options)
         timings["heldout_s"] = time.perf_counter() - started
         print(f"held-out episodes: {timings['heldout_s']:.0f} s", flush=True)
+        write_so_far()
 
         started = time.perf_counter()
         random_starts = list(range(args.heldout_seed + 200_000, args.heldout_seed + 200_000 + args.random_episodes))
@@ -614,6 +621,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                     args.device, args.seed, env_options)
         timings["any_action_s"] = time.perf_counter() - started
         print(f"uniform random actions: {timings['any_action_s']:.0f} s", flush=True)
+        write_so_far()
 
         started = time.perf_counter()
         results["policies"] = success_and_ranking(args.policies, engine, assets.root, args.policy_starts,
@@ -626,8 +634,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     results["timings"] = timings
     results["targets"] = target_checks(results)
-    results = {"provenance": provenance(["benchmarks/recipes/pusht_fidelity_targets.py", *(argv or sys.argv[1:])]),
-               **results}
+    results = {"provenance": command, **results}
     print(format_summary(results))
     write_results(results, args.results_name, args.out, args.overwrite)  # before the video: the numbers come first
     count = min(args.video_episodes, len(truth))
