@@ -187,3 +187,33 @@ def test_a_run_cut_short_keeps_the_stages_it_finished(monkeypatch, tmp_path):
     assert written["unfinished"] is True
     assert written["heldout"] == {"per_chunk": "held"} and written["any_action"] == {"agent": "random"}
     assert "policies" not in written and set(written["timings"]) >= {"heldout_s", "any_action_s"}
+
+
+def test_near_misses_are_untouched_chunks_where_the_agent_passed_close():
+    # A T at the table's centre, angle 0: its bar spans x in [196, 316] at y in [256, 286]. The agent's disc (radius
+    # 15) 10 px right of the bar's end is a 10 px gap; touching it, 0; 100 px away, 100.
+    pose = np.array([256.0, 256.0, 0.0])
+    agents = np.array([[341.0, 271.0], [256.0 + 60 + 15, 271.0], [431.0, 271.0]])
+    np.testing.assert_allclose(targets.agent_clearance(agents, np.repeat(pose[None], 3, 0)), [10.0, 0.0, 100.0])
+    # Two episodes of 2 chunks of 2 steps (5 frames): episode 0 passes within 10 px in chunk 0, stays 100 px away in
+    # chunk 1; episode 1 comes within 20 px in chunk 1, but that chunk moved the block (not untouched).
+    clearance = np.array([[100.0, 10.0, 100.0, 100.0, 100.0], [100.0, 100.0, 100.0, 20.0, 100.0]])
+    untouched = np.array([[True, True], [True, False]])
+    near = targets.near_miss_chunks(untouched, clearance, chunk=2, max_gap=30.0)
+    np.testing.assert_array_equal(near, [[True, False], [False, False]])
+
+
+def test_goal_progress_is_how_much_closer_the_block_got():
+    # One episode, 2 chunks of 1 step: the block's centroid moves 20 px straight towards the target's, then turns 30
+    # degrees away from the target's angle in place.
+    goal = targets.pusht.GOAL_POSE
+    away = targets.tee_centroid(goal) + np.array([100.0, 0.0])  # the centroid 100 px right of the target's
+
+    def pose(centroid, angle):  # the body origin that puts the T's centroid there
+        return np.array([*(centroid - CENTROID_Y * np.array([-np.sin(angle), np.cos(angle)])), angle])
+
+    poses = np.array([[pose(away, goal[2]), pose(away - [20.0, 0.0], goal[2]),
+                       pose(away - [20.0, 0.0], goal[2] + math.radians(30))]])
+    px, deg = targets.goal_progress(poses, np.array([[True, True]]), chunk=1)
+    np.testing.assert_allclose(px, [20.0, 0.0], atol=1e-9)
+    np.testing.assert_allclose(deg, [0.0, -30.0], atol=1e-9)

@@ -83,6 +83,7 @@ from cosmos3_gym.policy_specs import parse_policy_spec  # noqa: E402
 from cosmos3_gym.rewards.pusht_geometric import CENTROID_Y, DEFAULT_MIN_IOU, fit_tee  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
 from cosmos3_gym.sim.compare import compare_with_simulator, ranking_agreement, replay_actions  # noqa: E402
+from cosmos3_gym.sim.pusht_geometry import AGENT_RADIUS, distance_to_outline, tee_outline  # noqa: E402
 from cosmos3_gym.sim.readoff import read_positions  # noqa: E402
 
 # The policy files committed in benchmarks/results: behaviour cloning, GRPO in the simulator and in the world model
@@ -101,6 +102,7 @@ DEFAULT_POLICIES = ",".join(["random", "scripted:0", "scripted:10", "scripted:25
 SMOKE_POLICIES = f"random,scripted:0,file:{POLICY_FILES[0]}"
 RIGIDITY_TOLERANCE = 0.05  # issue 18: the world model's rigidity within 0.05 of the simulator's
 UNTOUCHED_PX, UNTOUCHED_DEG = 1.0, 1.0  # the simulator's block moved less than this over a chunk: nothing touched it
+NEAR_MISS_PX = 30.0  # an untouched chunk where the agent's disc came this close to the T (table px of 512): a near miss
 FIT_BATCH = 256  # frames per fit_tee call (its candidate grid is ~0.5 MB per frame)
 
 
@@ -152,6 +154,14 @@ def untouched_chunks(true_poses: np.ndarray, chunk: int, max_px: float = UNTOUCH
     return (moved.max(-1) < max_px) & (turned.max(-1) < max_deg)
 
 
+def chunk_displacement(poses: np.ndarray, chunks: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The block's move from the first to the last frame of each chunk in ``chunks [N, K]`` (poses ``[N, K * chunk +
+    1, 3]``): centroid shift ``[M, 2]`` (px) and turn ``[M]`` (rad), episode-major."""
+    episodes, index = np.nonzero(chunks)
+    first, last = poses[episodes, index * chunk], poses[episodes, (index + 1) * chunk]
+    return tee_centroid(last) - tee_centroid(first), last[:, 2] - first[:, 2]
+
+
 def untouched_block_errors(model_poses: np.ndarray, sim_poses: np.ndarray, untouched: np.ndarray,
                            chunk: int) -> dict[str, np.ndarray]:
     """Over the chunks where nothing touched the block (``untouched [N, K]``), the block's displacement from the
@@ -159,17 +169,27 @@ def untouched_block_errors(model_poses: np.ndarray, sim_poses: np.ndarray, untou
     + 1, 3]`` (fitted to the frames): ``position_px`` and ``angle_deg`` errors of the world model's displacement,
     and ``simulator_px``, the simulator's own measured displacement (truly ~0: the measurement's floor); each
     ``[M]`` over the M untouched (episode, chunk) pairs, episode-major."""
-    episodes, chunks = np.nonzero(untouched)
-    start, end = chunks * chunk, (chunks + 1) * chunk
-
-    def moved(poses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        first, last = poses[episodes, start], poses[episodes, end]
-        return tee_centroid(last) - tee_centroid(first), last[:, 2] - first[:, 2]
-
-    (model_shift, model_turn), (sim_shift, sim_turn) = moved(model_poses), moved(sim_poses)
+    model_shift, model_turn = chunk_displacement(model_poses, untouched, chunk)
+    sim_shift, sim_turn = chunk_displacement(sim_poses, untouched, chunk)
     return {"position_px": np.linalg.norm(model_shift - sim_shift, axis=-1),
             "angle_deg": angle_error_deg(model_turn, sim_turn),
             "simulator_px": np.linalg.norm(sim_shift, axis=-1)}
+
+
+def goal_progress(poses: np.ndarray, chunks: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """How much closer to the green target the block got over each chunk of ``chunks [N, K]`` (poses ``[N, K * chunk
+    + 1, 3]``): the centroid's distance (px) and the angle's (deg) at the chunk's start minus at its end, ``[M]``
+    each, episode-major (positive: towards the target)."""
+    episodes, index = np.nonzero(chunks)
+    goal = pusht.GOAL_POSE
+
+    def distance(pose: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return (np.linalg.norm(tee_centroid(pose) - tee_centroid(goal), axis=-1),
+                angle_error_deg(pose[..., 2], np.full(len(pose), goal[2])))
+
+    (first_px, first_deg), (last_px, last_deg) = (distance(poses[episodes, index * chunk]),
+                                                  distance(poses[episodes, (index + 1) * chunk]))
+    return first_px - last_px, first_deg - last_deg
 
 
 def agent_following(estimate: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -279,21 +299,40 @@ def heldout_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def simulate_actions(sim_seeds: list[int], actions: np.ndarray, stats, image_size) -> tuple[np.ndarray, np.ndarray]:
-    """gym-pusht from ``reset(seed)`` under normalised ``actions [N, T, 2]``: frames ``[N, T + 1, H, W, 3]`` and
-    true block poses ``[N, T + 1, 3]``."""
+def simulate_actions(sim_seeds: list[int], actions: np.ndarray, stats,
+                     image_size) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """gym-pusht from ``reset(seed)`` under normalised ``actions [N, T, 2]``: frames ``[N, T + 1, H, W, 3]``, true
+    block poses ``[N, T + 1, 3]`` and agent positions ``[N, T + 1, 2]``."""
     sim = pusht.PushTSim(image_size)
-    frames, poses = [], []
+    frames, poses, agents = [], [], []
     try:
         for sim_seed, episode in zip(sim_seeds, actions):
             frames.append([sim.reset(sim_seed)])
             poses.append([sim.block_pose])
+            agents.append([sim.agent_xy])
             for action in np.clip(stats.denormalize(episode), 0.0, pusht.TABLE_SIZE):
                 frames[-1].append(sim.step(action))
                 poses[-1].append(sim.block_pose)
+                agents[-1].append(sim.agent_xy)
     finally:
         sim.close()
-    return np.asarray(frames, np.uint8), np.asarray(poses)
+    return np.asarray(frames, np.uint8), np.asarray(poses), np.asarray(agents, float)
+
+
+def agent_clearance(agents: np.ndarray, poses: np.ndarray) -> np.ndarray:
+    """The gap in table px between the agent's disc and the T, per frame: agents ``[..., 2]``, block poses
+    ``[..., 3]`` -> ``[...]`` (0 in contact)."""
+    flat_agents, flat_poses = agents.reshape(-1, 2), poses.reshape(-1, 3)
+    gaps = [distance_to_outline(agent[None], tee_outline(pose))[0] for agent, pose in zip(flat_agents, flat_poses)]
+    return np.maximum(np.asarray(gaps) - AGENT_RADIUS, 0.0).reshape(agents.shape[:-1])
+
+
+def near_miss_chunks(untouched: np.ndarray, clearance: np.ndarray, chunk: int,
+                     max_gap: float = NEAR_MISS_PX) -> np.ndarray:
+    """Of the untouched chunks ``[N, K]``, those where the agent came within ``max_gap`` px of the T (clearance
+    ``[N, K * chunk + 1]`` per frame) without moving it: the passes a world model may turn into pushes."""
+    windows = np.stack([clearance[:, k * chunk:(k + 1) * chunk + 1].min(-1) for k in range(untouched.shape[1])], 1)
+    return untouched & (windows < max_gap)
 
 
 def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chunks: int, image_size, device: str,
@@ -308,7 +347,8 @@ def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chun
         space.seed(seed)
         chunk = space.shape[0]
         actions = np.stack([[space.sample() for _ in range(num_chunks)] for _ in range(count)])  # [N, K, chunk, 2]
-        truth, true_poses = simulate_actions(sim_seeds, actions.reshape(count, -1, 2), envs.action_stats, image_size)
+        truth, true_poses, agents = simulate_actions(sim_seeds, actions.reshape(count, -1, 2), envs.action_stats,
+                                                     image_size)
         generated = replay_actions(envs, truth[:, 0], actions, seed=seed)
     finally:
         envs.close()
@@ -333,20 +373,50 @@ def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chun
             finite_mean_ci95(rigidity["world_model"][:, k] - rigidity["simulator"][:, k]))
         per_chunk["rigidity_world_model_generated"].append(finite_mean_ci95(generated_rigidity[:, k], UNIT))
         per_chunk["untouched_fraction"].append(float(untouched[:, k].mean()))
-    errors = untouched_block_errors(fits["world_model"]["pose"], fits["simulator"]["pose"], untouched, chunk)
+    near = near_miss_chunks(untouched, agent_clearance(agents, true_poses), chunk)
+
+    def untouched_errors(chunks: np.ndarray) -> dict[str, Any]:
+        errors = untouched_block_errors(fits["world_model"]["pose"], fits["simulator"]["pose"], chunks, chunk)
+        return {"num_chunks": int(chunks.sum()),
+                "block_displacement_error_px": finite_mean_ci95(errors["position_px"], ERROR),
+                "block_turn_error_deg": finite_mean_ci95(errors["angle_deg"], ERROR),
+                "simulator_fitted_displacement_px": finite_mean_ci95(errors["simulator_px"], ERROR)}
+
+    # Does the model move a pushed block towards the target more than the simulator does (a prior from training data
+    # full of successful pushes, which would flatter any policy that pushes at all)? Each world's own progress
+    # over the chunks where the simulator's block moved, under the same random actions.
+    touched = ~untouched
+    progress = {name: goal_progress(fits[name]["pose"], touched, chunk) for name in ("world_model", "simulator")}
+    # How far each world moved the block there: a model that damps pushes also shows as progress towards the target
+    # where the simulator's random pushes move the block away.
+    moved = {name: np.linalg.norm(chunk_displacement(fits[name]["pose"], touched, chunk)[0], axis=-1)
+             for name in ("world_model", "simulator")}
     return {
         "num_episodes": count, "num_chunks": num_chunks, "chunk": chunk,
         "actions": "single_action_space.sample() per chunk (uniform in [-1, 1]), seeded",
+        "touched": {
+            "definition": "chunks where the simulator's block moved; progress = distance to the target (centroid px, "
+                          "angle deg) at the chunk's start minus at its end, each world from its own fitted poses",
+            "num_chunks": int(touched.sum()),
+            **{f"goal_progress_{unit}_{name}": finite_mean_ci95(progress[name][i])
+               for name in progress for i, unit in enumerate(("px", "deg"))},
+            **{f"block_shift_px_{name}": finite_mean_ci95(moved[name], ERROR) for name in moved},
+            # per chunk, for regressions: (world model, simulator) progress in px
+            "goal_progress_px_pairs": np.stack([progress["world_model"][0], progress["simulator"][0]], 1)
+            .round(2).tolist(),
+            **{f"goal_progress_{unit}_world_model_minus_simulator": finite_mean_ci95(
+                progress["world_model"][i] - progress["simulator"][i]) for i, unit in enumerate(("px", "deg"))},
+        },
         "per_chunk": per_chunk,
         "untouched": {
             "definition": f"chunks where the simulator's true block moved < {UNTOUCHED_PX} px and < {UNTOUCHED_DEG} "
                           "deg; pooled over (episode, chunk)",
-            "num_chunks": int(untouched.sum()),
-            "block_displacement_error_px": finite_mean_ci95(errors["position_px"], ERROR),
-            "block_turn_error_deg": finite_mean_ci95(errors["angle_deg"], ERROR),
-            "simulator_fitted_displacement_px": finite_mean_ci95(errors["simulator_px"], ERROR),
+            **untouched_errors(untouched),
             "rigidity_simulator": finite_mean_ci95(rigidity["simulator"][untouched], UNIT),
             "rigidity_world_model": finite_mean_ci95(rigidity["world_model"][untouched], UNIT),
+            # Does the model push blocks the agent only passes? The same errors where it came close and where not.
+            "near_miss": {"max_gap_px": NEAR_MISS_PX, **untouched_errors(near)},
+            "far": untouched_errors(untouched & ~near),
         },
     }
 
@@ -506,6 +576,17 @@ def format_summary(results: dict[str, Any]) -> str:
                          f"{untouched['block_turn_error_deg']['mean']:.1f} deg, rigidity WM "
                          f"{untouched['rigidity_world_model']['mean']:.3f} vs sim "
                          f"{untouched['rigidity_simulator']['mean']:.3f}")
+            touched = anything.get("touched", {})
+            if touched.get("num_chunks"):
+                lines.append(f"  touched chunks ({touched['num_chunks']}): progress towards the target, WM - sim "
+                             f"{_ci(touched['goal_progress_px_world_model_minus_simulator'], 1)} px, "
+                             f"{_ci(touched['goal_progress_deg_world_model_minus_simulator'], 1)} deg")
+            for name in ("near_miss", "far"):
+                part = untouched.get(name, {})
+                if part.get("num_chunks"):
+                    lines.append(f"    {name.replace('_', ' ')} ({part['num_chunks']}): block displacement error "
+                                 f"{_ci(part['block_displacement_error_px'], 1)} px, turn "
+                                 f"{part['block_turn_error_deg']['mean']:.1f} deg")
     ranking = results.get("policies")
     if ranking:
         lines.append(f"policies: {ranking['num_starts']} starts x {ranking['num_chunks']} chunks; final coverage and "
