@@ -341,10 +341,10 @@ class Cosmos3Engine:
         resolution memory taken from the batch; the PushT env's ``fast_pusht_engine`` turns it on): the VAE encode
         of the conditioning frames and the light decoder's decode replayed as CUDA graphs too
         (``cuda_graphs.GraphedFunction``, one graph per batch shape; the encode's batches padded to a kept graph's
-        rows as the GEN forward's are). At one env these eager
-        stages are launch-bound (~11 ms of encode and ~2 ms of light decode per PushT step on an H200, the GPU idle
-        most of it: benchmarks/results/profile_pusht_env_h200_light_prep.json); graphed, one PushT env steps in 41
-        instead of 50 ms, 8.7 instead of 21.5 ms with ``decoder="light"``, with the same observations
+        rows as the GEN forward's are). At one env these eager stages are launch-bound (~11 ms of encode and ~2 ms of
+        light decode per PushT step on an H200, the GPU idle most of it:
+        benchmarks/results/profile_pusht_env_h200_light_prep.json); graphed, one PushT env steps in 41 instead of 50
+        ms, 8.7 instead of 21.5 ms with ``decoder="light"``, with the same observations
         (benchmarks/results/pusht_env_stage_graphs_h200.json). ``use_stage_graphs(on)`` turns them on or off on an
         optimised engine.
 

@@ -154,11 +154,17 @@ def untouched_chunks(true_poses: np.ndarray, chunk: int, max_px: float = UNTOUCH
     return (moved.max(-1) < max_px) & (turned.max(-1) < max_deg)
 
 
-def chunk_displacement(poses: np.ndarray, chunks: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-    """The block's move from the first to the last frame of each chunk in ``chunks [N, K]`` (poses ``[N, K * chunk +
-    1, 3]``): centroid shift ``[M, 2]`` (px) and turn ``[M]`` (rad), episode-major."""
+def chunk_ends(poses: np.ndarray, chunks: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The block poses at the first and the last frame of each chunk in ``chunks [N, K]`` (poses ``[N, K * chunk + 1,
+    3]``): ``([M, 3], [M, 3])``, episode-major."""
     episodes, index = np.nonzero(chunks)
-    first, last = poses[episodes, index * chunk], poses[episodes, (index + 1) * chunk]
+    return poses[episodes, index * chunk], poses[episodes, (index + 1) * chunk]
+
+
+def chunk_displacement(poses: np.ndarray, chunks: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The block's move over each chunk of ``chunks`` (``chunk_ends``): centroid shift ``[M, 2]`` (px) and turn ``[M]``
+    (rad)."""
+    first, last = chunk_ends(poses, chunks, chunk)
     return tee_centroid(last) - tee_centroid(first), last[:, 2] - first[:, 2]
 
 
@@ -177,18 +183,11 @@ def untouched_block_errors(model_poses: np.ndarray, sim_poses: np.ndarray, untou
 
 
 def goal_progress(poses: np.ndarray, chunks: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-    """How much closer to the green target the block got over each chunk of ``chunks [N, K]`` (poses ``[N, K * chunk
-    + 1, 3]``): the centroid's distance (px) and the angle's (deg) at the chunk's start minus at its end, ``[M]``
-    each, episode-major (positive: towards the target)."""
-    episodes, index = np.nonzero(chunks)
-    goal = pusht.GOAL_POSE
-
-    def distance(pose: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return (np.linalg.norm(tee_centroid(pose) - tee_centroid(goal), axis=-1),
-                angle_error_deg(pose[..., 2], np.full(len(pose), goal[2])))
-
-    (first_px, first_deg), (last_px, last_deg) = (distance(poses[episodes, index * chunk]),
-                                                  distance(poses[episodes, (index + 1) * chunk]))
+    """How much closer to the green target the block got over each chunk of ``chunks`` (``chunk_ends``): the
+    centroid's distance (px) and the angle's (deg) at the chunk's start minus at its end, ``[M]`` each (positive:
+    towards the target)."""
+    first, last = chunk_ends(poses, chunks, chunk)
+    (first_px, first_deg), (last_px, last_deg) = pose_errors(first, pusht.GOAL_POSE), pose_errors(last, pusht.GOAL_POSE)
     return first_px - last_px, first_deg - last_deg
 
 
