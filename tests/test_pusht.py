@@ -407,6 +407,28 @@ def test_uniform_and_policy_file_episodes(tmp_path):
             np.testing.assert_array_equal(first["actions"], second["actions"])
 
 
+def test_scripted_random_goal_episodes_push_the_t_towards_their_own_goal(tmp_path):
+    """``scripted_random_goal`` is the scripted pusher aiming at a goal pose drawn per episode (recorded in the
+    episode): its pushes take the block towards that goal, not towards the green target."""
+    pytest.importorskip("gym_pusht")
+    mix = {"scripted_random_goal": 1}
+    assert {pusht.episode_policy(0, index, mix)[1] for index in range(40)} == set(pusht.SCRIPTED_NOISE_LEVELS)
+    out = pusht.generate_pusht_dataset(tmp_path / "data", 4, steps_per_episode=128, image_size=(32, 32),
+                                       policy_mix=mix, seed=2, workers=0, progress=False)
+    start_error, end_error, goals = [], [], []
+    for path in sorted((out / "episodes").iterdir()):
+        with np.load(path) as episode:
+            assert str(episode["policy"]).startswith("scripted_random_goal(noise=")
+            goal, blocks = episode["goal_pose"], episode["sim_states"][:, 4:6]
+        low, high = pusht.RANDOM_GOAL_LOW, pusht.RANDOM_GOAL_HIGH
+        assert goal.shape == (3,) and (low <= goal[:2]).all() and (goal[:2] <= high).all()
+        start_error.append(np.linalg.norm(blocks[0] - goal[:2]))
+        end_error.append(np.linalg.norm(blocks[-1] - goal[:2]))
+        goals.append(goal)
+    assert np.mean(end_error) < 0.6 * np.mean(start_error), (start_error, end_error)
+    assert len({tuple(goal) for goal in goals}) == 4 and not any(np.allclose(g, pusht.GOAL_POSE) for g in goals)
+
+
 def _gym_pusht_pixel_env(size):
     """gym-pusht's own env with "pixels" observations: what ``PushTSim`` drew its frames with before it read the
     drawing itself."""

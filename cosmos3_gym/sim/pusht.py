@@ -19,7 +19,8 @@ solved above 0.95, as in gym-pusht.
                    actions float32 [T, 2] (raw target positions); task (0-d str); rewards float32 [T] (gym-pusht's
                    reward after each action); coverage float32 [T+1] (of each frame); success bool (coverage > 0.95
                    at some frame); policy (0-d str); sim_seed int64 (``PushTSim.reset(sim_seed)`` restores frame 0); sim_states float64 [T+1, 10]
-                   (``PushTSim.restore(sim_states[t])`` restarts at frame t)
+                   (``PushTSim.restore(sim_states[t])`` restarts at frame t); goal_pose float64 [3] (only
+                   ``scripted_random_goal`` episodes: the block pose that episode's pusher aimed for)
 
 Episodes come from a mix of policies so that the model sees both success and failure: ``random`` (the agent
 wanders between random waypoints, touching the block now and then), ``scripted`` (a pusher that walks around the
@@ -44,8 +45,8 @@ import numpy as np
 from ..errors import InputError
 from ..media import write_video
 from .pusht_dataset import (  # noqa: F401  (re-exported)
-    DEFAULT_POLICY_MIX, POLICIES, _check_policy_mix, action_statistics, episode_policy,
-    generate_pusht_dataset, write_dataset_files,
+    DEFAULT_POLICY_MIX, POLICIES, RANDOM_GOAL_HIGH, RANDOM_GOAL_LOW, _check_policy_mix, action_statistics,
+    episode_policy, generate_pusht_dataset, random_goal_pose, write_dataset_files,
 )
 from .pusht_geometry import (  # noqa: F401  (re-exported)
     AGENT_RADIUS, DOMAIN, GOAL_POSE, RAW_ACTION_DIM, SIM_ENV_ID, SIM_FPS, SUCCESS_COVERAGE, TABLE_SIZE, TASK,

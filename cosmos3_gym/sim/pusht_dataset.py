@@ -24,7 +24,10 @@ from .pusht_sim import PushTSim, _check_image_size, require_gym_pusht, rollout_e
 __all__ = ["DEFAULT_POLICY_MIX", "POLICIES", "action_statistics", "episode_policy", "generate_pusht_dataset",
            "write_dataset_files"]
 
-POLICIES = ("random", "scripted", "replay", "uniform")  # and "file:PATH": a frame policy file (DAgger-style data)
+POLICIES = ("random", "scripted", "scripted_random_goal", "replay", "uniform")  # and "file:PATH": a frame policy file
+# The box a ``scripted_random_goal`` episode draws its goal's center from: where gym-pusht's reset puts blocks
+# ([100, 400] per axis), kept 40 px further in so that a T pushed onto it stays on the table.
+RANDOM_GOAL_LOW, RANDOM_GOAL_HIGH = 140.0, 372.0
 POLICY_FILE_PREFIX = "file:"
 DEFAULT_POLICY_MIX = {"random": 0.2, "scripted": 0.6, "replay": 0.2}
 
@@ -45,7 +48,10 @@ def generate_pusht_dataset(
 
     Frames are rendered by gym-pusht at ``image_size`` (256 x 256 is the model's tier-256 canvas, a downscale of the
     512 x 512 table). ``policy_mix`` gives each policy's share (default ``DEFAULT_POLICY_MIX``): ``random``
-    (waypoints), ``scripted``, ``replay``, ``uniform`` (a uniform random target every step, like the env's
+    (waypoints), ``scripted``, ``scripted_random_goal`` (the scripted pusher taking the T to a goal pose drawn per
+    episode instead of the green target: contact-rich pushes in every direction, so that a model trained on them
+    cannot predict where a push takes the block from the task alone), ``replay``, ``uniform`` (a uniform random
+    target every step, like the env's
     ``action_space.sample()``) and ``"file:PATH"`` for a policy file of ``cosmos3_gym.rl`` acting on the rendered
     frames one chunk at a time with its own sampling noise (``ChunkedFramePolicy``; its normalised actions map to
     pixels with ``action_stats``, the model's action statistics file or dict, required then). Each episode draws
@@ -178,6 +184,11 @@ def episode_policy(seed: int, index: int, policy_mix: dict[str, float]) -> tuple
     return family, noise, rng
 
 
+def random_goal_pose(rng: np.random.Generator) -> np.ndarray:
+    """A goal pose ``[x, y, angle]`` for ``scripted_random_goal``: center uniform in the goal box, any angle."""
+    return np.array([*rng.uniform(RANDOM_GOAL_LOW, RANDOM_GOAL_HIGH, size=2), rng.uniform(-math.pi, math.pi)])
+
+
 def _one_thread_per_worker() -> None:
     """The workers fill the cores; OpenCV's thread pool (gym-pusht's resize) and torch's (a policy file's CNN) would
     each add one thread per core to every worker (16 x 16 threads on 16 cores). For workers that start fresh (a
@@ -230,6 +241,7 @@ def _simulate_and_write(job) -> dict[str, Any]:
     family, noise, rng = episode_policy(seed, index, policy_mix)
     sim = _worker_sim(image_size, render_every_step=True)
     sim_seed = int(rng.integers(2**31))
+    extra: dict[str, np.ndarray] = {}
     if family == "random":
         policy, name = RandomWaypoints(rng), "random"
     elif family == "uniform":
@@ -239,13 +251,17 @@ def _simulate_and_write(job) -> dict[str, Any]:
         policy, name = _frame_policy(path, sim, stats_document, rng), f"file({Path(path).stem})"
     elif family == "scripted":
         policy, name = ScriptedPusher(rng, noise=noise), f"scripted(noise={noise:g})"
+    elif family == "scripted_random_goal":
+        goal = random_goal_pose(rng)
+        policy, name = ScriptedPusher(rng, noise=noise, goal_pose=goal), f"{family}(noise={noise:g})"
+        extra = {"goal_pose": goal}
     else:  # a noise-free scripted episode from the same start, replayed with noise
         reference = _actions_only(_worker_sim(image_size, render_every_step=False), ScriptedPusher(rng), sim_seed,
                                   steps)
         policy, name = Replay(reference, rng, noise), f"replay(noise={noise:g})"
     episode = rollout_episode(sim, policy, sim_seed, steps)
     save_npz(Path(episode_dir) / f"episode_{index:06d}.npz",
-             {**episode, "task": np.asarray(TASK), "policy": np.asarray(name)})
+             {**episode, **extra, "task": np.asarray(TASK), "policy": np.asarray(name)})
     return {
         "index": index,
         "policy": name,
