@@ -371,6 +371,22 @@ def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_asse
     for name in (pusht_env.INITIAL_STATES_FILE, f"{pusht_env.REWARD_MODEL_DIR}/config.json"):
         assert (work / "assets" / "pusht" / name).read_bytes() == (tiny_assets / name).read_bytes()
 
+    # The world model stage's meta.json gives checkpoint_defaults everything the installed model's did.
+    from cosmos3_gym.checkpoint import checkpoint_defaults
+
+    assets = work / "assets" / "pusht"
+    shutil.copytree(tiny_assets / "checkpoint", assets / "checkpoint")
+    meta_path = assets / "checkpoint" / "meta.json"
+    trained = {key: value for key, value in json.loads(meta_path.read_text()).items()
+               if key not in ("score_name", "initial_states", "reward_model", "success_threshold")}
+    meta_path.write_text(json.dumps({**trained, "dataset": "/tmp/on/the/training/machine"}))
+    train_pusht.write_env_defaults(assets / "checkpoint", num_steps=4, guidance_scale=1.0, chunk=8)
+    defaults = checkpoint_defaults(assets / "checkpoint")
+    settings = (defaults["score_name"], defaults["success_threshold"], defaults["max_episode_steps"])
+    assert settings == ("coverage", 0.95, 38)  # 300 gym-pusht steps in chunks of 8
+    assert defaults["reward_model"] == f"classifier:{(assets / pusht_env.REWARD_MODEL_DIR).resolve()}"
+    assert len(defaults["initial_states"]) > 0 and "dataset" not in json.loads(meta_path.read_text())
+
 
 def test_uniform_and_policy_file_episodes(tmp_path):
     """``uniform`` draws a fresh target every step over the table; a ``file:`` policy acts on the rendered frames

@@ -332,16 +332,24 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
                                  work_dir=str(work / "world_model"), max_seconds=budget)
     checkpoint = assets / CHECKPOINT_DIR
     train_world_model(training_dataset(args, work), checkpoint, config, vae_dir=work / "vae")
-    # The env's defaults live next to what training wrote (domain, chunk, tier, fps, image size).
+    write_env_defaults(checkpoint, num_steps=args.num_steps, guidance_scale=args.guidance_scale, chunk=args.chunk)
+    return {"probe_steps_per_s": steps_per_s, "config": dataclasses.asdict(config),
+            "last_log": last_log_line(work / "world_model" / "log.jsonl")}
+
+
+def write_env_defaults(checkpoint: Path, *, num_steps: int, guidance_scale: float, chunk: int) -> None:
+    """Add the env's defaults to the meta.json training wrote (domain, chunk, tier, fps, image size), including
+    where the assets folder keeps the start frames and the reward model, so that ``checkpoint_defaults`` of the
+    checkpoint alone (``load_engine("pusht")``, the CLI) finds them. Round 8's fine-tune had lost those three."""
     meta = json.loads((checkpoint / META_FILE).read_text())
     meta.update(
-        task=pusht.TASK, num_steps=args.num_steps, guidance_scale=args.guidance_scale,
-        success_threshold=pusht.SUCCESS_COVERAGE, max_episode_steps=-(-SIM_EPISODE_STEPS // args.chunk),
+        task=pusht.TASK, num_steps=num_steps, guidance_scale=guidance_scale,
+        success_threshold=pusht.SUCCESS_COVERAGE, max_episode_steps=-(-SIM_EPISODE_STEPS // chunk),
+        score_name="coverage", initial_states=f"../{INITIAL_STATES_FILE}",
+        reward_model=f"classifier:../{REWARD_MODEL_DIR}",
     )
     meta.pop("dataset", None)  # a path on the training machine means nothing to users
     (checkpoint / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    return {"probe_steps_per_s": steps_per_s, "config": dataclasses.asdict(config),
-            "last_log": last_log_line(work / "world_model" / "log.jsonl")}
 
 
 def unpack_first_part(source: Path, work: Path) -> None:
