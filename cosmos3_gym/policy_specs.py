@@ -1,20 +1,22 @@
 """Policy specs: the one registry of policies that ``cosmos3-gym eval``, ``cosmos3-gym eval-real`` and the
 evaluation API accept, by name.
 
-=====================  =========================================================================================
-spec                   policy
-=====================  =========================================================================================
-``random``             uniform random actions (seeded)
-``scripted:NOISE``     the PushT scripted pusher with NOISE px of target noise; it reads the true block pose, so
-                       it runs in the simulator only (``eval-real``)
-``scripted-frames:N``  the same pusher reading agent and block off each chunk's first frame
-                       (``sim.pusht_frame_pusher``): it acts on frames, so it runs closed loop in a world model too
-``agent``              the world-model checkpoint's own policy mode (``PolicyAgent``)
-``file:PATH``          a policy file this package saved; its safetensors metadata says what it is (below)
-``sb3:PATH``           a Stable-Baselines3 PPO policy of ``agents.save_sb3_policy`` (``ppo:PATH`` is an alias)
-``module:factory``     (``eval`` only) ``factory(env)`` from a module or ``path/to/file.py``: a callable
-                       ``obs -> action`` or an object with SB3's ``predict``
-=====================  =========================================================================================
+======================  =========================================================================================
+spec                    policy
+======================  =========================================================================================
+``random``              uniform random actions (seeded)
+``scripted:NOISE``      the PushT scripted pusher with NOISE px of target noise; it reads the true block pose, so
+                        it runs in the simulator only (``eval-real``)
+``scripted-frames:N``   the same pusher reading agent and block off each chunk's first frame
+                        (``sim.pusht_frame_pusher``): it acts on frames, so it runs closed loop in a world model too
+``scripted-physics:N``  the same, planning each chunk with gym-pusht's physics from the state read off the frame
+                        (needs gym-pusht): near ``scripted:N`` in the simulator, and closed loop too
+``agent``               the world-model checkpoint's own policy mode (``PolicyAgent``)
+``file:PATH``           a policy file this package saved; its safetensors metadata says what it is (below)
+``sb3:PATH``            a Stable-Baselines3 PPO policy of ``agents.save_sb3_policy`` (``ppo:PATH`` is an alias)
+``module:factory``      (``eval`` only) ``factory(env)`` from a module or ``path/to/file.py``: a callable
+                        ``obs -> action`` or an object with SB3's ``predict``
+======================  =========================================================================================
 
 Policy files. Every policy this package saves is one ``.safetensors`` file whose string metadata names its kind:
 
@@ -63,8 +65,10 @@ SB3_FILE_FORMAT = "cosmos3_gym.sb3_policy.v1"  # agents/sb3_policy.FORMAT (not i
 POLICY_FILE_LOADERS: dict[str, str | Callable[[str], Any]] = {
     "pixel_gaussian": "cosmos3_gym.rl.policy:load_policy_file",
 }
-SPEC_HELP = ("'random', 'agent', 'scripted:NOISE', 'scripted-frames:NOISE', 'file:PATH' (a policy file of this "
-             "package), 'sb3:PATH' / 'ppo:PATH' (a save_sb3_policy file)")
+SPEC_HELP = ("'random', 'agent', 'scripted:NOISE', 'scripted-frames:NOISE', 'scripted-physics:NOISE', 'file:PATH' "
+             "(a policy file of this package), 'sb3:PATH' / 'ppo:PATH' (a save_sb3_policy file)")
+# The scripted pushers that read frames, and how each plans a chunk (sim.pusht_frame_pusher.FrameScriptedPusher).
+FRAME_PUSHER_PLANNERS = {"scripted-frames": "controller", "scripted-physics": "physics"}
 
 
 def register_policy_file_kind(kind: str, loader: str | Callable[[str], Any]) -> None:
@@ -76,13 +80,14 @@ def register_policy_file_kind(kind: str, loader: str | Callable[[str], Any]) -> 
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """A parsed spec. ``kind``: random | scripted | scripted-frames | agent | sb3 (or its alias ppo) | file | factory;
+    """A parsed spec. ``kind``: random | scripted | scripted-frames | scripted-physics | agent | sb3 (or its alias
+    ppo) | file | factory;
     ``file_kind``:
     for ``file``, the kind in the file's metadata ("sb3" for save_sb3_policy files)."""
 
     spec: str
     kind: str
-    noise: float = 0.0  # scripted, scripted-frames: target noise in px
+    noise: float = 0.0  # the scripted pushers: target noise in px
     path: str | None = None  # sb3 / file: the policy file; factory: the module or .py file
     file_kind: str | None = None
     attribute: str | None = None  # factory: the factory's (dotted) name
@@ -90,7 +95,7 @@ class PolicySpec:
     @property
     def acts_on_frames(self) -> bool:
         """True for policies that observe images (and so run closed loop in a world model)."""
-        return self.kind in ("agent", "sb3", "ppo", "file", "scripted-frames")
+        return self.kind in ("agent", "sb3", "ppo", "file", *FRAME_PUSHER_PLANNERS)
 
     closed_loop_in_world_model = acts_on_frames  # the name sim.compare used
 
@@ -108,7 +113,7 @@ def parse_policy_spec(text: str, *, allow_factory: bool = False) -> PolicySpec:
     if text in ("random", "agent"):
         return PolicySpec(text, text)
     name, colon, argument = text.partition(":")
-    if name in ("scripted", "scripted-frames") and colon:
+    if (name == "scripted" or name in FRAME_PUSHER_PLANNERS) and colon:
         try:
             noise = float(argument or 0.0)
         except ValueError:
@@ -127,7 +132,7 @@ def parse_policy_spec(text: str, *, allow_factory: bool = False) -> PolicySpec:
     if name == "file" and argument:
         return PolicySpec(text, "file", path=argument, file_kind=policy_file_kind(argument, text))
     if allow_factory and colon and name and argument and name not in ("sb3", "ppo", "file", "scripted",
-                                                                      "scripted-frames"):
+                                                                      *FRAME_PUSHER_PLANNERS):
         module_name, _, attribute = text.rpartition(":")
         return PolicySpec(text, "factory", path=module_name, attribute=attribute)
     raise InputError(f"policy: {text!r} is not one of {SPEC_HELP}" +
@@ -188,16 +193,17 @@ def load_frame_agent(spec: PolicySpec | str, *, make_agent: Callable[[], Any] | 
                      device: str = "cpu", action_stats: Any = None, chunk: int | None = None,
                      seed: int = 0) -> Any:
     """The frame agent (``act(frames [N, H, W, 3]) -> [N, chunk, dim]``) of a policy that observes images:
-    a policy file, ``make_agent()`` for ``"agent"``, or for ``scripted-frames:NOISE`` the PushT pusher that reads
-    frames (it needs the world model's ``action_stats`` and ``chunk``; ``seed`` seeds its noise)."""
+    a policy file, ``make_agent()`` for ``"agent"``, or for ``scripted-frames:NOISE`` / ``scripted-physics:NOISE``
+    the PushT pusher that reads frames (it needs the world model's ``action_stats`` and ``chunk``; ``seed`` seeds its
+    noise)."""
     spec = parse_policy_spec(spec) if isinstance(spec, str) else spec
-    if spec.kind == "scripted-frames":
+    if spec.kind in FRAME_PUSHER_PLANNERS:
         if action_stats is None or chunk is None:
             raise InputError(f"policy: {spec.spec!r} needs action_stats and chunk (the world model's action "
                              "normalisation and chunk length).")
         from .sim.pusht_frame_pusher import FrameScriptedPusher
 
-        return FrameScriptedPusher(spec.noise, chunk, action_stats, seed=seed)
+        return FrameScriptedPusher(spec.noise, chunk, action_stats, seed=seed, planner=FRAME_PUSHER_PLANNERS[spec.kind])
     if spec.kind == "agent":
         if make_agent is None:
             raise InputError("make_agent: the 'agent' policy needs make_agent() -> the checkpoint's PolicyAgent.")
@@ -276,7 +282,7 @@ def load_policy(spec: str, env: Any, *, seed: int | None = 0) -> Any:
     if parsed.kind == "scripted":
         raise InputError(f"policy: {spec!r} reads the simulator's true state; it runs in `cosmos3-gym eval-real` "
                          "only.")
-    if parsed.kind == "scripted-frames":
+    if parsed.kind in FRAME_PUSHER_PLANNERS:
         raise InputError(f"policy: {spec!r} runs in `cosmos3-gym eval-real` and the simulator comparisons "
                          "(sim.compare), which give it the checkpoint's action statistics.")
     if parsed.is_sb3_file:

@@ -96,3 +96,42 @@ def test_compare_policies_runs_it_closed_loop_in_the_world_model():
     expected = FrameScriptedPusher(0.0, 8, STATS, seed=0)
     np.testing.assert_array_equal(env.actions[0][2:], expected.act(starts))
     np.testing.assert_array_equal(env.actions[1][2:], expected.act(starts))
+
+
+def test_physics_planner_reads_the_frame_and_pushes_like_the_true_state_pusher():
+    """``scripted-physics:NOISE`` plans each chunk in gym-pusht's physics from the state read off the frame: its
+    first target is the true-state pusher's, and closed loop on simulator frames it covers the target as that pusher
+    does (where ``scripted-frames``, planning with the block held still, falls behind)."""
+    pytest.importorskip("gym_pusht")
+    from cosmos3_gym.sim import pusht
+    from cosmos3_gym.sim.pusht_policies import ScriptedPusher
+
+    with pytest.raises(InputError, match="planner"):
+        load_frame_agent("scripted-frames:0", action_stats=STATS, chunk=8).__class__(0.0, 8, STATS, planner="mpc")
+    assert parse_policy_spec("scripted-physics:5").acts_on_frames
+    seeds, chunks = (110000, 110001), 12
+    coverage = {}
+    for spec in ("scripted-physics:0", "scripted-frames:0"):
+        agent = load_frame_agent(spec, action_stats=STATS, chunk=8, seed=1)
+        sim = pusht.PushTSim((256, 256), render_every_step=False)
+        try:
+            finals = []
+            for seed in seeds:
+                frame = sim.reset(seed)
+                frame = sim.render() if frame is None else frame
+                if spec == "scripted-physics:0":  # the first target, from the frame, is the true-state pusher's
+                    first = ScriptedPusher(np.random.default_rng(0))(sim.agent_xy, sim.block_pose)
+                    planned = STATS.denormalize(agent.act(frame[None])[0, 0])
+                    np.testing.assert_allclose(planned, first, atol=6.0)
+                    agent.start_episodes()
+                for _ in range(chunks):
+                    for target in STATS.denormalize(agent.act(sim.render()[None])[0]):
+                        sim.step(target)
+                finals.append(sim.coverage)
+                agent.start_episodes()
+        finally:
+            sim.close()
+            getattr(agent, "close", lambda: None)()
+        coverage[spec] = float(np.mean(finals))
+    assert coverage["scripted-physics:0"] > 0.8, coverage
+    assert coverage["scripted-physics:0"] > coverage["scripted-frames:0"] + 0.1, coverage

@@ -11,12 +11,13 @@
 
 Policy specs come from the one registry, ``cosmos3_gym.policy_specs`` (comma-separated): ``random``,
 ``scripted:NOISE`` (the scripted pusher with NOISE px of target noise), ``scripted-frames:NOISE`` (the same pusher
-reading the agent and the block off the frames), ``agent`` (the checkpoint's own policy mode),
+reading the agent and the block off the frames), ``scripted-physics:NOISE`` (that, planning each chunk in gym-pusht's
+physics from the read-off state), ``agent`` (the checkpoint's own policy mode),
 ``file:PATH`` (any policy file this package saves: the BC / GRPO pixel policies of ``cosmos3_gym.rl`` and SB3
 policies; the file's metadata says which) and ``sb3:PATH`` / ``ppo:PATH`` (a ``save_sb3_policy`` file). File
 policies act deterministically (their mean action).
 
-How a policy runs in the world model. Policies that see images (``agent``, ``scripted-frames:NOISE`` and the policy
+How a policy runs in the world model. Policies that see images (``agent``, the frame-reading pushers and the policy
 files) run closed loop in both worlds: in the simulator on its frames, in the world model on the model's own frames.
 The simulator's reference policies (``scripted:NOISE``, which reads the true block pose, and ``random``) cannot observe
 the world model's state, so the world model replays, open loop, the action chunks they produced in the simulator
