@@ -131,7 +131,6 @@ def test_physics_planner_reads_the_frame_and_pushes_like_the_true_state_pusher()
                 agent.start_episodes()
         finally:
             sim.close()
-            getattr(agent, "close", lambda: None)()
         coverage[spec] = float(np.mean(finals))
     assert coverage["scripted-physics:0"] > 0.8, coverage
     assert coverage["scripted-physics:0"] > coverage["scripted-frames:0"] + 0.1, coverage

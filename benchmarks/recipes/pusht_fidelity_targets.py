@@ -79,7 +79,7 @@ from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env  # noqa: E402
 from cosmos3_gym.envs.pusht_projection import RigidBlockProjection  # noqa: E402
 from cosmos3_gym.media import write_video  # noqa: E402
-from cosmos3_gym.policy_specs import parse_policy_spec  # noqa: E402
+from cosmos3_gym.policy_specs import SPEC_HELP, parse_policy_spec  # noqa: E402
 from cosmos3_gym.rewards.pusht_geometric import CENTROID_Y, DEFAULT_MIN_IOU, fit_tee  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
 from cosmos3_gym.sim.compare import compare_with_simulator, ranking_agreement, replay_actions  # noqa: E402
@@ -635,8 +635,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--episodes", type=int, default=32, help="held-out episodes (targets 1-3, and the starts of 4)")
     parser.add_argument("--chunks", type=int, default=8, help="chunks per held-out / random-action episode")
     parser.add_argument("--random-episodes", type=int, default=32, help="uniform random-action episodes (target 4)")
-    parser.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy specs "
-                        "(cosmos3_gym.policy_specs: random, scripted:NOISE, agent, file:PATH)")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policy specs ({SPEC_HELP})")
     parser.add_argument("--policy-starts", type=int, default=32)
     parser.add_argument("--policy-first-start", type=int, default=0,
                         help="the policies' first start (gym-pusht seed --heldout-seed + 100000 + this): more starts "
@@ -656,6 +655,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--results-name", default="pusht_fidelity_targets.json")
     add_decoder_arguments(parser, "light: the world model decodes with its checkpoint's light_decoder/ (issue 24)")
     args = parser.parse_args(argv)
+    if args.policy_first_start < 0:
+        parser.error(f"--policy-first-start: expected an integer >= 0, got {args.policy_first_start}")
     if args.smoke:
         args.episodes, args.chunks, args.random_episodes, args.video_episodes = 2, 2, 2, 1
         args.policy_starts, args.policy_chunks = 2, 2

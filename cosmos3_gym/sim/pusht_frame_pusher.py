@@ -87,7 +87,7 @@ class FrameScriptedPusher:
             if found[slot] and self.planner == "physics":
                 velocity = self._plan_in_physics(self._pushers[slot], position, self._velocities[slot], poses[slot],
                                                  targets[slot])
-            else:  # no block found: hold the agent where the controller puts it
+            else:  # the controller plan; with no block found, the agent is held where it is
                 pusher = self._pushers[slot] if found[slot] else None
                 velocity = self._plan_with_controller(pusher, position, self._velocities[slot], poses[slot],
                                                       targets[slot])
@@ -118,8 +118,3 @@ class FrameScriptedPusher:
             out[step] = pusher(sim.agent_xy, sim.block_pose)
             sim.step(out[step])
         return np.asarray(sim.sim_state[2:4], float)
-
-    def close(self) -> None:
-        if self._physics is not None:
-            self._physics.close()
-            self._physics = None

@@ -798,7 +798,7 @@ class WorldModelTrainer:
         trainable_params = [p for p in self.transformer.parameters() if p.requires_grad]
         tracker = _LossTracker(device)
         started, last_log_step = time.perf_counter(), self.step
-        self.train_started, time_fraction = started, 0.0
+        train_started, time_fraction = started, 0.0
         bar = tqdm(total=config.steps, initial=self.step, desc="training",
                    disable=not (config.progress and ctx.is_main))
         while self.step < config.steps:
@@ -833,7 +833,7 @@ class WorldModelTrainer:
                         handle.write(json.dumps(record) + "\n")
                     bar.set_postfix(loss=f"{summary['loss']:.4f}")
                 started, last_log_step = time.perf_counter(), self.step
-                time_fraction = self.time_fraction()
+                time_fraction = self.time_fraction(train_started)
                 if time_fraction >= 1.0:
                     break
             if config.save_every and self.step % config.save_every == 0 and self.step < config.steps:
@@ -841,14 +841,15 @@ class WorldModelTrainer:
         bar.close()
         self.save_state()
 
-    def time_fraction(self) -> float:
-        """The share of ``max_seconds`` left at the start of training that has passed (0 without a budget; 1 or more:
-        out of time), the largest over ranks, so all ranks set the same learning rate and stop at the same step."""
+    def time_fraction(self, train_started: float) -> float:
+        """The share of ``max_seconds`` left at ``train_started`` (``time.perf_counter()``) that has passed (0 without
+        a budget; 1 or more: out of time), the largest over ranks, so all ranks set the same learning rate and stop at
+        the same step."""
         if self.config.max_seconds is None:
             return 0.0
         deadline = self.constructed + self.config.max_seconds
         now = time.perf_counter()
-        fraction = 1.0 if now >= deadline else (now - self.train_started) / (deadline - self.train_started)
+        fraction = 1.0 if now >= deadline else (now - train_started) / (deadline - train_started)
         if self.ctx.world_size > 1:
             fraction = self.ctx.all_reduce_max(torch.tensor(fraction, device=self.ctx.device)).item()
         return fraction
