@@ -6,13 +6,15 @@ gym-pusht on held-out seeds.
     python benchmarks/rl_pusht.py --out $OUT                      # one GPU + 16 CPU cores, all stages
     python benchmarks/rl_pusht.py --stages grpo_wm,eval --resume  # continue a GRPO run from its checkpoint
 
-Two device calls of under 9 minutes each (one H100/H200, 16 cores): the first writes its small files (policies,
+Device calls of under 10 minutes each (one H100/H200, 16 cores): the first writes its small files (policies,
 starts, results, GRPO checkpoints: a few MB) into ``$OUT/rl_work``, which comes back; copy that folder to
-``runs/rl_pusht_work`` (git-ignored) and carry it into the second, which works on a writable copy of it under
+``runs/rl_pusht_work`` (git-ignored) and carry it into the next, which works on a writable copy of it under
 ``$OUT`` (so its GRPO checkpoint comes back too, for ``--resume``)::
 
-    python benchmarks/rl_pusht.py --out $OUT --work $OUT/rl_work --stages demos,bc,eval_bc,grpo_sim     # ~5 min
+    python benchmarks/rl_pusht.py --out $OUT --work $OUT/rl_work --stages demos,bc                      # ~4 min
     cp -r runs/rl_pusht_work $OUT/rl_work && chmod -R u+w $OUT/rl_work &&
+    python benchmarks/rl_pusht.py --out $OUT --work $OUT/rl_work --stages dagger,eval_bc,grpo_sim       # ~6 min
+    # (the same copy, from the second call's folder)
     python benchmarks/rl_pusht.py --out $OUT --work $OUT/rl_work --stages grpo_wm,eval                  # ~6 min
 
 Stages (``--stages``, comma-separated, in this order):
@@ -24,23 +26,28 @@ Stages (``--stages``, comma-separated, in this order):
    (``--execution-noise`` px, DART) labelled with the clean scripted ones, so BC sees how to recover.
 2. ``bc``: ``PixelGaussianPolicy`` fitted to the demonstrations (``rl.bc``; the data set on the GPU, L1 loss,
    ``--bc-steps`` or as many as fit in ``--bc-seconds``).
-3. ``eval_bc``: the BC policy in gym-pusht from ``--eval-episodes`` held-out starts (gym-pusht seeds
+3. ``dagger``: ``--dagger-rounds`` rounds of DAgger (``rl.dagger``) from the BC policy in gym-pusht: each round
+   ``--dagger-episodes`` episodes from fresh gym-pusht seeds (after the demonstrations' seeds), every visited state
+   labelled with the scripted pusher's chunk planned from the true state, then ``--dagger-steps`` steps of BC on all
+   labels so far. The result becomes ``bc`` (what GRPO starts from and is paired with); the demonstrations-only
+   policy stays as ``bc_demos``. ``--dagger-rounds 0`` skips it.
+4. ``eval_bc``: the BC policy in gym-pusht from ``--eval-episodes`` held-out starts (gym-pusht seeds
    ``--eval-seed``.., none used in training) for ``--eval-chunks`` chunks: success (coverage >= 0.95 at some step,
    gym-pusht's success) with a Wilson 95 % CI and mean final coverage with a t 95 % CI.
-4. ``grpo_sim``: GRPO (``rl.grpo``) in ``PushTSimVectorEnv`` (gym-pusht, ``--num-envs`` slots in groups of
+5. ``grpo_sim``: GRPO (``rl.grpo``) in ``PushTSimVectorEnv`` (gym-pusht, ``--num-envs`` slots in groups of
    ``--group-size`` sharing a demonstration start, ``--horizon`` chunks) for ``--iterations`` iterations.
-5. ``grpo_wm``: the same GRPO in ``cosmos3_gym/PushT-v0`` (the built-in world model on ``--device``), the same
+6. ``grpo_wm``: the same GRPO in ``cosmos3_gym/PushT-v0`` (the built-in world model on ``--device``), the same
    starts (frames rendered from the same simulator states), the reward ``pusht_geometric`` (coverage of a rigid T
    fitted to the imagined frame; 0 for deformed blocks), success at 0.95. Every ``--guard-every`` iterations the
    iteration's action chunks are replayed from the same starts in gym-pusht: imagined vs replayed-real success,
    false-success rate and the correlation of imagined score and real coverage, per iteration.
-6. ``eval``: both GRPO policies on the same held-out starts as BC, with the paired difference to BC (per seed,
+7. ``eval``: both GRPO policies on the same held-out starts as BC, with the paired difference to BC (per seed,
    t 95 % CI).
 
-Writes ``rl_pusht.json`` (card, commit, command; ``policies``: ``bc``, ``grpo_simulator``, ``grpo_world_model`` ->
-repo-relative policy files; every stage's numbers and wall clock; per-iteration histories) and ``rl_pusht.png``
-(curves) to ``--out`` (default ``$OUT`` or benchmarks/results), and the three policy files (under 1 MB each) to
-``<out>/policies/`` (commit them as ``benchmarks/results/policies/``). Intermediate files (demonstrations, GRPO
+Writes ``rl_pusht.json`` (card, commit, command; ``policies``: ``bc``, ``bc_demos``, ``grpo_simulator``,
+``grpo_world_model`` -> repo-relative policy files; every stage's numbers and wall clock; per-iteration histories)
+and ``rl_pusht.png`` (curves) to ``--out`` (default ``$OUT`` or benchmarks/results), and the policy files (under 1 MB
+each) to ``<out>/policies/`` (commit them as ``benchmarks/results/policies/``). Intermediate files (demonstrations, GRPO
 checkpoints) and a copy of the results and policies go to ``--work`` (default /tmp/cosmos3_gym_rl_pusht; a few MB),
 which stages run separately share (the results of earlier stages are read back from ``--out``, else from ``--work``);
 the demonstrations for BC (GBs) go to ``--scratch`` and are needed only by the ``bc`` stage.
@@ -74,16 +81,16 @@ from cosmos3_gym.rl.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from cosmos3_gym.rl.plots import line_chart  # noqa: E402
 from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig, load_policy_file, save_policy_file  # noqa: E402
 
-STAGES = ("demos", "bc", "eval_bc", "grpo_sim", "grpo_wm", "eval")
+STAGES = ("demos", "bc", "dagger", "eval_bc", "grpo_sim", "grpo_wm", "eval")
 WORLDS = {"grpo_sim": "grpo_simulator", "grpo_wm": "grpo_world_model"}
 RESULTS_NAME = "rl_pusht.json"
 REPO_POLICY_DIR = "benchmarks/results/policies"
 FULL = dict(demo_episodes=1000, demo_max_steps=300, demo_stride=1, start_stride=8, bc_steps=40000, bc_batch_size=256,
-            eval_episodes=200, eval_chunks=38, num_envs=64, group_size=8, horizon=4, iterations=80, minibatch_size=512,
-            workers=16)
+            dagger_rounds=4, dagger_episodes=512, dagger_steps=3000, eval_episodes=200, eval_chunks=38, num_envs=64,
+            group_size=8, horizon=4, iterations=80, minibatch_size=512, workers=16)
 TINY = dict(demo_episodes=3, demo_max_steps=24, demo_stride=4, start_stride=8, bc_steps=4, bc_batch_size=8,
-            eval_episodes=3, eval_chunks=2, num_envs=4, group_size=2, horizon=2, iterations=2, minibatch_size=8,
-            workers=2)
+            dagger_rounds=2, dagger_episodes=2, dagger_steps=2, eval_episodes=3, eval_chunks=2, num_envs=4,
+            group_size=2, horizon=2, iterations=2, minibatch_size=8, workers=2)
 TINY_POLICY = dict(channels=(8, 8, 8, 8), hidden=16)
 
 
@@ -225,6 +232,51 @@ def stage_bc(run: Run) -> None:
     run.results["bc"] = {"loss": losses[::every] + [losses[-1]], "final_loss": losses[-1],
                          "samples": int(len(chunks)), "steps": len(losses), "config": asdict(config),
                          "train_s": train_s, "ms_per_step": 1000 * train_s / len(losses)}
+
+
+def stage_dagger(run: Run) -> None:
+    """DAgger from the BC policy (``rl.dagger``): the result replaces ``bc`` (the policy GRPO starts from and is paired
+    with); the demonstrations-only policy stays as ``bc_demos``."""
+    from cosmos3_gym.rl.dagger import DAggerConfig, train_dagger
+    from cosmos3_gym.sim.starts import DemoStartStates
+
+    args = run.args
+    if args.dagger_rounds == 0:
+        print("dagger: --dagger-rounds 0; skipped", flush=True)
+        return
+    demos_only = run.policy_path("bc_demos")
+    if not demos_only.is_file():
+        shutil.copy2(run.existing_policy("bc"), demos_only)
+    policy = load_policy_file(demos_only, device=args.device)
+    first_seed = dagger_first_seed(args)
+    episodes = args.dagger_episodes
+    starts = DemoStartStates.from_seeds(range(first_seed, first_seed + args.dagger_rounds * episodes),
+                                        image_size=run.image_size)
+    config = DAggerConfig(rounds=args.dagger_rounds, chunks=args.eval_chunks, seed=args.seed,
+                          bc=BCConfig(steps=args.dagger_steps, batch_size=args.bc_batch_size, learning_rate=3e-4,
+                                      loss=args.bc_loss, seed=args.seed))
+    env = run.sim_env(starts, episodes, 1, args.eval_chunks)
+    started = time.perf_counter()
+    try:
+        history = train_dagger(policy, env, lambda r: np.arange(r * episodes, (r + 1) * episodes), config,
+                               progress=not args.no_progress,
+                               on_round=lambda r: print(f"dagger round {r['round']}: rollout success "
+                                                        f"{r['rollout_success_rate']:.3f} coverage "
+                                                        f"{r['rollout_mean_final_coverage']:.3f}, {r['samples']} "
+                                                        f"samples, loss {r['final_loss']:.4f}", flush=True))
+    finally:
+        env.close()
+    save_policy_file(policy, run.policy_path("bc"), trained_by="benchmarks/rl_pusht.py (bc, then dagger)",
+                     dagger_rounds=args.dagger_rounds, samples=history[-1]["samples"])
+    run.record_policy("bc_demos", "bc_demos")
+    run.results.setdefault("bc", {})["dagger"] = {
+        "config": asdict(config), "seeds": [first_seed, first_seed + args.dagger_rounds * episodes - 1],
+        "history": history, "train_s": time.perf_counter() - started}
+
+
+def dagger_first_seed(args) -> int:
+    """DAgger's rollout seeds follow the demonstrations' (never the held-out evaluation seeds)."""
+    return args.seed + args.demo_episodes
 
 
 def evaluate(run: Run, name: str, first_seed: int | None = None) -> dict[str, Any]:
@@ -499,8 +551,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--eval-policies: expected some of {list(WORLDS.values())}, got {args.eval_policies}")
     if args.num_envs % args.group_size:
         parser.error("--num-envs must be a multiple of --group-size")
-    if args.eval_seed < args.seed + args.demo_episodes:
-        parser.error("--eval-seed: held-out seeds must not overlap the demonstration seeds")
+    if args.eval_seed < dagger_first_seed(args) + args.dagger_rounds * args.dagger_episodes:
+        parser.error("--eval-seed: held-out seeds must not overlap the demonstration and DAgger seeds")
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the simulator worker processes
@@ -511,8 +563,9 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         print(f"== stage {stage}", flush=True)
         started = time.perf_counter()
-        {"demos": stage_demos, "bc": stage_bc, "eval_bc": stage_eval_bc, "eval": stage_eval}.get(
-            stage, lambda r: stage_grpo(r, stage))(run)
+        stages_run = {"demos": stage_demos, "bc": stage_bc, "dagger": stage_dagger, "eval_bc": stage_eval_bc,
+                      "eval": stage_eval}
+        stages_run.get(stage, lambda r: stage_grpo(r, stage))(run)
         run.results["timings"][f"{stage}_s"] = time.perf_counter() - started
         run.save()
     plot(run)

@@ -14,7 +14,7 @@ RECIPE = Path(__file__).resolve().parent.parent / "benchmarks" / "rl_pusht.py"
 
 
 def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
-    from cosmos3_gym.rl.policy import load_policy_file
+    from cosmos3_gym.rl.policy import load_policy_file, read_policy_metadata
 
     monkeypatch.setenv("COSMOS3_GYM_COMMIT", "test")
     spec = importlib.util.spec_from_file_location("rl_pusht_recipe", RECIPE)
@@ -23,12 +23,12 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     out, work = tmp_path / "out", tmp_path / "work"
     common = ["--tiny", "--work", str(work), "--scratch", str(tmp_path / "scratch"), "--no-progress", "--device",
               "cpu"]
-    recipe.main([*common, "--out", str(tmp_path / "first"), "--stages", "demos,bc,eval_bc"])
+    recipe.main([*common, "--out", str(tmp_path / "first"), "--stages", "demos,bc,dagger,eval_bc"])
     # A second run with a fresh --out (another GPU call) continues from --work.
     results = recipe.main([*common, "--out", str(out), "--stages", "grpo_sim,grpo_wm,eval",
                            "--guard-every", "1"])
 
-    assert set(results["policies"]) == {"bc", "grpo_simulator", "grpo_world_model"}
+    assert set(results["policies"]) == {"bc", "bc_demos", "grpo_simulator", "grpo_world_model"}
     for key, path in results["policies"].items():
         assert path == f"benchmarks/results/policies/rl_pusht_{key}.safetensors"
         assert load_policy_file(out / "policies" / Path(path).name).action_shape == (8, 2)
@@ -36,7 +36,10 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     assert saved["provenance"]["commit"] == "test" and "rl_pusht.py" in saved["provenance"]["command"]
     assert saved["bc"]["eval"]["episodes"] == 3 and "demos" in saved  # kept from the first run
     assert saved["bc"]["eval_on_demo_seeds"]["eval_seeds"] == [0, 2] and saved["bc"]["steps"] == 4
-    assert [call["stages"] for call in saved["calls"]] == ["demos,bc,eval_bc", "grpo_sim,grpo_wm,eval"]
+    assert [call["stages"] for call in saved["calls"]] == ["demos,bc,dagger,eval_bc", "grpo_sim,grpo_wm,eval"]
+    dagger = saved["bc"]["dagger"]  # DAgger's policy became "bc"; the demonstrations-only one is "bc_demos"
+    assert [r["round"] for r in dagger["history"]] == [0, 1] and dagger["seeds"] == [3, 6]
+    assert read_policy_metadata(work / "policies" / "rl_pusht_bc.safetensors")["dagger_rounds"] == 2
     world_model = saved["grpo_world_model"]
     assert len(world_model["history"]) == 2 and all(r["guard"] for r in world_model["history"])
     assert world_model["reward_check"]["replayed_episodes"] == 8

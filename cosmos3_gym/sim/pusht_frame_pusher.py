@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import InputError
 from .pusht_geometry import TABLE_SIZE
-from .pusht_policies import ScriptedPusher
+from .pusht_policies import ScriptedPusher, plan_chunk_in_physics
 from .readoff import read_state
 
 __all__ = ["FrameScriptedPusher"]
@@ -113,8 +113,5 @@ class FrameScriptedPusher:
 
             self._physics = PushTSim((16, 16), render_every_step=False)  # never draws: only its physics is used
         sim = self._physics
-        sim.restore(np.concatenate([position, velocity, pose, np.zeros(3)]))
-        for step in range(self.chunk):
-            out[step] = pusher(sim.agent_xy, sim.block_pose)
-            sim.step(out[step])
+        out[:] = plan_chunk_in_physics(sim, pusher, np.concatenate([position, velocity, pose, np.zeros(3)]), self.chunk)
         return np.asarray(sim.sim_state[2:4], float)

@@ -16,7 +16,7 @@ from .pusht_geometry import (
 )
 
 __all__ = ["REPLAY_NOISE", "SCRIPTED_NOISE_LEVELS", "ChunkedFramePolicy", "RandomWaypoints", "Replay", "ScriptedPusher",
-           "UniformTargets"]
+           "UniformTargets", "plan_chunk_in_physics"]
 
 SCRIPTED_NOISE_LEVELS = (0.0, 4.0, 10.0, 20.0)  # px std of the Gaussian noise on a scripted pusher's targets
 REPLAY_NOISE = 8.0  # px std of the noise added to a replayed action
@@ -118,6 +118,18 @@ class ScriptedPusher:
         step = float(np.clip(wrap_angle(goal_angle - agent_angle), -0.7, 0.7))
         angle = agent_angle + step
         return center + self.ORBIT_RADIUS * np.array([math.cos(angle), math.sin(angle)])
+
+
+def plan_chunk_in_physics(sim, pusher: ScriptedPusher, state: np.ndarray, steps: int) -> np.ndarray:
+    """The ``steps`` targets ``pusher`` gives from simulator state ``state`` when each is executed in ``sim`` (a
+    ``PushTSim`` kept for planning, put in ``state`` first): float ``[steps, 2]`` table pixels. A chunk policy that
+    executes them open loop does what the per-step pusher does closed loop, up to pymunk's contact caches."""
+    sim.restore(state)
+    targets = np.empty((steps, 2), np.float64)
+    for step in range(steps):
+        targets[step] = pusher(sim.agent_xy, sim.block_pose)
+        sim.step(targets[step])
+    return targets
 
 
 @dataclass

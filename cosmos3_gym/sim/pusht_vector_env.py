@@ -45,6 +45,7 @@ from ..envs.vector_env import slot_seeds
 from ..errors import InputError
 from ..processor import ActionStats
 from .pusht_geometry import RAW_ACTION_DIM, SUCCESS_COVERAGE, TABLE_SIZE
+from .pusht_policies import ScriptedPusher, plan_chunk_in_physics
 from .pusht_sim import PushTSim, _check_image_size
 from .starts import DemoStartStates
 
@@ -61,6 +62,8 @@ class _SimBlock:
         self.sims = [PushTSim(image_size, render_every_step=False) for _ in range(count)]
         self.observation_size = observation_size
         self.success_threshold = success_threshold
+        self.experts: list[ScriptedPusher | None] = [None] * count  # per slot, for its current episode
+        self._planner: PushTSim | None = None  # the expert's private physics
 
     def _observe(self, sim: PushTSim) -> np.ndarray:
         return resize_frame(sim.render(), self.observation_size)
@@ -69,6 +72,7 @@ class _SimBlock:
         out = []
         for local, state in items:
             self.sims[local].restore(state)
+            self.experts[local] = None
             out.append((self._observe(self.sims[local]), self.sims[local].coverage))
         return out
 
@@ -86,9 +90,22 @@ class _SimBlock:
             out.append((self._observe(sim), sim.coverage, best, success))
         return out
 
+    def expert_plans(self, items: list[tuple[int, int]]) -> list[np.ndarray]:
+        """Per ``(slot, chunk)``: the noise-free scripted pusher's next ``chunk`` targets from the slot's true state."""
+        if self._planner is None:
+            self._planner = PushTSim((16, 16), render_every_step=False)  # only its physics is used
+        out = []
+        for local, chunk in items:
+            if self.experts[local] is None:
+                self.experts[local] = ScriptedPusher(np.random.default_rng(0))
+            out.append(plan_chunk_in_physics(self._planner, self.experts[local], self.sims[local].sim_state, chunk))
+        return out
+
     def close(self) -> None:
         for sim in self.sims:
             sim.close()
+        if self._planner is not None:
+            self._planner.close()
 
 
 def _worker(connection, count, image_size, observation_size, success_threshold) -> None:
@@ -323,6 +340,17 @@ class PushTSimVectorEnv(VectorEnv):
         elif self._local is not None:
             self._local.close()
             self._local = None
+
+    def expert_action_chunks(self) -> np.ndarray:
+        """What the noise-free scripted pusher would do next in every slot, planned from the slot's true simulator
+        state in a private copy of the physics: float32 ``[num_envs, chunk, 2]`` normalised actions (the inverse of
+        ``step``'s mapping, clipped to [-1, 1]). The privileged labels of DAgger (``cosmos3_gym.rl.dagger``); each
+        slot's pusher keeps its chosen contact until the slot's episode restarts. Waiting slots are labelled too."""
+        if not self._started:
+            raise InputError("reset: call reset() before expert_action_chunks().")
+        plans = self._call("expert_plans", {slot: self.chunk for slot in range(self.num_envs)})
+        targets = np.stack([plans[slot] for slot in range(self.num_envs)]).astype(np.float32)
+        return np.clip(self.action_stats.normalize(targets), -1.0, 1.0).astype(np.float32)
 
     # ------------------------------------------------------------------ helpers
 
