@@ -35,7 +35,8 @@ Stages (``--stages``, comma-separated, in this order):
    ``--eval-seed``.., none used in training) for ``--eval-chunks`` chunks: success (coverage >= 0.95 at some step,
    gym-pusht's success) with a Wilson 95 % CI and mean final coverage with a t 95 % CI.
 5. ``grpo_sim``: GRPO (``rl.grpo``) in ``PushTSimVectorEnv`` (gym-pusht, ``--num-envs`` slots in groups of
-   ``--group-size`` sharing a demonstration start, ``--horizon`` chunks) for ``--iterations`` iterations.
+   ``--group-size`` sharing a start, ``--horizon`` chunks) for ``--iterations`` iterations. Starts
+   (``--rl-starts``): demonstration steps (mid-task too; the default) or fresh gym-pusht resets (whole tasks).
 6. ``grpo_wm``: the same GRPO in ``cosmos3_gym/PushT-v0`` (the built-in world model on ``--device``), the same
    starts (frames rendered from the same simulator states), the reward ``pusht_geometric`` (coverage of a rigid T
    fitted to the imagined frame; 0 for deformed blocks), success at 0.95. Every ``--guard-every`` iterations the
@@ -84,6 +85,7 @@ from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig, load_policy
 STAGES = ("demos", "bc", "dagger", "eval_bc", "grpo_sim", "grpo_wm", "eval")
 WORLDS = {"grpo_sim": "grpo_simulator", "grpo_wm": "grpo_world_model"}
 RESULTS_NAME = "rl_pusht.json"
+RESET_STARTS = 2048  # gym-pusht resets GRPO draws its starts from with --rl-starts resets
 REPO_POLICY_DIR = "benchmarks/results/policies"
 FULL = dict(demo_episodes=1000, demo_max_steps=300, demo_stride=1, start_stride=8, bc_steps=40000, bc_batch_size=256,
             dagger_rounds=4, dagger_episodes=512, dagger_steps=3000, eval_episodes=200, eval_chunks=38, num_envs=64,
@@ -157,6 +159,17 @@ class Run:
             raise SystemExit(f"{path} is missing: run the 'demos' stage first (with the same --work; in another call: "
                              f"bring that call's --work folder along and pass it as --work).")
         return DemoStartStates.load(path)
+
+    def rl_starts(self):
+        """GRPO's starts: ``--rl-starts demos`` (every ``--start-stride``-th step of the demonstrations: mid-task
+        too) or ``resets`` (``RESET_STARTS`` fresh gym-pusht resets after the DAgger seeds: whole tasks, for rollouts
+        as long as an episode)."""
+        from cosmos3_gym.sim.starts import DemoStartStates
+
+        if self.args.rl_starts == "demos":
+            return self.starts()
+        first = reset_starts_first_seed(self.args)
+        return DemoStartStates.from_seeds(range(first, first + RESET_STARTS), image_size=self.image_size)
 
     def eval_starts(self, first_seed: int | None = None):
         from cosmos3_gym.sim.starts import DemoStartStates
@@ -279,6 +292,11 @@ def dagger_first_seed(args) -> int:
     return args.seed + args.demo_episodes
 
 
+def reset_starts_first_seed(args) -> int:
+    """``--rl-starts resets`` follow DAgger's seeds."""
+    return dagger_first_seed(args) + args.dagger_rounds * args.dagger_episodes
+
+
 def evaluate(run: Run, name: str, first_seed: int | None = None) -> dict[str, Any]:
     """The policy file ``name`` in gym-pusht from the held-out starts (``--eval-seed``.., or ``first_seed``..):
     success and final coverage with CIs."""
@@ -362,7 +380,7 @@ def stage_grpo(run: Run, stage: str) -> None:
 
     args = run.args
     key = WORLDS[stage]
-    starts = run.starts()
+    starts = run.rl_starts()
     config = GRPOConfig(iterations=args.iterations, group_size=args.group_size, horizon=args.horizon,
                         learning_rate=args.learning_rate, update_epochs=args.update_epochs,
                         minibatch_size=args.minibatch_size, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
@@ -372,7 +390,7 @@ def stage_grpo(run: Run, stage: str) -> None:
     # Simulator workers fork before anything touches CUDA.
     replay_env = run.sim_env(starts, args.num_envs, 1, args.horizon) if stage == "grpo_wm" else None
     env = run.sim_env(starts, args.num_envs, args.group_size, args.horizon) if stage == "grpo_sim" else None
-    reference = load_policy_file(run.existing_policy("bc"), device=args.device)
+    reference = start_policy(run)
     if stage == "grpo_wm":
         env = world_model_env(run, starts, args.horizon)
     guard = (lambda s, a, n: replay_in_simulator(replay_env, s, a, n)) if replay_env is not None else None
@@ -383,7 +401,7 @@ def stage_grpo(run: Run, stage: str) -> None:
             trainer = GRPOTrainer.load(checkpoint, env, device=args.device, reference=reference, guard=guard)
             print(f"{key}: resumed at iteration {trainer.iteration}", flush=True)
         else:
-            policy = load_policy_file(run.existing_policy("bc"), device=args.device)
+            policy = start_policy(run)
             trainer = GRPOTrainer(policy, env, config, reference=reference, num_starts=len(starts), guard=guard)
         started = time.perf_counter()
         history = trainer.train(args.iterations, checkpoint_path=checkpoint, progress=not args.no_progress,
@@ -399,6 +417,7 @@ def stage_grpo(run: Run, stage: str) -> None:
     run.record_policy(key, key)
     run.results[key] = {
         "world": "gym-pusht" if stage == "grpo_sim" else "cosmos3_gym/PushT-v0 (reward pusht_geometric)",
+        "starts": starts.description,
         "config": asdict(config),
         "history": history,
         "env_steps": history[-1]["env_steps_total"],
@@ -423,6 +442,16 @@ def stage_grpo(run: Run, stage: str) -> None:
             if any(np.isfinite(r["score_coverage_pearson"]) for r in guarded) else None,
             "mean_score_coverage_mae": float(np.mean([r["score_coverage_mae"] for r in guarded])),
         }
+
+
+def start_policy(run: Run) -> PixelGaussianPolicy:
+    """The BC policy GRPO starts from (and stays near, as the KL reference), its exploration noise set to
+    ``--initial-log-std`` if given: BC leaves it at ``PolicyConfig.initial_log_std``."""
+    policy = load_policy_file(run.existing_policy("bc"), device=run.args.device)
+    if run.args.initial_log_std is not None:
+        with torch.no_grad():
+            policy.log_std.fill_(run.args.initial_log_std)
+    return policy
 
 
 def _iteration_line(key: str, record: dict) -> str:
@@ -523,6 +552,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--coverage-weight", type=float, default=0.1)
     parser.add_argument("--advantage-normalization", choices=("group", "batch", "none"), default="group",
                         help="GRPO's advantage: return minus group mean over the group's std, the batch's std or 1")
+    parser.add_argument("--initial-log-std", type=float, default=None,
+                        help="GRPO: the start policy's (and KL reference's) log std of its Gaussian, in the [-1, 1] "
+                             "action space (default: as BC saved it, -2.5: about 21 table px)")
+    parser.add_argument("--rl-starts", choices=("demos", "resets"), default="demos",
+                        help="GRPO's starts: steps of the demonstrations (mid-task too) or fresh gym-pusht resets "
+                             "(whole tasks: pair with --horizon as long as an episode)")
     parser.add_argument("--guard-every", type=int, default=10)
     parser.add_argument("--imagination-samples", type=int, default=1,
                         help="grpo_wm: score each chunk by this many imagined samples of it (the env's "
@@ -551,8 +586,12 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--eval-policies: expected some of {list(WORLDS.values())}, got {args.eval_policies}")
     if args.num_envs % args.group_size:
         parser.error("--num-envs must be a multiple of --group-size")
-    if args.eval_seed < dagger_first_seed(args) + args.dagger_rounds * args.dagger_episodes:
-        parser.error("--eval-seed: held-out seeds must not overlap the demonstration and DAgger seeds")
+    if args.eval_seed < reset_starts_first_seed(args) + RESET_STARTS:
+        parser.error("--eval-seed: held-out seeds must not overlap the demonstration, DAgger and GRPO start seeds")
+    bounds = (GRPOConfig.min_log_std, GRPOConfig.max_log_std)
+    if args.initial_log_std is not None and not bounds[0] <= args.initial_log_std <= bounds[1]:
+        parser.error(f"--initial-log-std: expected a value in GRPO's log std range {list(bounds)}, got "
+                     f"{args.initial_log_std}")
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the simulator worker processes

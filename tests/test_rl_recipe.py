@@ -25,8 +25,9 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
               "cpu"]
     recipe.main([*common, "--out", str(tmp_path / "first"), "--stages", "demos,bc,dagger,eval_bc"])
     # A second run with a fresh --out (another GPU call) continues from --work.
+    # GRPO from fresh gym-pusht resets (after the DAgger seeds) instead of demonstration steps.
     results = recipe.main([*common, "--out", str(out), "--stages", "grpo_sim,grpo_wm,eval",
-                           "--guard-every", "1"])
+                           "--guard-every", "1", "--rl-starts", "resets", "--initial-log-std", "-3"])
 
     assert set(results["policies"]) == {"bc", "bc_demos", "grpo_simulator", "grpo_world_model"}
     for key, path in results["policies"].items():
@@ -43,6 +44,11 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     world_model = saved["grpo_world_model"]
     assert len(world_model["history"]) == 2 and all(r["guard"] for r in world_model["history"])
     assert world_model["reward_check"]["replayed_episodes"] == 8
+    # GRPO started from BC with its exploration noise reset (BC saves -2.5).
+    grpo_policy = load_policy_file(out / "policies" / "rl_pusht_grpo_simulator.safetensors")
+    assert grpo_policy.log_std.detach().mean().item() == pytest.approx(-3.0, abs=0.05)
+    # seeds 7..: after the 3 demonstrations and DAgger's 2 rounds of 2 episodes
+    assert world_model["starts"] == saved["grpo_simulator"]["starts"] == "2048 gym-pusht resets (seeds 7..)"
     assert saved["grpo_simulator"]["env_steps"] == world_model["env_steps"] == 16
     assert "success_rate_difference_t95" in saved["grpo_world_model"]["vs_bc"]
     assert (out / "rl_pusht.png").stat().st_size > 0
