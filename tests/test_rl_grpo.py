@@ -80,6 +80,25 @@ def test_grpo_raises_the_success_rate_of_a_toy_task():
         GRPOTrainer(trainer.policy, ReachRight(6), GRPOConfig(group_size=4))
 
 
+def test_a_narrow_gaussian_that_moves_far_keeps_finite_weights():
+    # log std -4 over 4 dims and a large step: the second epoch's log-ratios reach hundreds, whose exp() overflowed
+    # float32 and turned every weight NaN.
+    trainer = toy_trainer(learning_rate=0.3, kl_coef=0.1, update_epochs=4)
+    with torch.no_grad():
+        trainer.policy.log_std.fill_(-4.0)
+        trainer.reference.log_std.fill_(-4.0)
+    history = trainer.train(progress=False)
+    assert all(torch.isfinite(p).all() for p in trainer.policy.parameters())
+    assert all(np.isfinite(r["kl_to_reference"]) and np.isfinite(r["policy_loss"]) for r in history)
+    # A non-finite loss (here: a corrupted advantage) is a clear error, not NaN weights.
+    rollout = trainer.collect()
+    rollout.advantages[0] = float("inf")
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    with pytest.raises(FloatingPointError, match="loss is not finite"):
+        trainer.update(rollout)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
+
+
 def test_grpo_resumes_exactly(tmp_path):
     straight = toy_trainer(kl_coef=0.1)
     straight.train(iterations=3, progress=False)

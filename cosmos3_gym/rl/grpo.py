@@ -74,6 +74,13 @@ class GRPOConfig:
     seed: int = 0
 
 
+# exp() of a log-probability ratio overflows float32 past ~88. With a narrow Gaussian over 16 action dimensions (log
+# std -3.5 or below) a policy that moved a few of its stds from the sampling or reference policy reaches that, and one
+# inf made every weight NaN. Clamped at 20, those samples' ratios stop passing gradient (the clipped objective ignores
+# them too when the advantage agrees) and the k3 KL stays finite while still pulling back hard.
+MAX_LOG_RATIO = 20.0
+
+
 def group_advantages(returns: np.ndarray, group_size: int, normalization: str = "group") -> np.ndarray:
     """Each slot's return minus its group's mean, divided by
 
@@ -256,7 +263,7 @@ class GRPOTrainer:
                 actions = rollout.actions[index].to(device)
                 log_prob = distribution.log_prob(actions).sum(-1)
                 log_ratio = log_prob - rollout.log_probs[index].to(device)
-                ratio = log_ratio.exp()
+                ratio = log_ratio.clamp(max=MAX_LOG_RATIO).exp()
                 advantages = rollout.advantages[index].to(device)
                 policy_loss = torch.max(-advantages * ratio,
                                         -advantages * ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)).mean()
@@ -265,9 +272,14 @@ class GRPOTrainer:
                 kl = torch.zeros((), device=device)
                 if rollout.reference_log_probs is not None and config.kl_coef > 0:
                     # k3 estimator of KL(policy || reference) on the sampled actions (Schulman 2020), as in GRPO.
-                    log_ref_ratio = rollout.reference_log_probs[index].to(device) - log_prob
+                    log_ref_ratio = (rollout.reference_log_probs[index].to(device) - log_prob).clamp(max=MAX_LOG_RATIO)
                     kl = (log_ref_ratio.exp() - log_ref_ratio - 1).mean()
                     loss = loss + config.kl_coef * kl
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(
+                        f"GRPO: the loss is not finite at iteration {self.iteration} (policy loss "
+                        f"{float(policy_loss)}, KL {float(kl)}); the policy's weights are left as they were after the "
+                        f"last finite step. Check the env's rewards, lower learning_rate or raise min_log_std.")
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)

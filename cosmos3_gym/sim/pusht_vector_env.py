@@ -24,6 +24,9 @@ within the step its last slot finishes; ``info["final_obs"]`` / ``info["final_in
 last observation and info. ``DISABLED``: finished slots wait until ``reset(options={"reset_mask": mask})`` (whole
 groups). With G = 1 this is the usual per-slot autoreset.
 
+``expert_action_chunks()`` labels every slot with the noise-free scripted pusher's next chunk, planned from the
+slot's true state (DAgger's expert, ``cosmos3_gym.rl.dagger``).
+
 ``workers`` > 0 runs the simulators in that many processes (slots split in contiguous blocks; each worker process
 uses one thread); 0 runs them in this process.
 """
