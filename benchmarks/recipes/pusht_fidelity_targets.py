@@ -91,7 +91,7 @@ from cosmos3_gym.sim.readoff import read_positions  # noqa: E402
 # folder, so the summary's names stay short.
 RESULTS = Path(os.path.relpath(RECIPES.parent / "results"))
 POLICY_FILES = [*(RESULTS / "policies" / f"rl_pusht_{name}.safetensors" for name in
-                  ("bc", "grpo_simulator", "grpo_world_model")),
+                  ("bc", "bc_dagger", "grpo_simulator", "grpo_world_model")),
                 RESULTS / "rl_imagination_pusht_h200_world_model_policy.safetensors"]
 # A chunk where nothing moves is copied exactly by the copy-the-start floor: infinite PSNR, with no mean or CI. Capped
 # here, so such chunks count as "the floor is perfect" and the rollout falls short of it there.
