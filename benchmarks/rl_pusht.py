@@ -597,14 +597,14 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the simulator worker processes
 
     run = Run(args)
+    named_stages = {"demos": stage_demos, "bc": stage_bc, "dagger": stage_dagger, "eval_bc": stage_eval_bc,
+                    "eval": stage_eval}
     for stage in STAGES:
         if stage not in stages:
             continue
         print(f"== stage {stage}", flush=True)
         started = time.perf_counter()
-        stages_run = {"demos": stage_demos, "bc": stage_bc, "dagger": stage_dagger, "eval_bc": stage_eval_bc,
-                      "eval": stage_eval}
-        stages_run.get(stage, lambda r: stage_grpo(r, stage))(run)
+        named_stages.get(stage, lambda r: stage_grpo(r, stage))(run)
         run.results["timings"][f"{stage}_s"] = time.perf_counter() - started
         run.save()
     plot(run)

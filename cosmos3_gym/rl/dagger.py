@@ -46,38 +46,39 @@ class DAggerConfig:
             raise InputError(f"expert_probability: expected a number in [0, 1], got {self.expert_probability!r}.")
 
 
+class _LabellingPolicy:
+    """``evaluate_in_simulator``'s policy for one DAgger round: at every chunk it records the observations and the
+    expert's chunks of all slots, and executes the expert's chunk in a random ``expert_probability`` share of them,
+    the policy's mean action elsewhere."""
+
+    def __init__(self, policy: PixelGaussianPolicy, env: Any, expert_probability: float, rng: np.random.Generator):
+        self.policy, self.env, self.expert_probability, self.rng = policy, env, expert_probability, rng
+        self.frames: list[np.ndarray] = []
+        self.labels: list[np.ndarray] = []
+
+    def act(self, observations: dict[str, np.ndarray], deterministic: bool = True) -> np.ndarray:
+        expert = self.env.expert_action_chunks()
+        self.frames.append(np.array(observations["image"]))
+        self.labels.append(expert)
+        actions = np.asarray(self.policy.act(observations, deterministic=deterministic), np.float32)
+        use_expert = self.rng.random(len(actions)) < self.expert_probability
+        actions[use_expert] = expert[use_expert]
+        return actions
+
+
 def collect_labelled_rollouts(policy: PixelGaussianPolicy, env: Any, start_indices: np.ndarray, chunks: int,
                               expert_probability: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """One episode per slot of ``env`` (``num_envs == len(start_indices)``, group size 1) from those starts.
-    Returns ``observations`` uint8 ``[M, h, w, 3]`` and ``labels`` ``[M, chunk, 2]`` (the expert's chunk at every
-    recorded step), and per episode ``success`` and ``final_coverage``."""
-    start_indices = np.asarray(start_indices, np.int64)
-    if getattr(env, "group_size", 1) != 1 or env.num_envs != len(start_indices):
-        raise InputError(f"env: expected group_size 1 and {len(start_indices)} slots, got "
-                         f"{env.num_envs} slots in groups of {getattr(env, 'group_size', '?')}.")
-    if not callable(getattr(env, "expert_action_chunks", None)):
-        raise InputError(f"env: expected an env with expert_action_chunks() (PushTSimVectorEnv), got "
-                         f"{type(env).__name__}.")
-    observations, info = env.reset(seed=0, options={"initial_state_index": start_indices})
-    running = np.ones(len(start_indices), bool)
-    success = np.zeros(len(start_indices), bool)
-    final = np.asarray(info["coverage"], float).copy()
-    frames, labels = [], []
-    for _ in range(chunks):
-        expert = env.expert_action_chunks()
-        frames.append(observations["image"][running])
-        labels.append(expert[running])
-        actions = np.asarray(policy.act(observations, deterministic=True), np.float32)
-        use_expert = rng.random(len(actions)) < expert_probability
-        actions[use_expert] = expert[use_expert]
-        observations, _, terminated, truncated, info = env.step(actions)
-        final[running] = np.asarray(info["coverage"])[running]
-        success |= running & terminated
-        running &= ~(terminated | truncated)
-        if not running.any():
-            break
-    return {"observations": np.concatenate(frames), "labels": np.concatenate(labels), "success": success,
-            "final_coverage": final}
+    """One episode per slot of ``env`` (a ``PushTSimVectorEnv``, ``num_envs == len(start_indices)``, group size 1)
+    from those starts. Returns ``observations`` uint8 ``[M, h, w, 3]`` and ``labels`` ``[M, chunk, 2]`` (the
+    expert's chunk at every step an episode took, time-major), and per episode ``success`` and ``final_coverage``."""
+    from ..sim.pusht_replay import evaluate_in_simulator
+
+    labeller = _LabellingPolicy(policy, env, expert_probability, rng)
+    episodes = evaluate_in_simulator(labeller, env, start_indices, chunks)
+    # Finished slots wait and are still asked for actions; keep the chunks each episode took.
+    taken = np.arange(len(labeller.frames))[:, None] < episodes["chunks"][None, :]
+    return {"observations": np.stack(labeller.frames)[taken], "labels": np.stack(labeller.labels)[taken],
+            "success": episodes["success"], "final_coverage": episodes["final_coverage"]}
 
 
 def train_dagger(policy: PixelGaussianPolicy, env: Any, round_starts: Callable[[int], np.ndarray],
@@ -106,4 +107,3 @@ def train_dagger(policy: PixelGaussianPolicy, env: Any, round_starts: Callable[[
         if on_round is not None:
             on_round(record)
     return history
-
