@@ -36,7 +36,8 @@ Stages (``--stages``, comma-separated, in this order):
    gym-pusht's success) with a Wilson 95 % CI and mean final coverage with a t 95 % CI.
 5. ``grpo_sim``: GRPO (``rl.grpo``) in ``PushTSimVectorEnv`` (gym-pusht, ``--num-envs`` slots in groups of
    ``--group-size`` sharing a start, ``--horizon`` chunks) for ``--iterations`` iterations. Starts
-   (``--rl-starts``): demonstration steps (mid-task too; the default) or fresh gym-pusht resets (whole tasks).
+   (``--rl-starts``): demonstration steps (mid-task too; the default), fresh gym-pusht resets (whole tasks) or the
+   states the BC policy itself visits before each chunk (``policy``: mid-task, off the demonstrations' path).
 6. ``grpo_wm``: the same GRPO in ``cosmos3_gym/PushT-v0`` (the built-in world model on ``--device``), the same
    starts (frames rendered from the same simulator states), the reward ``pusht_geometric`` (coverage of a rigid T
    fitted to the imagined frame; 0 for deformed blocks), success at 0.95. Every ``--guard-every`` iterations the
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
+import hashlib
 import inspect
 import json
 import os
@@ -88,11 +90,11 @@ RESULTS_NAME = "rl_pusht.json"
 RESET_STARTS = 2048  # gym-pusht resets GRPO draws its starts from with --rl-starts resets
 REPO_POLICY_DIR = "benchmarks/results/policies"
 FULL = dict(demo_episodes=1000, demo_max_steps=300, demo_stride=1, start_stride=8, bc_steps=40000, bc_batch_size=256,
-            dagger_rounds=4, dagger_episodes=512, dagger_steps=3000, eval_episodes=200, eval_chunks=38, num_envs=64,
-            group_size=8, horizon=4, iterations=80, minibatch_size=512, workers=16)
+            dagger_rounds=4, dagger_episodes=512, dagger_steps=3000, policy_start_episodes=512, eval_episodes=200,
+            eval_chunks=38, num_envs=64, group_size=8, horizon=4, iterations=80, minibatch_size=512, workers=16)
 TINY = dict(demo_episodes=3, demo_max_steps=24, demo_stride=4, start_stride=8, bc_steps=4, bc_batch_size=8,
-            dagger_rounds=2, dagger_episodes=2, dagger_steps=2, eval_episodes=3, eval_chunks=2, num_envs=4,
-            group_size=2, horizon=2, iterations=2, minibatch_size=8, workers=2)
+            dagger_rounds=2, dagger_episodes=2, dagger_steps=2, policy_start_episodes=2, eval_episodes=3, eval_chunks=2,
+            num_envs=4, group_size=2, horizon=2, iterations=2, minibatch_size=8, workers=2)
 TINY_POLICY = dict(channels=(8, 8, 8, 8), hidden=16)
 
 
@@ -162,14 +164,33 @@ class Run:
 
     def rl_starts(self):
         """GRPO's starts: ``--rl-starts demos`` (every ``--start-stride``-th step of the demonstrations: mid-task
-        too) or ``resets`` (``RESET_STARTS`` fresh gym-pusht resets after the DAgger seeds: whole tasks, for rollouts
-        as long as an episode)."""
+        too), ``resets`` (``RESET_STARTS`` fresh gym-pusht resets after the DAgger seeds: whole tasks, for rollouts
+        as long as an episode) or ``policy`` (the states the BC policy visits before each chunk in
+        ``--policy-start-episodes`` episodes from the first of those resets: its own mid-task states, where it
+        fails; rolled once per BC policy and kept in ``--work``)."""
         from cosmos3_gym.sim.starts import DemoStartStates
 
         if self.args.rl_starts == "demos":
             return self.starts()
         first = reset_starts_first_seed(self.args)
-        return DemoStartStates.from_seeds(range(first, first + RESET_STARTS), image_size=self.image_size)
+        resets = DemoStartStates.from_seeds(range(first, first + RESET_STARTS), image_size=self.image_size)
+        if self.args.rl_starts == "resets":
+            return resets
+        bc = self.existing_policy("bc")
+        path = self.work / f"policy_starts_{hashlib.sha256(bc.read_bytes()).hexdigest()[:12]}.npz"
+        if path.is_file():
+            return DemoStartStates.load(path)
+        episodes = min(self.args.policy_start_episodes, RESET_STARTS)
+        env = self.sim_env(resets, episodes, 1, self.args.eval_chunks)
+        try:
+            starts = DemoStartStates.from_policy_rollouts(load_policy_file(bc, device=self.args.device), env,
+                                                          np.arange(episodes), self.args.eval_chunks,
+                                                          image_size=self.image_size)
+        finally:
+            env.close()
+        starts.save(path)
+        print(f"policy starts: {starts.description}", flush=True)
+        return starts
 
     def eval_starts(self, first_seed: int | None = None):
         from cosmos3_gym.sim.starts import DemoStartStates
@@ -555,9 +576,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--initial-log-std", type=float, default=None,
                         help="GRPO: the start policy's (and KL reference's) log std of its Gaussian, in the [-1, 1] "
                              "action space (default: as BC saved it, -2.5: about 21 table px)")
-    parser.add_argument("--rl-starts", choices=("demos", "resets"), default="demos",
-                        help="GRPO's starts: steps of the demonstrations (mid-task too) or fresh gym-pusht resets "
-                             "(whole tasks: pair with --horizon as long as an episode)")
+    parser.add_argument("--rl-starts", choices=("demos", "resets", "policy"), default="demos",
+                        help="GRPO's starts: steps of the demonstrations (mid-task too), fresh gym-pusht resets "
+                             "(whole tasks: pair with --horizon as long as an episode) or the states the BC policy "
+                             "visits in episodes from those resets (its own mid-task states)")
     parser.add_argument("--guard-every", type=int, default=10)
     parser.add_argument("--imagination-samples", type=int, default=1,
                         help="grpo_wm: score each chunk by this many imagined samples of it (the env's "

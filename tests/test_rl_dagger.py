@@ -106,3 +106,44 @@ def test_dagger_rounds_aggregate_labels_and_fine_tune_the_policy():
         DAggerConfig(rounds=0)
     with pytest.raises(InputError, match="expert_probability"):
         DAggerConfig(expert_probability=1.5)
+
+
+class _Expert:
+    def __init__(self, env):
+        self.env = env
+        self.chunks = []
+
+    def act(self, observations, deterministic=True):
+        self.chunks.append(self.env.expert_action_chunks())
+        return self.chunks[-1]
+
+
+def test_policy_rollout_starts_are_the_states_before_every_chunk_the_policy_took(tmp_path):
+    env = make_env(3, workers=2)
+    try:
+        with pytest.raises(InputError, match="reset"):
+            env.sim_states()
+        expert = _Expert(env)
+        starts = DemoStartStates.from_policy_rollouts(expert, env, [2, 0, 1], 40, image_size=(64, 64))
+        replay = env.starts
+        # Each episode's first state is its reset; then one state per chunk it took, none after success.
+        for slot, start in enumerate([2, 0, 1]):
+            mine = np.flatnonzero(starts.episodes == start)
+            np.testing.assert_allclose(starts.sim_states[mine[0]], replay.sim_states[start])
+            np.testing.assert_array_equal(starts.steps[mine], np.arange(len(mine)) * 8)
+        assert len(starts) < 3 * 40  # the expert succeeds early
+        assert "3 policy rollouts" in starts.description
+        loaded = DemoStartStates.load(starts.save(tmp_path / "starts.npz"))
+        assert loaded.description == starts.description and np.array_equal(loaded.sim_states, starts.sim_states)
+        # Restarting from a recorded state and executing the chunk taken there reaches the next recorded state.
+        first = np.flatnonzero(starts.episodes == 0)
+        env2 = PushTSimVectorEnv(1, starts=starts, action_stats=STATS, image_size=(64, 64),
+                                 observation_size=(32, 32))
+        try:
+            env2.reset(options={"initial_state_index": int(first[3])})
+            env2.step(expert.chunks[3][1:2])
+            np.testing.assert_allclose(env2.sim_states()[0], starts.sim_states[first[4]], atol=1e-6)
+        finally:
+            env2.close()
+    finally:
+        env.close()

@@ -93,6 +93,9 @@ class _SimBlock:
             out.append((self._observe(sim), sim.coverage, best, success))
         return out
 
+    def sim_states(self, items: list[tuple[int, None]]) -> list[np.ndarray]:
+        return [self.sims[local].sim_state for local, _ in items]
+
     def expert_plans(self, items: list[tuple[int, int]]) -> list[np.ndarray]:
         """Per ``(slot, chunk)``: the noise-free scripted pusher's next ``chunk`` targets from the slot's true state."""
         if self._planner is None:
@@ -354,6 +357,14 @@ class PushTSimVectorEnv(VectorEnv):
         plans = self._call("expert_plans", {slot: self.chunk for slot in range(self.num_envs)})
         targets = np.stack([plans[slot] for slot in range(self.num_envs)]).astype(np.float32)
         return np.clip(self.action_stats.normalize(targets), -1.0, 1.0).astype(np.float32)
+
+    def sim_states(self) -> np.ndarray:
+        """Every slot's current simulator state (``PushTSim.sim_state``), float64 ``[num_envs, 10]``: what
+        ``DemoStartStates`` restarts from (``DemoStartStates.from_policy_rollouts`` records them)."""
+        if not self._started:
+            raise InputError("reset: call reset() before sim_states().")
+        states = self._call("sim_states", {slot: None for slot in range(self.num_envs)})
+        return np.stack([states[slot] for slot in range(self.num_envs)])
 
     # ------------------------------------------------------------------ helpers
 
