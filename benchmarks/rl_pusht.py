@@ -426,6 +426,7 @@ def stage_grpo(run: Run, stage: str) -> None:
             trainer = GRPOTrainer(policy, env, config, reference=reference, num_starts=len(starts), guard=guard)
         started = time.perf_counter()
         history = trainer.train(args.iterations, checkpoint_path=checkpoint, progress=not args.no_progress,
+                                max_seconds=args.grpo_seconds,
                                 on_iteration=lambda r: print(_iteration_line(key, r), flush=True))
         train_s = time.perf_counter() - started
     finally:
@@ -580,6 +581,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="GRPO's starts: steps of the demonstrations (mid-task too), fresh gym-pusht resets "
                              "(whole tasks: pair with --horizon as long as an episode) or the states the BC policy "
                              "visits in episodes from those resets (its own mid-task states)")
+    parser.add_argument("--grpo-seconds", type=float, default=None,
+                        help="GRPO stages stop after the last iteration expected to finish within this many seconds "
+                             "(policy, checkpoint and results still written; --resume continues the run)")
     parser.add_argument("--guard-every", type=int, default=10)
     parser.add_argument("--imagination-samples", type=int, default=1,
                         help="grpo_wm: score each chunk by this many imagined samples of it (the env's "

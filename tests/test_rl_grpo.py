@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -114,6 +116,26 @@ def test_grpo_resumes_exactly(tmp_path):
     assert [r["mean_return"] for r in resumed.history] == [r["mean_return"] for r in straight.history]
     with pytest.raises(InputError, match="reference"):
         GRPOTrainer.load(tmp_path / "grpo.safetensors", ReachRight(16))
+
+
+class SlowReachRight(ReachRight):
+    def step(self, actions):
+        time.sleep(0.1)
+        return super().step(actions)
+
+
+def test_a_time_budget_stops_between_iterations_and_the_run_continues(tmp_path):
+    trainer = toy_trainer(iterations=10)
+    trainer.env = SlowReachRight(16)
+    with pytest.raises(InputError, match="max_seconds"):
+        trainer.train(max_seconds=0, progress=False)
+    started = time.perf_counter()
+    trainer.train(max_seconds=0.25, progress=False, checkpoint_path=tmp_path / "grpo.safetensors")
+    done = trainer.iteration
+    assert 1 <= done < 10 and time.perf_counter() - started < 2.0  # stopped early, not after all 10 (>= 1 s)
+    assert GRPOTrainer.load(tmp_path / "grpo.safetensors", ReachRight(16)).iteration == done  # checkpointed
+    trainer.train(progress=False)  # no budget: continues to the total
+    assert trainer.iteration == 10 and len(trainer.history) == 10
 
 
 def _pusht_starts(image_size):

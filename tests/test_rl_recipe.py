@@ -55,7 +55,7 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
 
     # GRPO from the states the BC policy itself visits: rolled once, kept in --work for the next stage or call.
     policy_run = recipe.main([*common, "--out", str(tmp_path / "third"), "--stages", "grpo_sim",
-                              "--rl-starts", "policy", "--guard-every", "0"])
+                              "--rl-starts", "policy", "--guard-every", "0", "--grpo-seconds", "600"])
     assert policy_run["grpo_simulator"]["starts"].endswith("policy rollouts (success 0.00)")
     assert policy_run["grpo_simulator"]["starts"].startswith("4 states of 2")  # 2 episodes x 2 chunks (tiny)
     assert len(list(work.glob("policy_starts_*.npz"))) == 1

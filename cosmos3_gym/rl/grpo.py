@@ -301,16 +301,26 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self, iterations: int | None = None, *, checkpoint_path: str | os.PathLike | None = None,
-              checkpoint_every: int = 1, progress: bool = True,
+              checkpoint_every: int = 1, progress: bool = True, max_seconds: float | None = None,
               on_iteration: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         """Run until ``iterations`` (default ``config.iterations``) iterations are done in total (a resumed trainer
-        continues its count); checkpoint to ``checkpoint_path`` every ``checkpoint_every`` iterations."""
+        continues its count); checkpoint to ``checkpoint_path`` every ``checkpoint_every`` iterations.
+
+        ``max_seconds``: stop early, after the last iteration that is expected to finish within this budget (the
+        slowest iteration so far is the estimate; at least one runs), so a run inside a time-limited job ends with
+        its checkpoint written and the caller's own saving done; ``train`` again (or ``load``) continues it."""
         from tqdm.auto import tqdm
 
         total = self.config.iterations if iterations is None else int(iterations)
+        if max_seconds is not None and not max_seconds > 0:
+            raise InputError(f"max_seconds: expected a positive number of seconds or None, got {max_seconds!r}.")
+        started, slowest = time.perf_counter(), 0.0
         bar = tqdm(total=total, initial=self.iteration, desc="GRPO", disable=not progress)
         try:
             while self.iteration < total:
+                elapsed = time.perf_counter() - started
+                if max_seconds is not None and slowest and elapsed + slowest > max_seconds:
+                    break
                 rollout = self.collect()
                 record = {"iteration": self.iteration, **rollout.stats, **self.update(rollout)}
                 record["env_steps_total"] = record["env_steps"] + (self.history[-1]["env_steps_total"]
@@ -324,6 +334,7 @@ class GRPOTrainer:
                 bar.update()
                 if on_iteration is not None:
                     on_iteration(record)
+                slowest = max(slowest, time.perf_counter() - started - elapsed)
         finally:
             bar.close()
         return self.history
