@@ -354,7 +354,17 @@ def test_recipe_smoke_run(tmp_path):
     LightDecoder.from_pretrained(tmp_path / "light_decoder")  # installable as <checkpoint>/light_decoder
     weights = safetensors.torch.load_file(str(tmp_path / "light_decoder" / "model.safetensors"))
     assert {tensor.dtype for tensor in weights.values()} == {torch.float16}  # --save-dtype's default
+    # Split over two calls: the second reuses the first's datasets and encoded windows (the same windows again).
+    first = recipe.main(["--smoke", "--out", str(tmp_path / "a"), "--workers", "1", "--work", str(tmp_path / "work2"),
+                         "--stop-after", "encode"])
+    assert set(first["stages"]) == {"simulate", "encode"} and "training" not in first
+    cached = safetensors.torch.load_file(str(tmp_path / "work2" / "windows_train_stride8.safetensors"))
+    assert cached["frames"].dtype == torch.uint8 and len(cached["latents"]) == first["windows"]["train"]
+    second = recipe.main(["--smoke", "--out", str(tmp_path / "b"), "--workers", "1", "--work", str(tmp_path / "work2")])
+    assert second["windows"] == first["windows"] and second["training"]["steps"] >= 1
+    assert second["stages"]["simulate"] < first["stages"]["simulate"]  # reused, not simulated again
     shutil.rmtree(tmp_path / "work")
+    shutil.rmtree(tmp_path / "work2")
 
 
 def test_builtin_pusht_model_ships_a_trained_light_decoder():

@@ -3,6 +3,12 @@
     python benchmarks/recipes/train_light_decoder.py --out $OUT                  # one H100/H200, 16 cores: ~6 min
     python benchmarks/recipes/train_light_decoder.py --smoke --out /tmp/light    # the same pipeline on a CPU, ~1 min
 
+More data than fits one 10-minute call (384 episodes took 310 s to simulate and over 250 s to encode on an H200
+machine): two calls on one warm machine with the same ``--work``, the first ending after the encode stage::
+
+    python benchmarks/recipes/train_light_decoder.py --out $OUT --work /tmp/ldw --episodes 384 --stop-after encode
+    python benchmarks/recipes/train_light_decoder.py --out $OUT --work /tmp/ldw --episodes 384 --seconds 300
+
 Needs gym-pusht (the ``sim`` extra). Stages:
 
 1. ``simulate``: training episodes (``--episodes`` x ``--steps-per-episode``, seed ``--seed``, the default policy
@@ -20,8 +26,8 @@ Needs gym-pusht (the ``sim`` extra). Stages:
 
 Files in ``--out``: ``light_decoder/`` (config.json, model.safetensors in ``--save-dtype``, train_log.jsonl,
 train_config.json; 2.2 MB at the default size in fp16: copy it to ``<assets>/checkpoint/light_decoder`` to install
-it) and ``train_light_decoder.json`` (settings, stage timings, metrics; card, commit and command). Datasets stay in
-``--work``.
+it) and ``train_light_decoder.json`` (settings, stage timings, metrics; card, commit and command). Datasets and the
+encoded windows stay in ``--work``, and a later run with the same ``--work`` and settings reuses them.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 
 RECIPES = Path(__file__).resolve().parent
@@ -46,7 +53,7 @@ from cosmos3_gym.envs.pusht import fast_pusht_engine, load_pusht_assets  # noqa:
 from cosmos3_gym.models.light_decoder import LightDecoder, LightDecoderConfig  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.training.light_decoder import (  # noqa: E402
-    LightDecoderTrainConfig, build_decoder_windows, decoder_psnr, train_light_decoder,
+    DecoderWindows, LightDecoderTrainConfig, build_decoder_windows, decoder_psnr, train_light_decoder,
 )
 
 RESULTS_NAME = "train_light_decoder.json"
@@ -73,6 +80,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=None, help="simulator processes (default: one per core)")
     parser.add_argument("--stride", type=int, default=None, help="frames between windows (default: the chunk)")
     parser.add_argument("--encode-batch-size", type=int, default=64)
+    parser.add_argument("--stop-after", choices=("simulate", "encode"), default=None,
+                        help="end after this stage (results still written); a later run with the same --work reuses "
+                             "its datasets and encoded windows: simulate and encode in one time-limited call, train "
+                             "in the next")
     parser.add_argument("--results-name", default=RESULTS_NAME)
     parser.add_argument("--latent-noise", type=float, default=0.0,
                         help="std of noise added to the training latents (LightDecoderTrainConfig.latent_noise)")
@@ -92,16 +103,44 @@ def ints(text: str) -> tuple[int, ...]:
 
 
 def simulate(args, work: Path, image_size: tuple[int, int]) -> dict[str, Path]:
+    """The training and held-out datasets in ``work``; a complete one from an earlier run with the same settings (its
+    meta.json says so) is reused, so a run split over time-limited calls (``--stop-after``) simulates once."""
     from cosmos3_gym.sim import pusht
 
     datasets = {}
     for name, episodes, seed in (("train", args.episodes, args.seed), ("heldout", args.heldout_episodes,
                                                                        args.seed + 1000)):
+        wanted = {"num_episodes": episodes, "steps_per_episode": args.steps_per_episode, "seed": seed,
+                  "image_size": list(image_size)}
+        meta = work / name / "meta.json"
+        if meta.is_file() and {k: json.loads(meta.read_text()).get(k) for k in wanted} == wanted:
+            print(f"{name}: reusing {work / name}", flush=True)
+            datasets[name] = work / name
+            continue
         datasets[name] = pusht.generate_pusht_dataset(
             work / name, episodes, steps_per_episode=args.steps_per_episode, image_size=image_size, seed=seed,
             workers=args.workers,
         )
     return datasets
+
+
+def encode(args, datasets: dict[str, Path], vae, chunk: int, tier: int, work: Path) -> list[DecoderWindows]:
+    """The train and held-out windows, encoded once: kept in ``work`` as safetensors (latents and uint8 frames; GBs
+    at the full size) and read back by a later run with the same ``--work`` and stride (encoding is minutes)."""
+    windows = []
+    for name in ("train", "heldout"):
+        path = work / f"windows_{name}_stride{args.stride or chunk}.safetensors"
+        if path.is_file():
+            print(f"{name}: reusing {path}", flush=True)
+            tensors = safetensors.torch.load_file(str(path))
+            windows.append(DecoderWindows(tensors["latents"], tensors["frames"]))
+            continue
+        encoded = build_decoder_windows(datasets[name], vae, chunk=chunk, stride=args.stride, resolution_tier=tier,
+                                        encode_batch_size=args.encode_batch_size)
+        safetensors.torch.save_file({"latents": encoded.latents.contiguous(), "frames": encoded.frames.contiguous()},
+                                    str(path))
+        windows.append(encoded)
+    return windows
 
 
 def conv_flops(fn) -> int:
@@ -173,15 +212,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         datasets = stage("simulate", simulate, args, work, image_size)
+        if args.stop_after == "simulate":
+            return results
         vae = Cosmos3VAE.from_pretrained(assets.checkpoint / "vae", device=args.device)
-        train_windows, heldout_windows = stage("encode", lambda: [
-            build_decoder_windows(datasets[name], vae, chunk=chunk, stride=args.stride, resolution_tier=tier,
-                                  encode_batch_size=args.encode_batch_size)
-            for name in ("train", "heldout")
-        ])
+        train_windows, heldout_windows = stage("encode", encode, args, datasets, vae, chunk, tier, work)
         results["windows"] = {"train": len(train_windows), "heldout": len(heldout_windows),
                               "latent_shape": list(train_windows.latents.shape[1:]),
                               "frame_shape": list(train_windows.frames.shape[1:])}
+        if args.stop_after == "encode":
+            return results
         config = LightDecoderTrainConfig(
             decoder=LightDecoderConfig(latent_channels=vae.latent_channels, channels=ints(args.channels),
                                        blocks=ints(args.blocks), temporal_compression=vae.temporal_compression),
