@@ -168,6 +168,7 @@ class Run:
         as long as an episode) or ``policy`` (the states the BC policy visits before each chunk in
         ``--policy-start-episodes`` episodes from the first of those resets: its own mid-task states, where it
         fails; rolled once per BC policy and kept in ``--work``)."""
+        from cosmos3_gym.sim.pusht_replay import policy_rollout_starts
         from cosmos3_gym.sim.starts import DemoStartStates
 
         if self.args.rl_starts == "demos":
@@ -183,9 +184,8 @@ class Run:
         episodes = min(self.args.policy_start_episodes, RESET_STARTS)
         env = self.sim_env(resets, episodes, 1, self.args.eval_chunks)
         try:
-            starts = DemoStartStates.from_policy_rollouts(load_policy_file(bc, device=self.args.device), env,
-                                                          np.arange(episodes), self.args.eval_chunks,
-                                                          image_size=self.image_size)
+            starts = policy_rollout_starts(load_policy_file(bc, device=self.args.device), env, np.arange(episodes),
+                                           self.args.eval_chunks, image_size=self.image_size)
         finally:
             env.close()
         starts.save(path)

@@ -15,6 +15,7 @@ from cosmos3_gym.rl.bc import BCConfig  # noqa: E402
 from cosmos3_gym.rl.dagger import DAggerConfig, collect_labelled_rollouts, train_dagger  # noqa: E402
 from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig  # noqa: E402
 from cosmos3_gym.sim.pusht_policies import ScriptedPusher, plan_chunk_in_physics  # noqa: E402
+from cosmos3_gym.sim.pusht_replay import policy_rollout_starts  # noqa: E402
 from cosmos3_gym.sim.pusht_sim import PushTSim  # noqa: E402
 from cosmos3_gym.sim.pusht_vector_env import PushTSimVectorEnv  # noqa: E402
 from cosmos3_gym.sim.starts import DemoStartStates  # noqa: E402
@@ -124,7 +125,7 @@ def test_policy_rollout_starts_are_the_states_before_every_chunk_the_policy_took
         with pytest.raises(InputError, match="reset"):
             env.sim_states()
         expert = _Expert(env)
-        starts = DemoStartStates.from_policy_rollouts(expert, env, [2, 0, 1], 40, image_size=(64, 64))
+        starts = policy_rollout_starts(expert, env, [2, 0, 1], 40, image_size=(64, 64))
         replay = env.starts
         # Each episode's first state is its reset; then one state per chunk it took, none after success.
         for slot, start in enumerate([2, 0, 1]):

@@ -8,6 +8,9 @@ above 0.95 at some step, where gym-pusht ends it), final and best coverage.
 ``replay_in_simulator``: the world-model guard. Action chunks ``[N, T, chunk, 2]`` an agent took in imagination are
 stepped, open loop, from the same starts (``DemoStartStates`` indices: the world model's start frames are renders
 of these simulator states) for each episode's imagined length; returns whether each really succeeded.
+
+``policy_rollout_starts``: the simulator states a policy itself visits, as ``DemoStartStates`` (RL rollouts that
+start where the policy goes and fails).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import numpy as np
 
 from ..errors import InputError
 from .pusht_vector_env import PushTSimVectorEnv
+from .starts import DemoStartStates
 
-__all__ = ["evaluate_in_simulator", "replay_in_simulator"]
+__all__ = ["evaluate_in_simulator", "policy_rollout_starts", "replay_in_simulator"]
 
 
 def _check_env(env: Any, count: int) -> None:
@@ -74,3 +78,35 @@ def evaluate_in_simulator(policy: Any, env: PushTSimVectorEnv, start_indices: np
         if done.all():
             break
     return {"success": success, "final_coverage": final, "max_coverage": best, "chunks": chunks}
+
+
+def policy_rollout_starts(policy: Any, env: PushTSimVectorEnv, start_indices: np.ndarray, num_chunks: int,
+                          image_size: tuple[int, int] = (256, 256)) -> DemoStartStates:
+    """The states a policy itself visits: one episode per slot of ``env`` (``len(start_indices)`` slots, group size
+    1) from those of its starts, ``policy.act`` (its mean action) for up to ``num_chunks`` chunks, and the simulator
+    state before every chunk an episode took (its reset included; none after it ends). ``episodes`` holds each
+    state's start index, ``steps`` its simulator step. Rollouts that start here see the states the policy reaches,
+    mid-task and off the demonstrations' path, where it fails."""
+    recorder = _StateRecorder(policy, env)
+    start_indices = np.asarray(start_indices, np.int64)
+    episodes = evaluate_in_simulator(recorder, env, start_indices, num_chunks)
+    taken = np.arange(len(recorder.states))[:, None] < episodes["chunks"][None, :]  # [chunk, slot]
+    chunk_index, slot = np.nonzero(taken)
+    states = np.stack(recorder.states)[chunk_index, slot]
+    return DemoStartStates(states, episodes=start_indices[slot], steps=chunk_index * int(env.chunk),
+                           image_size=image_size,
+                           description=f"{len(states)} states of {len(start_indices)} policy rollouts "
+                                       f"(success {episodes['success'].mean():.2f})")
+
+
+class _StateRecorder:
+    """``evaluate_in_simulator``'s policy for ``policy_rollout_starts``: records every slot's simulator state, then
+    acts as ``policy`` does."""
+
+    def __init__(self, policy: Any, env: PushTSimVectorEnv):
+        self.policy, self.env = policy, env
+        self.states: list[np.ndarray] = []
+
+    def act(self, observations: dict[str, np.ndarray], deterministic: bool = True) -> np.ndarray:
+        self.states.append(self.env.sim_states())
+        return self.policy.act(observations, deterministic=deterministic)

@@ -360,7 +360,7 @@ class PushTSimVectorEnv(VectorEnv):
 
     def sim_states(self) -> np.ndarray:
         """Every slot's current simulator state (``PushTSim.sim_state``), float64 ``[num_envs, 10]``: what
-        ``DemoStartStates`` restarts from (``DemoStartStates.from_policy_rollouts`` records them)."""
+        ``DemoStartStates`` restarts from (``sim.pusht_replay.policy_rollout_starts`` records them)."""
         if not self._started:
             raise InputError("reset: call reset() before sim_states().")
         states = self._call("sim_states", {slot: None for slot in range(self.num_envs)})

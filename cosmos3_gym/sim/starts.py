@@ -118,26 +118,6 @@ class DemoStartStates(InitialStateSource):
         return cls(np.stack(states), episodes=np.full(len(seeds), -1), steps=np.zeros(len(seeds), np.int64),
                    image_size=image_size, description=f"{len(seeds)} gym-pusht resets (seeds {seeds[0]}..)")
 
-    @classmethod
-    def from_policy_rollouts(cls, policy: Any, env: Any, start_indices: Sequence[int], chunks: int,
-                             image_size: tuple[int, int] = (256, 256)) -> "DemoStartStates":
-        """The states a policy itself visits: one episode per slot of ``env`` (a ``PushTSimVectorEnv`` of
-        ``len(start_indices)`` slots, group size 1) from those of its starts, ``policy.act`` (its mean action) for up
-        to ``chunks`` chunks, and the simulator state before every chunk an episode took (its reset included; none
-        after it ends). ``episodes`` holds each state's start index, ``steps`` its simulator step. Rollouts that start
-        here see the states the policy reaches, mid-task and off the demonstrations' path, where it fails."""
-        from .pusht_replay import evaluate_in_simulator
-
-        recorder = _StateRecorder(policy, env)
-        start_indices = np.asarray(start_indices, np.int64)
-        episodes = evaluate_in_simulator(recorder, env, start_indices, chunks)
-        taken = np.arange(len(recorder.states))[:, None] < episodes["chunks"][None, :]  # [chunk, slot]
-        chunk_index, slot = np.nonzero(taken)
-        states = np.stack(recorder.states)[chunk_index, slot]
-        return cls(states, episodes=start_indices[slot], steps=chunk_index * int(env.chunk), image_size=image_size,
-                   description=f"{len(states)} states of {len(start_indices)} policy rollouts "
-                               f"(success {episodes['success'].mean():.2f})")
-
     def save(self, path: str | os.PathLike) -> Path:
         """An ``.npz`` with ``sim_states``, ``episodes``, ``steps``, ``task``, ``image_size``, ``description`` (and
         ``frames``)."""
@@ -195,15 +175,3 @@ class DemoStartStates(InitialStateSource):
         state["_sim"] = None
         return state
 
-
-class _StateRecorder:
-    """``evaluate_in_simulator``'s policy for ``from_policy_rollouts``: records every slot's simulator state, then
-    acts as ``policy`` does."""
-
-    def __init__(self, policy: Any, env: Any):
-        self.policy, self.env = policy, env
-        self.states: list[np.ndarray] = []
-
-    def act(self, observations: dict[str, np.ndarray], deterministic: bool = True) -> np.ndarray:
-        self.states.append(self.env.sim_states())
-        return self.policy.act(observations, deterministic=deterministic)
