@@ -178,10 +178,11 @@ class Run:
         if self.args.rl_starts == "resets":
             return resets
         bc = self.existing_policy("bc")
-        path = self.work / f"policy_starts_{hashlib.sha256(bc.read_bytes()).hexdigest()[:12]}.npz"
+        episodes = min(self.args.policy_start_episodes, RESET_STARTS)
+        key = hashlib.sha256(bc.read_bytes() + f"{first},{episodes},{self.args.eval_chunks}".encode()).hexdigest()
+        path = self.work / f"policy_starts_{key[:12]}.npz"  # the same policy, seeds and length: the same states
         if path.is_file():
             return DemoStartStates.load(path)
-        episodes = min(self.args.policy_start_episodes, RESET_STARTS)
         env = self.sim_env(resets, episodes, 1, self.args.eval_chunks)
         try:
             starts = policy_rollout_starts(load_policy_file(bc, device=self.args.device), env, np.arange(episodes),
