@@ -176,15 +176,15 @@ class Run:
         if self.args.rl_starts == "demos":
             return self.starts()
         first = reset_starts_first_seed(self.args)
-        resets = DemoStartStates.from_seeds(range(first, first + RESET_STARTS), image_size=self.image_size)
         if self.args.rl_starts == "resets":
-            return resets
+            return DemoStartStates.from_seeds(range(first, first + RESET_STARTS), image_size=self.image_size)
         bc = self.existing_policy("bc")
         episodes = min(self.args.policy_start_episodes, RESET_STARTS)
         key = hashlib.sha256(bc.read_bytes() + f"{first},{episodes},{self.args.eval_chunks}".encode()).hexdigest()
         path = self.work / f"policy_starts_{key[:12]}.npz"  # the same policy, seeds and length: the same states
         if path.is_file():
             return DemoStartStates.load(path)
+        resets = DemoStartStates.from_seeds(range(first, first + episodes), image_size=self.image_size)
         env = self.sim_env(resets, episodes, 1, self.args.eval_chunks)
         try:
             starts = policy_rollout_starts(load_policy_file(bc, device=self.args.device), env, np.arange(episodes),
@@ -471,11 +471,10 @@ def stage_grpo(run: Run, stage: str) -> None:
 
 def start_policy(run: Run) -> PixelGaussianPolicy:
     """The BC policy GRPO starts from (and stays near, as the KL reference), its exploration noise set to
-    ``--initial-log-std`` if given: BC leaves it at ``PolicyConfig.initial_log_std``."""
+    ``--initial-log-std`` (BC leaves it at ``PolicyConfig.initial_log_std``)."""
     policy = load_policy_file(run.existing_policy("bc"), device=run.args.device)
-    if run.args.initial_log_std is not None:
-        with torch.no_grad():
-            policy.log_std.fill_(run.args.initial_log_std)
+    with torch.no_grad():
+        policy.log_std.fill_(run.args.initial_log_std)
     return policy
 
 
@@ -621,7 +620,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.eval_seed < reset_starts_first_seed(args) + RESET_STARTS:
         parser.error("--eval-seed: held-out seeds must not overlap the demonstration, DAgger and GRPO start seeds")
     bounds = (GRPOConfig.min_log_std, GRPOConfig.max_log_std)
-    if args.initial_log_std is not None and not bounds[0] <= args.initial_log_std <= bounds[1]:
+    if not bounds[0] <= args.initial_log_std <= bounds[1]:
         parser.error(f"--initial-log-std: expected a value in GRPO's log std range {list(bounds)}, got "
                      f"{args.initial_log_std}")
     if args.threads:

@@ -71,12 +71,11 @@ def collect_labelled_rollouts(policy: PixelGaussianPolicy, env: Any, start_indic
     """One episode per slot of ``env`` (a ``PushTSimVectorEnv``, ``num_envs == len(start_indices)``, group size 1)
     from those starts. Returns ``observations`` uint8 ``[M, h, w, 3]`` and ``labels`` ``[M, chunk, 2]`` (the
     expert's chunk at every step an episode took, time-major), and per episode ``success`` and ``final_coverage``."""
-    from ..sim.pusht_replay import evaluate_in_simulator
+    from ..sim.pusht_replay import evaluate_in_simulator, taken_mask
 
     labeller = _LabellingPolicy(policy, env, expert_probability, rng)
     episodes = evaluate_in_simulator(labeller, env, start_indices, chunks)
-    # Finished slots wait and are still asked for actions; keep the chunks each episode took.
-    taken = np.arange(len(labeller.frames))[:, None] < episodes["chunks"][None, :]
+    taken = taken_mask(len(labeller.frames), episodes["chunks"])
     return {"observations": np.stack(labeller.frames)[taken], "labels": np.stack(labeller.labels)[taken],
             "success": episodes["success"], "final_coverage": episodes["final_coverage"]}
 

@@ -23,7 +23,7 @@ from ..errors import InputError
 from .pusht_vector_env import PushTSimVectorEnv
 from .starts import DemoStartStates
 
-__all__ = ["evaluate_in_simulator", "policy_rollout_starts", "replay_in_simulator"]
+__all__ = ["evaluate_in_simulator", "policy_rollout_starts", "replay_in_simulator", "taken_mask"]
 
 
 def _check_env(env: Any, count: int) -> None:
@@ -80,6 +80,13 @@ def evaluate_in_simulator(policy: Any, env: PushTSimVectorEnv, start_indices: np
     return {"success": success, "final_coverage": final, "max_coverage": best, "chunks": chunks}
 
 
+def taken_mask(recorded_chunks: int, chunks: np.ndarray) -> np.ndarray:
+    """bool ``[recorded_chunks, N]``: which of the per-chunk records of all ``N`` slots (a wrapping policy records
+    every slot at every ``act``) belong to a chunk the slot's episode took; finished slots wait and are still asked
+    for actions. ``chunks``: ``evaluate_in_simulator``'s per-episode count."""
+    return np.arange(recorded_chunks)[:, None] < np.asarray(chunks)[None, :]
+
+
 def policy_rollout_starts(policy: Any, env: PushTSimVectorEnv, start_indices: np.ndarray, num_chunks: int,
                           image_size: tuple[int, int] = (256, 256)) -> DemoStartStates:
     """The states a policy itself visits: one episode per slot of ``env`` (``len(start_indices)`` slots, group size
@@ -90,8 +97,7 @@ def policy_rollout_starts(policy: Any, env: PushTSimVectorEnv, start_indices: np
     recorder = _StateRecorder(policy, env)
     start_indices = np.asarray(start_indices, np.int64)
     episodes = evaluate_in_simulator(recorder, env, start_indices, num_chunks)
-    taken = np.arange(len(recorder.states))[:, None] < episodes["chunks"][None, :]  # [chunk, slot]
-    chunk_index, slot = np.nonzero(taken)
+    chunk_index, slot = np.nonzero(taken_mask(len(recorder.states), episodes["chunks"]))
     states = np.stack(recorder.states)[chunk_index, slot]
     return DemoStartStates(states, episodes=start_indices[slot], steps=chunk_index * int(env.chunk),
                            image_size=image_size,
