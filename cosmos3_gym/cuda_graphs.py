@@ -49,13 +49,29 @@ def _signature(text: TextKV, flat: list[torch.Tensor | None]) -> tuple:
     return (tuple(text.lengths), tuple(None if t is None else (tuple(t.shape), t.dtype) for t in flat))
 
 
-def capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    """The current device's one side stream for every warm-up and capture. cuBLAS keeps a workspace for each stream
+    it has run on (32 MiB on Hopper) for the life of the process, so a fresh stream per capture added 32 MiB of GPU
+    memory with every graph (measured on an H200 by
+    ``test_graphs_of_several_batch_sizes_share_one_memory_pool_and_stay_exact``); and ``torch.cuda.graph`` shares a
+    pool fully only between captures on one stream."""
+    device = torch.cuda.current_device()
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device)
+    return _capture_streams[device]
+
+
+def capture(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
     """``fn`` captured as a CUDA graph: (the graph, the captured call's outputs, which every replay overwrites).
 
     A warm-up call runs first, outside the capture and on a side stream as ``torch.cuda.graph`` expects: it compiles
     what is compiled for these shapes and lets cuBLAS / cuDNN allocate their workspaces before any address is recorded.
+    ``pool`` (a ``torch.cuda.graph_pool_handle()``) lets the capture reuse the memory earlier captures into it freed.
     """
-    side = torch.cuda.Stream()
+    side = _capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
@@ -63,21 +79,36 @@ def capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
     graph = torch.cuda.CUDAGraph()
     # thread_local: under tensor parallelism the NCCL watchdog thread keeps querying its events during capture, which
     # the default (global) mode turns into a capture error.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
         outputs = fn()
     return graph, outputs
 
 
 class _GraphCache:
-    """The captured graphs of one callable, by signature, least recently used dropped first beyond ``max_graphs``
-    (each graph holds its own memory). ``reset()`` drops them all (after the weights they read moved)."""
+    """The captured graphs of one callable, by signature, least recently used dropped first beyond ``max_graphs``.
+    ``reset()`` drops them all (after the weights they read moved).
+
+    The graphs share one memory pool. A graph's intermediates are dead once its replay ends, and its outputs are
+    copied out before anything else runs, so a later capture may place its tensors where an earlier graph's
+    intermediates were. With a pool per graph, every new batch size a vector env met (slots finishing out of step)
+    added its whole activation memory: 16 envs grew 202 -> 496 MB of GPU memory over 5 graphs on an H200
+    (benchmarks/results/soak_pusht_h200_16envs_stage_graphs_varying_batch.json). Sharing is safe because the graphs of
+    one cache are replayed one at a time, on one stream, with inputs in static buffers allocated outside the pool.
+    """
 
     def __init__(self, max_graphs: int):
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[tuple, Any] = OrderedDict()
+        self._pool = None  # torch.cuda.graph_pool_handle(), made at the first capture
 
     def reset(self) -> None:
         self._graphs.clear()
+        self._pool = None
+
+    def _capture_into_pool(self, fn) -> tuple[torch.cuda.CUDAGraph, object]:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return capture(fn, pool=self._pool)
 
     @property
     def num_graphs(self) -> int:
@@ -100,7 +131,8 @@ class GraphedGenForward(_GraphCache):
 
     The first call of a signature runs the forward once on a side stream (compiles, cuDNN / cuBLAS set-up), captures
     it, then replays; later calls only copy inputs and replay. At most ``max_graphs`` signatures are kept (least
-    recently used dropped first): each graph holds its own activation memory. Call ``reset()`` whenever the
+    recently used dropped first); they share one memory pool, so each adds its outputs and whatever activation memory
+    exceeds the largest earlier graph's. Call ``reset()`` whenever the
     transformer's weights move (``Cosmos3Engine.offload``), since the graphs read them at their old addresses.
     """
 
@@ -135,7 +167,7 @@ class GraphedGenForward(_GraphCache):
         # length_groups' row indexes follow from text.lengths, which are part of the signature: kept as they are.
         static_layout = dataclasses.replace(layout, cos=cos, sin=sin)
 
-        graph, outputs = capture(lambda: self.transformer(static_text, static_layout, *tensors))
+        graph, outputs = self._capture_into_pool(lambda: self.transformer(static_text, static_layout, *tensors))
         groups: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(static):
             if t is not None:
@@ -196,7 +228,7 @@ class GraphedFunction(_GraphCache):
 
     def _capture(self, tensors: tuple[torch.Tensor, ...], options: dict) -> _FunctionGraph:
         static = [t.clone() for t in tensors]
-        graph, outputs = capture(lambda: self.fn(*static, **options))
+        graph, outputs = self._capture_into_pool(lambda: self.fn(*static, **options))
         return _FunctionGraph(graph, static, outputs)
 
 

@@ -97,6 +97,46 @@ def test_graphed_encode_matches_eager_and_reads_new_inputs(tiny_checkpoint, fram
 
 
 @needs_cuda
+def test_graphs_of_several_batch_sizes_share_one_memory_pool_and_stay_exact():
+    """A vector env whose slots finish out of step meets several batch sizes, one graph each. The graphs of one
+    ``GraphedFunction`` share a memory pool: four graphs of 64, 32, 16 and 8 rows (captured largest first, as a
+    vector env meets them) hold about the first one's activation memory, not the 1.9x that separate pools would,
+    and replaying them interleaved still gives each call its own eager result (a graph writing into memory another
+    graph's result still lived in would not)."""
+    from cosmos3_gym.cuda_graphs import GraphedFunction
+
+    torch.manual_seed(0)
+    up, down = torch.randn(256, 65536, device="cuda") / 16, torch.randn(65536, 4, device="cuda") / 256
+
+    def mlp(x):  # a rows x 65536 float32 intermediate (16 MB at 64 rows), a rows x 4 output
+        return torch.relu(x @ up) @ down
+
+    graphed = GraphedFunction(mlp, "cuda")
+    inputs = {rows: torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).cuda()
+              for rows in (64, 32, 16, 8)}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_reserved()
+    growth = []
+    with torch.inference_mode():
+        for rows, x in inputs.items():
+            graphed(x)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # drops the warm-up's cached blocks; a graph's pool stays while it lives
+            growth.append(torch.cuda.memory_reserved() - start)
+        assert graphed.num_graphs == 4
+        assert growth[0] >= 16 << 20
+        # A pool per graph would add 8 + 4 + 2 MB; a side stream per capture, 32 MiB of cuBLAS workspace per graph.
+        assert growth[-1] - growth[0] <= 4 << 20, f"reserved bytes after each graph: {growth}"
+        for rows in (8, 64, 16, 32, 64, 8):  # interleaved replays, new values each time
+            x = inputs[rows] + rows
+            ours = graphed(x)
+            torch.testing.assert_close(ours, mlp(x), rtol=1e-4, atol=1e-4)
+            assert ours.shape == (rows, 4)
+    assert graphed.num_graphs == 4
+
+
+@needs_cuda
 @pytest.mark.parametrize("frames", ["all", "last"])
 def test_graphed_light_decode_matches_eager(frames):
     from cosmos3_gym.cuda_graphs import GraphedFunction
