@@ -38,8 +38,10 @@ Stages (``--stages``, comma-separated, in this order):
    ``--group-size`` sharing a start, ``--horizon`` chunks) for ``--iterations`` iterations. Starts
    (``--rl-starts``): the states the BC policy itself visits before each chunk (``policy``, the default: mid-task,
    off the demonstrations' path), demonstration steps, or fresh gym-pusht resets (whole tasks). The defaults are
-   the best setting measured in gym-pusht (RESULTS.md, issue 17, session 17: +13.8 points over the DAgger policy):
-   policy starts, horizon 4, 128 envs, log std -3.5, lr 1e-5, 2 epochs, coverage weight 10.
+   the best setting measured (RESULTS.md, issue 17, sessions 17-18): policy starts, horizon 4, 128 envs, log std
+   -3.5, lr 1e-5, 2 epochs, coverage weight 10, 400 iterations (~200k env steps). From the DAgger policy on 1000
+   fresh seeds: +15 to +18 points in gym-pusht, +5 to +7 in the world model (~1400 s on an H200: split it into
+   calls with ``--grpo-seconds`` and ``--resume``).
 6. ``grpo_wm``: the same GRPO in ``cosmos3_gym/PushT-v0`` (the built-in world model on ``--device``), the same
    starts (frames rendered from the same simulator states), the reward ``pusht_geometric`` (coverage of a rigid T
    fitted to the imagined frame; 0 for deformed blocks), success at 0.95. Every ``--guard-every`` iterations the
@@ -93,7 +95,7 @@ RESET_STARTS = 2048  # gym-pusht resets GRPO draws its starts from with --rl-sta
 REPO_POLICY_DIR = "benchmarks/results/policies"
 FULL = dict(demo_episodes=1000, demo_max_steps=300, demo_stride=1, start_stride=8, bc_steps=40000, bc_batch_size=256,
             dagger_rounds=4, dagger_episodes=512, dagger_steps=3000, policy_start_episodes=512, eval_episodes=200,
-            eval_chunks=38, num_envs=128, group_size=8, horizon=4, iterations=150, minibatch_size=256, workers=16)
+            eval_chunks=38, num_envs=128, group_size=8, horizon=4, iterations=400, minibatch_size=256, workers=16)
 TINY = dict(demo_episodes=3, demo_max_steps=24, demo_stride=4, start_stride=8, bc_steps=4, bc_batch_size=8,
             dagger_rounds=2, dagger_episodes=2, dagger_steps=2, policy_start_episodes=2, eval_episodes=3, eval_chunks=2,
             num_envs=4, group_size=2, horizon=2, iterations=2, minibatch_size=8, workers=2)
@@ -420,8 +422,10 @@ def stage_grpo(run: Run, stage: str) -> None:
     guard = (lambda s, a, n: replay_in_simulator(replay_env, s, a, n)) if replay_env is not None else None
     setup_s = time.perf_counter() - started
     checkpoint = run.work / f"{key}_checkpoint.safetensors"
+    earlier_s = 0.0  # a resumed run's training time before this call, so train_s covers the whole history
     try:
         if args.resume and checkpoint.is_file():
+            earlier_s = run.results.get(key, {}).get("train_s", 0.0)
             trainer = GRPOTrainer.load(checkpoint, env, device=args.device, reference=reference, guard=guard)
             print(f"{key}: resumed at iteration {trainer.iteration}", flush=True)
         else:
@@ -431,7 +435,7 @@ def stage_grpo(run: Run, stage: str) -> None:
         history = trainer.train(args.iterations, checkpoint_path=checkpoint, progress=not args.no_progress,
                                 max_seconds=args.grpo_seconds,
                                 on_iteration=lambda r: print(_iteration_line(key, r), flush=True))
-        train_s = time.perf_counter() - started
+        train_s = earlier_s + time.perf_counter() - started
     finally:
         env.close()
         if replay_env is not None:

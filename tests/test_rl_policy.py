@@ -122,3 +122,37 @@ def test_behaviour_cloning_stops_within_its_time_budget():
     for bad in (dict(loss="huber"), dict(max_seconds=0.0), dict(steps=0)):
         with pytest.raises(InputError):
             BCConfig(**bad)
+
+
+def test_ieee_convolutions_apply_on_cuda_only_and_restore_the_setting():
+    from cosmos3_gym.rl.policy import ieee_fp32_convolutions
+
+    conv = torch.backends.cudnn.conv
+    before = conv.fp32_precision
+    try:
+        conv.fp32_precision = "tf32"
+        with ieee_fp32_convolutions(torch.device("cpu")):
+            assert conv.fp32_precision == "tf32"
+        with ieee_fp32_convolutions(torch.device("cuda")):  # only flips the flag: runs on a CPU-only build too
+            assert conv.fp32_precision == "ieee"
+        assert conv.fp32_precision == "tf32"
+        with pytest.raises(RuntimeError, match="inside"), ieee_fp32_convolutions(torch.device("cuda")):
+            raise RuntimeError("inside")
+        assert conv.fp32_precision == "tf32"
+    finally:
+        conv.fp32_precision = before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_training_forward_gives_the_cpu_log_probabilities_at_grpo_sigma():
+    """GRPO divides the update's probability of a sampled chunk by the rollout's, at sigma = exp(-3.5): on a GPU the
+    training forward (autograd on) must give the CPU's mean to a small fraction of sigma, or the ratios are noise."""
+    torch.manual_seed(0)
+    policy = PixelGaussianPolicy(PolicyConfig(initial_log_std=-3.5))
+    images = torch.randint(0, 256, (256, 96, 96, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    reference = policy(policy.preprocess(images)).detach().double()
+    policy.cuda().train()
+    mean = policy(policy.preprocess(images))
+    mean.sum().backward()  # as in the update
+    sigma = float(policy.log_std.exp().mean())
+    assert float((mean.detach().cpu().double() - reference).abs().max()) < 0.01 * sigma

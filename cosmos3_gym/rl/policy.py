@@ -18,6 +18,7 @@ Files: ``save_policy_file`` writes safetensors whose string metadata says what t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -58,6 +59,29 @@ class PolicyConfig:
         object.__setattr__(self, "channels", tuple(int(c) for c in self.channels))
         if len(self.channels) < 2 or min(self.channels) < 1:
             raise InputError(f"channels: expected at least two positive widths, got {self.channels!r}.")
+
+
+@contextlib.contextmanager
+def ieee_fp32_convolutions(device: torch.device):
+    """cuDNN's float32 convolutions in IEEE float32 inside the block on a CUDA device, not TF32 (elsewhere a no-op).
+
+    GRPO samples around the mean with sigma = exp(-3.5) = 0.03 and compares the log-probabilities the rollout
+    computed with those the update computes. On an H200 with PyTorch's default (TF32 allowed for cuDNN convolutions)
+    they disagreed far more than on the CPU: the median fraction of clipped ratios was 0.13 against the CPU's 0.017,
+    and the k3 KL to the reference passed 5 in 8 of 145 iterations in the world model (44 of 400 in gym-pusht, up to
+    1e6; none on the CPU). With IEEE convolutions the same world-model run clipped a median 0.015 and the KL never
+    passed 5 (benchmarks/RESULTS.md, issue 17, session 18). A no-grad forward matched the CPU to 4e-4 sigma either
+    way, so the difference arises in the update's forward, with autograd. The policy is a few MFLOP per frame."""
+    if device.type != "cuda":
+        yield
+        return
+    conv = torch.backends.cudnn.conv
+    previous = conv.fp32_precision
+    conv.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        conv.fp32_precision = previous
 
 
 class SpatialSoftArgmax(nn.Module):
@@ -118,7 +142,8 @@ class PixelGaussianPolicy(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """Float ``[B, 3, S, S]`` -> the mean action chunk ``[B, chunk * action_dim]`` in [-1, 1]."""
-        return torch.tanh(self.head(self.keypoints(self.encoder(pixels))))
+        with ieee_fp32_convolutions(pixels.device):
+            return torch.tanh(self.head(self.keypoints(self.encoder(pixels))))
 
     def distribution(self, pixels: torch.Tensor) -> torch.distributions.Normal:
         mean = self(pixels)
