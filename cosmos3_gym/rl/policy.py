@@ -71,7 +71,8 @@ def ieee_fp32_convolutions(device: torch.device):
     and the k3 KL to the reference passed 5 in 8 of 145 iterations in the world model (44 of 400 in gym-pusht, up to
     1e6; none on the CPU). With IEEE convolutions the same world-model run clipped a median 0.015 and the KL never
     passed 5 (benchmarks/RESULTS.md, issue 17, session 18). A no-grad forward matched the CPU to 4e-4 sigma either
-    way, so the difference arises in the update's forward, with autograd. The policy is a few MFLOP per frame."""
+    way, so the difference arises in the update's forward with autograd (the backward runs after this block, under
+    the global setting); which one was not measured. The policy is a few MFLOP per frame."""
     if device.type != "cuda":
         yield
         return
