@@ -90,10 +90,11 @@ class _GraphCache:
 
     The graphs share one memory pool. A graph's intermediates are dead once its replay ends, and its outputs are
     copied out before anything else runs, so a later capture may place its tensors where an earlier graph's
-    intermediates were. With a pool per graph, every new batch size a vector env met (slots finishing out of step)
-    added its whole activation memory: 16 envs grew 202 -> 496 MB of GPU memory over 5 graphs on an H200
-    (benchmarks/results/soak_pusht_h200_16envs_stage_graphs_varying_batch.json). Sharing is safe because the graphs of
-    one cache are replayed one at a time, on one stream, with inputs in static buffers allocated outside the pool.
+    intermediates were; with a pool per graph, every new batch size a vector env met (slots finishing out of step)
+    added its whole activation memory. Together with one capture stream (``_capture_stream``) this took a 16-env
+    soak with slots out of step on an H200 from +294 MB of GPU memory over 5 graphs to +34 MB
+    (benchmarks/results/soak_pusht_h200_16envs_stage_graphs_varying_batch*.json). Sharing is safe because the graphs
+    of one cache are replayed one at a time, on one stream, with inputs in static buffers allocated outside the pool.
     """
 
     def __init__(self, max_graphs: int):
