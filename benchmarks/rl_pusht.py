@@ -182,7 +182,9 @@ class Run:
             return DemoStartStates.from_seeds(range(first, first + RESET_STARTS), image_size=self.image_size)
         bc = self.existing_policy("bc")
         episodes = min(self.args.policy_start_episodes, RESET_STARTS)
-        key = hashlib.sha256(bc.read_bytes() + f"{first},{episodes},{self.args.eval_chunks}".encode()).hexdigest()
+        # "gym-pusht resets": episodes start by gym-pusht's own reset (sim.starts.put_in_start) since session 18.
+        setting = f"{first},{episodes},{self.args.eval_chunks},gym-pusht resets"
+        key = hashlib.sha256(bc.read_bytes() + setting.encode()).hexdigest()
         path = self.work / f"policy_starts_{key[:12]}.npz"  # the same policy, seeds and length: the same states
         if path.is_file():
             return DemoStartStates.load(path)

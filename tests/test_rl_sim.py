@@ -188,3 +188,53 @@ def test_demonstrations_execute_noisy_actions_and_label_the_clean_ones():
     np.testing.assert_allclose(noisy["action_chunks"][:-1, 1], labels[1:], atol=1e-5)
     with pytest.raises(InputError, match="execution_noise"):
         generate_demonstrations(1, execution_noise=(-1.0,), **common)
+
+
+def test_reset_starts_are_gym_pushts_own_resets(tmp_path):
+    """Seed 400013's agent starts touching the block: gym-pusht's reset steps the physics once, so its frame draws the
+    contact and its first step is warm-started. A start from ``from_seeds`` must be that reset exactly (frame and
+    physics), not a restore of the state (which differs by pixels at once and by tenths of a pixel after one step),
+    so that evaluations from these starts and ``cosmos3-gym eval-real`` see the same episodes."""
+    seeds = [400013, 400001]
+    starts = DemoStartStates.from_seeds(seeds, image_size=(64, 64))
+    assert starts.seeds.tolist() == seeds
+    loaded = DemoStartStates.load(starts.save(tmp_path / "resets.npz"))
+    assert loaded.seeds.tolist() == seeds and loaded.subset([1]).seeds.tolist() == [400001]
+    assert DemoStartStates(starts.sim_states).seeds.tolist() == [-1, -1]  # not resets unless told
+    targets = np.random.default_rng(0).uniform(50, 450, size=(40, 2))
+    reference = pusht.PushTSim((64, 64))
+    restored = pusht.PushTSim((64, 64), render_every_step=False)
+    env = make_env(loaded, num_envs=2, chunk=8, max_episode_steps=5)
+    try:
+        frame = reference.reset(seeds[0])
+        np.testing.assert_array_equal(loaded.frame(0), frame)
+        restored.restore(reference.sim_state)
+        assert not np.array_equal(restored.render(), frame)  # what a restore alone would have shown
+        observations, _ = env.reset(options={"initial_state_index": np.array([0, 1])})
+        np.testing.assert_array_equal(observations["image"][0], resize_frame(frame, (32, 32)))
+        coverage = []
+        for target in targets:
+            reference.step(target)
+            coverage.append(reference.coverage)
+        actions = STATS.normalize(targets).reshape(5, 8, 2).astype(np.float32)
+        replayed = []
+        for chunk in actions:
+            _, _, terminated, truncated, info = env.step(np.stack([chunk, chunk]))
+            replayed.append(float(info["coverage"][0]))
+            if terminated[0] or truncated[0]:
+                break
+        np.testing.assert_array_equal(replayed, np.asarray(coverage)[7::8][:len(replayed)])
+    finally:
+        env.close()
+        reference.close()
+        restored.close()
+    # A seed whose reset gives another state (another gym-pusht version) falls back to the state.
+    sim = pusht.PushTSim((64, 64), render_every_step=False)
+    try:
+        other = starts.sim_states[1]
+        from cosmos3_gym.sim.starts import put_in_start
+
+        put_in_start(sim, other, seeds[0])
+        np.testing.assert_array_equal(sim.sim_state, other)
+    finally:
+        sim.close()

@@ -50,7 +50,7 @@ from ..processor import ActionStats
 from .pusht_geometry import RAW_ACTION_DIM, SUCCESS_COVERAGE, TABLE_SIZE
 from .pusht_policies import ScriptedPusher, plan_chunk_in_physics
 from .pusht_sim import PushTSim, _check_image_size
-from .starts import DemoStartStates
+from .starts import DemoStartStates, put_in_start
 
 __all__ = ["PushTSimVectorEnv"]
 
@@ -71,10 +71,10 @@ class _SimBlock:
     def _observe(self, sim: PushTSim) -> np.ndarray:
         return resize_frame(sim.render(), self.observation_size)
 
-    def restore(self, items: list[tuple[int, np.ndarray]]) -> list[tuple[np.ndarray, float]]:
+    def restore(self, items: list[tuple[int, tuple[np.ndarray, int]]]) -> list[tuple[np.ndarray, float]]:
         out = []
-        for local, state in items:
-            self.sims[local].restore(state)
+        for local, (state, seed) in items:
+            put_in_start(self.sims[local], state, seed)
             self.experts[local] = None
             out.append((self._observe(self.sims[local]), self.sims[local].coverage))
         return out
@@ -382,7 +382,7 @@ class PushTSimVectorEnv(VectorEnv):
             else:
                 index = int(indices[slots[0]])
             for slot in slots:
-                items[int(slot)] = self.starts.sim_states[index]
+                items[int(slot)] = (self.starts.sim_states[index], int(self.starts.seeds[index]))
                 self._start_index[slot] = index
         for slot, (observation, coverage) in self._call("restore", items).items():
             self._observations[slot] = observation

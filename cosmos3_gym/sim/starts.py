@@ -26,7 +26,24 @@ from ..errors import InputError
 from .pusht_geometry import TASK
 from .pusht_sim import SIM_STATE_FIELDS, PushTSim
 
-__all__ = ["DemoStartStates", "SimInitialState"]
+__all__ = ["DemoStartStates", "SimInitialState", "put_in_start"]
+
+
+def put_in_start(sim: PushTSim, state: np.ndarray, seed: int = -1) -> None:
+    """Put ``sim`` in the start ``state``; for a gym-pusht reset start (``seed`` >= 0) by gym-pusht's own
+    ``reset(seed)``, whenever that gives ``state``.
+
+    A ``sim_state`` holds positions and velocities, not contacts. gym-pusht's reset places the bodies and takes one
+    physics step, so where the agent starts touching the block the reset's frame draws the contact points and its
+    first step is warm-started from them; a restored state has neither (seed 400013: 5 pixels of the frame up to 98
+    levels apart, the block 0.54 px apart after one step). Resetting makes these starts gym-pusht's exactly, so an
+    evaluation from ``DemoStartStates.from_seeds`` and ``cosmos3-gym eval-real`` (which resets) see the same
+    episodes. A seed whose reset gives another state (another gym-pusht version) falls back to the state."""
+    if seed >= 0:
+        sim.reset(seed)
+        if np.array_equal(sim.sim_state, np.asarray(state, dtype=np.float64)):
+            return
+    sim.restore(state)
 
 
 @dataclass(frozen=True)
@@ -48,7 +65,8 @@ class DemoStartStates(InitialStateSource):
 
     def __init__(self, sim_states: np.ndarray, *, episodes: Sequence[int] | None = None,
                  steps: Sequence[int] | None = None, frames: np.ndarray | None = None, task: str = TASK,
-                 image_size: tuple[int, int] = (256, 256), description: str = "demonstration starts"):
+                 image_size: tuple[int, int] = (256, 256), description: str = "demonstration starts",
+                 seeds: Sequence[int] | None = None):
         states = np.asarray(sim_states, dtype=np.float64)
         if states.ndim != 2 or states.shape[1] != len(SIM_STATE_FIELDS) or not np.isfinite(states).all():
             raise InputError(f"sim_states: expected finite [N, {len(SIM_STATE_FIELDS)}] ({SIM_STATE_FIELDS}), got "
@@ -57,9 +75,11 @@ class DemoStartStates(InitialStateSource):
         self.sim_states = states
         self.episodes = np.full(count, -1, np.int64) if episodes is None else np.asarray(episodes, np.int64)
         self.steps = np.zeros(count, np.int64) if steps is None else np.asarray(steps, np.int64)
-        if self.episodes.shape != (count,) or self.steps.shape != (count,):
-            raise InputError(f"episodes/steps: expected one entry per state ({count}), got {self.episodes.shape} "
-                             f"and {self.steps.shape}.")
+        # The gym-pusht reset seed of each start that is one (-1: a recorded or visited state); see put_in_start.
+        self.seeds = np.full(count, -1, np.int64) if seeds is None else np.asarray(seeds, np.int64)
+        if self.episodes.shape != (count,) or self.steps.shape != (count,) or self.seeds.shape != (count,):
+            raise InputError(f"episodes/steps/seeds: expected one entry per state ({count}), got "
+                             f"{self.episodes.shape}, {self.steps.shape} and {self.seeds.shape}.")
         if frames is not None:
             frames = np.asarray(frames)
             if frames.dtype != np.uint8 or frames.ndim != 4 or len(frames) != count or frames.shape[-1] != 3:
@@ -116,14 +136,15 @@ class DemoStartStates(InitialStateSource):
         finally:
             sim.close()
         return cls(np.stack(states), episodes=np.full(len(seeds), -1), steps=np.zeros(len(seeds), np.int64),
-                   image_size=image_size, description=f"{len(seeds)} gym-pusht resets (seeds {seeds[0]}..)")
+                   image_size=image_size, description=f"{len(seeds)} gym-pusht resets (seeds {seeds[0]}..)",
+                   seeds=seeds)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """An ``.npz`` with ``sim_states``, ``episodes``, ``steps``, ``task``, ``image_size``, ``description`` (and
-        ``frames``)."""
+        """An ``.npz`` with ``sim_states``, ``episodes``, ``steps``, ``seeds``, ``task``, ``image_size``,
+        ``description`` (and ``frames``)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = dict(sim_states=self.sim_states, episodes=self.episodes, steps=self.steps,
+        arrays = dict(sim_states=self.sim_states, episodes=self.episodes, steps=self.steps, seeds=self.seeds,
                       task=np.asarray(self.task), image_size=np.asarray(self.image_size),
                       description=np.asarray(self.description))
         if self.frames is not None:
@@ -141,7 +162,7 @@ class DemoStartStates(InitialStateSource):
         if "sim_states" not in arrays:
             raise InputError(f"starts: {path} has no 'sim_states'.")
         return cls(arrays["sim_states"], episodes=arrays.get("episodes"), steps=arrays.get("steps"),
-                   frames=arrays.get("frames"), task=str(arrays.get("task", TASK)),
+                   seeds=arrays.get("seeds"), frames=arrays.get("frames"), task=str(arrays.get("task", TASK)),
                    image_size=tuple(int(n) for n in arrays.get("image_size", (256, 256))),
                    description=str(arrays.get("description", path)))
 
@@ -161,12 +182,13 @@ class DemoStartStates(InitialStateSource):
             return self.frames[index]
         if self._sim is None:
             self._sim = PushTSim(self.image_size, render_every_step=False)
-        self._sim.restore(self.sim_states[index])
+        put_in_start(self._sim, self.sim_states[index], int(self.seeds[index]))
         return self._sim.render()
 
     def subset(self, indices: Sequence[int]) -> "DemoStartStates":
         indices = np.asarray(indices, dtype=np.int64)
         return DemoStartStates(self.sim_states[indices], episodes=self.episodes[indices], steps=self.steps[indices],
+                               seeds=self.seeds[indices],
                                frames=None if self.frames is None else self.frames[indices], task=self.task,
                                image_size=self.image_size, description=f"{self.description} (subset)")
 
