@@ -182,7 +182,8 @@ class Run:
             return DemoStartStates.from_seeds(range(first, first + RESET_STARTS), image_size=self.image_size)
         bc = self.existing_policy("bc")
         episodes = min(self.args.policy_start_episodes, RESET_STARTS)
-        # "gym-pusht resets": episodes start by gym-pusht's own reset (sim.starts.put_in_start) since session 18.
+        # "gym-pusht resets": the rollouts start by gym-pusht's own reset (sim.starts.put_in_start); caches from
+        # before that, when they started from restored states, do not match.
         setting = f"{first},{episodes},{self.args.eval_chunks},gym-pusht resets"
         key = hashlib.sha256(bc.read_bytes() + setting.encode()).hexdigest()
         path = self.work / f"policy_starts_{key[:12]}.npz"  # the same policy, seeds and length: the same states
@@ -626,6 +627,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.eval_seed < reset_starts_first_seed(args) + RESET_STARTS:
         parser.error("--eval-seed: held-out seeds must not overlap the demonstration, DAgger and GRPO start seeds")
     bounds = (GRPOConfig.min_log_std, GRPOConfig.max_log_std)
+    if args.grpo_seconds is not None and not args.grpo_seconds > 0:
+        parser.error(f"--grpo-seconds: expected a positive number of seconds, got {args.grpo_seconds}")
     if not bounds[0] <= args.initial_log_std <= bounds[1]:
         parser.error(f"--initial-log-std: expected a value in GRPO's log std range {list(bounds)}, got "
                      f"{args.initial_log_std}")

@@ -59,3 +59,16 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     assert policy_run["grpo_simulator"]["starts"].endswith("policy rollouts (success 0.00)")
     assert policy_run["grpo_simulator"]["starts"].startswith("4 states of 2")  # 2 episodes x 2 chunks (tiny)
     assert len(list(work.glob("policy_starts_*.npz"))) == 1
+
+
+@pytest.mark.parametrize("argv, field", [(["--grpo-seconds", "0"], "--grpo-seconds"),
+                                         (["--initial-log-std", "0"], "--initial-log-std")])
+def test_recipe_refuses_bad_settings_before_any_work(tmp_path, capsys, argv, field):
+    spec = importlib.util.spec_from_file_location("rl_pusht_recipe", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    with pytest.raises(SystemExit) as exit_info:
+        recipe.main(["--tiny", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--stages",
+                     "grpo_sim", *argv])
+    assert exit_info.value.code == 2 and field in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -196,4 +196,3 @@ class DemoStartStates(InitialStateSource):
         state = dict(self.__dict__)
         state["_sim"] = None
         return state
-
