@@ -373,8 +373,9 @@ def test_checkpoint_defaults_of_the_shipped_pusht_model():
     assert (defaults["domain"], defaults["raw_action_dim"], defaults["chunk"], defaults["resolution_tier"]) == \
         ("pusht", 2, 8, 256)
     assert (defaults["fps"], defaults["num_steps"], defaults["guidance_scale"]) == (10.0, 4, 1.0)
+    # success_threshold: the reward model's score at gym-pusht's success line (benchmarks/reward_model_calibration.py)
     assert (defaults["success_threshold"], defaults["max_episode_steps"], defaults["score_name"]) == \
-        (0.95, 38, "coverage")
+        (0.92, 38, "coverage")
     assert defaults["action_stats"].dim == 2 and defaults["action_stats"].mode == "minmax"
     assert len(defaults["initial_states"]) > 1  # every frame of initial_states.npz is a start, not only the first
     name, _, path = defaults["reward_model"].partition(":")

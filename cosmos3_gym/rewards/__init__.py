@@ -6,6 +6,7 @@
 """
 
 from .base import RewardModel, check_frames, reward_model_name, validate_reward
+from .calibration import fit_success_threshold, success_threshold_table
 from .callable import CallableRewardModel
 from .classifier import ClassifierRewardModel, train_classifier
 from .goal_image import GoalImageRewardModel
@@ -28,11 +29,13 @@ __all__ = [
     "RewardModelSpec",
     "available_reward_models",
     "check_frames",
+    "fit_success_threshold",
     "fit_tee",
     "register_reward_model",
     "resolve_reward_model",
     "reward_model_name",
     "rigidity",
+    "success_threshold_table",
     "train_classifier",
     "validate_reward",
 ]

@@ -201,6 +201,7 @@ def compare_policies(
     seed: int = 0,
     confidence: float = 0.95,
     extra_scores: Mapping[str, Callable[[np.ndarray], np.ndarray]] | None = None,
+    success_threshold: float = pusht.SUCCESS_COVERAGE,
 ) -> dict[str, Any]:
     """Each policy of ``policies`` from the simulator starts ``sim_seeds``, in gym-pusht and in the world model.
 
@@ -214,8 +215,10 @@ def compare_policies(
 
     Returns per policy the real and predicted final coverage (mean, Student-t CI) and success (rate, Wilson CI),
     then Pearson / Spearman / MMRV / mean absolute error between the per-policy mean predicted and real final
-    coverage. Success: coverage > 0.95 at any step (real) or at any chunk's last frame (predicted). Coverage
-    intervals are clipped to [0, 1].
+    coverage. Success: coverage > 0.95 at any step (real) or at any chunk's last frame (predicted), where the
+    ``score_frames`` scorer's line is ``success_threshold`` (a reward model's own, ``rewards.fit_success_threshold``:
+    regressors score true successes below 0.95) and the ``extra_scores``' is 0.95. Coverage intervals are clipped
+    to [0, 1].
     """
     runs = parse_policy_specs(policies)
     sim_seeds = [int(s) for s in sim_seeds]
@@ -255,7 +258,7 @@ def compare_policies(
     per_policy = {}
     for index, (run, (_, _, coverage)) in enumerate(zip(runs, simulated)):
         per_policy[run.spec] = {
-            "world_model": _scores(predicted[None][index], confidence),
+            "world_model": _scores(predicted[None][index], confidence, success_threshold),
             "simulator": _scores(coverage, confidence),
             "evaluated_in_world_model": "closed loop" if run.acts_on_frames else
             "open loop: the simulator's action chunks replayed",
@@ -308,10 +311,12 @@ def _frame_policy_agent(run: PolicySpec, make_agent: Callable[[], Any] | None, c
     return agent
 
 
-def _scores(coverage: np.ndarray, confidence: float) -> dict[str, Any]:
-    """Coverage ``[starts, T]`` -> final coverage (mean, CI in [0, 1]) and success (rate, Wilson CI)."""
+def _scores(coverage: np.ndarray, confidence: float,
+            success_threshold: float = pusht.SUCCESS_COVERAGE) -> dict[str, Any]:
+    """Coverage ``[starts, T]`` -> final coverage (mean, CI in [0, 1]) and success (rate, Wilson CI): the coverage
+    passes ``success_threshold`` at any step."""
     final = coverage[:, -1].astype(float)
-    successes = int((coverage > pusht.SUCCESS_COVERAGE).any(axis=1).sum())
+    successes = int((coverage > success_threshold).any(axis=1).sum())
     return {
         "final_coverage": float(final.mean()),
         "final_coverage_interval": mean_interval(list(final), confidence, bounds=(0.0, 1.0)),
@@ -350,7 +355,8 @@ def compare_with_simulator(
 ) -> dict[str, Any]:
     """``compare_policies`` for the PushT world model in ``assets_dir`` (default: the built-in one) from the
     simulator starts ``first_sim_seed .. first_sim_seed + num_starts - 1``; ``engine`` shares a loaded model. The
-    world model's frames are scored by the assets' reward model and by ``extra_scores`` (see ``compare_policies``).
+    world model's frames are scored by the assets' reward model, whose successes pass the checkpoint's
+    ``success_threshold``, and by ``extra_scores`` (see ``compare_policies``).
     ``env_options``: more arguments of the world model's env (``make_pusht_vector_env``, e.g. ``rigid_block``).
     Needs gym-pusht."""
     from ..envs.pusht import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults
@@ -382,7 +388,7 @@ def compare_with_simulator(
         result = compare_policies(
             [run.spec for run in runs], range(first_sim_seed, first_sim_seed + num_starts), vector_env=env,
             score_frames=score_frames, stats=stats, num_chunks=num_chunks, make_agent=make_agent, seed=seed,
-            extra_scores=extra_scores,
+            extra_scores=extra_scores, success_threshold=float(defaults["success_threshold"]),
         )
     finally:
         env.close()
