@@ -85,3 +85,13 @@ def test_built_in_checkpoint_uses_the_calibrated_threshold():
 
     # benchmarks/results/reward_model_calibration_cpu.json fitted it; 0.95 would never end an episode.
     assert pusht_env_defaults(load_pusht_assets())["success_threshold"] == 0.92
+
+
+def test_another_reward_model_gets_gym_pushts_line_not_the_checkpoints_threshold():
+    from cosmos3_gym.envs.pusht import pusht_env_arguments, pusht_env_defaults, load_pusht_assets
+
+    own = pusht_env_defaults(load_pusht_assets())["reward_model"]
+    assert pusht_env_arguments()["success_threshold"] == 0.92
+    assert pusht_env_arguments(reward_model=own)["success_threshold"] == 0.92
+    assert pusht_env_arguments(reward_model="pusht_geometric")["success_threshold"] == 0.95
+    assert pusht_env_arguments(reward_model="pusht_geometric", success_threshold=0.9)["success_threshold"] == 0.9

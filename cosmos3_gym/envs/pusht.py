@@ -233,13 +233,19 @@ def pusht_env_arguments(
 ) -> dict[str, Any]:
     """The ``WorldModelEnv`` arguments ``make_pusht_env`` uses: the defaults of ``assets_dir`` updated with
     ``overrides`` (an ``engine`` override drops the default checkpoint); ``rigid_block=True`` adds the
-    ``handover_projection`` that re-draws each chunk's last frame as a rigid T (``pusht_projection``). The env logs
-    the overrides that change a setting of the checkpoint."""
+    ``handover_projection`` that re-draws each chunk's last frame as a rigid T (``pusht_projection``). Another
+    ``reward_model`` without a ``success_threshold`` gets gym-pusht's 0.95, not the checkpoint's (calibrated for
+    its own reward model). The env logs the overrides that change a setting of the checkpoint."""
     from .pusht_projection import RigidBlockProjection, check_rigid_block  # the simulator's modules: only here
 
     if check_rigid_block(rigid_block):
         overrides["handover_projection"] = RigidBlockProjection()
-    arguments = {**pusht_env_defaults(load_pusht_assets(assets_dir)), **overrides}
+    defaults = pusht_env_defaults(load_pusht_assets(assets_dir))
+    arguments = {**defaults, **overrides}
+    if overrides.get("reward_model") not in (None, defaults["reward_model"]) and "success_threshold" not in overrides:
+        # The checkpoint's threshold is its own reward model's score at gym-pusht's success line
+        # (benchmarks/reward_model_calibration.py); another scorer gets that line itself.
+        arguments["success_threshold"] = FALLBACK_SETTINGS["success_threshold"]
     if arguments.get("engine") is not None and "checkpoint" not in overrides:
         del arguments["checkpoint"]
     return arguments
