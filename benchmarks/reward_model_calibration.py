@@ -32,8 +32,8 @@ def score_dataset(dataset: Path, reward_model) -> tuple[np.ndarray, np.ndarray]:
     """Every frame of a ``generate_pusht_dataset`` folder: (true coverage, reward-model score)."""
     coverage, scores = [], []
     for path in sorted((dataset / "episodes").glob("episode_*.npz")):
-        episode = np.load(path)
-        frames, episode_coverage = episode["frames"], episode["coverage"]
+        with np.load(path) as episode:
+            frames, episode_coverage = episode["frames"], episode["coverage"]
         n = min(len(frames), len(episode_coverage))
         images = torch.from_numpy(frames[:n]).permute(0, 3, 1, 2).float() / 255
         with torch.no_grad():
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     reward_model = ClassifierRewardModel.load(assets.root / REWARD_MODEL_DIR).eval()
     checkpoint_threshold = float(assets.meta["success_threshold"])
     work = Path(tempfile.mkdtemp())
-    sets = {}
-    for name, seed in (("fit", args.fit_seed), ("check", args.check_seed)):
+    seeds, sets = {"fit": args.fit_seed, "check": args.check_seed}, {}
+    for name, seed in seeds.items():
         dataset = pusht.generate_pusht_dataset(
             work / name, args.episodes, steps_per_episode=args.steps, image_size=tuple(assets.meta["image_size"]),
             policy_mix={args.policy: 1.0}, seed=seed, workers=args.workers, progress=False)
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         table = success_threshold_table(scores, successes)
         at = {f"{t:g}": success_threshold_table(scores, successes, [t])[0]
               for t in sorted({checkpoint_threshold, fitted["threshold"], pusht_geometry.SUCCESS_COVERAGE})}
-        results["sets"][name] = {"seed": args.fit_seed if name == "fit" else args.check_seed,
+        results["sets"][name] = {"seed": seeds[name],
                                  "frames": int(len(scores)), "success_frames": int(successes.sum()),
                                  "coverage_bins": coverage_bins(coverage, scores), "at": at, "table": table}
         print(f"{name}: {len(scores)} frames, {int(successes.sum())} successes; score on them mean "
