@@ -4,9 +4,11 @@ The env ends an episode when the reward model's score reaches the checkpoint's `
 (``checkpoint/meta.json``). This simulates episodes in gym-pusht (default: the scripted pusher at its four noise levels,
 which succeeds in most of them) in two seed sets, scores every frame, and reports the score per coverage bin and, per threshold, the
 precision and recall of ``score >= threshold`` for gym-pusht's success (coverage > 0.95). The threshold with the best
-F1 on the first set (``cosmos3_gym.rewards.fit_success_threshold``) is checked on the second, next to the
-checkpoint's own; ``--write`` puts it into the checkpoint's meta.json (run it after retraining a reward model:
-``train_pusht.py`` writes gym-pusht's 0.95). CPU, under a minute:
+F1 on the first set (``cosmos3_gym.rewards.calibration.calibrate_success_threshold``) is checked on the second, next
+to the checkpoint's own; ``--write`` puts it into the checkpoint's meta.json. ``train_pusht.py`` already calibrates
+the threshold of every reward model it trains, the same way, on real episodes that model never saw (its
+``success_threshold`` stage); this re-checks a model on scripted episodes of other seeds, or sets the threshold of a
+reward model trained elsewhere. CPU, under a minute:
 
     python benchmarks/reward_model_calibration.py --out OUT [--write]
 """
@@ -20,26 +22,20 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_output_arguments, check_results_target, provenance, write_results  # noqa: E402
+
+from cosmos3_gym.rewards.calibration import (  # noqa: E402
+    calibrate_success_threshold, score_episode_files, success_threshold_table,
+)
 
 COVERAGE_BINS = (0.0, 0.5, 0.8, 0.9, 0.95, 1.01)
 
 
 def score_dataset(dataset: Path, reward_model) -> tuple[np.ndarray, np.ndarray]:
     """Every frame of a ``generate_pusht_dataset`` folder: (true coverage, reward-model score)."""
-    coverage, scores = [], []
-    for path in sorted((dataset / "episodes").glob("episode_*.npz")):
-        with np.load(path) as episode:
-            frames, episode_coverage = episode["frames"], episode["coverage"]
-        n = min(len(frames), len(episode_coverage))
-        images = torch.from_numpy(frames[:n]).permute(0, 3, 1, 2).float() / 255
-        with torch.no_grad():
-            scores.append(reward_model.score_frames(images).numpy().reshape(-1))
-        coverage.append(episode_coverage[:n])
-    return np.concatenate(coverage), np.concatenate(scores)
+    return score_episode_files(sorted((dataset / "episodes").glob("episode_*.npz")), reward_model)
 
 
 def coverage_bins(coverage: np.ndarray, scores: np.ndarray) -> list[dict]:
@@ -71,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_results_target(args.results_name, args.out, args.overwrite)
 
     from cosmos3_gym.envs.pusht import META_FILE, REWARD_MODEL_DIR, load_pusht_assets
-    from cosmos3_gym.rewards import ClassifierRewardModel, fit_success_threshold, success_threshold_table
+    from cosmos3_gym.rewards import ClassifierRewardModel
     from cosmos3_gym.sim import pusht, pusht_geometry
 
     assets = load_pusht_assets(args.assets)
@@ -85,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
             policy_mix={args.policy: 1.0}, seed=seed, workers=args.workers, progress=False)
         coverage, scores = score_dataset(dataset, reward_model)
         sets[name] = (coverage, scores, coverage > pusht_geometry.SUCCESS_COVERAGE)
-    fitted = fit_success_threshold(sets["fit"][1], sets["fit"][2])
+    calibration = calibrate_success_threshold(sets["fit"][1], sets["fit"][2], sets["check"][1], sets["check"][2])
+    fitted = calibration["fit"]
     results = {"provenance": provenance(), "assets": str(assets.root), "policy": args.policy,
                "checkpoint_success_threshold": checkpoint_threshold, "fitted_on_fit_set": fitted, "sets": {}}
     for name, (coverage, scores, successes) in sets.items():

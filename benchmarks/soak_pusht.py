@@ -44,7 +44,9 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_output_arguments, check_results_target, provenance, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_decoder_arguments, add_output_arguments, check_results_target, provenance, use_decoder_arguments, write_results,
+)
 
 from cosmos3_gym.envs.pusht import make_pusht_vector_env  # noqa: E402
 
@@ -167,7 +169,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) before each sample")
     add_output_arguments(parser)
     parser.add_argument("--name", default=None)
+    parser.add_argument("--assets", default=None, help="PushT model folder (default: the built-in one)")
+    add_decoder_arguments(parser, "light: the env decodes with the checkpoint's light_decoder/")
     args = parser.parse_args(argv)
+    use_decoder_arguments(parser, args)
     device = "cpu" if args.device == "cpu" else "gpu"
     name = args.name or f"soak_pusht_{device}_{args.envs}envs.json"
     check_results_target(name, args.out, args.overwrite)  # before measuring
@@ -178,7 +183,10 @@ def main(argv=None) -> dict:
         tracemalloc.start(8)
 
     overrides = {} if args.success_threshold is None else {"success_threshold": args.success_threshold}
-    env = make_pusht_vector_env(args.envs, device=args.device, optimize=bool(args.optimize), **overrides)
+    if args.decoder != "vae":
+        overrides["decoder"] = args.decoder
+    env = make_pusht_vector_env(args.envs, args.assets, device=args.device, optimize=bool(args.optimize),
+                                **overrides)
     samples, reference = [], None
     try:
         env.reset(seed=0)

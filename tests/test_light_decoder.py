@@ -349,6 +349,12 @@ def test_recipe_smoke_run(tmp_path):
     results = recipe.main(["--smoke", "--out", str(tmp_path), "--workers", "1", "--work", str(tmp_path / "work")])
     assert results["windows"]["train"] > 0 and results["training"]["steps"] >= 1
     assert set(results["psnr_db"]["last_frame"]) == {"light_vs_real", "vae_vs_real", "light_vs_vae"}
+    # the world model's own chunks: latents and the exact decode of them, which the training set gains
+    assert results["windows"]["generated_train"] == 3 and results["windows"]["generated_heldout"] == 2
+    assert set(results["psnr_db"]["generated"]) == {"light_vs_vae_last_frame", "light_vs_vae_all_frames"}
+    generated = safetensors.torch.load_file(str(next((tmp_path / "work").glob("generated_train_*.safetensors"))))
+    assert list(generated["frames"].shape) == [3, *results["windows"]["frame_shape"]]
+    assert list(generated["latents"].shape) == [3, *results["windows"]["latent_shape"]]
     assert results["speed"]["gflop_per_last_frame"]["ratio"] > 10
     assert set(results["speed"]["batches"]) == {"1", "2"}
     LightDecoder.from_pretrained(tmp_path / "light_decoder")  # installable as <checkpoint>/light_decoder
@@ -361,8 +367,11 @@ def test_recipe_smoke_run(tmp_path):
     cached = safetensors.torch.load_file(str(tmp_path / "work2" / "windows_train_stride8.safetensors"))
     assert cached["frames"].dtype == torch.uint8 and len(cached["latents"]) == first["windows"]["train"]
     second = recipe.main(["--smoke", "--out", str(tmp_path / "b"), "--workers", "1", "--work", str(tmp_path / "work2")])
-    assert second["windows"] == first["windows"] and second["training"]["steps"] >= 1
+    assert {key: second["windows"][key] for key in first["windows"]} == first["windows"]
+    assert second["training"]["steps"] >= 1
     assert second["stages"]["simulate"] < first["stages"]["simulate"]  # reused, not simulated again
+    third = recipe.main(["--smoke", "--out", str(tmp_path / "c"), "--workers", "1", "--work", str(tmp_path / "work2")])
+    assert third["stages"]["generate"] < second["stages"]["generate"]  # the generated windows are reused too
     shutil.rmtree(tmp_path / "work")
     shutil.rmtree(tmp_path / "work2")
 

@@ -545,12 +545,13 @@ def test_dataset_episodes_are_what_the_plain_gym_pusht_loop_gives(tmp_path, work
 
 
 @pytest.mark.parametrize("flags, expected", [
-    ((), ["simulate", "world_model", "reward_model", "package", "evaluate"]),
-    (("--no-rollout-reward-model", "--no-evaluate"), ["simulate", "world_model", "package"]),
+    ((), ["simulate", "world_model", "reward_model", "success_threshold", "package", "evaluate"]),
+    (("--no-rollout-reward-model", "--no-evaluate"), ["simulate", "world_model", "success_threshold", "package"]),
 ])
 def test_train_pusht_second_part_can_skip_the_reward_model_and_the_evaluation(tmp_path, monkeypatch, flags, expected):
     """A fine-tune that a later call continues (``--no-rollout-reward-model --no-evaluate``) runs only simulation,
-    training and packaging; by default the reward model is retrained on the rollouts and the model evaluated."""
+    training, calibrating the success threshold to the reward model it keeps, and packaging; by default the reward
+    model is retrained on the rollouts (then calibrated) and the model evaluated."""
     import sys
 
     benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks" / "recipes")
@@ -564,7 +565,8 @@ def test_train_pusht_second_part_can_skip_the_reward_model_and_the_evaluation(tm
     def stage(name):
         return lambda *args, **kwargs: ran.append(name) or {}
 
-    for name in ("simulate", "world_model_stage", "reward_model_stage", "package", "evaluate_stage"):
+    for name in ("simulate", "world_model_stage", "reward_model_stage", "success_threshold_stage", "package",
+                 "evaluate_stage"):
         monkeypatch.setattr(train_pusht, name, stage(name.removesuffix("_stage")))
     monkeypatch.setattr(train_pusht, "unpack_first_part", lambda *args: None)
     monkeypatch.setattr(train_pusht, "write_results", lambda *args, **kwargs: None)

@@ -19,7 +19,7 @@ Needs gym-pusht (the ``sim`` extra). Stages:
 4. ``evaluate``: on the held-out windows, PSNR per window of the light decoder's last frame against the real frame
    (``light_vs_real``), of the exact VAE decode of the same latents (``vae_vs_real``) and between the two
    (``light_vs_vae``); the same over every frame of the window (``all_frames``); means with 95 % intervals;
-5. ``speed``: decode time of the last frame per env step (one window's latents), for the VAE as the PushT env's
+6. ``speed``: decode time of the last frame per env step (one window's latents), for the VAE as the PushT env's
    default engine runs it (``fast_pusht_engine``: bf16 and compiled fused norms on a GPU) and for the light decoder
    as ``decoder="light"`` runs it (the same dtype, channels-last), at ``--timing-batches`` (device-synchronised,
    median of ``--timing-repeats``), and conv FLOPs per last frame at batch 1 (``torch.utils.flop_counter``).
@@ -40,8 +40,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import safetensors.torch
 import torch
+from tqdm.auto import tqdm
 
 RECIPES = Path(__file__).resolve().parent
 sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
@@ -52,21 +54,25 @@ from fidelity_pusht_chunks import finite_mean_ci95  # noqa: E402
 from cosmos3_gym.envs.pusht import fast_pusht_engine, load_pusht_assets  # noqa: E402
 from cosmos3_gym.models.light_decoder import LightDecoder, LightDecoderConfig  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
+from cosmos3_gym.training.export import ACTION_STATS_FILE  # noqa: E402
 from cosmos3_gym.training.light_decoder import (  # noqa: E402
     DecoderWindows, LightDecoderTrainConfig, build_decoder_windows, decoder_psnr, train_light_decoder,
 )
 
 RESULTS_NAME = "train_light_decoder.json"
 DECODER_DIR = "light_decoder"
-MAX_DECODER_MB = 16.0  # what comes back from the device machine
+MAX_DECODER_MB = 16.0
+EVAL_RESERVE_S = 60.0  # what --deadline-s leaves for the evaluate and speed stages (~30 s on an H200)  # what comes back from the device machine
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
-FULL = dict(episodes=256, steps_per_episode=128, heldout_episodes=32, image_size=None, seconds=210.0,
-            max_steps=100_000, batch_size=32, lr=1e-3, channels="128,96,64,32", blocks="2,1,1,1",
-            timing_batches="1,64", timing_repeats=20)
+FULL = dict(episodes=256, steps_per_episode=128, heldout_episodes=32, image_size=None, seconds=240.0,
+            max_steps=100_000, batch_size=32, lr=1e-3, channels="192,128,96,64", blocks="3,2,1,1",
+            timing_batches="1,64", timing_repeats=20, generated_starts_per_episode=4, generated_chunks=4,
+            generate_batch=256)
 # The same pipeline on a CPU in about a minute: tiny frames, decoder and budgets (the numbers mean nothing).
 SMOKE = dict(FULL, episodes=3, steps_per_episode=16, heldout_episodes=2, image_size=64, seconds=10.0, max_steps=6,
-             batch_size=2, channels="16,16,8,8", blocks="1,0,0,0", timing_batches="1,2", timing_repeats=2)
+             batch_size=2, channels="16,16,8,8", blocks="1,0,0,0", timing_batches="1,2", timing_repeats=2,
+             generated_starts_per_episode=1, generated_chunks=1, generate_batch=4)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,10 +90,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="end after this stage (results still written); a later run with the same --work reuses "
                              "its datasets and encoded windows: simulate and encode in one time-limited call, train "
                              "in the next")
+    parser.add_argument("--policy-mix", default=None,
+                        help="the training episodes' policies, as train_pusht.py's --policy-mix (default: "
+                             "generate_pusht_dataset's mix); policy files act through the model's action statistics")
     parser.add_argument("--results-name", default=RESULTS_NAME)
     parser.add_argument("--latent-noise", type=float, default=0.0,
                         help="std of noise added to the training latents (LightDecoderTrainConfig.latent_noise)")
     parser.add_argument("--save-dtype", choices=sorted(SAVE_DTYPES), default="float16", help="stored weights")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="end training early enough that the run ends within this many seconds of its start "
+                             f"(for time-limited calls; evaluate and speed are given {EVAL_RESERVE_S:.0f} s)")
     for name, value in FULL.items():  # sizes and budgets, defaulting to FULL (or SMOKE with --smoke)
         kind = int if name == "image_size" else type(value)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
@@ -102,25 +114,28 @@ def ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(","))
 
 
-def simulate(args, work: Path, image_size: tuple[int, int]) -> dict[str, Path]:
-    """The training and held-out datasets in ``work``; a complete one from an earlier run with the same settings (its
-    meta.json says so) is reused, so a run split over time-limited calls (``--stop-after``) simulates once."""
+def simulate(args, work: Path, image_size: tuple[int, int], assets) -> dict[str, Path]:
+    """The training and held-out datasets in ``work`` (both with ``--policy-mix``); a complete one from an earlier
+    run with the same settings is reused, so a run split over time-limited calls (``--stop-after``) simulates once."""
     from cosmos3_gym.sim import pusht
 
+    mix = pusht.parse_policy_mix(args.policy_mix)
+    action_stats = assets.checkpoint / ACTION_STATS_FILE
     datasets = {}
     for name, episodes, seed in (("train", args.episodes, args.seed), ("heldout", args.heldout_episodes,
                                                                        args.seed + 1000)):
-        wanted = {"num_episodes": episodes, "steps_per_episode": args.steps_per_episode, "seed": seed,
-                  "image_size": list(image_size)}
-        meta = work / name / "meta.json"
-        if meta.is_file() and {k: json.loads(meta.read_text()).get(k) for k in wanted} == wanted:
+        request = {"num_episodes": episodes, "steps_per_episode": args.steps_per_episode, "seed": seed,
+                   "image_size": list(image_size), "policy_mix": mix}
+        marker = work / f"{name}.request.json"
+        if (work / name / "meta.json").is_file() and marker.is_file() and json.loads(marker.read_text()) == request:
             print(f"{name}: reusing {work / name}", flush=True)
             datasets[name] = work / name
             continue
         datasets[name] = pusht.generate_pusht_dataset(
             work / name, episodes, steps_per_episode=args.steps_per_episode, image_size=image_size, seed=seed,
-            workers=args.workers,
+            workers=args.workers, policy_mix=mix, action_stats=action_stats,
         )
+        marker.write_text(json.dumps(request))
     return datasets
 
 
@@ -141,6 +156,96 @@ def encode(args, datasets: dict[str, Path], vae, chunk: int, tier: int, work: Pa
                                     str(path))
         windows.append(encoded)
     return windows
+
+
+class StepRecorder:
+    """Keeps each forward-dynamics result's latents and pixels (the exact decode, as uint8 on the host) that
+    ``engine.step`` returns: what the env's world model generates, for ``generate``. It replaces the engine's
+    ``step`` on the instance (the env checks its engine against the ``WorldModelEngine`` protocol, so no wrapper)."""
+
+    def __init__(self, engine, chunk: int):
+        self.engine, self.chunk, self.engine_step = engine, chunk, engine.step
+        self.latents: list[torch.Tensor] = []
+        self.frames: list[torch.Tensor] = []
+        engine.step = self.step
+
+    def step(self, requests, *, decode=None, pixels_on_device: bool = False):
+        results = self.engine_step(requests, decode=decode, pixels_on_device=pixels_on_device)
+        for result in results:
+            if result.pixels is None or result.pixels.shape[1] != self.chunk + 1:
+                raise RuntimeError("generate: the env must decode every frame of the chunk (return_frames=True)")
+            self.latents.append(result.video_latents.float().cpu())
+            self.frames.append((result.pixels.float() * 255.0).round_().clamp_(0, 255).to(torch.uint8).cpu())
+        return results
+
+
+def generate(args, datasets: dict[str, Path], assets, chunk: int, image_size: tuple[int, int],
+             work: Path) -> list[DecoderWindows | None]:
+    """The world model's own windows (module docstring, stage 3) for the train and held-out episodes, kept in
+    ``work`` for a later run as ``encode`` keeps its windows; None for both when ``--generated-starts-per-episode``
+    is 0."""
+    if args.generated_starts_per_episode == 0:
+        return [None, None]
+    from cosmos3_gym.envs.pusht import make_pusht_vector_env, pusht_env_defaults
+    from cosmos3_gym.processor import ActionStats
+    from cosmos3_gym.sim.compare import replay_actions
+
+    stats = ActionStats.from_json(pusht_env_defaults(assets)["action_stats"],
+                                  mode=assets.meta.get("action_normalization", "minmax"))
+    steps = args.generated_chunks * chunk
+    windows = []
+    for split, name in enumerate(("train", "heldout")):
+        path = work / (f"generated_{name}_s{args.generated_starts_per_episode}_c{args.generated_chunks}"
+                       f"_seed{args.seed}.safetensors")
+        if path.is_file():
+            print(f"generated {name}: reusing {path}", flush=True)
+            tensors = safetensors.torch.load_file(str(path))
+            windows.append(DecoderWindows(tensors["latents"], tensors["frames"]))
+            continue
+        rng = np.random.default_rng([args.seed, 7, split])
+        starts, actions = [], []
+        for episode_path in sorted((datasets[name] / "episodes").glob("episode_*.npz")):
+            with np.load(episode_path) as episode:
+                last = len(episode["actions"]) - steps
+                if last < 0:
+                    continue
+                for first in rng.choice(last + 1, min(args.generated_starts_per_episode, last + 1), replace=False):
+                    starts.append(episode["frames"][first])
+                    actions.append(episode["actions"][first : first + steps])
+        if not starts:
+            raise SystemExit(f"generate: no {name} episode has {steps} steps (--generated-chunks x the chunk)")
+        actions = np.clip(stats.normalize(np.stack(actions).astype(np.float32)), -1.0, 1.0)
+        actions = actions.reshape(len(starts), args.generated_chunks, chunk, -1)
+        engine = fast_pusht_engine(assets.checkpoint, device=args.device)
+        recorder = StepRecorder(engine, chunk)
+        try:
+            for begin in tqdm(range(0, len(starts), args.generate_batch), desc=f"generating {name}", leave=False):
+                batch = slice(begin, begin + args.generate_batch)
+                envs = make_pusht_vector_env(len(starts[batch]), assets_dir=assets.root, engine=engine,
+                                             return_frames=True, reward_model=None, success_threshold=None,
+                                             max_episode_steps=None, image_size=image_size)
+                try:
+                    replay_actions(envs, np.stack(starts[batch]), actions[batch], seed=args.seed + begin)
+                finally:
+                    envs.close()
+        finally:
+            engine.close()
+        generated = DecoderWindows(torch.stack(recorder.latents), torch.stack(recorder.frames))
+        safetensors.torch.save_file({"latents": generated.latents.contiguous(),
+                                     "frames": generated.frames.contiguous()}, str(path))
+        windows.append(generated)
+    return windows
+
+
+def train_seconds(args, elapsed: float) -> float:
+    """``--seconds``, shortened to meet ``--deadline-s`` after ``elapsed`` seconds of earlier stages."""
+    if args.deadline_s is None:
+        return args.seconds
+    left = args.deadline_s - elapsed - EVAL_RESERVE_S
+    if left < 10.0:
+        raise SystemExit(f"--deadline-s {args.deadline_s}: {elapsed:.0f} s went to the earlier stages, too little is "
+                         "left to train (run again with the same --work: they are reused)")
+    return min(args.seconds, left)
 
 
 def conv_flops(fn) -> int:
@@ -211,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
         return value
 
     try:
-        datasets = stage("simulate", simulate, args, work, image_size)
+        datasets = stage("simulate", simulate, args, work, image_size, assets)
         if args.stop_after == "simulate":
             return results
         vae = Cosmos3VAE.from_pretrained(assets.checkpoint / "vae", device=args.device)
@@ -221,11 +326,18 @@ def main(argv: list[str] | None = None) -> dict:
                               "frame_shape": list(train_windows.frames.shape[1:])}
         if args.stop_after == "encode":
             return results
+        generated_train, generated_heldout = stage("generate", generate, args, datasets, assets, chunk, image_size,
+                                                   work)
+        if generated_train is not None:
+            results["windows"].update(generated_train=len(generated_train), generated_heldout=len(generated_heldout))
+            train_windows = DecoderWindows(torch.cat([train_windows.latents, generated_train.latents]),
+                                           torch.cat([train_windows.frames, generated_train.frames]))
+            del generated_train
         config = LightDecoderTrainConfig(
             decoder=LightDecoderConfig(latent_channels=vae.latent_channels, channels=ints(args.channels),
                                        blocks=ints(args.blocks), temporal_compression=vae.temporal_compression),
-            steps=args.max_steps, seconds=args.seconds, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-            device=args.device, warmup_steps=min(100, args.max_steps // 10), latent_noise=args.latent_noise,
+            steps=args.max_steps, seconds=train_seconds(args, time.perf_counter() - started),
+            batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device, warmup_steps=min(100, args.max_steps // 10), latent_noise=args.latent_noise,
         )
         stage("train", train_light_decoder, train_windows, decoder_dir, config)
         del train_windows  # gigabytes of frames on the device
@@ -252,6 +364,11 @@ def main(argv: list[str] | None = None) -> dict:
                 report["last_frame" if frames == "last" else "all_frames"] = {
                     key: finite_mean_ci95(values) for key, values in psnr.items()
                 }
+            if generated_heldout is not None:  # "real" is the VAE's decode of the model's latents there
+                psnr = decoder_psnr(decoder, generated_heldout, frames="last")
+                report["generated"] = {"light_vs_vae_last_frame": finite_mean_ci95(psnr["light_vs_real"]),
+                                       "light_vs_vae_all_frames": finite_mean_ci95(
+                                           decoder_psnr(decoder, generated_heldout, frames="all")["light_vs_real"])}
             if torch.device(args.device).type == "cuda":  # as decoder="light" runs it on a GPU: bf16, channels-last
                 bf16 = LightDecoder.from_pretrained(decoder_dir, device=args.device, dtype=torch.bfloat16)
                 psnr = decoder_psnr(bf16.use_channels_last(), heldout_windows, frames="last")
@@ -259,7 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
             return report
 
         results["psnr_db"] = stage("evaluate", evaluate)
-        for key, value in results["psnr_db"]["last_frame"].items():
+        psnr_db = results["psnr_db"]
+        for key, value in [*psnr_db["last_frame"].items(), *psnr_db.get("generated", {}).items()]:
             print(f"last frame PSNR {key}: {value['mean']:.2f} dB [{value['ci95_low']:.2f}, {value['ci95_high']:.2f}]")
         del vae, decoder
         results["speed"] = stage("speed", speed, args, assets, decoder_dir, heldout_windows.latents)

@@ -10,12 +10,18 @@ Needs gym-pusht (the ``sim`` extra). Stages:
    per core) and the held-out start frames the env ships (``--episodes``, ``--steps-per-episode``, ...);
 2. train the VAE (``cosmos3_gym.training.train_vae``) for ``--vae-seconds``;
 3. train the world model (``train_world_model``) for ``--wm-seconds``, written straight into ``<assets>/checkpoint``
-   and given the env defaults in its meta.json (task, num_steps, guidance_scale, success_threshold,
-   max_episode_steps). A training stage's time budget becomes a step count from a short speed probe on a few
-   episodes (``PROBE_STEPS``), capped by ``--vae-max-steps`` / ``--wm-max-steps``; reading the episodes and encoding
-   the latents come on top. The world model's steps get ``PROBE_SPEED_HEADROOM`` and its run ends, with its cosine
-   decay, at the budget (``WorldModelTrainConfig.max_seconds``);
+   and given the env defaults in its meta.json (task, num_steps, guidance_scale, max_episode_steps, and gym-pusht's
+   success_threshold 0.95 until stage 4b replaces it). A training stage's time budget becomes a step count from a
+   short speed probe on a few episodes (``PROBE_STEPS``), capped by ``--vae-max-steps`` / ``--wm-max-steps``; reading
+   the episodes and encoding the latents come on top. The world model's steps get ``PROBE_SPEED_HEADROOM`` and its
+   run ends, with its cosine decay, at the budget (``WorldModelTrainConfig.max_seconds``);
 4. train the reward model (``ClassifierRewardModel``) on the simulator's coverage of the target (soft labels);
+4b. once the world model and the last reward model are trained, calibrate the checkpoint's ``success_threshold`` to
+   the reward model it ships (``success_threshold_stage``). A regressor of coverage scores gym-pusht's successes
+   (coverage > 0.95) about 0.93, never 0.95, so the threshold is the score with the best F1 for gym-pusht's success
+   on real episodes the reward model never saw (half of them; the other half checks it). It goes into meta.json and,
+   with its precision, recall and frame counts, into the results. Without enough success frames to fit on
+   (``--smoke``) it stays 0.95 and the results say why;
 5. check the assets' size (``--max-size-mb``) and pack them (``pusht_assets.tar.gz``: extract it in
    ``cosmos3_gym/assets/`` to install the model);
 6. evaluate (``fidelity_pusht_chunks.evaluate``: PSNR per chunk against the simulator, policy mode in the simulator
@@ -25,12 +31,17 @@ Stage 6 is skipped when less than ``--eval-reserve-s`` of ``--deadline-s`` is le
 splits in two, over the same simulated data (episodes depend only on the seed)::
 
     python benchmarks/recipes/train_pusht.py --part first --out $OUT     # stages 1, 2, 4 -> $OUT/first_part.tar.gz
-    python benchmarks/recipes/train_pusht.py --part second --first-part first_part.tar.gz --out $OUT  # 1, 3, 5, 6
+    python benchmarks/recipes/train_pusht.py --part second --first-part first_part.tar.gz --out $OUT  # 1, 3, 4b, 5, 6
+
+(The first part has no checkpoint to calibrate. The second calibrates whichever reward model it ships, also the
+first part's when ``--no-rollout-reward-model`` keeps it: same seed, same episodes, so the same threshold as if the
+first part had fitted it.)
 
 Two parts improve an installed model (``--assets``): ``--part decoder`` fine-tunes its VAE decoder on chunk + 1 frame
 clips (encoder, latent space and world model unchanged), retrains its reward model on its rollouts, packs and
-evaluates it; ``--part reward-model`` only retrains the reward model. ``--wm-init`` with ``--part second`` fine-tunes
-an installed world model; ``--first-part`` then can be the installed model folder itself (its VAE and start frames)::
+evaluates it; ``--part reward-model`` only retrains the reward model (and recalibrates the threshold in
+``--assets``). ``--wm-init`` with ``--part second`` fine-tunes an installed world model; ``--first-part`` then can
+be the installed model folder itself (its VAE and start frames)::
 
     python benchmarks/recipes/train_pusht.py --part second --first-part cosmos3_gym/assets/pusht \
         --wm-init cosmos3_gym/assets/pusht/checkpoint --wm-cond-noise 0.3 --wm-lr 2e-4 --out $OUT
@@ -68,13 +79,15 @@ from common import provenance, write_results  # noqa: E402
 import fidelity_pusht_chunks  # noqa: E402
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
+from cosmos3_gym.errors import InputError  # noqa: E402
 from cosmos3_gym.envs.pusht import (  # noqa: E402
     CHECKPOINT_DIR, INITIAL_STATES_FILE, META_FILE, REWARD_MODEL_DIR, load_pusht_assets, make_pusht_vector_env,
     pusht_env_defaults,
 )
 from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.sim.compare import replay_actions  # noqa: E402
-from cosmos3_gym.rewards import train_classifier  # noqa: E402
+from cosmos3_gym.rewards import ClassifierRewardModel, train_classifier  # noqa: E402
+from cosmos3_gym.rewards.calibration import calibrate_success_threshold, score_episode_files  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
 from cosmos3_gym.training.export import ACTION_STATS_FILE, resolve_save_dtype  # noqa: E402
 from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig, train_vae, train_world_model  # noqa: E402
@@ -90,7 +103,8 @@ FULL = dict(
     wm_cond_noise=0.2, wm_rollout_prob=0.0, wm_rollout_chunks=3,
     hidden=256, layers=4, heads=8,
     kv_heads=4, head_dim=32, intermediate=768, chunk=8, rm_episodes=128, rm_frames=20000, rm_epochs=4,
-    rm_input_size=96, rm_rollout_episodes=128, rm_rollout_chunks=4, fidelity_episodes=16, fidelity_chunks=4, policy_episodes=32, policy_chunks=16, video_chunks=8,
+    rm_input_size=96, rm_rollout_episodes=128, rm_rollout_chunks=4, rm_calibration_episodes=128,
+    fidelity_episodes=16, fidelity_chunks=4, policy_episodes=32, policy_chunks=16, video_chunks=8,
 )
 # The same pipeline on a CPU in minutes: tiny frames, models and budgets (the numbers mean nothing).
 SMOKE = dict(
@@ -107,6 +121,10 @@ PROBE_SPEED_HEADROOM = 2.0  # the world model's steps: this many times what the 
 FIRST_PART_ARCHIVE = "first_part.tar.gz"  # what --part first hands to --part second: vae/ and assets/pusht/
 # Time the world model's budget leaves for retraining the reward model on its rollouts (38-62 s on one H200).
 ROLLOUT_REWARD_MODEL_RESERVE_S = 80.0
+# ... and for calibrating the success threshold (reading and scoring at most --rm-calibration-episodes episodes).
+SUCCESS_THRESHOLD_RESERVE_S = 10.0
+# Fewer success frames than this among the calibration's fit frames: keep gym-pusht's 0.95 rather than fit on noise.
+MIN_CALIBRATION_SUCCESS_FRAMES = 10
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -176,16 +194,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def parse_policy_mix(parser, text: str | None) -> dict[str, float] | None:
-    if text is None:
-        return None
-    mix = {}
-    for item in text.split(","):
-        name, _, share = item.strip().rpartition("=")
-        try:
-            mix[name] = float(share)
-        except ValueError:
-            parser.error(f"--policy-mix: expected NAME=SHARE items separated by commas, got {item!r}")
-    return mix
+    try:
+        return pusht.parse_policy_mix(text)
+    except InputError as error:
+        parser.error(f"--policy-mix: {error}")
 
 
 class Stages:
@@ -344,7 +356,8 @@ def write_env_defaults(checkpoint: Path, *, num_steps: int, guidance_scale: floa
     meta = json.loads((checkpoint / META_FILE).read_text())
     meta.update(
         task=pusht.TASK, num_steps=num_steps, guidance_scale=guidance_scale,
-        success_threshold=pusht.SUCCESS_COVERAGE, max_episode_steps=-(-SIM_EPISODE_STEPS // chunk),
+        success_threshold=pusht.SUCCESS_COVERAGE,  # gym-pusht's line until success_threshold_stage calibrates it
+        max_episode_steps=-(-SIM_EPISODE_STEPS // chunk),
         score_name="coverage", initial_states=f"../{INITIAL_STATES_FILE}",
         reward_model=f"classifier:../{REWARD_MODEL_DIR}",
     )
@@ -405,8 +418,7 @@ def reward_model_stage(args, work: Path, assets: Path, on_rollouts: bool = False
     simulator's coverage at the same step: trained on real frames alone it reads a faded target as a covered one
     (coverage hides the green target), and scores every imagined episode high.
     """
-    paths = sorted((work / "dataset" / "episodes").glob("episode_*.npz"))
-    paths = paths[:: max(1, len(paths) // args.rm_episodes)]  # reading every episode's frames would take long
+    paths = reward_model_episodes(args, work)
     per_episode = max(1, args.rm_frames // len(paths))
     rng = np.random.default_rng(args.seed)
     frames, labels = [], []
@@ -429,6 +441,63 @@ def reward_model_stage(args, work: Path, assets: Path, on_rollouts: bool = False
     model.save(assets / REWARD_MODEL_DIR)
     return {**report, "mean_label": float(labels.mean()),
             "success_frames": int((labels > pusht.SUCCESS_COVERAGE).sum())}
+
+
+def reward_model_episodes(args, work: Path) -> list[Path]:
+    """The training episodes whose real frames ``reward_model_stage`` reads: every k-th, about ``--rm-episodes``
+    (reading every episode's frames would take long)."""
+    paths = sorted((work / "dataset" / "episodes").glob("episode_*.npz"))
+    return paths[:: max(1, len(paths) // args.rm_episodes)]
+
+
+def calibration_episodes(args, work: Path) -> dict[str, Any]:
+    """Real episodes the reward model never saw, split in two (alternate episodes) to fit the success threshold on
+    ("fit") and to check it ("check"): the training episodes that ``reward_model_stage`` neither reads
+    (``reward_model_episodes``) nor replays in the world model (``rollout_frames``), at most
+    ``--rm-calibration-episodes`` spread over the dataset, and the held-out episodes (another seed; evaluation's,
+    shorter)."""
+    paths = sorted((work / "dataset" / "episodes").glob("episode_*.npz"))
+    seen = set(reward_model_episodes(args, work)) | set(paths[: args.rm_rollout_episodes])
+    unseen = [path for path in paths if path not in seen]
+    cap = max(0, args.rm_calibration_episodes)
+    if len(unseen) > cap:
+        unseen = unseen[:: -(-len(unseen) // cap)] if cap else []
+    heldout = sorted((work / "heldout" / "episodes").glob("episode_*.npz"))
+    return {"fit": unseen[0::2] + heldout[0::2], "check": unseen[1::2] + heldout[1::2],
+            "training_episodes": len(unseen), "heldout_episodes": len(heldout)}
+
+
+def success_threshold_stage(args, work: Path, assets: Path) -> dict:
+    """Set ``success_threshold`` in the checkpoint's meta.json to the reward model's score that best (F1) marks
+    gym-pusht's success (coverage > ``SUCCESS_COVERAGE``) on the "fit" episodes of ``calibration_episodes``, and
+    measure it on the "check" ones (``rewards.calibration.calibrate_success_threshold``, as
+    ``benchmarks/reward_model_calibration.py`` does). With fewer than ``MIN_CALIBRATION_SUCCESS_FRAMES`` success frames
+    to fit on it writes gym-pusht's 0.95, and the report says why."""
+    episodes = calibration_episodes(args, work)
+    model = ClassifierRewardModel.load(assets / REWARD_MODEL_DIR, device=args.device)
+    sets = {}
+    for name in ("fit", "check"):
+        coverage, scores = score_episode_files(episodes[name], model)
+        sets[name] = (scores, coverage > pusht.SUCCESS_COVERAGE)
+    calibration = calibrate_success_threshold(*sets["fit"], *sets["check"], fallback=pusht.SUCCESS_COVERAGE,
+                                              min_success_frames=MIN_CALIBRATION_SUCCESS_FRAMES)
+    meta_path = assets / CHECKPOINT_DIR / META_FILE
+    meta = json.loads(meta_path.read_text())
+    previous = meta.get("success_threshold")
+    meta["success_threshold"] = calibration["success_threshold"]
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    if calibration["fitted"]:
+        how = "; ".join(f"{name}: F1 {row['f1']:.2f}, precision {row['precision']:.2f}, recall {row['recall']:.2f} "
+                        f"on {row['frames']} frames, {row['success_frames']} successes"
+                        for name, row in (("fit", calibration["fit"]), ("check", calibration["check"])) if row)
+    else:
+        how = calibration["reason"]
+    print(f"success_threshold {previous} -> {calibration['success_threshold']:g} ({how})", flush=True)
+    return {**calibration, "previous_success_threshold": previous,
+            "success": f"gym-pusht coverage > {pusht.SUCCESS_COVERAGE}",
+            "episodes": {"fit": len(episodes["fit"]), "check": len(episodes["check"]),
+                         "training_unseen_by_reward_model": episodes["training_episodes"],
+                         "heldout": episodes["heldout_episodes"]}}
 
 
 def rollout_frames(args, work: Path, assets: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -523,6 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
         stages.run("simulate", simulate, args, work)
         if args.part == "reward-model":
             stages.run("reward_model", reward_model_stage, args, work, Path(args.assets), on_rollouts=True)
+            stages.run("success_threshold", success_threshold_stage, args, work, Path(args.assets))
             return stages.results
         if args.part == "decoder":
             shutil.copytree(args.assets, assets, dirs_exist_ok=True)
@@ -540,12 +610,15 @@ def main(argv: list[str] | None = None) -> dict:
             return stages.results
         if args.part != "decoder":
             # what is left of --deadline-s after the export (about 30 s) and the stages that follow
-            after = 30.0 + (ROLLOUT_REWARD_MODEL_RESERVE_S if args.rollout_reward_model else 0.0) + (
+            after = 30.0 + SUCCESS_THRESHOLD_RESERVE_S + (
+                ROLLOUT_REWARD_MODEL_RESERVE_S if args.rollout_reward_model else 0.0) + (
                 args.eval_reserve_s if args.evaluate else 0.0)
             seconds_left = lambda: args.deadline_s - after - stages.elapsed()  # noqa: E731
             stages.run("world_model", world_model_stage, args, work, assets, seconds_left)
         if args.rollout_reward_model:
             stages.run("reward_model_on_rollouts", reward_model_stage, args, work, assets, on_rollouts=True)
+        # the reward model that ships, retrained or not (--no-rollout-reward-model keeps --first-part's / --assets')
+        stages.run("success_threshold", success_threshold_stage, args, work, assets)
         stages.run("package", package, args, assets, out)
         if not args.evaluate:
             stages.results["stages"]["evaluate"] = {"skipped": "--no-evaluate"}

@@ -46,7 +46,7 @@ from ..errors import InputError
 from ..media import write_video
 from .pusht_dataset import (  # noqa: F401  (re-exported)
     DEFAULT_POLICY_MIX, POLICIES, RANDOM_GOAL_HIGH, RANDOM_GOAL_LOW, _check_policy_mix, action_statistics,
-    episode_policy, generate_pusht_dataset, random_goal_pose, write_dataset_files,
+    episode_policy, generate_pusht_dataset, parse_policy_mix, random_goal_pose, write_dataset_files,
 )
 from .pusht_geometry import (  # noqa: F401  (re-exported)
     AGENT_RADIUS, DOMAIN, GOAL_POSE, RAW_ACTION_DIM, SIM_ENV_ID, SIM_FPS, SUCCESS_COVERAGE, TABLE_SIZE, TASK,

@@ -271,6 +271,21 @@ def _simulate_and_write(job) -> dict[str, Any]:
     }
 
 
+def parse_policy_mix(text: str | None) -> dict[str, float] | None:
+    """A command line's policy mix, ``"NAME=SHARE,NAME=SHARE"`` (names as ``generate_pusht_dataset``'s
+    ``policy_mix``; a name may hold ``=``, as a ``file:`` path can) -> the dict; None stays None."""
+    if text is None:
+        return None
+    mix = {}
+    for item in text.split(","):
+        name, _, share = item.strip().rpartition("=")
+        try:
+            mix[name] = float(share)
+        except ValueError:
+            raise InputError(f"policy mix: expected NAME=SHARE items separated by commas, got {item!r}") from None
+    return mix
+
+
 def _check_policy_mix(policy_mix: dict[str, float] | None) -> dict[str, float]:
     if policy_mix is None:
         return dict(DEFAULT_POLICY_MIX)
