@@ -1,4 +1,4 @@
-"""PushT-v0 env throughput, baseline against the new default in the same run, and what the default costs in fidelity.
+"""PushT-v0 env throughput, baseline against the optimised paths in the same run, and what they cost in fidelity.
 
     python benchmarks/pusht_env_throughput_gpu.py --out $OUT                       # one GPU, ~5 min
     python benchmarks/pusht_env_throughput_gpu.py --device cpu --envs 1 --steps 5 --fidelity-episodes 0   # CPU
@@ -9,25 +9,27 @@
 Two envs per env count, built by ``gym.make_vec("cosmos3_gym/PushT-v0", num_envs=N)``'s entry point:
 
 * ``baseline``: ``optimize=False``, the path before issue 24 (eager engine, fp32 VAE, every frame decoded);
-* ``default``: what ``gym.make_vec`` gives now (GPU: ``engine.optimize()``, bf16 VAE, direct convolutions, only the
-  frame the env returns decoded; CPU: the fp32 VAE's eager fast path);
-* with ``--decoder light`` a third, ``light``: the default with ``decoder="light"`` (the model's
-  ``light_decoder/`` decodes instead of the VAE). ``--light-decoder DIR`` installs a trained one
-  (``benchmarks/recipes/train_light_decoder.py``'s output) into a temporary copy of the assets first;
-* with ``--stage-graphs-ab`` one more path each, ``default_eager_stages`` (and ``light_eager_stages``), turns the
+* ``exact``: the fast engine with the exact VAE decode, ``decoder="vae"`` (GPU: ``engine.optimize()``, bf16 VAE,
+  direct convolutions, only the frame the env returns decoded; CPU: the VAE's eager fast path); the default before
+  session 20;
+* with ``--decoder light`` a third, ``light``: the same with ``decoder="light"`` (the model's ``light_decoder/``
+  decodes instead of the VAE), the built-in model's default since its light decoder matched the VAE's fidelity.
+  ``--light-decoder DIR`` installs a trained one (``benchmarks/recipes/train_light_decoder.py``'s output) into a
+  temporary copy of the assets first;
+* with ``--stage-graphs-ab`` one more path each, ``exact_eager_stages`` (and ``light_eager_stages``), turns the
   stage graphs off (``engine.use_stage_graphs(False)`` and the reward model's ``use_cuda_graphs(False)``: VAE encode,
   light decode and reward scoring eager, on a GPU graphed by default) while the GEN forward stays CUDA-graphed: the
   stage graphs' gain against its baseline in the same run (``stage_graphs_speedup`` per path;
   ``*_stage_graphs_obs_psnr_db``: graphed against eager stages, per step).
 
-Both reset with the same seed and step with the same random actions, **interleaved** (baseline step, default step,
-...), so load changes hit both alike. Per env count: median seconds per step (the latency of one env step at N envs),
-env steps/s, GPU memory. ``obs_psnr_db``: PSNR of the default's observation against the baseline's after each step
+All reset with the same seed and step with the same random actions, **interleaved** (baseline step, exact step,
+...), so load changes hit all alike. Per env count: median seconds per step (the latency of one env step at N envs),
+env steps/s, GPU memory. ``obs_psnr_db``: PSNR of the exact path's observation against the baseline's after each step
 (the same conditioning at step 1; later steps drift apart as each env continues from its own frames).
 
 ``--fidelity-episodes`` > 0 and gym-pusht installed: action-following PSNR against the simulator
 (``benchmarks/fidelity_pusht_chunks.py``'s ``forward_fidelity``, held-out episodes simulated here) for the baseline
-engine and the default engine, with 95 % CIs (both decode every frame there: the metric reads them all).
+engine and each optimised engine, with 95 % CIs (both decode every frame there: the metric reads them all).
 """
 
 from __future__ import annotations
@@ -63,17 +65,17 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def paths(args) -> tuple[str, ...]:
-    optimised = ("default",) + (("light",) if args.decoder == "light" else ())
+    optimised = ("exact",) + (("light",) if args.decoder == "light" else ())
     eager_stages = tuple(path + EAGER_STAGES for path in optimised) if args.stage_graphs_ab else ()
     return ("baseline",) + optimised + eager_stages
 
 
 def make_env(path: str, num_envs: int, args):
     base = path.removesuffix(EAGER_STAGES)
-    options = {"decoder": "light"} if base == "light" else {}
+    options = {"decoder": "light" if base == "light" else "vae"}
     env = make_pusht_vector_env(num_envs, assets_dir=args.assets, device=args.device, optimize=base != "baseline",
                                 **options)
-    if path.endswith(EAGER_STAGES):  # the optimised paths' stage graphs (their default on a GPU) turned off
+    if path.endswith(EAGER_STAGES):  # the optimised paths' stage graphs (on by default on a GPU) turned off
         env.engine.use_stage_graphs(False)
         if hasattr(env._core.reward_model, "use_cuda_graphs"):
             env._core.reward_model.use_cuda_graphs(False)  # and the reward model's scoring
@@ -97,9 +99,9 @@ def measure(num_envs: int, args) -> dict:
                 sync()
                 if step >= args.warmup:
                     times[path].append(time.perf_counter() - start)
-            obs_psnr.append(psnr(observations["baseline"]["image"], observations["default"]["image"]))
+            obs_psnr.append(psnr(observations["baseline"]["image"], observations["exact"]["image"]))
             if "light" in observations:
-                light_psnr.append(psnr(observations["default"]["image"], observations["light"]["image"]))
+                light_psnr.append(psnr(observations["exact"]["image"], observations["light"]["image"]))
             for path in observations:
                 if path.endswith(EAGER_STAGES):
                     stage_psnr.setdefault(path, []).append(
@@ -109,11 +111,11 @@ def measure(num_envs: int, args) -> dict:
         for path in envs:
             step_s = statistics.median(times[path])
             entry[path] = {"step_s": step_s, "step_times_s": times[path], "env_steps_per_s": num_envs / step_s}
-        entry["speedup"] = entry["baseline"]["step_s"] / entry["default"]["step_s"]
+        entry["speedup"] = entry["baseline"]["step_s"] / entry["exact"]["step_s"]
         entry["obs_psnr_db"] = obs_psnr  # per step, warm-up steps included (step 1 first)
         if "light" in entry:
-            entry["light_speedup_over_default"] = entry["default"]["step_s"] / entry["light"]["step_s"]
-            entry["light_obs_psnr_db"] = light_psnr  # light against default, per step (they drift apart too)
+            entry["light_speedup_over_exact"] = entry["exact"]["step_s"] / entry["light"]["step_s"]
+            entry["light_obs_psnr_db"] = light_psnr  # light against exact, per step (they drift apart too)
         for path, values in stage_psnr.items():
             graphed = path.removesuffix(EAGER_STAGES)
             entry[graphed]["stage_graphs_speedup"] = entry[path]["step_s"] / entry[graphed]["step_s"]
@@ -171,7 +173,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="torch.backends.cudnn.benchmark for both paths (the decoder's thin convolutions)")
-    add_decoder_arguments(parser, "light: also measure the default env with decoder='light' (a third path)")
+    add_decoder_arguments(parser, "light: also measure the env with decoder='light' (a third path)")
     parser.add_argument("--stage-graphs-ab", action="store_true",
                         help="also each optimised path after engine.use_stage_graphs(False) (VAE encode, light decode "
                              "eager), interleaved with the rest: the stage graphs against their baseline in one run")
@@ -195,14 +197,14 @@ def main(argv=None) -> dict:
         results[f"envs_{num_envs}"] = entry
         if "error" not in entry:
             print(f"{num_envs:4d} envs: baseline {entry['baseline']['step_s'] * 1e3:8.1f} ms/step "
-                  f"({entry['baseline']['env_steps_per_s']:7.1f} env steps/s), default "
-                  f"{entry['default']['step_s'] * 1e3:8.1f} ms/step ({entry['default']['env_steps_per_s']:7.1f} "
+                  f"({entry['baseline']['env_steps_per_s']:7.1f} env steps/s), exact "
+                  f"{entry['exact']['step_s'] * 1e3:8.1f} ms/step ({entry['exact']['env_steps_per_s']:7.1f} "
                   f"env steps/s), {entry['speedup']:.2f}x; obs PSNR step 1 {entry['obs_psnr_db'][0]:.1f} dB",
                   flush=True)
             if "light" in entry:
                 print(f"{num_envs:4d} envs: light {entry['light']['step_s'] * 1e3:8.1f} ms/step "
                       f"({entry['light']['env_steps_per_s']:7.1f} env steps/s), "
-                      f"{entry['light_speedup_over_default']:.2f}x over default; obs PSNR vs default step 1 "
+                      f"{entry['light_speedup_over_exact']:.2f}x over exact; obs PSNR vs exact step 1 "
                       f"{entry['light_obs_psnr_db'][0]:.1f} dB", flush=True)
             for path in paths(args):
                 if path.endswith(EAGER_STAGES):

@@ -29,6 +29,17 @@ from .errors import InputError
 from .models.transformer import Cosmos3Transformer, GenLayout, TextKV
 
 
+# graph_rows' default: pad a batch to a kept graph of at most twice its rows.
+DEFAULT_MAX_PADDING = 2.0
+
+
+def check_max_padding(max_padding: float | None) -> float | None:
+    if max_padding is not None and (isinstance(max_padding, bool) or not isinstance(max_padding, (int, float))
+                                    or not max_padding >= 1):
+        raise InputError(f"max_padding: expected a number >= 1 or None (any kept graph), got {max_padding!r}")
+    return max_padding
+
+
 @dataclasses.dataclass(eq=False)
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -97,8 +108,9 @@ class _GraphCache:
     of one cache are replayed one at a time, on one stream, with inputs in static buffers allocated outside the pool.
     """
 
-    def __init__(self, max_graphs: int):
+    def __init__(self, max_graphs: int, max_padding: float | None = DEFAULT_MAX_PADDING):
         self.max_graphs = max_graphs
+        self.max_padding = check_max_padding(max_padding)  # how far graph_rows pads a batch to a kept graph
         self._graphs: OrderedDict[tuple, Any] = OrderedDict()
         self._pool = None  # torch.cuda.graph_pool_handle(), made at the first capture
 
@@ -137,10 +149,11 @@ class GraphedGenForward(_GraphCache):
     transformer's weights move (``Cosmos3Engine.offload``), since the graphs read them at their old addresses.
     """
 
-    def __init__(self, transformer: Cosmos3Transformer, max_graphs: int = 8):
+    def __init__(self, transformer: Cosmos3Transformer, max_graphs: int = 8,
+                 max_padding: float | None = DEFAULT_MAX_PADDING):
         if transformer.device.type != "cuda":
             raise InputError(f"cuda_graphs: needs the transformer on a CUDA device, it is on {transformer.device}")
-        super().__init__(max_graphs)
+        super().__init__(max_graphs, max_padding)
         self.transformer = transformer
 
     @property
@@ -197,11 +210,12 @@ class GraphedFunction(_GraphCache):
     ``max_graphs`` as for ``GraphedGenForward``; ``reset()`` when the module's weights move.
     """
 
-    def __init__(self, fn, device: torch.device | str, max_graphs: int = 4, name: str = "cuda_graphs"):
+    def __init__(self, fn, device: torch.device | str, max_graphs: int = 4, name: str = "cuda_graphs",
+                 max_padding: float | None = DEFAULT_MAX_PADDING):
         device = torch.device(device)
         if device.type != "cuda":
             raise InputError(f"{name}: needs a CUDA device, the function runs on {device}")
-        super().__init__(max_graphs)
+        super().__init__(max_graphs, max_padding)
         self.fn = fn
         self.device = device
 
@@ -227,6 +241,32 @@ class GraphedFunction(_GraphCache):
             return entry.outputs.clone()
         return tuple(t.clone() for t in entry.outputs)
 
+    def call_padded(self, batch: torch.Tensor, rows: int, **options):
+        """``self(batch zero-padded to rows rows, **options)`` cropped back to the batch's rows, for a single-tensor
+        call of a function that treats each row on its own. Once the graph of ``rows`` rows is kept, the batch and
+        the zero rows are copied straight into its static buffer: no padded copy of the batch is made (at 64 PushT
+        envs the encode's was a 50 MB tensor beside the batch, and the first smaller batch of a soak made the caching
+        allocator reserve a segment for it)."""
+        count = batch.shape[0]
+        batch = batch.to(self.device)
+        shapes = (((rows, *batch.shape[1:]), batch.dtype),)  # the key __call__ gives the padded batch
+        entry = self._graphs.get((shapes, tuple(sorted(options.items()))))
+        if entry is None or count == rows:  # the plain call, which captures the graph the first time
+            if count < rows:
+                batch = torch.cat([batch, batch.new_zeros((rows - count, *batch.shape[1:]))])
+            outputs = self(batch, **options)  # copies already
+            if count == rows:
+                return outputs
+            return outputs[:count] if isinstance(outputs, torch.Tensor) else tuple(t[:count] for t in outputs)
+        self._graphs.move_to_end((shapes, tuple(sorted(options.items()))))
+        buffer = entry.inputs[0]
+        buffer[:count].copy_(batch)
+        buffer[count:].zero_()
+        entry.graph.replay()
+        if isinstance(entry.outputs, torch.Tensor):
+            return entry.outputs[:count].clone()
+        return tuple(t[:count].clone() for t in entry.outputs)
+
     def _capture(self, tensors: tuple[torch.Tensor, ...], options: dict) -> _FunctionGraph:
         static = [t.clone() for t in tensors]
         graph, outputs = self._capture_into_pool(lambda: self.fn(*static, **options))
@@ -238,21 +278,25 @@ def row_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
 
 
-def graph_rows(rows: int, kept: set[int]) -> int:
-    """The row count a CUDA-graphed batch of ``rows`` runs at: the smallest kept graph's that is at most twice
-    ``rows`` (padding costs at most the rows again, in the engine's denoiser, encode and light decode and in the
-    reward model; a new graph costs a capture, a compile for the new shape and the graph's memory for the engine's
-    lifetime), else ``row_bucket(rows)``. A 64-slot vector env whose first step captured 64 rows thus replays that one
-    graph while 32 to 64 slots step."""
-    fitting = [count for count in kept if rows <= count <= 2 * rows]
+def graph_rows(rows: int, kept: set[int], max_padding: float | None = DEFAULT_MAX_PADDING) -> int:
+    """The row count a CUDA-graphed batch of ``rows`` runs at: the smallest kept graph's that is at most
+    ``max_padding`` times ``rows`` (default twice: padding costs at most the rows again, in the engine's denoiser,
+    encode and light decode and in the reward model; a new graph costs a capture, a compile for the new shape and
+    the graph's memory for the engine's lifetime), else ``row_bucket(rows)``. A 64-slot vector env whose first step
+    captured 64 rows thus replays that one graph while 32 to 64 slots step.
+
+    ``max_padding=None``: any kept graph that holds the rows. Then no batch up to the largest one seen captures a
+    graph or compiles again, and memory stays flat from then on: what a vector env wants, whose first step is its
+    largest batch (every slot steps after the reset) and whose smaller ones are rare (slots that ended reset instead of
+    stepping); a 16-env soak whose slots fell out of step grew host memory at each new batch size otherwise
+    (benchmarks/results/soak_pusht_h200_64envs_100k_light_v2.json)."""
+    fitting = [count for count in kept if rows <= count and (max_padding is None or count <= max_padding * rows)]
     return min(fitting) if fitting else row_bucket(rows)
 
 
 def replay_padded(graphed: GraphedFunction, batch: torch.Tensor, **options) -> torch.Tensor:
     """``graphed(batch, **options)`` for a function that treats each row of ``batch`` on its own, with the rows
-    zero-padded to ``graph_rows`` (a kept graph's rows or a bucket) so that changing batch sizes replay few graphs."""
-    rows = batch.shape[0]
-    padded = graph_rows(rows, graphed.row_counts(batch, **options))
-    if padded > rows:
-        batch = torch.cat([batch, batch.new_zeros((padded - rows, *batch.shape[1:]))])
-    return graphed(batch, **options)[:rows]
+    zero-padded to ``graph_rows`` (a kept graph's rows or a bucket, as far as ``graphed.max_padding`` allows) so that
+    changing batch sizes replay few graphs."""
+    padded = graph_rows(batch.shape[0], graphed.row_counts(batch, **options), graphed.max_padding)
+    return graphed.call_padded(batch, padded, **options)

@@ -42,7 +42,7 @@ from transformers import AutoTokenizer
 
 from . import presets, processor
 from .checkpoint import resolve_checkpoint, validate_checkpoint
-from .cuda_graphs import GraphedFunction, graph_rows, replay_padded
+from .cuda_graphs import DEFAULT_MAX_PADDING, GraphedFunction, check_max_padding, graph_rows, replay_padded
 from .errors import CheckpointError, InputError
 from .models.light_decoder import LightDecoder
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
@@ -224,6 +224,7 @@ class Cosmos3Engine:
         # cuda_graphs.GraphedFunction of vae.encode and light_decoder.decode once optimize() turns stage graphs on
         self._graphed_encode = None
         self._graphed_light_decode = None
+        self.graph_padding: float | None = DEFAULT_MAX_PADDING  # set_graph_padding
         self._schedules: dict[tuple, Schedule] = {}  # read-only, shared by every request of one setting
 
     @classmethod
@@ -367,6 +368,8 @@ class Cosmos3Engine:
             self.transformer, self.parallel, compile=True, tp_overlap=overlap, cuda_graphs=use_graphs,
             graphed_forward=self._graphed_forward,
         )
+        if self._graphed_forward is not None:
+            self._graphed_forward.max_padding = self.graph_padding
         self.vae.fuse_decoder_norms()
         if self.light_decoder is not None:  # channels-last convolutions (the engine's light decoder: bf16 on a GPU)
             self.light_decoder.use_channels_last()
@@ -384,11 +387,25 @@ class Cosmos3Engine:
             self._graphed_encode = self._graphed_light_decode = None
             return self
         if self._graphed_encode is None:
-            self._graphed_encode = GraphedFunction(self.vae.encode, self.device, max_graphs=8, name="stage_graphs")
+            self._graphed_encode = GraphedFunction(self.vae.encode, self.device, max_graphs=8, name="stage_graphs",
+                                                   max_padding=self.graph_padding)
         if self.light_decoder is not None and self._graphed_light_decode is None:
             self._graphed_light_decode = GraphedFunction(
-                self.light_decoder.decode, self.device, max_graphs=8, name="stage_graphs"
+                self.light_decoder.decode, self.device, max_graphs=8, name="stage_graphs",
+                max_padding=self.graph_padding,
             )
+        return self
+
+    def set_graph_padding(self, max_padding: float | None) -> "Cosmos3Engine":
+        """How far a batch is padded to replay a CUDA graph already captured instead of capturing one for its size
+        (``cuda_graphs.graph_rows``): at most ``max_padding`` times its rows (default 2), or, with None, up to any
+        kept graph, so that no batch up to the largest one seen compiles or captures again and memory stays flat
+        (what a vector env that owns its engine wants: its first step is its largest batch). Applies to the GEN
+        forward's, the encode's and the light decode's graphs, now and later."""
+        self.graph_padding = check_max_padding(max_padding)
+        for graphed in (self._graphed_forward, self._graphed_encode, self._graphed_light_decode):
+            if graphed is not None:
+                graphed.max_padding = self.graph_padding
         return self
 
     @property
@@ -757,7 +774,7 @@ class Cosmos3Engine:
             # whose number of stepping slots changes (autoreset) replay the graphs it has instead of capturing more
             # (each holds its own memory: the soak's host and GPU memory grew with every new capture). The padding
             # rows repeat the first row; their outputs are dropped.
-            padded = graph_rows(num_rows, self._graphed_forward.row_counts)
+            padded = graph_rows(num_rows, self._graphed_forward.row_counts, self._graphed_forward.max_padding)
             local_branches = local_branches + [local_branches[0]] * (padded - num_rows)
         rows = [b for b, _ in local_branches]
         row_index = torch.tensor(rows, dtype=torch.long, device=device)  # built once, not per step

@@ -42,29 +42,65 @@ def test_optimize_on_cpu_keeps_the_eager_stages(tiny_checkpoint):
     assert torch.equal(engine._encode(pixels), engine.vae.encode(pixels))
 
 
-class _RecordingGraph:
-    """Stands in for a ``GraphedFunction`` (which needs CUDA): kept graphs of ``kept`` rows; records each batch."""
+class _CpuGraph:
+    """Stands in for a captured ``torch.cuda.CUDAGraph`` on the CPU: a replay recomputes the function from the static
+    inputs into the static outputs, which is what a real replay does."""
 
-    def __init__(self, kept):
-        self.kept, self.calls = set(kept), []
+    def __init__(self, fn, inputs, outputs, options):
+        self.fn, self.inputs, self.outputs, self.options, self.replays = fn, inputs, outputs, options, 0
 
-    def row_counts(self, like, **options):
-        return self.kept
-
-    def __call__(self, batch, **options):
-        self.calls.append((batch.clone(), options))
-        return batch * 2
+    def replay(self):
+        self.outputs.copy_(self.fn(*self.inputs, **self.options))
+        self.replays += 1
 
 
-@pytest.mark.parametrize("rows, kept, padded", [(3, set(), 4), (5, set(), 8), (5, {8}, 8), (3, {8}, 4), (4, {4}, 4)])
+def cpu_graphed(fn, max_padding=2.0):
+    """A ``GraphedFunction`` whose captures are ``_CpuGraph``s: its own caching, padding and buffer handling on a
+    machine without CUDA."""
+    from cosmos3_gym.cuda_graphs import GraphedFunction, _FunctionGraph, _GraphCache
+
+    graphed = GraphedFunction.__new__(GraphedFunction)
+    _GraphCache.__init__(graphed, 8, max_padding)
+    graphed.fn, graphed.device = fn, torch.device("cpu")
+
+    def capture(tensors, options):
+        static = [t.clone() for t in tensors]
+        outputs = fn(*static, **options).clone()
+        return _FunctionGraph(_CpuGraph(fn, static, outputs, options), static, outputs)
+
+    graphed._capture = capture
+    return graphed
+
+
+def rowwise(batch, frames="all"):
+    return batch * 2 + (1 if frames == "last" else 0)
+
+
+@pytest.mark.parametrize("rows, kept, padded", [(3, (), 4), (5, (), 8), (5, (8,), 8), (3, (8,), 4), (4, (4,), 4)])
 def test_replay_pads_rows_with_zeros_and_crops_them(rows, kept, padded):
+    graphed = cpu_graphed(rowwise)
+    for count in kept:
+        graphed(torch.ones(count, 1, 2, 3), frames="last")
     batch = torch.arange(rows * 6, dtype=torch.float32).reshape(rows, 1, 2, 3) + 1
-    graphed = _RecordingGraph(kept)
     out = replay_padded(graphed, batch, frames="last")
-    (seen, options), = graphed.calls
-    assert seen.shape[0] == padded and options == {"frames": "last"}
-    assert torch.equal(seen[:rows], batch) and not seen[rows:].any()
-    assert torch.equal(out, batch * 2)  # only the real rows come back
+    assert torch.equal(out, rowwise(batch, "last"))  # only the real rows come back
+    assert graphed.row_counts(batch, frames="last") == {*kept, padded}
+    entry = graphed._graphs[(((padded, 1, 2, 3), torch.float32),), (("frames", "last"),)]
+    assert torch.equal(entry.inputs[0][:rows], batch) and not entry.inputs[0][rows:].any()
+
+
+def test_a_smaller_batch_goes_into_the_kept_graphs_buffer_without_a_padded_copy():
+    graphed = cpu_graphed(rowwise, max_padding=None)
+    first = torch.rand(8, 3, 4)
+    assert torch.equal(graphed.call_padded(first, 8), rowwise(first))
+    (entry,) = graphed._graphs.values()
+    for rows in (3, 1, 8, 5):
+        batch = torch.rand(rows, 3, 4)
+        out = replay_padded(graphed, batch)
+        assert torch.equal(out, rowwise(batch)) and graphed.num_graphs == 1
+        assert torch.equal(entry.inputs[0][:rows], batch) and not entry.inputs[0][rows:].any()
+        assert out.data_ptr() != entry.outputs.data_ptr()  # a copy: the next replay overwrites the static outputs
+    assert entry.graph.replays == 5  # every call replays the one graph (the first right after its capture)
 
 
 def pixels(batch, frames, seed, size=(64, 64)):
@@ -263,3 +299,25 @@ def test_pusht_light_env_with_stage_graphs_matches_eager_stages():
     finally:
         graphed.close()
         eager.close()
+
+
+@needs_cuda
+def test_pusht_vector_env_replays_its_first_graphs_for_smaller_batches():
+    """The PushT vector env owns its engine and pads every smaller batch to the graphs of its first, largest step
+    (``set_graph_padding(None)``): slots falling out of step capture nothing more, so memory stays flat."""
+    from cosmos3_gym.envs import pusht as pusht_env
+
+    env = pusht_env.make_pusht_vector_env(4, device="cuda", decoder="light")
+    try:
+        assert env.engine.graph_padding is None and env._core.reward_model._graphed_scores.max_padding is None
+        env.reset(seed=0)
+        env.step(env.action_space.sample())
+        graphs = [env.engine._graphed_forward, env.engine._graphed_encode, env.engine._graphed_light_decode,
+                  env._core.reward_model._graphed_scores]
+        counts = [graphed.num_graphs for graphed in graphs]
+        for slots in ([0], [1, 2], [0, 1, 3]):  # what autoreset leaves stepping
+            actions = np.stack([env.single_action_space.sample() for _ in slots])
+            env._core.step_slots(slots, actions, [np.random.default_rng(s) for s in slots])
+        assert [graphed.num_graphs for graphed in graphs] == counts
+    finally:
+        env.close()

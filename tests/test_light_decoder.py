@@ -241,10 +241,11 @@ def test_engine_decodes_with_the_light_decoder_when_asked(light_assets):
                              action=np.zeros((4, 2), np.float32), resolution_tier=256)
     every = engine.step(request, decode="all")
     last = engine.step(request, decode="last")
-    light = engine.light_decoder.decode(every.video_latents[None])[0]
-    assert torch.equal(every.pixels, light)  # the light decoder made these pixels, not the VAE
-    assert not torch.allclose(every.pixels, engine.vae.decode(every.video_latents[None])[0], atol=1e-2)
-    torch.testing.assert_close(last.pixels, every.pixels[:, -1:], atol=1e-6, rtol=0)
+    light = engine.light_decoder.decode(every.video_latents[None])[0].cpu()
+    # the light decoder made these pixels, not the VAE (exact on a CPU; a GPU may pick other kernels per batch)
+    torch.testing.assert_close(every.pixels.cpu(), light, atol=1e-5, rtol=0)
+    assert not torch.allclose(every.pixels.cpu(), engine.vae.decode(every.video_latents[None])[0].cpu(), atol=1e-2)
+    torch.testing.assert_close(last.pixels.cpu(), every.pixels[:, -1:].cpu(), atol=1e-5, rtol=0)
     engine.offload()
     assert engine.light_decoder.device.type == "cpu"
     engine.onload()
@@ -326,7 +327,7 @@ def import_benchmark(name: str, folder: str = "benchmarks"):
         sys.path.remove(path)
 
 
-def test_throughput_benchmark_measures_the_light_path_beside_the_default(tmp_path, light_assets):
+def test_throughput_benchmark_measures_the_light_path_beside_the_exact_one(tmp_path, light_assets):
     """``--decoder light --light-decoder DIR``: DIR installed into a copy of assets that have none, and a third path
     measured in the same run (tiny model on a CPU: the plumbing, not the speed)."""
     benchmark = import_benchmark("pusht_env_throughput_gpu")
@@ -338,7 +339,7 @@ def test_throughput_benchmark_measures_the_light_path_beside_the_default(tmp_pat
                               "--fidelity-episodes", "0", "--decoder", "light", "--light-decoder",
                               str(tmp_path / "trained"), "--assets", str(plain), "--out", str(tmp_path / "out")])
     entry = results["envs_1"]
-    assert {"baseline", "default", "light", "light_speedup_over_default", "light_obs_psnr_db"} <= set(entry)
+    assert {"baseline", "exact", "light", "light_speedup_over_exact", "light_obs_psnr_db"} <= set(entry)
     installed = Path(results["settings"]["assets"]) / "checkpoint" / LIGHT_DECODER_DIR
     assert torch.equal(LightDecoder.from_pretrained(installed).conv_in.weight, tiny_decoder(seed=2).conv_in.weight)
 

@@ -1,6 +1,7 @@
-"""The PushT-v0 fast path (issue 24): the default env equals the baseline path (optimize=False) up to float rounding,
-decodes only the frame it returns when nothing reads more, and the engine's decode="last" is the full decode's last
-frame. Uses the built-in PushT model (23 MB, a few CPU seconds)."""
+"""The PushT-v0 fast path (issue 24): the fast engine with the exact decode equals the baseline path (optimize=False)
+up to float rounding, decodes only the frame it returns when nothing reads more, and the engine's decode="last" is the
+full decode's last frame; the built-in model decodes with its light decoder unless told otherwise. Uses the built-in
+PushT model (a few CPU seconds)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,33 @@ pytestmark = pytest.mark.skipif(ASSETS is None, reason="the built-in PushT model
 @pytest.fixture(scope="module")
 def env_pair():
     torch.set_num_threads(1)
-    fast = pusht_env.make_pusht_vector_env(2, device="cpu")
+    fast = pusht_env.make_pusht_vector_env(2, device="cpu", decoder="vae")
     baseline = pusht_env.make_pusht_vector_env(2, device="cpu", optimize=False)
     yield fast, baseline
     fast.close()
     baseline.close()
 
 
-def test_default_env_equals_the_baseline_path(env_pair):
+def test_builtin_env_decodes_with_its_light_decoder_unless_told_otherwise(tmp_path):
+    assert ASSETS.meta["decoder"] == "light" and pusht_env.checkpoint_decoder(ASSETS.checkpoint) == "light"
+    env = pusht_env.make_pusht_env(device="cpu")
+    try:
+        assert env.engine.decoder == "light"
+    finally:
+        env.close()
+    baseline = pusht_env.make_pusht_env(device="cpu", optimize=False)  # the path before issue 24: the VAE
+    try:
+        assert baseline.engine.decoder == "vae"
+    finally:
+        baseline.close()
+    (tmp_path / "meta.json").write_text('{"decoder": "tiles"}')
+    with pytest.raises(CheckpointError, match="decoder"):
+        pusht_env.checkpoint_decoder(tmp_path)
+    (tmp_path / "meta.json").write_text("{}")
+    assert pusht_env.checkpoint_decoder(tmp_path) == "vae"
+
+
+def test_fast_exact_env_equals_the_baseline_path(env_pair):
     fast, baseline = env_pair
     assert fast._core.owns_engine and fast.engine.vae.decode_chunk_frames == 1  # the CPU fast path was applied
     assert fast._core.decode_mode() == "last" and baseline._core.decode_mode() == "last"

@@ -12,12 +12,14 @@ import gc
 import tracemalloc
 
 import numpy as np
+import pytest
 import torch
 
-from cosmos3_gym.cuda_graphs import _flat_inputs, _signature
+from cosmos3_gym.cuda_graphs import DEFAULT_MAX_PADDING, _flat_inputs, _signature, check_max_padding
 from cosmos3_gym.cuda_graphs import graph_rows as _graph_rows
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.envs import WorldModelVectorEnv
+from cosmos3_gym.errors import InputError
 
 
 class RecordingGraphs:
@@ -27,6 +29,7 @@ class RecordingGraphs:
     def __init__(self, transformer):
         self.transformer = transformer
         self.signatures: set[tuple] = set()
+        self.max_padding = DEFAULT_MAX_PADDING
 
     @property
     def num_graphs(self) -> int:
@@ -47,6 +50,16 @@ def test_graph_rows_reuse_a_kept_graph_of_at_most_twice_the_rows():
     assert _graph_rows(20, {64, 24, 32}) == 24  # the smallest that fits
     assert _graph_rows(5, {64}) == 8  # nothing within 2x: the bucket
     assert _graph_rows(3, set()) == 4 and _graph_rows(17, set()) == 24
+
+
+def test_graph_rows_without_a_padding_limit_reuse_any_kept_graph_that_holds_the_batch():
+    assert [_graph_rows(n, {64}, None) for n in (63, 31, 5, 1)] == [64, 64, 64, 64]
+    assert _graph_rows(5, {64, 16}, None) == 16  # the smallest that holds it
+    assert _graph_rows(65, {64}, None) == 72  # larger than every kept graph: a new bucket
+    assert [_graph_rows(5, {64}, padding) for padding in (2, 16)] == [8, 64]
+    for bad in (0.5, True, "all"):
+        with pytest.raises(InputError, match="max_padding"):
+            check_max_padding(bad)
 
 
 def test_changing_batch_sizes_replay_one_graph(tiny_checkpoint):
@@ -72,6 +85,16 @@ def test_changing_batch_sizes_replay_one_graph(tiny_checkpoint):
         np.testing.assert_allclose(ours.action, reference, rtol=1e-4, atol=1e-5)
     engine.step(requests(3), decode=False)  # 8 > 2 * 3: a batch this small gets its own graph
     assert graphs.row_counts == {8, 4}
+    # as the PushT env sets its own engine: any kept graph that holds the batch, so no new one up to 8 rows
+    engine.set_graph_padding(None)
+    assert graphs.max_padding is None
+    for count in (1, 2, 7):
+        assert len(engine.step(requests(count), decode=False)) == count
+    assert graphs.row_counts == {8, 4}
+    for ours, reference in zip(engine.step(requests(1), decode=False), plain):  # padded 1 -> 4 rows: still exact
+        np.testing.assert_allclose(ours.action, reference, rtol=1e-4, atol=1e-5)
+    with pytest.raises(InputError, match="max_padding"):
+        engine.set_graph_padding(0)
 
 
 def finish_task(frames, tasks):

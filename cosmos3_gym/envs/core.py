@@ -35,6 +35,7 @@ from gymnasium import spaces
 
 from .. import processor
 from ..checkpoint import checkpoint_defaults, resolve_checkpoint
+from ..cuda_graphs import DEFAULT_MAX_PADDING
 from ..engine import Cosmos3Engine, Cosmos3Request
 from ..engine_protocol import WorldModelEngine
 from ..launcher import load_engine
@@ -548,7 +549,8 @@ def _resolve_reward_model(spec: Any, engine: Cosmos3Engine):
     # (``Cosmos3Engine.optimize``): at one env the scoring's kernel launches are a share of the step.
     use_graphs = getattr(model, "use_cuda_graphs", None)
     if getattr(engine, "stage_graphs", False) and callable(use_graphs) and engine.device.type == "cuda":
-        use_graphs()
+        padding = getattr(engine, "graph_padding", DEFAULT_MAX_PADDING)  # pads batches as the engine does
+        use_graphs(**({"max_padding": padding} if _takes_keyword(use_graphs, "max_padding") else {}))
     return model
 
 

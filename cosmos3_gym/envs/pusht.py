@@ -6,14 +6,21 @@ simulator (gym-pusht), a reward model and a few dozen start frames held out from
     assets/pusht/
       checkpoint/           diffusers layout written by cosmos3_gym.training.train_world_model, plus
         meta.json           domain, raw_action_dim, fps, chunk, resolution_tier, image_size and the env defaults
-                            task, num_steps, guidance_scale, success_threshold, max_episode_steps
+                            task, num_steps, guidance_scale, success_threshold, max_episode_steps; optionally
+                            decoder ("vae" or "light"), what the env decodes with unless told otherwise
         action_stats.json   the dataset's action statistics (raw actions are table pixels in [0, 512])
-        light_decoder/      optional: a LightDecoder for the opt-in ``decoder="light"`` (cheaper than the VAE's exact
-                            decode, approximate; benchmarks/recipes/train_light_decoder.py trains one)
+        light_decoder/      optional: a LightDecoder for ``decoder="light"`` (5x fewer FLOPs than the VAE's exact
+                            decode; benchmarks/recipes/train_light_decoder.py distils one from it)
       reward_model/         a ClassifierRewardModel trained on the simulator's coverage of the target (soft labels),
                             so its score estimates coverage
       initial_states.npz    frames uint8 [N, H, W, 3], task (0-d str), sim_seeds int64 [N] (gym-pusht reset seeds
                             that give each frame)
+
+The built-in model's meta.json says ``"decoder": "light"``: its light decoder, distilled on the world model's own
+latents, matches the VAE's exact decode on every fidelity metric of issue 18 within their CIs (H200, one run:
+benchmarks/results/pusht_fidelity_targets_h200_round9_light_v2.json against ..._vae_same_run_as_light_v2.json) at
+a fifth of its FLOPs (6.7 instead of 27 ms per step at one env on an H200). ``decoder="vae"`` decodes exactly.
+``optimize=False`` (the baseline path) keeps the VAE.
 
 ``gym.make("cosmos3_gym/PushT-v0")`` needs nothing else: no gym-pusht, no GPU, no network. Every argument of
 ``WorldModelEnv`` can still be given and wins over the shipped defaults (a changed checkpoint setting is logged).
@@ -37,7 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint import BUILTIN_MODELS, builtin_assets_dir, checkpoint_defaults, read_json_object
+from ..checkpoint import (
+    BUILTIN_MODELS, builtin_assets_dir, checkpoint_defaults, read_json_object, resolve_checkpoint,
+)
 from ..engine import Cosmos3Engine
 from ..errors import CheckpointError, InputError
 from ..registration import PUSHT_ENV_ID, builtin_max_episode_steps, register_envs
@@ -201,6 +210,15 @@ def fast_pusht_engine(
     return engine
 
 
+def checkpoint_decoder(checkpoint: str | os.PathLike) -> str:
+    """What a PushT checkpoint decodes with by default: its meta.json's ``decoder``, else "vae" (the exact decode)."""
+    meta = resolve_checkpoint(checkpoint) / META_FILE
+    decoder = read_json_object(meta).get("decoder", "vae") if meta.is_file() else "vae"
+    if decoder not in ("vae", "light"):
+        raise CheckpointError(f"checkpoint: {meta} field 'decoder': expected 'vae' or 'light', got {decoder!r}")
+    return decoder
+
+
 def _cpu_has_native_bf16() -> bool:
     """oneDNN runs bf16 natively on this CPU (without it, bf16 convolutions are emulated and slower than fp32)."""
     try:
@@ -217,8 +235,14 @@ def _make_with_builtin_engine(factory, args: tuple, arguments: dict[str, Any], o
     own_choice = any(name in arguments for name in ENGINE_LOAD_KEYS if name not in ("device", "dtype", "decoder"))
     if not optimize or arguments.get("engine") is not None or own_choice:
         return factory(*args, **arguments)
-    engine = fast_pusht_engine(arguments.pop("checkpoint"), arguments.pop("device", None),
-                               arguments.pop("dtype", None), decoder=arguments.pop("decoder", "vae"))
+    checkpoint = arguments.pop("checkpoint")
+    decoder = arguments.pop("decoder", None) or checkpoint_decoder(checkpoint)
+    engine = fast_pusht_engine(checkpoint, arguments.pop("device", None), arguments.pop("dtype", None), decoder=decoder)
+    if engine.device.type == "cuda":
+        # The env owns this engine, so no other batch size meets it: a vector env's first step is its largest batch,
+        # and padding the rarer smaller ones (slots that ended reset instead of stepping) to that graph keeps host
+        # and GPU memory flat over a long run (cuda_graphs.graph_rows).
+        engine.set_graph_padding(None)
     try:
         env = factory(*args, engine=engine, **arguments)
     except BaseException:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..cuda_graphs import GraphedFunction, replay_padded
+from ..cuda_graphs import DEFAULT_MAX_PADDING, GraphedFunction, check_max_padding, replay_padded
 from ..errors import CheckpointError, InputError
 from .base import check_frames
 
@@ -90,12 +90,15 @@ class ClassifierRewardModel(nn.Module):
         self.head = nn.Linear(channels[-1], 1)
         self._graphed_scores: GraphedFunction | None = None  # use_cuda_graphs
 
-    def use_cuda_graphs(self, on: bool = True) -> "ClassifierRewardModel":
+    def use_cuda_graphs(self, on: bool = True, max_padding: float | None = DEFAULT_MAX_PADDING
+                        ) -> "ClassifierRewardModel":
         """Replay ``score_frames`` as CUDA graphs (one per image shape, rows padded as ``cuda_graphs.graph_rows``;
         GroupNorm scores each frame alone, so padding rows change nothing): the env's one-env step launches its ~30
         kernels at once. Same math. Needs the model on a CUDA device; moving it (``to``) drops the graphs, and while
         it is off the GPU the eager forward runs. The PushT env turns it on where its engine replays its stages as
-        CUDA graphs (``Cosmos3Engine.stage_graphs``)."""
+        CUDA graphs (``Cosmos3Engine.stage_graphs``), with the engine's ``graph_padding`` as ``max_padding``
+        (``cuda_graphs.graph_rows``)."""
+        check_max_padding(max_padding)
         if not on:
             self._graphed_scores = None
             return self
@@ -104,6 +107,7 @@ class ClassifierRewardModel(nn.Module):
             raise InputError(f"cuda_graphs: needs the reward model on a CUDA device, it is on {device}")
         if self._graphed_scores is None:
             self._graphed_scores = GraphedFunction(self._scores, device, max_graphs=8)
+        self._graphed_scores.max_padding = max_padding
         return self
 
     @property
