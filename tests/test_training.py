@@ -578,6 +578,47 @@ def test_rollout_frame_is_what_the_env_hands_to_the_next_chunk(engine, trained, 
     assert (first[0] - real).abs().max() > 1e-2  # the model's frame, not the real one
 
 
+def test_rollout_hands_over_through_the_light_decoder_as_the_env_does(engine, trained, dataset, vae_dir, work):
+    """With a light decoder (an env with decoder="light"), the rollout's frame 0 is what that env hands over: the
+    light decoder's last frame as uint8, encoded again; and not what the VAE's decode would give."""
+    from cosmos3_gym.models.light_decoder import LightDecoder, LightDecoderConfig
+
+    torch.manual_seed(5)
+    light = LightDecoder(LightDecoderConfig(latent_channels=engine.vae.latent_channels, channels=(16, 8),
+                                            blocks=(1, 0), patch_size=8)).eval().requires_grad_(False)
+    rollout = _rollout_conditioner(engine, dataset, vae_dir, work, light_decoder=light)
+    light_engine = Cosmos3Engine(engine.transformer, engine.vae, engine.tokenizer, engine.scheduler_config,
+                                 progress=False, light_decoder=light)
+    windows = rollout.windows
+    target = int(torch.nonzero((windows.episode_index == 1) & (windows.start == CHUNK))[0])
+    previous = int(rollout.chains[target, 0])
+    frames = np.load(read_dataset(dataset).episode_paths[1])["frames"]
+    result = light_engine.step(Cosmos3Request(
+        mode="forward_dynamics", observation=frames[0], action=windows.actions[previous].numpy(), task=TASK,
+        domain="pusht", chunk=CHUNK, num_inference_steps=4, guidance_scale=1.0, resolution_tier=TIER, fps=FPS, seed=7,
+    ))
+    handed_over = to_uint8(result.pixels[:, -1].permute(1, 2, 0).numpy())
+    expected = engine.prepare(Cosmos3Request(
+        mode="forward_dynamics", observation=handed_over, action=np.zeros((CHUNK, 2), np.float32), task=TASK,
+        domain="pusht", chunk=CHUNK, resolution_tier=TIER, fps=FPS,
+    )).x0_video
+    first = rollout.first_frames(engine.transformer, FlowMatchingObjective(engine.transformer).encode_prompts,
+                                 torch.tensor([target]), torch.tensor([1]), torch.Generator().manual_seed(7),
+                                 autocast=False)
+    torch.testing.assert_close(first, expected, atol=1e-4, rtol=0)
+    by_vae = _rollout_conditioner(engine, dataset, vae_dir, work).first_frames(
+        engine.transformer, FlowMatchingObjective(engine.transformer).encode_prompts, torch.tensor([target]),
+        torch.tensor([1]), torch.Generator().manual_seed(7), autocast=False)
+    assert (first - by_vae).abs().max() > 1e-2
+
+
+def test_rollout_decoder_setting_is_checked():
+    with pytest.raises(InputError, match="rollout_decoder"):
+        WorldModelTrainConfig(rollout_decoder="tiles").validate()
+    with pytest.raises(InputError, match="rollout_decoder"):
+        WorldModelTrainConfig(rollout_prob=0.5, rollout_decoder="light").validate()  # no init_checkpoint to read
+
+
 def test_rollout_chains_and_depths(engine, trained, dataset, vae_dir, work):
     rollout = _rollout_conditioner(engine, dataset, vae_dir, work, prob=0.5)
     windows = rollout.windows

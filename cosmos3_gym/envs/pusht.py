@@ -166,9 +166,10 @@ def make_pusht_env(assets_dir: str | os.PathLike | None = None, optimize: bool =
 
     ``engine=`` (a shared ``Cosmos3Engine``) replaces the shipped checkpoint. ``optimize`` (default on): the shipped
     checkpoint runs on ``fast_pusht_engine``'s fast path; ``optimize=False`` loads it as ``WorldModel-v0`` would.
-    ``decoder="light"``: decode with the checkpoint's ``light_decoder/`` (cheaper, approximate) instead of the VAE;
-    ``InputError`` when it has none. ``rigid_block=True``: re-draw each hand-over frame as a rigid T (module
-    docstring).
+    ``decoder``: "light" decodes with the checkpoint's ``light_decoder/`` (``InputError`` when it has none), "vae"
+    with the VAE (exact); default: the checkpoint's meta.json ``decoder`` (``checkpoint_decoder``; "light" for the
+    built-in model) on the fast path, the VAE with ``optimize=False``. ``rigid_block=True``: re-draw each hand-over
+    frame as a rigid T (module docstring).
     """
     return _make_with_builtin_engine(WorldModelEnv, (), pusht_env_arguments(assets_dir, **kwargs), optimize)
 
@@ -193,8 +194,9 @@ def fast_pusht_engine(
     cost more start-up time than a short run saves). Measured in benchmarks/profile_pusht_env.py and
     benchmarks/pusht_env_throughput_gpu.py (with the fidelity of bf16 against fp32).
 
-    ``decoder="light"`` (opt-in): the checkpoint's ``light_decoder/`` decodes instead of the VAE, in the VAE's dtype
-    above and channels-last (``Cosmos3Engine.from_pretrained``); the VAE then only encodes."""
+    ``decoder="light"`` (the PushT envs' default for a checkpoint whose meta.json says so): the checkpoint's
+    ``light_decoder/`` decodes instead of the VAE, in the VAE's dtype above and channels-last
+    (``Cosmos3Engine.from_pretrained``); the VAE then only encodes."""
     # The device from_pretrained would pick (init_parallel's default), known before loading for the VAE dtype.
     on_gpu = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
     bf16_vae = on_gpu or _cpu_has_native_bf16()

@@ -5,7 +5,8 @@ decoded to uint8 pixels and encoded again. A model trained only on clean encodes
 input, and its errors compound chunk after chunk (exposure bias). Here a sample that conditions on frame 0 (policy
 and forward-dynamics modes) can instead get, as its frame 0, what the current model generates for that same frame by
 forward dynamics from a real frame 1 to ``max_chunks`` chunks earlier in its episode, through the env's exact path
-(sampler steps, VAE decode, uint8, ``processor.prepare_conditioning``, VAE encode). Its targets stay the real frames,
+(sampler steps, decode (the VAE, or the checkpoint's light decoder where the env uses it), uint8,
+``processor.prepare_conditioning``, VAE encode). Its targets stay the real frames,
 so the model learns to steer back towards the truth from its own drifted frames. Generation runs without gradients.
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from .. import processor
 from ..media import to_uint8
+from ..models.light_decoder import LightDecoder
 from ..models.transformer import Cosmos3Transformer, TextKV
 from ..models.vae import Cosmos3VAE
 from ..sampling import FlowUniPCSampler, Schedule
@@ -65,11 +67,18 @@ def generate_forward_dynamics(
 
 
 @torch.no_grad()
-def reencode_last_frame(vae: Cosmos3VAE, latents: torch.Tensor, resolution_tier: int) -> torch.Tensor:
-    """The env's hand-over between chunks: decode ``latents`` [B, C, t, h, w], take the last frame as uint8 (what
-    the env keeps), and encode it as the next request's clean frame 0: [B, C, 1, h, w]."""
+def reencode_last_frame(
+    vae: Cosmos3VAE, latents: torch.Tensor, resolution_tier: int, light_decoder: LightDecoder | None = None
+) -> torch.Tensor:
+    """The env's hand-over between chunks: decode ``latents`` [B, C, t, h, w] (with ``light_decoder`` when given,
+    as an env with ``decoder="light"`` does; else the VAE), take the last frame as uint8 (what the env keeps), and
+    encode it as the next request's clean frame 0: [B, C, 1, h, w]."""
     h, w = latents.shape[-2:]
-    frames = to_uint8(vae.decode(latents)[:, :, -1].permute(0, 2, 3, 1).cpu().numpy())  # [B, H, W, 3]
+    if light_decoder is not None:
+        last = light_decoder.decode(latents, frames="last")[:, :, -1]
+    else:
+        last = vae.decode(latents)[:, :, -1]
+    frames = to_uint8(last.permute(0, 2, 3, 1).cpu().numpy())  # [B, H, W, 3]
     pixels = torch.cat([processor.prepare_conditioning(frame, resolution_tier, 1).pixels for frame in frames])
     return vae.encode(pixels.to(latents.device))[..., :h, :w]
 
@@ -79,6 +88,8 @@ class RolloutConditioner:
 
     ``prob`` is the fraction of each batch that gets it (among the samples in policy or forward-dynamics mode with
     enough predecessor windows); the depth (chunks generated) is drawn per step, uniform in 1..``max_chunks``.
+    ``light_decoder``: the hand-over decodes with it, as the env does for a checkpoint that decodes with its light
+    decoder (the built-in PushT model); None: with the VAE.
     """
 
     def __init__(
@@ -94,8 +105,9 @@ class RolloutConditioner:
         fps: float,
         domain_id: int,
         action_dim: int,
+        light_decoder: LightDecoder | None = None,
     ):
-        self.windows, self.vae, self.schedule = windows, vae, schedule
+        self.windows, self.vae, self.schedule, self.light_decoder = windows, vae, schedule, light_decoder
         self.prob, self.max_chunks = prob, max_chunks
         self.resolution_tier, self.fps, self.domain_id, self.action_dim = resolution_tier, fps, domain_id, action_dim
         predecessor = predecessor_windows(windows, chunk)
@@ -158,5 +170,6 @@ class RolloutConditioner:
                     transformer, encode_prompts(prompts), first[active.to(device)], actions.to(device), domain_ids,
                     noise.to(device), self.schedule, self.fps,
                 )
-            first[active.to(device)] = reencode_last_frame(self.vae, latents.float(), self.resolution_tier)
+            first[active.to(device)] = reencode_last_frame(self.vae, latents.float(), self.resolution_tier,
+                                                           self.light_decoder)
         return first

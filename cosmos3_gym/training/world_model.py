@@ -46,8 +46,9 @@ from tqdm.auto import tqdm
 from .. import processor
 from ..checkpoint import validate_checkpoint
 from ..tokenizer import build_tiny_tokenizer
-from ..engine import MODES
+from ..engine import MODES, find_light_decoder
 from ..errors import InputError
+from ..models.light_decoder import LightDecoder
 from ..models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, DomainAwareLinear
 from ..models.vae import Cosmos3VAE
 from ..sampling import make_schedule
@@ -144,6 +145,9 @@ class WorldModelTrainConfig:
     rollout_prob: float = 0.0
     rollout_max_chunks: int = 1
     rollout_num_steps: int = 4
+    # What the rollouts' hand-over decodes with: "vae", or "light", init_checkpoint's light_decoder/ (as the env
+    # decodes a checkpoint whose meta.json says so: the rollouts then see the frames the env would hand over).
+    rollout_decoder: str = "vae"
     flow_shift: float | None = None  # None: native Cosmos3 training's shift for the tier (256: 3, 480: 5, 720: 10)
     sigma_distribution: str = "logit_normal"  # of u before the shift: "logit_normal" (SD3) or "uniform"
     logit_mean: float = 0.0
@@ -251,6 +255,10 @@ class WorldModelTrainConfig:
             fail("lora_alpha", "a positive number or None")
         if self.data_parallel not in DATA_PARALLEL:
             fail("data_parallel", f"one of {list(DATA_PARALLEL)}")
+        if self.rollout_decoder not in ("vae", "light"):
+            fail("rollout_decoder", "'vae' or 'light'")
+        if self.rollout_decoder == "light" and self.rollout_prob > 0 and self.init_checkpoint is None:
+            fail("rollout_decoder", "'vae' without init_checkpoint ('light' reads its light_decoder/)")
         if self.data_parallel == "fsdp" and self.rollout_prob > 0:
             fail("rollout_prob", "0 with data_parallel='fsdp' (rollouts call the transformer outside the sharded step)")
 
@@ -759,6 +767,8 @@ class WorldModelTrainer:
                 self.windows, vae, schedule, chunk=config.chunk, prob=config.rollout_prob,
                 max_chunks=config.rollout_max_chunks, resolution_tier=config.resolution_tier, fps=self.fps,
                 domain_id=self.domain_id, action_dim=model_config.action_dim,
+                light_decoder=None if config.rollout_decoder == "vae" else LightDecoder.from_pretrained(
+                    find_light_decoder(config.init_checkpoint), device=device),
             )
         del vae
         self.optimizer = build_optimizer(self.transformer, config)
