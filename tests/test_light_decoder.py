@@ -379,7 +379,8 @@ def test_recipe_smoke_run(tmp_path):
 
 def test_builtin_pusht_model_ships_a_trained_light_decoder():
     """The built-in model's light decoder is trained for its latent space: its first observation is close to the
-    exact VAE decode of the same step (an untrained decoder gives ~10 dB; the H200 run measured 30-33 dB)."""
+    exact VAE decode of the same step (an untrained decoder gives ~10 dB, session 11's 34.7 dB; the shipped v2 41 dB
+    on a 2-core CPU)."""
     observations = {}
     for decoder in ("vae", "light"):
         env = gym.make("cosmos3_gym/PushT-v0", decoder=decoder)
@@ -391,4 +392,4 @@ def test_builtin_pusht_model_ships_a_trained_light_decoder():
         finally:
             env.close()
     mse = float(np.mean((observations["light"] - observations["vae"]) ** 2))
-    assert 10 * np.log10(1.0 / mse) > 24.0
+    assert 10 * np.log10(1.0 / mse) > 37.0
