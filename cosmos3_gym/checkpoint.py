@@ -233,6 +233,17 @@ META_FILE = "meta.json"
 ACTION_STATS_FILE = "action_stats.json"
 
 
+def checkpoint_decoder(path_or_id: str | os.PathLike) -> str:
+    """What a checkpoint's envs decode with unless told otherwise: its meta.json's ``decoder`` ("vae", the exact
+    decode, or "light", its ``light_decoder/``), else "vae". The built-in PushT model says "light": its light decoder
+    matched the VAE on every fidelity metric (``cosmos3_gym/envs/pusht.py``)."""
+    meta = resolve_checkpoint(path_or_id) / META_FILE
+    decoder = read_json_object(meta).get("decoder", "vae") if meta.is_file() else "vae"
+    if decoder not in ("vae", "light"):
+        raise CheckpointError(f"checkpoint: {meta} field 'decoder': expected 'vae' or 'light', got {decoder!r}")
+    return decoder
+
+
 def checkpoint_defaults(path_or_id: str | os.PathLike) -> dict[str, Any]:
     """The settings a checkpoint carries, as keyword arguments of the envs and agents (``WorldModelSettings``
     fields plus ``initial_states`` and ``reward_model``). Empty for a checkpoint without ``meta.json``.

@@ -351,6 +351,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="N or H,W: the size of the policy's observed image (default: the model's frame size)")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
+    parser.add_argument("--decoder", choices=["vae", "light"], default=None,
+                        help="vae: the exact VAE decode; light: the checkpoint's light_decoder/ (default: the "
+                        "checkpoint's meta.json, else vae; the built-in pusht model: light)")
     parser.add_argument("--seed", type=int, default=0, help="env and policy seed")
     parser.add_argument("--max-videos", type=int, default=8, help="write mp4s of the first N episodes")
     parser.add_argument("--out", required=True, help="output directory (report.json and episode mp4s)")
@@ -366,7 +369,7 @@ def eval_options(args: argparse.Namespace) -> dict:
         domain=args.domain_name, raw_action_dim=args.raw_action_dim, chunk=args.chunk, num_steps=args.num_steps,
         guidance_scale=args.guidance_scale, resolution_tier=args.resolution_tier, fps=args.fps,
         observation_size=args.observation_size, device=args.device, dtype=args.dtype, seed=args.seed,
-        max_videos=args.max_videos,
+        max_videos=args.max_videos, decoder=args.decoder,
     )
 
 

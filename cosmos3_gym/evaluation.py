@@ -46,7 +46,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
 from tqdm.auto import tqdm
 
 from .agents import PolicyAgent
-from .checkpoint import checkpoint_defaults, resolve_checkpoint
+from .checkpoint import checkpoint_decoder, checkpoint_defaults, resolve_checkpoint
 from .envs.initial_states import read_initial_states_archive
 from .errors import InputError
 from .media import write_video
@@ -549,6 +549,7 @@ def evaluate_checkpoint(
     progress: bool = True,
     extra_settings: dict[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
+    decoder: str | None = None,
 ) -> EvalReport:
     """Load ``checkpoint`` (a folder, hub id, or ``"pusht"`` for the built-in model) into a ``WorldModelVectorEnv``
     of ``num_envs`` slots, evaluate ``policy`` (a ``policy_specs`` spec) for ``episodes`` episodes and write
@@ -559,13 +560,15 @@ def evaluate_checkpoint(
     from the checkpoint's is reported through ``log`` (default: stderr) and in the report's ``overrides``.
     ``observation_size``: the policy's image size (an int for square images), as ``WorldModelEnv``'s.
     ``reward_bounds``: the per-step reward's range (default: [0, 1] for a classifier reward model, which scores
-    with a sigmoid; else unknown). ``extra_settings`` are added to the report's settings.
+    with a sigmoid; else unknown). ``extra_settings`` are added to the report's settings. ``decoder``: "vae" or
+    "light" (default: the checkpoint's, ``checkpoint.checkpoint_decoder``: "light" for the built-in PushT model).
     """
     from .envs import WorldModelVectorEnv
 
     log = log if log is not None else (lambda message: print(message, file=sys.stderr))
     checkpoint = resolve_checkpoint(checkpoint)
     recorded = checkpoint_defaults(checkpoint)
+    decoder = decoder if decoder is not None else checkpoint_decoder(checkpoint)
     given = dict(domain=domain, raw_action_dim=raw_action_dim, chunk=chunk, resolution_tier=resolution_tier, fps=fps,
                  num_steps=num_steps, guidance_scale=guidance_scale, task=task, reward_model=reward_model,
                  success_threshold=success_threshold, max_episode_steps=max_episode_steps,
@@ -605,7 +608,7 @@ def evaluate_checkpoint(
     out_dir = Path(out_dir)
     env = WorldModelVectorEnv(
         num_envs, checkpoint, **{**settings, "initial_states": initial_states},
-        observation_size=observation_size, return_frames=max_videos > 0, device=device, dtype=dtype,
+        observation_size=observation_size, return_frames=max_videos > 0, device=device, dtype=dtype, decoder=decoder,
     )
     try:
         agent = load_policy(policy, env, seed=seed)
@@ -617,7 +620,7 @@ def evaluate_checkpoint(
     finally:
         env.close()
     report.settings.update(
-        policy=policy, checkpoint=str(checkpoint), overrides=overrides,
+        policy=policy, checkpoint=str(checkpoint), overrides=overrides, decoder=decoder,
         initial_states=str(settings["initial_states"])
         if isinstance(settings["initial_states"], (str, os.PathLike)) else "<from the checkpoint or in memory>",
         observation_size=None if observation_size is None else list(observation_size),

@@ -553,6 +553,11 @@ def test_eval_command_on_the_builtin_model_uses_its_settings(tmp_path, capsys):
         1.0, 0.92, 8)  # the checkpoint's calibrated success_threshold
     assert set(settings["overrides"]) == {"num_steps", "max_episode_steps"}
     assert settings["return_bounds"] == [0.0, 1.0]  # the classifier reward model scores in [0, 1]
+    assert settings["decoder"] == "light"  # the checkpoint's meta.json, as gym.make("cosmos3_gym/PushT-v0")
     episodes = json.loads((out / "report.json").read_text())["episodes"]
     assert len({e["initial_state_index"] for e in episodes}) > 1
     assert "success rate" in captured.out and "n/a" not in captured.out
+    exact = tmp_path / "exact"
+    assert main(["eval", "--policy", "random", "--episodes", "1", "--max-episode-steps", "1", "--num-steps", "1",
+                 "--max-videos", "0", "--device", "cpu", "--decoder", "vae", "--out", str(exact)]) == 0
+    assert json.loads((exact / "report.json").read_text())["settings"]["decoder"] == "vae"

@@ -78,11 +78,12 @@ sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # t
 from common import provenance, write_results  # noqa: E402
 import fidelity_pusht_chunks  # noqa: E402
 
+from cosmos3_gym.checkpoint import checkpoint_decoder  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.errors import InputError  # noqa: E402
 from cosmos3_gym.envs.pusht import (  # noqa: E402
-    CHECKPOINT_DIR, INITIAL_STATES_FILE, META_FILE, REWARD_MODEL_DIR, checkpoint_decoder, load_pusht_assets,
-    make_pusht_vector_env, pusht_env_defaults,
+    CHECKPOINT_DIR, INITIAL_STATES_FILE, META_FILE, REWARD_MODEL_DIR, load_pusht_assets, make_pusht_vector_env,
+    pusht_env_defaults,
 )
 from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.sim.compare import replay_actions  # noqa: E402
@@ -324,7 +325,8 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
         cond_noise_std=args.wm_cond_noise, rollout_prob=args.wm_rollout_prob, rollout_max_chunks=args.wm_rollout_chunks,
         rollout_num_steps=args.num_steps,
         # the hand-over the env makes with the model fine-tuned from: its light decoder where its meta.json says so
-        rollout_decoder=checkpoint_decoder(args.wm_init) if args.wm_init else "vae", seed=args.seed, device=args.device, save_every=0,
+        rollout_decoder=checkpoint_decoder(args.wm_init) if args.wm_init else "vae",
+        seed=args.seed, device=args.device, save_every=0,
         save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=args.encode_batch_size,
         cache_dir=str(work / "latent_cache"),
     )

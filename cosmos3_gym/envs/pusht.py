@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint import (
-    BUILTIN_MODELS, builtin_assets_dir, checkpoint_defaults, read_json_object, resolve_checkpoint,
+from ..checkpoint import (  # noqa: F401 (checkpoint_decoder: re-exported)
+    BUILTIN_MODELS, builtin_assets_dir, checkpoint_decoder, checkpoint_defaults, read_json_object,
 )
 from ..engine import Cosmos3Engine
 from ..errors import CheckpointError, InputError
@@ -210,15 +210,6 @@ def fast_pusht_engine(
         engine.light_decoder.use_channels_last()
     engine.vae.optimize()
     return engine
-
-
-def checkpoint_decoder(checkpoint: str | os.PathLike) -> str:
-    """What a PushT checkpoint decodes with by default: its meta.json's ``decoder``, else "vae" (the exact decode)."""
-    meta = resolve_checkpoint(checkpoint) / META_FILE
-    decoder = read_json_object(meta).get("decoder", "vae") if meta.is_file() else "vae"
-    if decoder not in ("vae", "light"):
-        raise CheckpointError(f"checkpoint: {meta} field 'decoder': expected 'vae' or 'light', got {decoder!r}")
-    return decoder
 
 
 def _cpu_has_native_bf16() -> bool:
