@@ -149,11 +149,10 @@ class GraphedGenForward(_GraphCache):
     transformer's weights move (``Cosmos3Engine.offload``), since the graphs read them at their old addresses.
     """
 
-    def __init__(self, transformer: Cosmos3Transformer, max_graphs: int = 8,
-                 max_padding: float | None = DEFAULT_MAX_PADDING):
+    def __init__(self, transformer: Cosmos3Transformer, max_graphs: int = 8):
         if transformer.device.type != "cuda":
             raise InputError(f"cuda_graphs: needs the transformer on a CUDA device, it is on {transformer.device}")
-        super().__init__(max_graphs, max_padding)
+        super().__init__(max_graphs)
         self.transformer = transformer
 
     @property
@@ -231,7 +230,7 @@ class GraphedFunction(_GraphCache):
 
     def __call__(self, *tensors: torch.Tensor, **options):
         tensors = tuple(t.to(self.device) for t in tensors)
-        key = (tuple((tuple(t.shape), t.dtype) for t in tensors), tuple(sorted(options.items())))
+        key = _call_key([(tuple(t.shape), t.dtype) for t in tensors], options)
         entry, captured = self._cached(key, lambda: self._capture(tensors, options))
         if not captured:
             for buffer, tensor in zip(entry.inputs, tensors):
@@ -249,28 +248,30 @@ class GraphedFunction(_GraphCache):
         allocator reserve a segment for it)."""
         count = batch.shape[0]
         batch = batch.to(self.device)
-        shapes = (((rows, *batch.shape[1:]), batch.dtype),)  # the key __call__ gives the padded batch
-        entry = self._graphs.get((shapes, tuple(sorted(options.items()))))
+        key = _call_key([((rows, *batch.shape[1:]), batch.dtype)], options)  # the padded batch's, as __call__'s
+        entry = self._graphs.get(key)
         if entry is None or count == rows:  # the plain call, which captures the graph the first time
             if count < rows:
                 batch = torch.cat([batch, batch.new_zeros((rows - count, *batch.shape[1:]))])
-            outputs = self(batch, **options)  # copies already
-            if count == rows:
-                return outputs
-            return outputs[:count] if isinstance(outputs, torch.Tensor) else tuple(t[:count] for t in outputs)
-        self._graphs.move_to_end((shapes, tuple(sorted(options.items()))))
-        buffer = entry.inputs[0]
-        buffer[:count].copy_(batch)
-        buffer[count:].zero_()
-        entry.graph.replay()
-        if isinstance(entry.outputs, torch.Tensor):
-            return entry.outputs[:count].clone()
-        return tuple(t[:count].clone() for t in entry.outputs)
+            outputs, static = self(batch, **options), False  # copies already
+        else:
+            self._graphs.move_to_end(key)
+            entry.inputs[0][:count].copy_(batch)
+            entry.inputs[0][count:].zero_()
+            entry.graph.replay()
+            outputs, static = entry.outputs, True
+        crop = (lambda t: t[:count].clone()) if static else (lambda t: t[:count])  # the next replay overwrites static
+        return crop(outputs) if isinstance(outputs, torch.Tensor) else tuple(map(crop, outputs))
 
     def _capture(self, tensors: tuple[torch.Tensor, ...], options: dict) -> _FunctionGraph:
         static = [t.clone() for t in tensors]
         graph, outputs = self._capture_into_pool(lambda: self.fn(*static, **options))
         return _FunctionGraph(graph, static, outputs)
+
+
+def _call_key(shapes: list[tuple[tuple[int, ...], torch.dtype]], options: dict) -> tuple:
+    """A ``GraphedFunction`` call's signature: each tensor's (shape, dtype), and the options."""
+    return tuple(shapes), tuple(sorted(options.items()))
 
 
 def row_bucket(rows: int) -> int:

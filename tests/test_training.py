@@ -551,10 +551,9 @@ def _rollout_conditioner(engine, dataset, vae_dir, work, **overrides) -> Rollout
     return RolloutConditioner(windows, engine.vae, make_schedule(4, engine.scheduler_config), **settings)
 
 
-def test_rollout_frame_is_what_the_env_hands_to_the_next_chunk(engine, trained, dataset, vae_dir, work):
-    """Depth 1: the engine's forward-dynamics chunk from the previous window's real frame, its last frame as uint8,
-    encoded as the next request's frame 0 -- with the same noise, the same latents as the env's path."""
-    rollout = _rollout_conditioner(engine, dataset, vae_dir, work)
+def _depth_one_rollout_and_env_handover(rollout, engine, dataset):
+    """For the window starting a chunk into episode 1: the rollout's depth-1 frame 0, and what ``engine`` (the
+    env's path) hands over from that episode's real frame 0 with the same actions and noise."""
     windows = rollout.windows
     target = int(torch.nonzero((windows.episode_index == 1) & (windows.start == CHUNK))[0])
     previous = int(rollout.chains[target, 0])
@@ -573,8 +572,16 @@ def test_rollout_frame_is_what_the_env_hands_to_the_next_chunk(engine, trained, 
     first = rollout.first_frames(engine.transformer, FlowMatchingObjective(engine.transformer).encode_prompts,
                                  torch.tensor([target]), torch.tensor([1]), torch.Generator().manual_seed(7),
                                  autocast=False)
+    return first, expected, target
+
+
+def test_rollout_frame_is_what_the_env_hands_to_the_next_chunk(engine, trained, dataset, vae_dir, work):
+    """Depth 1: the engine's forward-dynamics chunk from the previous window's real frame, its last frame as uint8,
+    encoded as the next request's frame 0 -- with the same noise, the same latents as the env's path."""
+    rollout = _rollout_conditioner(engine, dataset, vae_dir, work)
+    first, expected, target = _depth_one_rollout_and_env_handover(rollout, engine, dataset)
     torch.testing.assert_close(first, expected, atol=1e-4, rtol=0)
-    real = windows.latents[target, :, :1]
+    real = rollout.windows.latents[target, :, :1]
     assert (first[0] - real).abs().max() > 1e-2  # the model's frame, not the real one
 
 
@@ -586,29 +593,13 @@ def test_rollout_hands_over_through_the_light_decoder_as_the_env_does(engine, tr
     torch.manual_seed(5)
     light = LightDecoder(LightDecoderConfig(latent_channels=engine.vae.latent_channels, channels=(16, 8),
                                             blocks=(1, 0), patch_size=8)).eval().requires_grad_(False)
-    rollout = _rollout_conditioner(engine, dataset, vae_dir, work, light_decoder=light)
     light_engine = Cosmos3Engine(engine.transformer, engine.vae, engine.tokenizer, engine.scheduler_config,
                                  progress=False, light_decoder=light)
-    windows = rollout.windows
-    target = int(torch.nonzero((windows.episode_index == 1) & (windows.start == CHUNK))[0])
-    previous = int(rollout.chains[target, 0])
-    frames = np.load(read_dataset(dataset).episode_paths[1])["frames"]
-    result = light_engine.step(Cosmos3Request(
-        mode="forward_dynamics", observation=frames[0], action=windows.actions[previous].numpy(), task=TASK,
-        domain="pusht", chunk=CHUNK, num_inference_steps=4, guidance_scale=1.0, resolution_tier=TIER, fps=FPS, seed=7,
-    ))
-    handed_over = to_uint8(result.pixels[:, -1].permute(1, 2, 0).numpy())
-    expected = engine.prepare(Cosmos3Request(
-        mode="forward_dynamics", observation=handed_over, action=np.zeros((CHUNK, 2), np.float32), task=TASK,
-        domain="pusht", chunk=CHUNK, resolution_tier=TIER, fps=FPS,
-    )).x0_video
-    first = rollout.first_frames(engine.transformer, FlowMatchingObjective(engine.transformer).encode_prompts,
-                                 torch.tensor([target]), torch.tensor([1]), torch.Generator().manual_seed(7),
-                                 autocast=False)
+    rollout = _rollout_conditioner(engine, dataset, vae_dir, work, light_decoder=light)
+    first, expected, _ = _depth_one_rollout_and_env_handover(rollout, light_engine, dataset)
     torch.testing.assert_close(first, expected, atol=1e-4, rtol=0)
-    by_vae = _rollout_conditioner(engine, dataset, vae_dir, work).first_frames(
-        engine.transformer, FlowMatchingObjective(engine.transformer).encode_prompts, torch.tensor([target]),
-        torch.tensor([1]), torch.Generator().manual_seed(7), autocast=False)
+    by_vae, _, _ = _depth_one_rollout_and_env_handover(_rollout_conditioner(engine, dataset, vae_dir, work), engine,
+                                                       dataset)
     assert (first - by_vae).abs().max() > 1e-2
 
 

@@ -231,11 +231,10 @@ def _make_with_builtin_engine(factory, args: tuple, arguments: dict[str, Any], o
     checkpoint = arguments.pop("checkpoint")
     decoder = arguments.pop("decoder", None) or checkpoint_decoder(checkpoint)
     engine = fast_pusht_engine(checkpoint, arguments.pop("device", None), arguments.pop("dtype", None), decoder=decoder)
-    if engine.device.type == "cuda":
-        # The env owns this engine, so no other batch size meets it: a vector env's first step is its largest batch,
-        # and padding the rarer smaller ones (slots that ended reset instead of stepping) to that graph keeps host
-        # and GPU memory flat over a long run (cuda_graphs.graph_rows).
-        engine.set_graph_padding(None)
+    # The env owns this engine, so no other batch size meets it: a vector env's first step is its largest batch, and
+    # padding the rarer smaller ones (slots that ended reset instead of stepping) to its CUDA graphs keeps host and
+    # GPU memory flat over a long run (cuda_graphs.graph_rows; nothing changes where there are no graphs).
+    engine.set_graph_padding(None)
     try:
         env = factory(*args, engine=engine, **arguments)
     except BaseException:
