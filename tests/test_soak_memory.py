@@ -114,7 +114,7 @@ def live_objects() -> int:
 def memory_held_by_this_test() -> tuple[int, list[str]]:
     """(bytes Python and numpy hold now that were allocated under this test's own calls, the largest holders by line).
     Only this file's allocations count: threads earlier tests left running (two tqdm monitors at this point of the
-    suite) allocate without this file on their stack, and once made a CI run fail with 170 kB nothing here held."""
+    suite) allocate without this file on their stack (the likely cause of a CI failure on 170 kB unaccounted for)."""
     gc.collect()
     snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, __file__, all_frames=True)])
     return sum(trace.size for trace in snapshot.traces), [str(stat) for stat in snapshot.statistics("lineno")[:5]]
