@@ -189,6 +189,58 @@ def test_a_run_cut_short_keeps_the_stages_it_finished(monkeypatch, tmp_path):
     assert "policies" not in written and set(written["timings"]) >= {"heldout_s", "any_action_s"}
 
 
+def test_sampler_options_reach_every_world_model_env_and_zero_policy_starts_skip_the_policies(monkeypatch, tmp_path):
+    # A sweep over sampler settings (targets 1-4 on the CPU): --num-steps and --flow-shift go to the rollouts, the
+    # one_chunk restarts (but never the hand-over projection) and the random-action envs; --policy-starts 0 skips
+    # target 5, and the targets it has are still judged.
+    import json
+
+    class Engine:
+        def close(self):
+            pass
+
+    seen = {}
+
+    def heldout(engine, assets, episodes, chunks, device, seed, env_options, restart_options):
+        seen["rollout"], seen["restart"] = env_options, restart_options
+        return {"per_chunk": "held"}, np.zeros((0, 1)), np.zeros((0, 1))
+
+    def any_action(*args):
+        seen["random"] = args[-1]
+        return {"agent": "random"}
+
+    monkeypatch.setattr(targets.pusht, "generate_pusht_dataset", lambda path, *args, **kwargs: Path(path))
+    monkeypatch.setattr(targets, "load_episodes", lambda *args: [])
+    monkeypatch.setattr(targets.Cosmos3Engine, "from_pretrained", lambda *args, **kwargs: Engine())
+    monkeypatch.setattr(targets, "heldout_fidelity", heldout)
+    monkeypatch.setattr(targets, "any_action_fidelity", any_action)
+    monkeypatch.setattr(targets, "success_and_ranking", lambda *args: pytest.fail("--policy-starts 0 ran policies"))
+    monkeypatch.setattr(targets, "target_checks", lambda results: {"judged": sorted(results)})
+    monkeypatch.setattr(targets, "format_summary", lambda results: "")
+    targets.main(["--out", str(tmp_path), "--device", "cpu", "--results-name", "sweep.json", "--num-steps", "8",
+                  "--flow-shift", "6", "--policy-starts", "0", "--rigid-block", "--video-episodes", "0"])
+    sampling = {"num_steps": 8, "request_options": {"flow_shift": 6.0}}
+    assert seen["rollout"] == seen["random"] == {**sampling, "rigid_block": True}
+    assert seen["restart"] == sampling
+    written = json.loads((tmp_path / "sweep.json").read_text())
+    assert written["sampling"] == {"num_steps": 8, "flow_shift": 6.0} and "policies" not in written
+    assert "policies_s" not in written["timings"]
+    with pytest.raises(SystemExit):
+        targets.main(["--out", str(tmp_path), "--results-name", "bad.json", "--policy-starts", "-1"])
+
+
+def test_target_checks_without_the_policies_judge_the_other_targets():
+    heldout = {"num_chunks": 1, "per_chunk": {
+        "rigidity_rollout_minus_simulator": [{"mean": -0.01}], "psnr_db_rollout": [{"mean": 30.0}],
+        "psnr_db_copy_start": [{"mean": 26.0}]}}
+    any_action = {"per_chunk": {"agent_visible_world_model": [{"mean": 1.0}], "agent_error_px": [{"mean": 4.0}]},
+                  "untouched": {"block_displacement_error_px": {"mean": 2.0}, "rigidity_world_model": {"mean": 0.9},
+                                "rigidity_simulator": {"mean": 0.95}}}
+    checks = targets.target_checks({"heldout": heldout, "any_action": any_action})
+    assert set(checks) == {"rigid_t", "block_pose", "action_following", "any_action"}
+    assert checks["rigid_t"]["holds"] and checks["action_following"]["holds"]
+
+
 def test_near_misses_are_untouched_chunks_where_the_agent_passed_close():
     # A T at the table's centre, angle 0: its bar spans x in [196, 316] at y in [256, 286]. The agent's disc (radius
     # 15) 10 px right of the bar's end is a 10 px gap; touching it, 0; 100 px away, 100.

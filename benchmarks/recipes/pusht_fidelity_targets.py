@@ -47,6 +47,9 @@ construction, so ``rigidity_rollout_generated`` (and ``rigidity_world_model_gene
 reports the rigidity over the other frames of each chunk, the ones the model generated. ``--rigid-block-min-rigidity
 R``: the same, re-drawing only frames whose fit has rigidity >= R (``RigidBlockProjection(min_rigidity=R)``).
 
+``--num-steps`` / ``--flow-shift``: the sampler of every world-model env, restarts included (default: the
+checkpoint's); with ``--policy-starts 0`` (targets 1-4 only) a sweep over sampler settings on the CPU.
+
 ``targets`` in the JSON (and the summary's last lines) judges each threshold of the issue on the means
 (``target_checks``). GPU sizes (defaults): 32 held-out episodes x 8 chunks, 32 random-action episodes x 8 chunks,
 10 policies x 32 starts x 16 chunks (one 320-slot vector env). The simulator (one process) takes most of the time.
@@ -222,17 +225,18 @@ UNIT, ERROR = (0.0, 1.0), (0.0, math.inf)  # the bounds of rigidity / fractions 
 
 
 def heldout_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks: int, device: str,
-                     seed: int = 0, env_options: dict | None = None) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+                     seed: int = 0, env_options: dict | None = None,
+                     restart_options: dict | None = None) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     """Targets 1-3 on the held-out episodes; also returns the true and the rolled-out frames ``[N, K * chunk + 1, H,
-    W, 3]`` (for the video). ``env_options``: the rollout env's (e.g. ``rigid_block``; not the ``one_chunk``
-    restarts')."""
+    W, 3]`` (for the video). ``env_options``: the rollout env's (e.g. ``rigid_block``); ``restart_options``: the
+    ``one_chunk`` restarts' (the sampling options, never the hand-over's)."""
     count = len(episodes)
     rollout_env = make_pusht_vector_env(count, assets_dir=assets_dir, engine=engine, return_frames=True,
                                         reward_model=None, success_threshold=None, max_episode_steps=None,
                                         **(env_options or {}))
     restart_env = make_pusht_vector_env(count * num_chunks, assets_dir=assets_dir, engine=engine,
                                         return_frames=True, reward_model=None, success_threshold=None,
-                                        max_episode_steps=None)
+                                        max_episode_steps=None, **(restart_options or {}))
     try:
         chunk = rollout_env.single_action_space.shape[0]
         steps = num_chunks * chunk
@@ -521,9 +525,9 @@ def target_checks(results: dict[str, Any]) -> dict[str, Any]:
         - anything["untouched"]["rigidity_simulator"]["mean"],
         "holds": "no threshold in the issue: judge by the values",
     }
-    ranking = results["policies"]
+    ranking = results.get("policies")  # absent: --policy-starts 0
     for scorer, agreement in (("reward_model", ranking["agreement"]),
-                              *ranking.get("agreement_by_score", {}).items()):
+                              *ranking.get("agreement_by_score", {}).items()) if ranking else ():
         gaps = [entry[scorer] for entry in ranking["gaps"].values()]
         checks[f"success_{scorer}"] = {
             "largest_success_rate_gap": max((g["success_rate_gap"] for g in gaps), key=abs),
@@ -636,7 +640,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--chunks", type=int, default=8, help="chunks per held-out / random-action episode")
     parser.add_argument("--random-episodes", type=int, default=32, help="uniform random-action episodes (target 4)")
     parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policy specs ({SPEC_HELP})")
-    parser.add_argument("--policy-starts", type=int, default=32)
+    parser.add_argument("--policy-starts", type=int, default=32,
+                        help="starts per policy (target 5); 0 skips the policies (a sampling or decoder sweep of "
+                             "targets 1-4)")
     parser.add_argument("--policy-first-start", type=int, default=0,
                         help="the policies' first start (gym-pusht seed --heldout-seed + 100000 + this): more starts "
                              "for an earlier run's policies, in a run of its own")
@@ -651,15 +657,20 @@ def main(argv: list[str] | None = None) -> dict:
                         "frame as a rigid T (the PushT env's rigid_block=True)")
     parser.add_argument("--rigid-block-min-rigidity", type=float, default=None, help="--rigid-block, re-drawing only "
                         "frames whose fitted T has at least this rigidity (RigidBlockProjection(min_rigidity=))")
+    parser.add_argument("--num-steps", type=int, default=None,
+                        help="denoising steps per chunk (default: the checkpoint's meta.json num_steps)")
+    parser.add_argument("--flow-shift", type=float, default=None,
+                        help="the sampler's flow shift (default: the checkpoint's scheduler config)")
     add_output_arguments(parser)
     parser.add_argument("--results-name", default="pusht_fidelity_targets.json")
     add_decoder_arguments(parser, "light: the world model decodes with its checkpoint's light_decoder/ (issue 24)")
     args = parser.parse_args(argv)
-    if args.policy_first_start < 0:
-        parser.error(f"--policy-first-start: expected an integer >= 0, got {args.policy_first_start}")
+    for name in ("policy_first_start", "policy_starts"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')}: expected an integer >= 0, got {getattr(args, name)}")
     if args.smoke:
         args.episodes, args.chunks, args.random_episodes, args.video_episodes = 2, 2, 2, 1
-        args.policy_starts, args.policy_chunks = 2, 2
+        args.policy_starts, args.policy_chunks = min(args.policy_starts, 2), 2
         if args.policies == DEFAULT_POLICIES:
             args.policies = SMOKE_POLICIES
     check_results_target(args.results_name, args.out, args.overwrite)
@@ -685,10 +696,17 @@ def main(argv: list[str] | None = None) -> dict:
                                "smoke": args.smoke, "decoder": args.decoder,
                                "rigid_block": args.rigid_block or args.rigid_block_min_rigidity is not None,
                                "rigid_block_min_rigidity": args.rigid_block_min_rigidity}
-    # The world-model envs' options (not the one_chunk restarts'): the hand-over projection, if asked for.
-    env_options: dict[str, Any] = {"rigid_block": args.rigid_block}
+    # Sampling, for every world-model env; the hand-over projection, if asked for, not for the one_chunk restarts.
+    sampling: dict[str, Any] = {}
+    if args.num_steps is not None:
+        sampling["num_steps"] = args.num_steps
+    if args.flow_shift is not None:
+        sampling["request_options"] = {"flow_shift": args.flow_shift}
+    results["sampling"] = {"num_steps": args.num_steps, "flow_shift": args.flow_shift}  # None: the checkpoint's
+    env_options: dict[str, Any] = {**sampling, "rigid_block": args.rigid_block}
     if args.rigid_block_min_rigidity is not None:
-        env_options = {"handover_projection": RigidBlockProjection(min_rigidity=args.rigid_block_min_rigidity)}
+        projection = RigidBlockProjection(min_rigidity=args.rigid_block_min_rigidity)
+        env_options = {**sampling, "handover_projection": projection}
     command = provenance(["benchmarks/recipes/pusht_fidelity_targets.py", *(argv or sys.argv[1:])])
 
     def write_so_far() -> None:  # a run cut short by a time limit keeps the stages it finished (replaced at the end)
@@ -698,7 +716,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         started = time.perf_counter()
         results["heldout"], truth, model = heldout_fidelity(engine, assets.root, episodes, args.chunks, args.device,
-                                                            args.seed, env_options)
+                                                            args.seed, env_options, sampling)
         timings["heldout_s"] = time.perf_counter() - started
         print(f"held-out episodes: {timings['heldout_s']:.0f} s", flush=True)
         write_so_far()
@@ -712,12 +730,12 @@ def main(argv: list[str] | None = None) -> dict:
         write_so_far()
 
         started = time.perf_counter()
-        results["policies"] = success_and_ranking(args.policies, engine, assets.root, args.policy_starts,
-                                                  args.policy_chunks,
-                                                  args.heldout_seed + 100_000 + args.policy_first_start, args.device,
-                                                  args.seed, env_options)
-        timings["policies_s"] = time.perf_counter() - started
-        print(f"policies: {timings['policies_s']:.0f} s", flush=True)
+        if args.policy_starts:
+            results["policies"] = success_and_ranking(
+                args.policies, engine, assets.root, args.policy_starts, args.policy_chunks,
+                args.heldout_seed + 100_000 + args.policy_first_start, args.device, args.seed, env_options)
+            timings["policies_s"] = time.perf_counter() - started
+            print(f"policies: {timings['policies_s']:.0f} s", flush=True)
     finally:
         engine.close()
 
