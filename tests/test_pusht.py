@@ -544,6 +544,31 @@ def test_dataset_episodes_are_what_the_plain_gym_pusht_loop_gives(tmp_path, work
     assert families == set(mix), families  # the seed draws every family
 
 
+def test_train_pusht_second_part_simulates_at_the_size_of_the_first_parts_start_frames(tiny_assets, tmp_path):
+    # --smoke simulates 64x64 episodes; fine-tuning an installed 256x256 model with it once crashed when the reward
+    # model stacked the real frames with the world model's rollouts (64 against 256).
+    import argparse
+    import sys
+
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks" / "recipes")
+    sys.path.insert(0, benchmarks)
+    try:
+        import train_pusht
+    finally:
+        sys.path.remove(benchmarks)
+    with np.load(tiny_assets / pusht_env.INITIAL_STATES_FILE) as archive:
+        size = archive["frames"].shape[1]
+    args = argparse.Namespace(image_size=size + 8, smoke=True)
+    train_pusht.match_first_part_image_size(args, tiny_assets)
+    assert args.image_size == size  # --smoke takes the first part's size
+    train_pusht.match_first_part_image_size(args, tiny_assets)  # a match: nothing to do
+    args = argparse.Namespace(image_size=size + 8, smoke=False)
+    expected = f"--image-size: expected the size of --first-part's start frames \\({size}x{size}\\)"
+    with pytest.raises(InputError, match=expected):
+        train_pusht.match_first_part_image_size(args, tiny_assets)
+    assert args.image_size == size + 8
+
+
 @pytest.mark.parametrize("flags, expected", [
     ((), ["simulate", "world_model", "reward_model", "success_threshold", "package", "evaluate"]),
     (("--no-rollout-reward-model", "--no-evaluate"), ["simulate", "world_model", "success_threshold", "package"]),
@@ -569,6 +594,7 @@ def test_train_pusht_second_part_can_skip_the_reward_model_and_the_evaluation(tm
                  "evaluate_stage"):
         monkeypatch.setattr(train_pusht, name, stage(name.removesuffix("_stage")))
     monkeypatch.setattr(train_pusht, "unpack_first_part", lambda *args: None)
+    monkeypatch.setattr(train_pusht, "match_first_part_image_size", lambda *args: None)
     monkeypatch.setattr(train_pusht, "write_results", lambda *args, **kwargs: None)
     train_pusht.main(["--part", "second", "--first-part", str(tmp_path), "--out", str(tmp_path / "out"),
                       "--work", str(tmp_path / "work"), "--deadline-s", "1e6", *flags])

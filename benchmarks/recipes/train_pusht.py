@@ -383,6 +383,22 @@ def unpack_first_part(source: Path, work: Path) -> None:
                     dirs_exist_ok=True)
 
 
+def match_first_part_image_size(args, assets: Path) -> None:
+    """The episodes ``--part second`` simulates must have the size of the first part's start frames (the world
+    model's rollouts start from them, and the reward model learns from both). ``--smoke`` takes the first part's
+    size (an installed 256x256 model); otherwise a different ``--image-size`` is an error."""
+    with np.load(assets / INITIAL_STATES_FILE) as archive:
+        height, width = archive["frames"].shape[1:3]
+    if (height, width) == (args.image_size, args.image_size):
+        return
+    if args.smoke and height == width:
+        print(f"--smoke: --image-size {height}, the size of --first-part's start frames", flush=True)
+        args.image_size = int(height)
+        return
+    raise InputError(f"--image-size: expected the size of --first-part's start frames ({height}x{width}), got "
+                     f"{args.image_size}")
+
+
 def training_dataset(args, work: Path) -> Path | str:
     """What the VAE and the world model train on: ``work/dataset``, or with ``--lerobot`` that dataset converted once
     to LeRobot v3.0 (``lerobot:work/lerobot``) with the action statistics of ``work/dataset`` (which ``--wm-init``
@@ -593,6 +609,9 @@ def main(argv: list[str] | None = None) -> dict:
     stages.results.update(provenance=provenance(), arguments=vars(args), work=str(work))
 
     try:
+        if args.part == "second":  # first: the simulation must match its start frames' size
+            unpack_first_part(Path(args.first_part), work)
+            match_first_part_image_size(args, assets)
         stages.run("simulate", simulate, args, work)
         if args.part == "reward-model":
             stages.run("reward_model", reward_model_stage, args, work, Path(args.assets), on_rollouts=True)
@@ -601,9 +620,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.part == "decoder":
             shutil.copytree(args.assets, assets, dirs_exist_ok=True)
             stages.run("vae_decoder", decoder_stage, args, work, assets)
-        elif args.part == "second":
-            unpack_first_part(Path(args.first_part), work)
-        else:
+        elif args.part != "second":
             stages.run("start_frames", start_frames, args, assets)
             stages.run("vae", vae_stage, args, work)
             stages.run("reward_model", reward_model_stage, args, work, assets)
