@@ -349,15 +349,21 @@ def test_write_video_writes_a_gif_when_cv2_has_no_video_writer(tmp_path, monkeyp
     assert back[0, 8, 2, 0] > 200 and back[0, 8, 20, 0] < 50 and back[3, 8, 14, 0] > 200 and back[3, 8, 2, 0] < 50
 
 
-def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_assets, tmp_path):
+def import_train_pusht():
+    """benchmarks/recipes/train_pusht.py as a module (the recipes are scripts, not a package)."""
     import sys
 
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks" / "recipes")
-    sys.path.insert(0, benchmarks)
+    recipes = str(Path(__file__).resolve().parents[1] / "benchmarks" / "recipes")
+    sys.path.insert(0, recipes)
     try:
         import train_pusht
     finally:
-        sys.path.remove(benchmarks)
+        sys.path.remove(recipes)
+    return train_pusht
+
+
+def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_assets, tmp_path):
+    train_pusht = import_train_pusht()
     work = tmp_path / "work"
     (work / "assets" / "pusht").mkdir(parents=True)  # main() creates it before unpacking
     (work / "vae").mkdir()  # a stale VAE from an earlier run in the same --work is replaced
@@ -548,14 +554,8 @@ def test_train_pusht_second_part_simulates_at_the_size_of_the_first_parts_start_
     # --smoke simulates 64x64 episodes; fine-tuning an installed 256x256 model with it once crashed when the reward
     # model stacked the real frames with the world model's rollouts (64 against 256).
     import argparse
-    import sys
 
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks" / "recipes")
-    sys.path.insert(0, benchmarks)
-    try:
-        import train_pusht
-    finally:
-        sys.path.remove(benchmarks)
+    train_pusht = import_train_pusht()
     with np.load(tiny_assets / pusht_env.INITIAL_STATES_FILE) as archive:
         size = archive["frames"].shape[1]
     args = argparse.Namespace(image_size=size + 8, smoke=True)
@@ -577,14 +577,7 @@ def test_train_pusht_second_part_can_skip_the_reward_model_and_the_evaluation(tm
     """A fine-tune that a later call continues (``--no-rollout-reward-model --no-evaluate``) runs only simulation,
     training, calibrating the success threshold to the reward model it keeps, and packaging; by default the reward
     model is retrained on the rollouts (then calibrated) and the model evaluated."""
-    import sys
-
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks" / "recipes")
-    sys.path.insert(0, benchmarks)
-    try:
-        import train_pusht
-    finally:
-        sys.path.remove(benchmarks)
+    train_pusht = import_train_pusht()
     ran = []
 
     def stage(name):

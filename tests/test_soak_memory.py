@@ -133,8 +133,10 @@ def test_a_long_vector_env_run_keeps_what_it_holds(tiny_checkpoint):
                               return_frames=True, domain="pusht", chunk=4, num_steps=2, resolution_tier=256)
     env.reset(seed=0)
     env.action_space.seed(0)
-    if tracemalloc.is_tracing():  # started by someone else, maybe with too few frames to tell whose memory it is
-        pytest.skip("tracemalloc is already tracing")
+    # Traced at our depth even under ``python -X tracemalloc`` (1 frame: too few to tell whose memory it is); the
+    # outer tracing resumes afterwards, without what it had traced so far.
+    outer_frames = tracemalloc.get_traceback_limit() if tracemalloc.is_tracing() else None
+    tracemalloc.stop()
     tracemalloc.start(TRACEBACK_FRAMES)
     try:
         # Warm-up: every batch size autoreset gives (3 and 2 slots stepping) seen, first-call caches filled (torch's,
@@ -152,6 +154,8 @@ def test_a_long_vector_env_run_keeps_what_it_holds(tiny_checkpoint):
         memory_after, largest = memory_held_by_this_test()
     finally:
         tracemalloc.stop()
+        if outer_frames is not None:
+            tracemalloc.start(outer_frames)
     # One step's frames kept anywhere would add frames_bytes; a per-step dict or list, objects every step.
     assert memory_after - memory < frames_bytes / 4, (memory, memory_after, frames_bytes, largest)
     assert objects_after - objects < 12, (objects, objects_after)

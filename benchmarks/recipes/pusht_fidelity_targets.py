@@ -526,8 +526,9 @@ def target_checks(results: dict[str, Any]) -> dict[str, Any]:
         "holds": "no threshold in the issue: judge by the values",
     }
     ranking = results.get("policies")  # absent: --policy-starts 0
-    for scorer, agreement in (("reward_model", ranking["agreement"]),
-                              *ranking.get("agreement_by_score", {}).items()) if ranking else ():
+    agreements = ([("reward_model", ranking["agreement"]), *ranking.get("agreement_by_score", {}).items()]
+                  if ranking else [])
+    for scorer, agreement in agreements:
         gaps = [entry[scorer] for entry in ranking["gaps"].values()]
         checks[f"success_{scorer}"] = {
             "largest_success_rate_gap": max((g["success_rate_gap"] for g in gaps), key=abs),
@@ -703,10 +704,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.flow_shift is not None:
         sampling["request_options"] = {"flow_shift": args.flow_shift}
     results["sampling"] = {"num_steps": args.num_steps, "flow_shift": args.flow_shift}  # None: the checkpoint's
-    env_options: dict[str, Any] = {**sampling, "rigid_block": args.rigid_block}
-    if args.rigid_block_min_rigidity is not None:
-        projection = RigidBlockProjection(min_rigidity=args.rigid_block_min_rigidity)
-        env_options = {**sampling, "handover_projection": projection}
+    handover = ({"rigid_block": args.rigid_block} if args.rigid_block_min_rigidity is None else
+                {"handover_projection": RigidBlockProjection(min_rigidity=args.rigid_block_min_rigidity)})
+    env_options: dict[str, Any] = {**sampling, **handover}
     command = provenance(["benchmarks/recipes/pusht_fidelity_targets.py", *(argv or sys.argv[1:])])
 
     def write_so_far() -> None:  # a run cut short by a time limit keeps the stages it finished (replaced at the end)
