@@ -235,10 +235,11 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace a result of the same name already in benchmarks/results")
 
 
-def add_decoder_arguments(parser: argparse.ArgumentParser, light_help: str) -> None:
+def add_decoder_arguments(parser: argparse.ArgumentParser, light_help: str, default: str | None = "vae") -> None:
     """``--decoder vae|light`` and ``--light-decoder DIR`` (a trained light decoder to use instead of the assets'
-    own), as the PushT env benchmarks take them; ``use_decoder_arguments`` checks and applies them."""
-    parser.add_argument("--decoder", choices=("vae", "light"), default="vae", help=light_help)
+    own), as the PushT env benchmarks take them; ``use_decoder_arguments`` checks and applies them. ``default``
+    None: the checkpoint's own decoder unless one is named."""
+    parser.add_argument("--decoder", choices=("vae", "light"), default=default, help=light_help)
     parser.add_argument("--light-decoder", default=None,
                         help="with --decoder light: a trained light decoder folder, installed into a temporary copy "
                              "of the assets (default: the assets' own checkpoint/light_decoder)")

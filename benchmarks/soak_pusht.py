@@ -170,7 +170,8 @@ def main(argv=None) -> dict:
     add_output_arguments(parser)
     parser.add_argument("--name", default=None)
     parser.add_argument("--assets", default=None, help="PushT model folder (default: the built-in one)")
-    add_decoder_arguments(parser, "light: the env decodes with the checkpoint's light_decoder/")
+    add_decoder_arguments(parser, "vae or light (default: the checkpoint's own, the built-in model's is light)",
+                          default=None)
     args = parser.parse_args(argv)
     use_decoder_arguments(parser, args)
     device = "cpu" if args.device == "cpu" else "gpu"
@@ -183,10 +184,11 @@ def main(argv=None) -> dict:
         tracemalloc.start(8)
 
     overrides = {} if args.success_threshold is None else {"success_threshold": args.success_threshold}
-    if args.decoder != "vae":
+    if args.decoder is not None:
         overrides["decoder"] = args.decoder
     env = make_pusht_vector_env(args.envs, args.assets, device=args.device, optimize=bool(args.optimize),
                                 **overrides)
+    args.decoder_used = env.engine.decoder  # what the settings gave, recorded with them
     samples, reference = [], None
     try:
         env.reset(seed=0)

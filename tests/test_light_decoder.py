@@ -244,7 +244,8 @@ def test_engine_decodes_with_the_light_decoder_when_asked(light_assets):
     light = engine.light_decoder.decode(every.video_latents[None])[0].cpu()
     # the light decoder made these pixels, not the VAE (exact on a CPU; a GPU may pick other kernels per batch)
     torch.testing.assert_close(every.pixels.cpu(), light, atol=1e-5, rtol=0)
-    assert not torch.allclose(every.pixels.cpu(), engine.vae.decode(every.video_latents[None])[0].cpu(), atol=1e-2)
+    exact = engine.vae.decode(every.video_latents[None].to(engine.device))[0].cpu()  # results come back on the host
+    assert not torch.allclose(every.pixels.cpu(), exact, atol=1e-2)
     torch.testing.assert_close(last.pixels.cpu(), every.pixels[:, -1:].cpu(), atol=1e-5, rtol=0)
     engine.offload()
     assert engine.light_decoder.device.type == "cpu"
@@ -344,12 +345,28 @@ def test_throughput_benchmark_measures_the_light_path_beside_the_exact_one(tmp_p
     assert torch.equal(LightDecoder.from_pretrained(installed).conv_in.weight, tiny_decoder(seed=2).conv_in.weight)
 
 
+def test_soak_benchmark_runs_the_decoder_it_is_told_and_records_the_one_it_ran(tmp_path, light_assets):
+    """``soak_pusht.py --decoder vae`` once ran the checkpoint's light decoder (only "light" was passed on) and
+    recorded "vae"; unnamed, it runs the checkpoint's own."""
+    benchmark = import_benchmark("soak_pusht")
+    assets = tmp_path / "assets"
+    shutil.copytree(light_assets, assets)
+    meta = json.loads((assets / "checkpoint" / "meta.json").read_text())
+    (assets / "checkpoint" / "meta.json").write_text(json.dumps({**meta, "decoder": "light"}))
+    common = ["--device", "cpu", "--envs", "2", "--steps", "4", "--every", "2", "--from-step", "2",
+              "--assets", str(assets), "--out", str(tmp_path / "out")]
+    for named, used in ((["--decoder", "vae"], "vae"), ([], "light"), (["--decoder", "light"], "light")):
+        results = benchmark.main([*common, *named, "--name", f"soak_{used}_{len(named)}.json"])
+        assert results["settings"]["decoder_used"] == used and results["samples"][-1]["env_steps"] == 4
+
+
 def test_recipe_smoke_run(tmp_path):
     pytest.importorskip("gym_pusht")
     recipe = import_benchmark("train_light_decoder", "benchmarks/recipes")
     results = recipe.main(["--smoke", "--out", str(tmp_path), "--workers", "1", "--work", str(tmp_path / "work")])
     assert results["windows"]["train"] > 0 and results["training"]["steps"] >= 1
-    assert set(results["psnr_db"]["last_frame"]) == {"light_vs_real", "vae_vs_real", "light_vs_vae"}
+    on_gpu = {"light_bf16_vs_real"} if torch.cuda.is_available() else set()  # as decoder="light" runs it there
+    assert set(results["psnr_db"]["last_frame"]) == {"light_vs_real", "vae_vs_real", "light_vs_vae", *on_gpu}
     # the world model's own chunks: latents and the exact decode of them, which the training set gains
     assert results["windows"]["generated_train"] == 3 and results["windows"]["generated_heldout"] == 2
     assert set(results["psnr_db"]["generated"]) == {"light_vs_vae_last_frame", "light_vs_vae_all_frames"}

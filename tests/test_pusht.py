@@ -550,6 +550,36 @@ def test_dataset_episodes_are_what_the_plain_gym_pusht_loop_gives(tmp_path, work
     assert families == set(mix), families  # the seed draws every family
 
 
+def test_a_fine_tune_keeps_the_light_decoder_of_the_checkpoint_it_starts_from(tiny_assets, tmp_path):
+    # Round 10's first call wrote a checkpoint without the built-in model's light decoder: the env lost its fast
+    # decode, and the next call's rollout training would have handed over through the VAE instead of as the env does.
+    from cosmos3_gym.checkpoint import checkpoint_decoder
+    from cosmos3_gym.engine import LIGHT_DECODER_DIR
+
+    train_pusht = import_train_pusht()
+    init = tmp_path / "init"
+    shutil.copytree(tiny_assets / "checkpoint", init)
+    (init / LIGHT_DECODER_DIR).mkdir()
+    (init / LIGHT_DECODER_DIR / "config.json").write_text('{"marker": 1}')
+    (init / LIGHT_DECODER_DIR / "model.safetensors").write_bytes(b"weights")
+    meta = json.loads((init / "meta.json").read_text())
+    (init / "meta.json").write_text(json.dumps({**meta, "decoder": "light"}))
+    trained = tmp_path / "trained"
+    shutil.copytree(tiny_assets / "checkpoint", trained)  # what training writes: no light decoder, no "decoder"
+    assert checkpoint_decoder(trained) == "vae"
+
+    train_pusht.keep_light_decoder(init, trained)
+    assert checkpoint_decoder(trained) == "light"
+    for name in ("config.json", "model.safetensors"):
+        assert (trained / LIGHT_DECODER_DIR / name).read_bytes() == (init / LIGHT_DECODER_DIR / name).read_bytes()
+    assert {**json.loads((trained / "meta.json").read_text()), "decoder": None} == {**meta, "decoder": None}
+
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_assets / "checkpoint", plain)
+    train_pusht.keep_light_decoder(tiny_assets / "checkpoint", plain)  # an init without one: nothing to keep
+    assert checkpoint_decoder(plain) == "vae" and not (plain / LIGHT_DECODER_DIR).exists()
+
+
 def test_train_pusht_second_part_simulates_at_the_size_of_the_first_parts_start_frames(tiny_assets, tmp_path):
     # --smoke simulates 64x64 episodes; fine-tuning an installed 256x256 model with it once crashed when the reward
     # model stacked the real frames with the world model's rollouts (64 against 256).

@@ -46,7 +46,8 @@ be the installed model folder itself (its VAE and start frames)::
     python benchmarks/recipes/train_pusht.py --part second --first-part cosmos3_gym/assets/pusht \
         --wm-init cosmos3_gym/assets/pusht/checkpoint --wm-cond-noise 0.3 --wm-lr 2e-4 --out $OUT
 
-(``--wm-rollout-prob`` conditions part of each batch on the model's own frames, ``training/rollout.py``.)
+(``--wm-rollout-prob`` conditions part of each batch on the model's own frames, ``training/rollout.py``. The
+fine-tuned checkpoint keeps ``--wm-init``'s light decoder and its meta.json ``decoder``.)
 ``--lerobot`` trains stages 2 and 3 from the simulated episodes written as a LeRobot v3.0 dataset
 (``training.lerobot.write_lerobot_dataset``, H.264 videos) instead of our episode layout.
 
@@ -79,7 +80,7 @@ from common import provenance, write_results  # noqa: E402
 import fidelity_pusht_chunks  # noqa: E402
 
 from cosmos3_gym.checkpoint import checkpoint_decoder  # noqa: E402
-from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
+from cosmos3_gym.engine import LIGHT_DECODER_DIR, Cosmos3Engine  # noqa: E402
 from cosmos3_gym.errors import InputError  # noqa: E402
 from cosmos3_gym.envs.pusht import (  # noqa: E402
     CHECKPOINT_DIR, INITIAL_STATES_FILE, META_FILE, REWARD_MODEL_DIR, load_pusht_assets, make_pusht_vector_env,
@@ -349,6 +350,8 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     checkpoint = assets / CHECKPOINT_DIR
     train_world_model(training_dataset(args, work), checkpoint, config, vae_dir=work / "vae")
     write_env_defaults(checkpoint, num_steps=args.num_steps, guidance_scale=args.guidance_scale, chunk=args.chunk)
+    if args.wm_init:
+        keep_light_decoder(Path(args.wm_init), checkpoint)
     return {"probe_steps_per_s": steps_per_s, "config": dataclasses.asdict(config),
             "last_log": last_log_line(work / "world_model" / "log.jsonl")}
 
@@ -366,6 +369,20 @@ def write_env_defaults(checkpoint: Path, *, num_steps: int, guidance_scale: floa
         reward_model=f"classifier:../{REWARD_MODEL_DIR}",
     )
     meta.pop("dataset", None)  # a path on the training machine means nothing to users
+    (checkpoint / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def keep_light_decoder(init: Path, checkpoint: Path) -> None:
+    """A fine-tune keeps the light decoder of the checkpoint it started from, and its meta.json's ``decoder``: the
+    decoder reads the VAE's latents, which fine-tuning the world model leaves as they were (the VAE is not trained).
+    Without it the fine-tuned model lost the built-in env's fast decode, and a later part's rollouts the env's
+    hand-over."""
+    if not (init / LIGHT_DECODER_DIR / "config.json").is_file():
+        return
+    shutil.rmtree(checkpoint / LIGHT_DECODER_DIR, ignore_errors=True)
+    shutil.copytree(init / LIGHT_DECODER_DIR, checkpoint / LIGHT_DECODER_DIR)
+    meta = json.loads((checkpoint / META_FILE).read_text())
+    meta["decoder"] = checkpoint_decoder(init)
     (checkpoint / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
