@@ -151,7 +151,7 @@ def add_infer_command(sub) -> None:
     infer.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
     infer.add_argument("--vae-dtype", default=None, help="fp32 | bf16 | fp16 (default: fp32)")
     infer.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
-                       help="GEN-tower GEMMs: bf16 (in --dtype) or fp8 (Hopper-class GPU, tp=1, the fp8 extra)")
+                       help="GEN-tower GEMMs: bf16 (in --dtype) or fp8 (Hopper-class GPU, the fp8 extra)")
     infer.add_argument("--optimize", action="store_true",
                        help="torch.compile the transformer blocks and fuse the VAE norms (GPU; the first step "
                        "compiles)")

@@ -262,8 +262,8 @@ class Cosmos3Engine:
         ``optimize`` applies ``optimize()`` (torch.compile, and CUDA graphs on a GPU; worth it on a GPU, where the
         first step of each shape compiles).
 
-        ``precision`` "fp8" runs the GEN tower's GEMMs in FP8 (``quantization.apply_fp8``; Hopper-class GPUs, tp=1,
-        the ``fp8`` extra); "bf16" (default) keeps them in ``dtype``.
+        ``precision`` "fp8" runs the GEN tower's GEMMs in FP8 (``quantization.apply_fp8``; Hopper-class GPUs, the
+        ``fp8`` extra; under tensor parallelism each rank's shards); "bf16" (default) keeps them in ``dtype``.
 
         ``preset`` (``presets.PRESETS``, e.g. "droid_robolab") is applied to every request that names none.
 
@@ -274,7 +274,7 @@ class Cosmos3Engine:
         if preset is not None:
             presets.get_preset(preset)  # an unknown name fails before anything loads
         config = resolve_parallel_config(parallel, tp=tp, cfg_parallel=cfg_parallel, dp=dp, cfg=cfg)
-        check_precision(precision, tp=config.tp)
+        check_precision(precision)
         check_decoder(decoder, config)
         context = parallel if isinstance(parallel, ParallelContext) else None
         launched = in_process_group()
@@ -350,8 +350,9 @@ class Cosmos3Engine:
         optimised engine.
 
         ``tp_overlap`` (tp > 1; default: on a GPU): the GEN layers' all-reduces overlap the next row block's compute
-        (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce where the tp group is on one GPU host.
-        ``parallel/plan.py`` applies all of it to the transformer.
+        (``parallel.overlap``), on PyTorch's symmetric-memory all-reduce where the tp group is on one GPU host; with
+        ``precision="fp8"`` the all-reduces stay NCCL and the blocks compile whole. ``parallel/plan.py`` applies all of
+        it to the transformer.
 
         The same math up to float rounding; each new input shape pays a compile and a capture on its first step
         (about 5-11 s at the full Nano size on an H200). Calling it again changes nothing."""

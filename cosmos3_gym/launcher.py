@@ -83,7 +83,7 @@ def load_engine(
     """
     config = resolve_parallel_config(parallel, tp=tp, cfg_parallel=cfg_parallel, dp=dp, cfg=cfg)
     resolved = resolve_backend(backend, config)
-    check_precision(precision, tp=config.tp)
+    check_precision(precision)
     check_decoder(decoder, config)
     if preset is not None:
         get_preset(preset)  # an unknown name fails before any worker starts

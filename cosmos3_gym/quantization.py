@@ -15,10 +15,11 @@ stacks keep in bf16, they are a negligible share of the FLOPs. The fused q/k/v p
 Q/K in bf16 (vLLM-Omni's best trade-off for Cosmos3) keeps V with them.
 
 FP8 needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper and later) and torchao (the ``fp8`` extra).
-Tensor parallelism is not supported yet: the column-parallel shards are plain ``nn.Linear``s that torchao would
-quantize like any other, but ``RowParallelLinear`` multiplies its weight itself (``torch.mm`` into a symmetric-memory
-buffer, or its overlapped ``start``), which a float8 weight tensor does not support; ``apply_fp8`` refuses sharded
-models rather than quantize half of the GEMMs.
+Under tensor parallelism the plan quantizes the shards: the column-parallel ``attn.qkv`` / ``mlp.gate_up`` are plain
+``nn.Linear``s, and ``RowParallelLinear`` (``attn.out`` / ``mlp.down``) multiplies through ``F.linear`` before its
+NCCL all-reduce, which takes a float8 weight too (each rank scales its slice of the input features on its own). Its
+symmetric-memory all-reduce (``torch.mm`` into the shared buffer) cannot, so the parallel plan keeps NCCL for FP8
+weights and compiles the blocks whole instead of overlapping the all-reduces (``parallel/plan.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.nn as nn
 
 from .errors import InputError
 from .models.transformer import Cosmos3Transformer
+from .parallel.tensor_parallel import RowParallelLinear
 
 PRECISIONS = ("bf16", "fp8")
 
@@ -63,9 +65,6 @@ FP8_LAYER_POLICIES: dict[str, Fp8LayerPolicy] = {
                                lambda i, n, name: name.startswith("mlp.")),
 }
 
-_FP8_TP_MESSAGE = ("precision: 'fp8' with tensor parallelism (tp > 1) is not supported yet; use tp=1 (cfg and dp "
-                   "are fine) or precision='bf16'")
-
 # The policy ``precision="fp8"`` uses. Opt-in until benchmarks/fp8_gpu.py has measured speed and error on trained
 # weights; vLLM-Omni's sweep on Cosmos3-Nano found Q/K in bf16 the best trade-off, so that is the starting point.
 DEFAULT_FP8_LAYERS = "keep_qkv"
@@ -80,8 +79,10 @@ def fp8_linear_names(transformer: Cosmos3Transformer, layers: str = DEFAULT_FP8_
     for i, block in enumerate(transformer.gen_layers):
         for name in GEN_LINEARS:
             module = block.get_submodule(name)
-            # torch._scaled_mm needs both dimensions multiples of 16; torchao would silently keep others in bf16.
-            fits = type(module) is nn.Linear and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            # Sharded, the local shapes count. torch._scaled_mm needs both dimensions multiples of 16; torchao would
+            # silently keep others in bf16.
+            out_features, in_features = module.weight.shape
+            fits = type(module) in (nn.Linear, RowParallelLinear) and in_features % 16 == 0 and out_features % 16 == 0
             if fits and policy.selects(i, num_layers, name):
                 names.append(f"gen_layers.{i}.{name}")
     return names
@@ -113,12 +114,13 @@ def check_fp8_supported(device: torch.device | str) -> None:
 def apply_fp8(transformer: Cosmos3Transformer, layers: str = DEFAULT_FP8_LAYERS) -> Cosmos3Transformer:
     """Quantize the GEN-layer GEMMs that policy ``layers`` selects (``FP8_LAYER_POLICIES``) to FP8, in place, and
     return ``transformer``. Call it on the loaded bf16 model before ``compile_blocks`` / ``Cosmos3Engine.optimize``
-    (compile and CUDA graphs then capture the FP8 GEMMs). Inference only (the weights no longer train)."""
+    (compile and CUDA graphs then capture the FP8 GEMMs). On a tensor-parallel model it quantizes this rank's
+    shards. Inference only (the weights no longer train)."""
     names = fp8_linear_names(transformer, layers)  # validates the policy name first, on any device
-    from .parallel.tensor_parallel import RowParallelLinear
-
-    if any(isinstance(module, RowParallelLinear) for module in transformer.gen_layers.modules()):
-        raise InputError(_FP8_TP_MESSAGE)
+    if any(isinstance(module, RowParallelLinear) and module.all_reduce == "symm_mem"
+           for module in transformer.gen_layers.modules()):
+        raise InputError("precision: the row-parallel layers already use the symmetric-memory all-reduce, which "
+                         "multiplies plain weights only; apply FP8 before optimize() (the plan then keeps NCCL)")
     check_fp8_supported(transformer.device)
     if transformer.blocks_compiled:
         raise InputError("precision: apply FP8 before compile_blocks / Cosmos3Engine.optimize, not after")
@@ -144,13 +146,10 @@ def apply_precision(transformer: Cosmos3Transformer, precision: str) -> Cosmos3T
     return transformer
 
 
-def check_precision(precision: str, tp: int = 1) -> None:
-    """Raise ``InputError`` for an unknown ``precision`` or one this parallel layout cannot run (cheap: call it
-    before loading weights)."""
+def check_precision(precision: str) -> None:
+    """Raise ``InputError`` for an unknown ``precision`` (cheap: call it before loading weights)."""
     if precision not in PRECISIONS:
         raise InputError(f"precision: expected one of {list(PRECISIONS)}, got {precision!r}")
-    if precision == "fp8" and tp > 1:
-        raise InputError(_FP8_TP_MESSAGE)
 
 
 def _policy(layers: str) -> Fp8LayerPolicy:

@@ -164,9 +164,10 @@ def test_load_engine_passes_precision_to_every_rank(tiny_checkpoint, stub_engine
     assert started[0][2]["precision"] == "fp8"  # the workers' from_pretrained gets it
     with pytest.raises(InputError, match="precision"):  # checked before any worker starts
         launcher.load_engine(tiny_checkpoint, dp=2, precision="int4")
-    with pytest.raises(InputError, match="precision"):  # fp8 with tensor parallelism is refused up front
-        launcher.load_engine(tiny_checkpoint, tp=2, precision="fp8")
-    assert len(started) == 1
+    # fp8 with tensor parallelism reaches the workers too (each quantizes its shards).
+    assert launcher.load_engine(tiny_checkpoint, tp=2, precision="fp8") == "client"
+    assert started[1][1].tp == 2 and started[1][2]["precision"] == "fp8"
+    assert len(started) == 2
 
 
 def test_env_load_options_reach_load_engine(tiny_checkpoint, monkeypatch):

@@ -1,10 +1,13 @@
 """``precision="fp8"`` (cosmos3_gym/quantization.py): which GEN-layer GEMMs each layer policy quantizes, the errors
-on CPU, on pre-Hopper GPUs, for unknown names and with tensor parallelism; on a GPU with FP8 tensor cores, the FP8
-forward and engine against bf16. Speed and the error on Nano-size and trained weights: benchmarks/fp8_gpu.py."""
+on CPU, on pre-Hopper GPUs and for unknown names; with tensor parallelism, the shards it quantizes and the parallel
+plan it gets (NCCL, no overlap). On a GPU with FP8 tensor cores, the FP8 forward and engine against bf16, and on two
+such GPUs a tp=2 FP8 engine against the one-GPU FP8 engine. Speed and the error on Nano-size and trained weights:
+benchmarks/fp8_gpu.py."""
 
 import numpy as np
 import pytest
 import torch
+from dist_utils import run_distributed
 
 from cosmos3_gym import quantization
 from cosmos3_gym.checkpoint import resolve_checkpoint, validate_checkpoint
@@ -13,7 +16,13 @@ from cosmos3_gym.cli import main
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig
-from cosmos3_gym.quantization import FP8_LAYER_POLICIES, apply_fp8, check_fp8_supported, fp8_linear_names
+from cosmos3_gym.parallel.mesh import ParallelConfig, ParallelContext
+from cosmos3_gym.parallel.overlap import OverlappedGenForward
+from cosmos3_gym.parallel.plan import parallelize_transformer
+from cosmos3_gym.parallel.tensor_parallel import RowParallelLinear, apply_tensor_parallel, is_quantized
+from cosmos3_gym.quantization import (
+    FP8_LAYER_POLICIES, apply_fp8, check_fp8_supported, check_precision, fp8_linear_names,
+)
 
 has_fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 needs_fp8_gpu = pytest.mark.skipif(not has_fp8_gpu, reason="needs a CUDA GPU with FP8 (compute capability >= 8.9)")
@@ -112,9 +121,84 @@ def test_missing_torchao_names_the_extra(monkeypatch):
         check_fp8_supported(torch.device("cuda", 0))
 
 
-def test_fp8_with_tensor_parallelism_is_refused_before_loading(tiny_checkpoint):
-    with pytest.raises(InputError, match="tensor parallelism"):
-        Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", tp=2, precision="fp8")
+class FakeQuantized(torch.Tensor):
+    """A weight of a tensor subclass, as torchao's ``Float8Tensor`` is, for the CPU tests (torchao quantizes on FP8
+    GPUs only)."""
+
+
+def fake_quantize(module: torch.nn.Module) -> None:
+    module.weight = torch.nn.Parameter(module.weight.detach().as_subclass(FakeQuantized), requires_grad=False)
+
+
+def sharded_tiny_transformer(monkeypatch, **overrides) -> Cosmos3Transformer:
+    """Rank 0's shards of a tp=2 tiny transformer, without a process group: sharding runs no collective, only asks
+    the group's size and rank."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    model = Cosmos3Transformer(Cosmos3TransformerConfig.from_dict({**TINY_TRANSFORMER_CONFIG, **overrides}))
+    return apply_tensor_parallel(model, tp_group=None)
+
+
+def test_fp8_with_tensor_parallelism_is_no_longer_refused(tiny_checkpoint, stub_engine_client):
+    # Outside a process group a tp=2 from_pretrained starts the worker ranks (stubbed here), each to quantize its
+    # shards; unknown names still fail before anything starts.
+    with pytest.warns(DeprecationWarning):
+        assert Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", tp=2, precision="fp8") == "client"
+    (_, config, kwargs), = stub_engine_client
+    assert config.tp == 2 and kwargs["precision"] == "fp8"
+    with pytest.raises(InputError, match=r"precision: expected one of \['bf16', 'fp8'\], got 'fp4'"):
+        check_precision("fp4")
+
+
+def test_fp8_names_the_shards_of_a_tensor_parallel_model(monkeypatch):
+    model = sharded_tiny_transformer(monkeypatch)
+    assert isinstance(model.gen_layers[0].attn.out, RowParallelLinear)
+    assert fp8_linear_names(model, "all") == gen_names([0, 1], ALL)
+    assert fp8_linear_names(model) == gen_names([0, 1], NO_QKV)  # the row-parallel out and down included
+    # The local shapes count: with intermediate_size 40 the full gate_up (64 -> 80) fits, rank 0's shard (64 -> 40)
+    # does not, nor does its down (20 -> 64).
+    narrow = sharded_tiny_transformer(monkeypatch, intermediate_size=40)
+    assert fp8_linear_names(narrow, "mlp_only") == []
+    # On CPU apply_fp8 gets as far as the device check: no refusal of the sharded model.
+    with pytest.raises(InputError, match="precision: 'fp8' needs a CUDA GPU"):
+        apply_fp8(model)
+
+
+def test_fp8_after_the_symmetric_memory_all_reduce_is_refused(monkeypatch):
+    model = sharded_tiny_transformer(monkeypatch)
+    model.gen_layers[1].mlp.down.all_reduce = "symm_mem"  # as optimize() leaves it on a GPU host
+    with pytest.raises(InputError, match=r"apply FP8 before optimize\(\)"):
+        apply_fp8(model)
+
+
+def test_symmetric_memory_all_reduce_refuses_a_quantized_weight():
+    layer = RowParallelLinear(torch.randn(64, 32), None, group=None)
+    assert not is_quantized(layer.weight) and not is_quantized(torch.randn(2))
+    fake_quantize(layer)
+    assert is_quantized(layer.weight)
+    # The quantized weight is named before the device: on CPU "symm_mem" would otherwise fail for needing CUDA.
+    with pytest.raises(InputError, match=r"all_reduce: 'symm_mem' .* weight is quantized \(FakeQuantized\)"):
+        layer.set_all_reduce("symm_mem")
+    assert layer.all_reduce == "nccl"
+
+
+def test_tp_plan_keeps_nccl_and_compiles_fp8_blocks_whole(monkeypatch):
+    """``optimize()``'s plan (compile, tp_overlap) on a tp=2 model: overlapped with bf16 row-parallel weights, and
+    with FP8 ones NCCL all-reduces inside whole compiled blocks. (On CPU the plan never picks symmetric memory; on a
+    GPU, ``set_all_reduce`` would refuse it, tested above.)"""
+    context = ParallelContext(ParallelConfig(tp=2), mesh=None, device=torch.device("cpu"))
+    for precision in ("bf16", "fp8"):
+        model = sharded_tiny_transformer(monkeypatch)
+        if precision == "fp8":
+            for name in fp8_linear_names(model):
+                fake_quantize(model.get_submodule(name))
+        parallelize_transformer(model, context, compile=True, tp_overlap=True)
+        overlapped = [isinstance(layer.gen_forward, OverlappedGenForward) for layer in model.gen_layers]
+        assert overlapped == [precision == "bf16"] * 2, precision
+        assert model.blocks_compiled
+        assert {m.all_reduce for m in model.modules() if isinstance(m, RowParallelLinear)} == {"nccl"}
 
 
 # ------------------------------------------------------------------------------------------------- GPU (FP8) tests
@@ -159,13 +243,17 @@ def test_fp8_forward_is_close_to_bf16_and_quantizes_what_the_policy_names(tiny_c
     assert 0 < _relative(a8.cpu(), a16.cpu()) < 0.2
 
 
+def policy_request() -> Cosmos3Request:
+    """A guided policy request of two denoising steps: the engine tests' yardstick."""
+    observation = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    return Cosmos3Request(mode="policy", observation=observation, task="push the block", domain="pusht", chunk=8,
+                          num_inference_steps=2, guidance_scale=2.0, seed=0, resolution_tier=256)
+
+
 @pytest.mark.gpu
 @needs_fp8_gpu
 def test_fp8_engine_with_compile_and_cuda_graphs_matches_bf16_closely(tiny_checkpoint):
-    rng = np.random.default_rng(0)
-    observation = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    request = Cosmos3Request(mode="policy", observation=observation, task="push the block", domain="pusht", chunk=8,
-                             num_inference_steps=2, guidance_scale=2.0, seed=0, resolution_tier=256)
+    request = policy_request()
     results = {}
     for precision in ("bf16", "fp8"):
         engine = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", precision=precision, optimize=True,
@@ -176,6 +264,65 @@ def test_fp8_engine_with_compile_and_cuda_graphs_matches_bf16_closely(tiny_check
     # Two denoising steps with guidance 2 amplify the per-forward error somewhat; O(1) would mean broken FP8.
     assert 0 < _relative(results["fp8"].action, results["bf16"].action) < 0.3
     assert 0 < _relative(results["fp8"].video_latents, results["bf16"].video_latents) < 0.3
+
+
+def tp_fp8_engine_check(checkpoint: str) -> dict:
+    """One rank of a tp=2 FP8 engine (bf16 on its GPU): the policy request eager, then after ``optimize()``
+    (compile, CUDA graphs), and what its sharded GEMMs became."""
+    from torchao.quantization import Float8Tensor
+
+    engine = Cosmos3Engine.from_pretrained(checkpoint, device="cuda", tp=2, precision="fp8", progress=False)
+    out = {}
+    for stage in ("eager", "optimized"):
+        if stage == "optimized":
+            engine.optimize()
+        result = engine.step(policy_request(), decode=False)
+        out[stage] = dict(action=result.action, latents=result.video_latents.cpu())
+    model = engine.transformer
+    out["quantized"] = {name: type(module).__name__ for name, module in model.named_modules()
+                        if isinstance(getattr(module, "weight", None), Float8Tensor)}
+    out["all_reduces"] = {m.all_reduce for m in model.modules() if isinstance(m, RowParallelLinear)}
+    out["overlapped"] = any(isinstance(layer.gen_forward, OverlappedGenForward) for layer in model.gen_layers)
+    out["graphed"] = engine.gen_forward is not model
+    engine.close()
+    return out
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fp8_with_tensor_parallelism_on_two_gpus_matches_one_gpu(tiny_checkpoint):
+    ranks = run_distributed(tp_fp8_engine_check, 2, str(tiny_checkpoint), timeout=600, backend="nccl")
+    one_gpu = {}
+    for precision in ("fp8", "bf16"):
+        engine = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", precision=precision, progress=False)
+        if precision == "fp8":
+            one_gpu["fp8_eager"] = engine.step(policy_request(), decode=False)
+        one_gpu[precision] = engine.optimize().step(policy_request(), decode=False)
+        engine.close()
+
+    for rank_out in ranks:
+        # Both shards of every GEMM the default policy names, the row-parallel out and down included, on NCCL
+        # all-reduces inside whole compiled blocks (no overlap), replayed as CUDA graphs.
+        assert set(rank_out["quantized"]) == set(gen_names([0, 1], NO_QKV))
+        assert rank_out["quantized"]["gen_layers.0.attn.out"] == "RowParallelLinear"
+        assert rank_out["quantized"]["gen_layers.1.mlp.down"] == "RowParallelLinear"
+        assert rank_out["quantized"]["gen_layers.0.mlp.gate_up"] == "Linear"
+        assert rank_out["all_reduces"] == {"nccl"} and not rank_out["overlapped"] and rank_out["graphed"]
+    # The error FP8 itself makes (one GPU, optimised): the yardstick for the tp=2 difference.
+    fp8_errors = dict(action=_relative(one_gpu["fp8"].action, one_gpu["bf16"].action),
+                      latents=_relative(one_gpu["fp8"].video_latents, one_gpu["bf16"].video_latents))
+    assert all(0 < error < 0.3 for error in fp8_errors.values()), fp8_errors
+    for stage, want in (("eager", one_gpu["fp8_eager"]), ("optimized", one_gpu["fp8"])):
+        got, other = ranks[0][stage], ranks[1][stage]
+        assert np.array_equal(got["action"], other["action"]) and torch.equal(got["latents"], other["latents"])
+        # The column shards quantize as the full GEMMs do (per token of the full input, per weight row); the row
+        # shards scale their slice of the input features, and the partial sums add in another order: FP8 rounding,
+        # no more than FP8 itself costs against bf16. A wrong shard or scale gives O(1).
+        errors = dict(action=_relative(got["action"], want.action),
+                      latents=_relative(got["latents"], want.video_latents))
+        for name, error in errors.items():
+            assert error < min(0.3, 2 * fp8_errors[name]), (stage, name, error, fp8_errors[name])
 
 
 def _fp8_benchmark():

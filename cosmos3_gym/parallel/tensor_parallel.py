@@ -93,6 +93,13 @@ def _(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def is_quantized(weight: torch.Tensor) -> bool:
+    """Whether a quantization plan (``precision="fp8"``) swapped ``weight`` for a tensor subclass (torchao's
+    ``Float8Tensor``): ``F.linear`` dispatches it to the quantized GEMM, code that multiplies the plain tensor itself
+    (``torch.mm(..., out=)``) cannot take it."""
+    return type(weight) not in (torch.Tensor, nn.Parameter)
+
+
 class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_local @ W_local^T) + b``: the input features are split across the group, the output is
     the full (replicated) result. The bias is added once, after the sum. ``all_reduce``: "nccl" (``dist.all_reduce``,
@@ -108,6 +115,11 @@ class RowParallelLinear(nn.Module):
 
     def set_all_reduce(self, all_reduce: str) -> None:
         """Switch the collective ("nccl" or "symm_mem"); before ``compile_blocks``, which bakes it in."""
+        if all_reduce == "symm_mem" and is_quantized(self.weight):
+            raise InputError(
+                f"all_reduce: 'symm_mem' multiplies the plain weight into the shared buffer (torch.mm), and this "
+                f"layer's weight is quantized ({type(self.weight).__name__}); keep 'nccl'"
+            )
         check_all_reduce(all_reduce, self.weight.device)
         self.all_reduce = all_reduce
         # A plain string for the compiled graphs (dynamo treats it as a constant; the group object is opaque to it).
