@@ -625,14 +625,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pusht-only", action="store_true", help="the same as --only pusht")
     parser.add_argument("--speed-policies", default="all,keep_qkv,keep_qkv_edges",
                         help="FP8 layer policies timed on the full Nano model (in this order)")
-    parser.add_argument("--vector-env-variants", default=f"{BF16},fp8:all,fp8:{DEFAULT_FP8_LAYERS}",
+    parser.add_argument("--vector-env-variants", default=f"{BF16},fp8:all,fp8:keep_qkv",
                         help="variants whose gym.make_vec throughput (16 envs, tier 256) is measured")
     parser.add_argument("--num-envs", type=int, default=16)
     parser.add_argument("--error-policies", default=",".join(FP8_LAYER_POLICIES),
                         help="FP8 layer policies whose velocity error is measured")
-    parser.add_argument("--pusht-policies", default=f"{DEFAULT_FP8_LAYERS},all,keep_qkv_edges,mlp_only",
+    parser.add_argument("--pusht-policies", default="all,keep_qkv,keep_qkv_edges,mlp_only",
                         help="FP8 layer policies whose PushT action following is measured")
-    parser.add_argument("--pusht-ranking-policies", default=f"{DEFAULT_FP8_LAYERS},all",
+    parser.add_argument("--pusht-ranking-policies", default="all,keep_qkv",
                         help="FP8 layer policies whose PushT policy ranking is measured")
     parser.add_argument("--error-layers", type=int, default=8, help="layers of the Nano-width error model")
     parser.add_argument("--pusht-episodes", type=int, default=8)

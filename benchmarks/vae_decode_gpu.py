@@ -4,6 +4,7 @@ each variant against diffusers' own decode.
 
     python benchmarks/vae_decode_gpu.py --out $OUT          # full Wan2.2 VAE, random weights, one GPU
     python benchmarks/vae_decode_gpu.py --tiny              # the script itself, tiny VAE on the CPU
+    python benchmarks/vae_decode_gpu.py --shapes tier256_b16 --variants diffusers,auto_fused_norms,auto_fused_norms_streams2,auto_fused_norms_streams4 --out $OUT  # issue 23: parallel streams
 
 Shapes: a 33-frame chunk at tier 480 (480x832, batch 1: a policy request) and at tier 256 (256x256, batch 1 and 16:
 the vector env). Every variant decodes the same normalised latents; ``max_abs`` / ``mean_abs`` compare its pixels in
@@ -64,7 +65,29 @@ def diffusers_decode(vae: Cosmos3VAE):
     return decode
 
 
-def variants(vae: Cosmos3VAE):
+def on_streams(decode, num_streams: int):
+    """``decode`` of the batch split into ``num_streams`` parts, each issued on its own CUDA stream so that the GPU
+    can run them concurrently (issue 23's "decode in parallel streams"). Only requests split this way: one request's
+    latent frames cannot, as the causal decoder needs frame t-1's cached features to decode frame t (the frames-per-
+    pass chunking is the exact way to put several of its frames into one kernel)."""
+    streams = [torch.cuda.Stream() for _ in range(num_streams)]
+
+    def decode_on_streams(latents):
+        main = torch.cuda.current_stream()
+        parts = []
+        for stream, part in zip(streams, latents.chunk(num_streams)):
+            stream.wait_stream(main)  # the latents are ready
+            with torch.cuda.stream(stream):
+                parts.append(decode(part))
+        for stream, pixels in zip(streams, parts):
+            main.wait_stream(stream)
+            pixels.record_stream(main)  # allocated on the side stream, read on the main one
+        return torch.cat(parts)
+
+    return decode_on_streams
+
+
+def variants(vae: Cosmos3VAE, streams: bool = False):
     """name -> decode function; each variant owns its copy of the weights where it changes them."""
     table = {"diffusers": diffusers_decode(vae)}
     for chunk in (1, 2, 4, None):
@@ -74,6 +97,12 @@ def variants(vae: Cosmos3VAE):
         table[f"chunk{chunk or 'all'}_channels_last"] = Cosmos3VAE(channels_last.vae, decode_chunk_frames=chunk).decode
     # Fused norm + SiLU kernels on the default (contiguous) weights: channels-last measured slower than chunk4.
     table["chunk4_fused_norms"] = Cosmos3VAE(copy.deepcopy(vae.vae), decode_chunk_frames=4).fuse_decoder_norms().decode
+    # The env's default: "auto" frames per pass with the fused norms; then the same, the batch split over CUDA streams.
+    default = Cosmos3VAE(copy.deepcopy(vae.vae)).fuse_decoder_norms()
+    table["auto_fused_norms"] = default.decode
+    if streams:
+        for count in (2, 4):
+            table[f"auto_fused_norms_streams{count}"] = on_streams(default.decode, count)
     # torch.compile of the whole decoder was tried on an H200 (commit a93506e): dynamo hit its recompile limit on the
     # cache-passing block forwards (one graph per width x frame count) and fell back to eager.
     return table
@@ -83,6 +112,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny VAE on the CPU (checks the script)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default=None, help=f"comma-separated subset of {list(SHAPES)} (default: all)")
+    parser.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all; the "
+                        "first one run is the reference of the errors and speed-ups)")
     add_output_arguments(parser)
     args = parser.parse_args()
     check_results_target("vae_decode_tiny_cpu.json" if args.tiny else "vae_decode_gpu.json", args.out, args.overwrite)
@@ -100,7 +132,18 @@ def main() -> None:
         shapes, peak = SHAPES, gemm_peak_tflops()
         results["gemm_bf16_tflops"] = peak
     results["dtype"] = str(vae.vae.dtype)
-    table = variants(vae)
+    table = variants(vae, streams=device == "cuda")
+    if args.variants:
+        wanted = args.variants.split(",")
+        unknown = sorted(set(wanted) - set(table))
+        if unknown:
+            parser.error(f"--variants: unknown {unknown}; expected names from {list(table)}")
+        table = {name: table[name] for name in wanted}
+    if args.shapes:
+        unknown = sorted(set(args.shapes.split(",")) - set(shapes))
+        if unknown:
+            parser.error(f"--shapes: unknown {unknown}; expected names from {list(shapes)}")
+        shapes = {name: shapes[name] for name in args.shapes.split(",")}
     generator = torch.Generator().manual_seed(0)
     for shape_name, (batch, t, h, w) in shapes.items():
         latents = torch.randn(batch, vae.latent_channels, t, h, w, generator=generator).to(device)

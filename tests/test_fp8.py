@@ -156,7 +156,7 @@ def test_fp8_names_the_shards_of_a_tensor_parallel_model(monkeypatch):
     model = sharded_tiny_transformer(monkeypatch)
     assert isinstance(model.gen_layers[0].attn.out, RowParallelLinear)
     assert fp8_linear_names(model, "all") == gen_names([0, 1], ALL)
-    assert fp8_linear_names(model) == gen_names([0, 1], NO_QKV)  # the row-parallel out and down included
+    assert fp8_linear_names(model, "keep_qkv") == gen_names([0, 1], NO_QKV)  # the row-parallel out and down too
     # The local shapes count: with intermediate_size 40 the full gate_up (64 -> 80) fits, rank 0's shard (64 -> 40)
     # does not, nor does its down (20 -> 64).
     narrow = sharded_tiny_transformer(monkeypatch, intermediate_size=40)

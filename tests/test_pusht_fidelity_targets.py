@@ -269,3 +269,43 @@ def test_goal_progress_is_how_much_closer_the_block_got():
     px, deg = targets.goal_progress(poses, np.array([[True, True]]), chunk=1)
     np.testing.assert_allclose(px, [20.0, 0.0], atol=1e-9)
     np.testing.assert_allclose(deg, [0.0, -30.0], atol=1e-9)
+
+
+def test_fp8_is_checked_before_the_simulation_and_its_layer_policy_reaches_the_engine(monkeypatch, tmp_path):
+    # Issue 23's accuracy on trained weights: --precision fp8 quantizes the loaded engine's GEN GEMMs with the named
+    # policy and records both; on a machine without FP8 it fails at once, before minutes of simulation.
+    import json
+
+    from cosmos3_gym.errors import InputError
+
+    transformer = object()
+
+    class Engine:
+        def __init__(self):
+            self.transformer = transformer
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(targets.pusht, "generate_pusht_dataset",
+                        lambda path, *args, **kwargs: pytest.fail("simulated before the FP8 check"))
+    with pytest.raises(InputError, match="precision: 'fp8' needs a CUDA GPU"):
+        targets.main(["--out", str(tmp_path), "--device", "cpu", "--precision", "fp8", "--results-name", "a.json"])
+
+    quantized = []
+    monkeypatch.setattr(targets, "check_fp8_supported", lambda device: None)
+    monkeypatch.setattr(targets, "apply_fp8", lambda model, layers: quantized.append((model, layers)))
+    monkeypatch.setattr(targets.pusht, "generate_pusht_dataset", lambda path, *args, **kwargs: Path(path))
+    monkeypatch.setattr(targets, "load_episodes", lambda *args: [])
+    monkeypatch.setattr(targets.Cosmos3Engine, "from_pretrained", lambda *args, **kwargs: Engine())
+    monkeypatch.setattr(targets, "heldout_fidelity", lambda *args: ({"per_chunk": "held"}, [], []))
+    monkeypatch.setattr(targets, "any_action_fidelity", lambda *args: {"agent": "random"})
+    monkeypatch.setattr(targets, "target_checks", lambda results: {})
+    monkeypatch.setattr(targets, "format_summary", lambda results: "")
+    targets.main(["--out", str(tmp_path), "--device", "cpu", "--precision", "fp8", "--fp8-layers", "keep_qkv",
+                  "--policy-starts", "0", "--video-episodes", "0", "--results-name", "b.json"])
+    assert quantized == [(transformer, "keep_qkv")]
+    written = json.loads((tmp_path / "b.json").read_text())
+    assert written["precision"] == "fp8" and written["fp8_layers"] == "keep_qkv"
+    with pytest.raises(SystemExit):  # an unknown policy is a usage error
+        targets.main(["--out", str(tmp_path), "--precision", "fp8", "--fp8-layers", "most", "--results-name", "c.json"])

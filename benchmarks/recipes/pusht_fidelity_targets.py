@@ -5,7 +5,7 @@
     python benchmarks/recipes/pusht_fidelity_targets.py --decoder light --light-decoder DIR --out $OUT  # issue 24
     python benchmarks/recipes/pusht_fidelity_targets.py --rigid-block --out $OUT   # the env's rigid_block=True
     python benchmarks/recipes/pusht_fidelity_targets.py --rigid-block-min-rigidity 0.8 --out $OUT  # only T-like fits
-    python benchmarks/recipes/pusht_fidelity_targets.py --precision fp8 --out $OUT  # issue 23: FP8 GEMMs (Hopper)
+    python benchmarks/recipes/pusht_fidelity_targets.py --precision fp8 [--fp8-layers all] --out $OUT  # issue 23
 
 Needs gym-pusht (the ``sim`` extra); SB3 for ``file:`` policies saved by SB3. Writes ``pusht_fidelity_targets.json``
 (card, commit and command via ``common.provenance``) and ``pusht_side_by_side.mp4`` to ``--out`` and prints a
@@ -81,10 +81,12 @@ from fidelity_pusht_chunks import finite_mean_ci95, load_episodes, mean_ci95  # 
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env  # noqa: E402
-from cosmos3_gym.quantization import PRECISIONS  # noqa: E402
 from cosmos3_gym.envs.pusht_projection import RigidBlockProjection  # noqa: E402
 from cosmos3_gym.media import write_video  # noqa: E402
 from cosmos3_gym.policy_specs import SPEC_HELP, parse_policy_spec  # noqa: E402
+from cosmos3_gym.quantization import (  # noqa: E402
+    DEFAULT_FP8_LAYERS, FP8_LAYER_POLICIES, PRECISIONS, apply_fp8, check_fp8_supported,
+)
 from cosmos3_gym.rewards.pusht_geometric import CENTROID_Y, DEFAULT_MIN_IOU, fit_tee  # noqa: E402
 from cosmos3_gym.sim import pusht  # noqa: E402
 from cosmos3_gym.sim.compare import compare_with_simulator, ranking_agreement, replay_actions  # noqa: E402
@@ -667,6 +669,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--precision", default="bf16", choices=PRECISIONS,
                         help="the GEN tower's GEMMs (issue 23): bf16, or fp8 on a Hopper-class GPU (the weights in "
                              "bf16 either way on a GPU, so bf16 is the same-run baseline of fp8)")
+    parser.add_argument("--fp8-layers", default=DEFAULT_FP8_LAYERS, choices=list(FP8_LAYER_POLICIES),
+                        help="with --precision fp8: which GEN GEMMs run in FP8 (quantization.FP8_LAYER_POLICIES)")
     add_output_arguments(parser)
     parser.add_argument("--results-name", default="pusht_fidelity_targets.json")
     add_decoder_arguments(parser, "light: the world model decodes with its checkpoint's light_decoder/ (issue 24)")
@@ -680,6 +684,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.policies == DEFAULT_POLICIES:
             args.policies = SMOKE_POLICIES
     check_results_target(args.results_name, args.out, args.overwrite)
+    if args.precision == "fp8":
+        check_fp8_supported(args.device)  # before minutes of simulation
 
     use_decoder_arguments(parser, args)
     assets = load_pusht_assets(args.assets)
@@ -697,10 +703,12 @@ def main(argv: list[str] | None = None) -> dict:
     timings["heldout_simulation_s"] = time.perf_counter() - started
 
     engine = Cosmos3Engine.from_pretrained(assets.checkpoint, device=args.device, progress=False,
-                                           decoder=args.decoder, precision=args.precision)
+                                           decoder=args.decoder)
+    if args.precision == "fp8":
+        apply_fp8(engine.transformer, args.fp8_layers)
     results: dict[str, Any] = {"assets": str(assets.root), "heldout_seed": args.heldout_seed,
                                "smoke": args.smoke, "decoder": args.decoder, "precision": args.precision,
-                               "dtype": str(engine.transformer.dtype),
+                               "fp8_layers": args.fp8_layers if args.precision == "fp8" else None,
                                "rigid_block": args.rigid_block or args.rigid_block_min_rigidity is not None,
                                "rigid_block_min_rigidity": args.rigid_block_min_rigidity}
     # Sampling, for every world-model env; the hand-over projection, if asked for, not for the one_chunk restarts.
