@@ -304,7 +304,8 @@ def test_fp8_with_tensor_parallelism_on_two_gpus_matches_one_gpu(tiny_checkpoint
     for rank_out in ranks:
         # Both shards of every GEMM the default policy names, the row-parallel out and down included, on NCCL
         # all-reduces inside whole compiled blocks (no overlap), replayed as CUDA graphs.
-        assert set(rank_out["quantized"]) == set(gen_names([0, 1], NO_QKV))
+        default = {"all": ALL, "keep_qkv": NO_QKV}[quantization.DEFAULT_FP8_LAYERS]
+        assert set(rank_out["quantized"]) == set(gen_names([0, 1], default))
         assert rank_out["quantized"]["gen_layers.0.attn.out"] == "RowParallelLinear"
         assert rank_out["quantized"]["gen_layers.1.mlp.down"] == "RowParallelLinear"
         assert rank_out["quantized"]["gen_layers.0.mlp.gate_up"] == "Linear"
