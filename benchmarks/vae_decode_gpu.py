@@ -108,6 +108,16 @@ def variants(vae: Cosmos3VAE, streams: bool = False):
     return table
 
 
+def subset(parser: argparse.ArgumentParser, flag: str, names: str | None, table: dict) -> dict:
+    """The entries of ``table`` that the comma-separated ``names`` pick, in that order (all when None)."""
+    if not names:
+        return table
+    unknown = sorted(set(names.split(",")) - set(table))
+    if unknown:
+        parser.error(f"{flag}: unknown {unknown}; expected names from {list(table)}")
+    return {name: table[name] for name in names.split(",")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny VAE on the CPU (checks the script)")
@@ -133,17 +143,8 @@ def main() -> None:
         results["gemm_bf16_tflops"] = peak
     results["dtype"] = str(vae.vae.dtype)
     table = variants(vae, streams=device == "cuda")
-    if args.variants:
-        wanted = args.variants.split(",")
-        unknown = sorted(set(wanted) - set(table))
-        if unknown:
-            parser.error(f"--variants: unknown {unknown}; expected names from {list(table)}")
-        table = {name: table[name] for name in wanted}
-    if args.shapes:
-        unknown = sorted(set(args.shapes.split(",")) - set(shapes))
-        if unknown:
-            parser.error(f"--shapes: unknown {unknown}; expected names from {list(shapes)}")
-        shapes = {name: shapes[name] for name in args.shapes.split(",")}
+    table = subset(parser, "--variants", args.variants, table)
+    shapes = subset(parser, "--shapes", args.shapes, shapes)
     generator = torch.Generator().manual_seed(0)
     for shape_name, (batch, t, h, w) in shapes.items():
         latents = torch.randn(batch, vae.latent_channels, t, h, w, generator=generator).to(device)

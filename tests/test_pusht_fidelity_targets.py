@@ -162,20 +162,28 @@ def test_success_and_ranking_ranks_the_frame_policies_without_the_open_loop_repl
     assert result["gaps"]["scripted:0"]["geometric"]["final_coverage_gap"] == pytest.approx(-0.5)
 
 
+class StubEngine:
+    transformer = object()  # what --precision fp8 quantizes
+
+    def close(self):
+        pass
+
+
+def stub_the_run(monkeypatch) -> None:
+    """``main`` without simulation, a model or the measurements: each stage returns a marker (tests replace some)."""
+    monkeypatch.setattr(targets.pusht, "generate_pusht_dataset", lambda path, *args, **kwargs: Path(path))
+    monkeypatch.setattr(targets, "load_episodes", lambda *args: [])
+    monkeypatch.setattr(targets.Cosmos3Engine, "from_pretrained", lambda *args, **kwargs: StubEngine())
+    monkeypatch.setattr(targets, "heldout_fidelity", lambda *args: ({"per_chunk": "held"}, [], []))
+    monkeypatch.setattr(targets, "any_action_fidelity", lambda *args: {"agent": "random"})
+
+
 def test_a_run_cut_short_keeps_the_stages_it_finished(monkeypatch, tmp_path):
     # The policy stage is the long one (6 of 7 minutes on an H200): when a time limit kills it, the held-out and
     # random-action stages are already on disk, marked unfinished.
     import json
 
-    class Engine:
-        def close(self):
-            pass
-
-    monkeypatch.setattr(targets.pusht, "generate_pusht_dataset", lambda path, *args, **kwargs: Path(path))
-    monkeypatch.setattr(targets, "load_episodes", lambda *args: [])
-    monkeypatch.setattr(targets.Cosmos3Engine, "from_pretrained", lambda *args, **kwargs: Engine())
-    monkeypatch.setattr(targets, "heldout_fidelity", lambda *args: ({"per_chunk": "held"}, [], []))
-    monkeypatch.setattr(targets, "any_action_fidelity", lambda *args: {"agent": "random"})
+    stub_the_run(monkeypatch)
 
     def cut(*args):
         raise KeyboardInterrupt("the call's time limit")
@@ -195,10 +203,6 @@ def test_sampler_options_reach_every_world_model_env_and_zero_policy_starts_skip
     # target 5, and the targets it has are still judged.
     import json
 
-    class Engine:
-        def close(self):
-            pass
-
     seen = {}
 
     def heldout(engine, assets, episodes, chunks, device, seed, env_options, restart_options):
@@ -209,9 +213,7 @@ def test_sampler_options_reach_every_world_model_env_and_zero_policy_starts_skip
         seen["random"] = args[-1]
         return {"agent": "random"}
 
-    monkeypatch.setattr(targets.pusht, "generate_pusht_dataset", lambda path, *args, **kwargs: Path(path))
-    monkeypatch.setattr(targets, "load_episodes", lambda *args: [])
-    monkeypatch.setattr(targets.Cosmos3Engine, "from_pretrained", lambda *args, **kwargs: Engine())
+    stub_the_run(monkeypatch)
     monkeypatch.setattr(targets, "heldout_fidelity", heldout)
     monkeypatch.setattr(targets, "any_action_fidelity", any_action)
     monkeypatch.setattr(targets, "success_and_ranking", lambda *args: pytest.fail("--policy-starts 0 ran policies"))
@@ -278,33 +280,20 @@ def test_fp8_is_checked_before_the_simulation_and_its_layer_policy_reaches_the_e
 
     from cosmos3_gym.errors import InputError
 
-    transformer = object()
-
-    class Engine:
-        def __init__(self):
-            self.transformer = transformer
-
-        def close(self):
-            pass
-
     monkeypatch.setattr(targets.pusht, "generate_pusht_dataset",
                         lambda path, *args, **kwargs: pytest.fail("simulated before the FP8 check"))
     with pytest.raises(InputError, match="precision: 'fp8' needs a CUDA GPU"):
         targets.main(["--out", str(tmp_path), "--device", "cpu", "--precision", "fp8", "--results-name", "a.json"])
 
     quantized = []
+    stub_the_run(monkeypatch)
     monkeypatch.setattr(targets, "check_fp8_supported", lambda device: None)
     monkeypatch.setattr(targets, "apply_fp8", lambda model, layers: quantized.append((model, layers)))
-    monkeypatch.setattr(targets.pusht, "generate_pusht_dataset", lambda path, *args, **kwargs: Path(path))
-    monkeypatch.setattr(targets, "load_episodes", lambda *args: [])
-    monkeypatch.setattr(targets.Cosmos3Engine, "from_pretrained", lambda *args, **kwargs: Engine())
-    monkeypatch.setattr(targets, "heldout_fidelity", lambda *args: ({"per_chunk": "held"}, [], []))
-    monkeypatch.setattr(targets, "any_action_fidelity", lambda *args: {"agent": "random"})
     monkeypatch.setattr(targets, "target_checks", lambda results: {})
     monkeypatch.setattr(targets, "format_summary", lambda results: "")
     targets.main(["--out", str(tmp_path), "--device", "cpu", "--precision", "fp8", "--fp8-layers", "keep_qkv",
                   "--policy-starts", "0", "--video-episodes", "0", "--results-name", "b.json"])
-    assert quantized == [(transformer, "keep_qkv")]
+    assert quantized == [(StubEngine.transformer, "keep_qkv")]
     written = json.loads((tmp_path / "b.json").read_text())
     assert written["precision"] == "fp8" and written["fp8_layers"] == "keep_qkv"
     with pytest.raises(SystemExit):  # an unknown policy is a usage error

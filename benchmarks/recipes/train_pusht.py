@@ -360,16 +360,22 @@ def write_env_defaults(checkpoint: Path, *, num_steps: int, guidance_scale: floa
     """Add the env's defaults to the meta.json training wrote (domain, chunk, tier, fps, image size), including
     where the assets folder keeps the start frames and the reward model, so that ``checkpoint_defaults`` of the
     checkpoint alone (``load_engine("pusht")``, the CLI) finds them. Round 8's fine-tune had lost those three."""
-    meta = json.loads((checkpoint / META_FILE).read_text())
-    meta.update(
+    update_meta(
+        checkpoint, drop=("dataset",),  # a path on the training machine means nothing to users
         task=pusht.TASK, num_steps=num_steps, guidance_scale=guidance_scale,
         success_threshold=pusht.SUCCESS_COVERAGE,  # gym-pusht's line until success_threshold_stage calibrates it
         max_episode_steps=-(-SIM_EPISODE_STEPS // chunk),
         score_name="coverage", initial_states=f"../{INITIAL_STATES_FILE}",
         reward_model=f"classifier:../{REWARD_MODEL_DIR}",
     )
-    meta.pop("dataset", None)  # a path on the training machine means nothing to users
+
+
+def update_meta(checkpoint: Path, drop: tuple[str, ...] = (), **fields) -> dict:
+    """Set ``fields`` in the checkpoint's meta.json and remove the keys in ``drop``; returns the meta.json before."""
+    before = json.loads((checkpoint / META_FILE).read_text())
+    meta = {key: value for key, value in {**before, **fields}.items() if key not in drop}
     (checkpoint / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return before
 
 
 def keep_light_decoder(init: Path, checkpoint: Path) -> None:
@@ -381,9 +387,7 @@ def keep_light_decoder(init: Path, checkpoint: Path) -> None:
         return
     shutil.rmtree(checkpoint / LIGHT_DECODER_DIR, ignore_errors=True)
     shutil.copytree(init / LIGHT_DECODER_DIR, checkpoint / LIGHT_DECODER_DIR)
-    meta = json.loads((checkpoint / META_FILE).read_text())
-    meta["decoder"] = checkpoint_decoder(init)
-    (checkpoint / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    update_meta(checkpoint, decoder=checkpoint_decoder(init))
 
 
 def unpack_first_part(source: Path, work: Path) -> None:
@@ -518,11 +522,8 @@ def success_threshold_stage(args, work: Path, assets: Path) -> dict:
         sets[name] = (scores, coverage > pusht.SUCCESS_COVERAGE)
     calibration = calibrate_success_threshold(*sets["fit"], *sets["check"], fallback=pusht.SUCCESS_COVERAGE,
                                               min_success_frames=MIN_CALIBRATION_SUCCESS_FRAMES)
-    meta_path = assets / CHECKPOINT_DIR / META_FILE
-    meta = json.loads(meta_path.read_text())
-    previous = meta.get("success_threshold")
-    meta["success_threshold"] = calibration["success_threshold"]
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    previous = update_meta(assets / CHECKPOINT_DIR,
+                           success_threshold=calibration["success_threshold"]).get("success_threshold")
     if calibration["fitted"]:
         how = "; ".join(f"{name}: F1 {row['f1']:.2f}, precision {row['precision']:.2f}, recall {row['recall']:.2f} "
                         f"on {row['frames']} frames, {row['success_frames']} successes"
