@@ -11,7 +11,7 @@ A checkpoint is a diffusers ``Cosmos3OmniPipeline`` directory, laid out like ``n
     meta.json               optional: the settings the checkpoint was trained for (see ``checkpoint_defaults``)
     action_stats.json       optional: the dataset's action statistics
 
-``resolve_checkpoint`` turns a local path, a hub id or a built-in name (``pusht`` / ``builtin:pusht``) into a
+``resolve_checkpoint`` turns a local path, a hub id or a built-in name (``NAME`` / ``builtin:NAME``) into a
 directory, ``validate_checkpoint`` checks every part cheaply (JSON parses, required config keys, safetensors headers
 and lengths) and names the exact file that is wrong, and ``checkpoint_defaults`` reads the settings a checkpoint
 carries, which every entry point (envs, agents, CLI) uses unless the user overrides them.
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from cosmos3_gym.errors import CheckpointError, InputError
+from cosmos3_gym.registration import builtin_model, builtin_models
 
 TRANSFORMER_DIR = "transformer"
 VAE_DIR = "vae"
@@ -81,42 +82,44 @@ _OFFLINE_ENV_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 # ----------------------------------------------------------------------------------------------------------------
 
 
-# Built-in models shipped in the package: name -> (assets folder under cosmos3_gym/assets, environment variable that
-# points to another folder of the same layout). ``NAME`` and ``builtin:NAME`` name the folder's checkpoint/.
-BUILTIN_MODELS = {"pusht": ("pusht", "COSMOS3_GYM_PUSHT_ASSETS")}
 BUILTIN_PREFIX = "builtin:"
 
 
-def builtin_assets_dir(name: str) -> Path:
-    """The assets folder of a built-in model: ``$COSMOS3_GYM_<NAME>_ASSETS`` if set, else the package's own."""
-    folder, env_var = BUILTIN_MODELS[name]
-    override = os.environ.get(env_var)
-    return Path(override).expanduser() if override else Path(__file__).resolve().parent / "assets" / folder
+def builtin_model_name(path_or_id: Any) -> str | None:
+    """The name of the built-in model ``path_or_id`` names (``"NAME"`` where no local folder of that name exists, or
+    ``"builtin:NAME"``; models are registered by tasks, ``cosmos3_gym.registration``), else None."""
+    if not isinstance(path_or_id, (str, os.PathLike)):
+        return None
+    text = os.fspath(path_or_id)
+    if text.startswith(BUILTIN_PREFIX):
+        return text[len(BUILTIN_PREFIX):]
+    return text if builtin_model(text) is not None and not Path(text).expanduser().is_dir() else None
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
     """Return the local directory of a checkpoint given as a local path, a built-in name or a hub id ("org/name").
 
-    A local directory is returned as is (resolved). ``builtin:pusht`` (or ``pusht`` where no local folder of that
-    name exists) is the built-in PushT model. Anything else that looks like a hub id is fetched with
+    A local directory is returned as is (resolved). ``builtin:NAME`` (or ``NAME`` where no local folder of that
+    name exists) is a built-in model a task registered (``cosmos3_gym.registration``). Anything else that looks like a hub id is fetched with
     ``huggingface_hub.snapshot_download`` (the local cache is tried first, without network); when the hub is
     offline or unreachable, or the repo does not exist, ``CheckpointError`` is raised at once.
     """
     text = os.fspath(path_or_id)
     local_path = Path(text).expanduser()
-    builtin = text[len(BUILTIN_PREFIX):] if text.startswith(BUILTIN_PREFIX) else None
-    if builtin is None and local_path.is_dir():
+    name = builtin_model_name(text)
+    if name is None and local_path.is_dir():
         return local_path.resolve()
-    if builtin is not None or text in BUILTIN_MODELS:
-        name = text if builtin is None else builtin
-        if name not in BUILTIN_MODELS:
+    if name is not None:
+        model = builtin_model(name)
+        if model is None:
             raise CheckpointError(f"checkpoint: unknown built-in model {text!r}; expected one of "
-                                  f"{[BUILTIN_PREFIX + known for known in BUILTIN_MODELS]}")
-        directory = builtin_assets_dir(name) / "checkpoint"
+                                  f"{[BUILTIN_PREFIX + known for known in builtin_models()]}")
+        directory = model.checkpoint_dir
         if not (directory / "model_index.json").is_file():
+            where = f" (or set {model.env_var} to a folder of that layout)" if model.env_var else ""
             raise CheckpointError(
-                f"checkpoint: the built-in model {name!r} is not installed ({directory} has no model_index.json); "
-                f"train one with `python benchmarks/train_{name}.py --out DIR` and set {BUILTIN_MODELS[name][1]}"
+                f"checkpoint: the built-in model {name!r} is not installed ({directory} has no model_index.json)"
+                f"{where}"
             )
         return directory.resolve()
     if local_path.exists():
@@ -233,10 +236,18 @@ META_FILE = "meta.json"
 ACTION_STATS_FILE = "action_stats.json"
 
 
+@dataclass(frozen=True)
+class StartFramesArchive:
+    """A checkpoint's ``initial_states`` archive: an ``.npz`` of start frames ``frames [N, H, W, 3]`` (optional 0-d
+    ``task``) that gives N start states (``cosmos3_gym.data.load_initial_states`` reads it; an ``.npz`` a user passes
+    as ``initial_states`` is one start state, its first frame)."""
+
+    path: Path
+
+
 def checkpoint_decoder(path_or_id: str | os.PathLike) -> str:
     """What a checkpoint's envs decode with unless told otherwise: its meta.json's ``decoder`` ("vae", the exact
-    decode, or "light", its ``light_decoder/``), else "vae". The built-in PushT model says "light": its light decoder
-    matched the VAE on every fidelity metric (``cosmos3_gym/envs/pusht.py``)."""
+    decode, or "light", its ``light_decoder/``), else "vae"."""
     meta = resolve_checkpoint(path_or_id) / META_FILE
     decoder = read_json_object(meta).get("decoder", "vae") if meta.is_file() else "vae"
     if decoder not in ("vae", "light"):
@@ -249,8 +260,7 @@ def checkpoint_defaults(path_or_id: str | os.PathLike) -> dict[str, Any]:
     fields plus ``initial_states`` and ``reward_model``). Empty for a checkpoint without ``meta.json``.
 
     From ``meta.json``: the ``META_SETTING_KEYS`` it has; ``initial_states`` (a path relative to the checkpoint; an
-    ``.npz`` is an archive of start frames ``frames [N, H, W, 3]`` with an optional ``task``, read into N start
-    states); ``reward_model`` (a reward spec ``NAME:PATH``, PATH relative to the checkpoint). From
+    ``.npz`` is a ``StartFramesArchive``, N start states); ``reward_model`` (a reward spec ``NAME:PATH``, PATH relative to the checkpoint). From
     ``action_stats.json``: ``action_stats`` (a ``processor.ActionStats`` in meta's ``action_normalization`` mode,
     default minmax). Entry points use these unless the user overrides them (and log what was overridden).
     """
@@ -265,15 +275,7 @@ def checkpoint_defaults(path_or_id: str | os.PathLike) -> dict[str, Any]:
         defaults["action_stats"] = ActionStats.from_json(stats_path, mode=meta.get("action_normalization", "minmax"))
     if "initial_states" in meta:
         states = _relative_file(root, meta["initial_states"], "initial_states")
-        if states.suffix == ".npz":
-            from cosmos3_gym.envs.initial_states import read_initial_states_archive
-
-            try:
-                defaults["initial_states"] = read_initial_states_archive(states)
-            except InputError as error:
-                raise CheckpointError(f"checkpoint: {meta_path} field 'initial_states': {error}") from error
-        else:
-            defaults["initial_states"] = str(states)
+        defaults["initial_states"] = StartFramesArchive(states) if states.suffix == ".npz" else str(states)
     if "reward_model" in meta:
         spec = meta["reward_model"]
         name, colon, argument = spec.partition(":") if isinstance(spec, str) else ("", "", "")

@@ -444,7 +444,7 @@ def run_eval_real(args: argparse.Namespace) -> None:
     _check_counts(("--starts", args.starts, 1), ("--chunks", args.chunks, 1))
     if args.out and Path(args.out).is_dir():
         raise InputError(f"--out: {args.out} is a folder; expected a JSON file path")
-    from .sim.compare import compare_with_simulator, evaluate_in_simulator, format_comparison, format_real_only
+    from .tasks.pusht.compare import compare_with_simulator, evaluate_in_simulator, format_comparison, format_real_only
 
     if args.real_only:
         result = evaluate_in_simulator(args.policies, num_episodes=args.starts, num_chunks=args.chunks,
@@ -483,9 +483,9 @@ def add_demo_command(sub) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> None:
-    from .demo import run_demo as demo
+    from .tasks.pusht.demo import run_demo as demo
     from .testing import cached_tiny_checkpoint
-    from .envs.pusht import builtin_checkpoint_dir
+    from .tasks.pusht.env import builtin_checkpoint_dir
 
     _check_counts(("--episodes", args.episodes, 1), ("--steps-per-episode", args.steps_per_episode, 1))
     if args.checkpoint is None and builtin_checkpoint_dir() is not None:

@@ -104,7 +104,7 @@ class _GraphCache:
     intermediates were; with a pool per graph, every new batch size a vector env met (slots finishing out of step)
     added its whole activation memory. Together with one capture stream (``_capture_stream``) this took a 16-env
     soak with slots out of step on an H200 from +294 MB of GPU memory over 5 graphs to +34 MB
-    (benchmarks/results/soak_pusht_h200_16envs_stage_graphs_varying_batch*.json). Sharing is safe because the graphs
+    (the 16-env soak with varying batches, benchmarks/RESULTS.md). Sharing is safe because the graphs
     of one cache are replayed one at a time, on one stream, with inputs in static buffers allocated outside the pool.
     """
 
@@ -243,7 +243,7 @@ class GraphedFunction(_GraphCache):
     def call_padded(self, batch: torch.Tensor, rows: int, **options):
         """``self(batch zero-padded to rows rows, **options)`` cropped back to the batch's rows, for a single-tensor
         call of a function that treats each row on its own. Once the graph of ``rows`` rows is kept, the batch and
-        the zero rows are copied straight into its static buffer: no padded copy of the batch is made (at 64 PushT
+        the zero rows are copied straight into its static buffer: no padded copy of the batch is made (at 64 built-in-model
         envs the encode's was a 50 MB tensor beside the batch, and the first smaller batch of a soak made the caching
         allocator reserve a segment for it)."""
         count = batch.shape[0]
@@ -290,7 +290,7 @@ def graph_rows(rows: int, kept: set[int], max_padding: float | None = DEFAULT_MA
     graph or compiles again, and memory stays flat from then on: what a vector env wants, whose first step is its
     largest batch (every slot steps after the reset) and whose smaller ones are rare (slots that ended reset instead of
     stepping); a 16-env soak whose slots fell out of step grew host memory at each new batch size otherwise
-    (benchmarks/results/soak_pusht_h200_64envs_100k_light_v2.json)."""
+    (the 64-env 100k-step soak, benchmarks/RESULTS.md)."""
     fitting = [count for count in kept if rows <= count and (max_padding is None or count <= max_padding * rows)]
     return min(fitting) if fitting else row_bucket(rows)
 

@@ -339,14 +339,14 @@ class Cosmos3Engine:
         tensor parallelism every rank of the tp group captures its forward, all-reduces included, at the same step).
 
         ``stage_graphs`` (default off, as each graph keeps its stage's activations, for a large VAE at full
-        resolution memory taken from the batch; the PushT env's ``fast_pusht_engine`` turns it on): the VAE encode
+        resolution memory taken from the batch; the built-in model's env turns it on): the VAE encode
         of the conditioning frames and the light decoder's decode replayed as CUDA graphs too
         (``cuda_graphs.GraphedFunction``, one graph per batch shape; the encode's batches padded to a kept graph's
         rows as the GEN forward's are). At one env these eager stages are launch-bound (~11 ms of encode and ~2 ms of
-        light decode per PushT step on an H200, the GPU idle most of it:
-        benchmarks/results/profile_pusht_env_h200_light_prep.json); graphed, one PushT env steps in 41 instead of 50
+        light decode per built-in-model env step on an H200, the GPU idle most of it:
+        benchmarks/RESULTS.md, the env profile); graphed, one env of the built-in model steps in 41 instead of 50
         ms, 8.7 instead of 21.5 ms with ``decoder="light"``, with the same observations
-        (benchmarks/results/pusht_env_stage_graphs_h200.json). ``use_stage_graphs(on)`` turns them on or off on an
+        (benchmarks/RESULTS.md, the stage graphs). ``use_stage_graphs(on)`` turns them on or off on an
         optimised engine.
 
         ``tp_overlap`` (tp > 1; default: on a GPU): the GEN layers' all-reduces overlap the next row block's compute
@@ -381,7 +381,7 @@ class Cosmos3Engine:
         drops their graphs) and leave the rest as it is; for an A/B of them on one optimised engine."""
         if on and self.device.type != "cuda":
             raise InputError(f"stage_graphs: needs a CUDA device; this engine runs on {self.device}")
-        # Captured lazily, at each shape's first call: whatever optimizes the modules after optimize() (the PushT
+        # Captured lazily, at each shape's first call: whatever optimizes the modules after optimize() (the built-in model's env
         # env's vae.optimize() swaps the encoder's convolution classes) is in place by then. The graphs call the
         # modules through these bound methods, so they follow a later module change only after reset().
         if not on:

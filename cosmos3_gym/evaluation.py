@@ -26,7 +26,7 @@ episode that ends early adds its unused steps, so the bar ends exactly at 100 % 
 run batched and end at different times.
 
 The policy-spec registry lives in ``cosmos3_gym.policy_specs`` and the intervals in ``cosmos3_gym.statistics``; their
-public names are re-exported here. The demo (``cosmos3_gym.demo``) builds on this module.
+public names are re-exported here. Task demos build on this module.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from .agents import PolicyAgent
 from .checkpoint import checkpoint_decoder, checkpoint_defaults, resolve_checkpoint
-from .envs.initial_states import read_initial_states_archive
+from .data.initial_states import read_initial_states_archive
 from .errors import InputError
 from .media import write_video
 from .policy_specs import RandomPolicy, load_policy
@@ -551,7 +551,7 @@ def evaluate_checkpoint(
     log: Callable[[str], None] | None = None,
     decoder: str | None = None,
 ) -> EvalReport:
-    """Load ``checkpoint`` (a folder, hub id, or ``"pusht"`` for the built-in model) into a ``WorldModelVectorEnv``
+    """Load ``checkpoint`` (a folder, hub id, or a built-in model's name) into a ``WorldModelVectorEnv``
     of ``num_envs`` slots, evaluate ``policy`` (a ``policy_specs`` spec) for ``episodes`` episodes and write
     ``out_dir/report.json`` and the episode videos.
 
@@ -561,7 +561,7 @@ def evaluate_checkpoint(
     ``observation_size``: the policy's image size (an int for square images), as ``WorldModelEnv``'s.
     ``reward_bounds``: the per-step reward's range (default: [0, 1] for a classifier reward model, which scores
     with a sigmoid; else unknown). ``extra_settings`` are added to the report's settings. ``decoder``: "vae" or
-    "light" (default: the checkpoint's, ``checkpoint.checkpoint_decoder``: "light" for the built-in PushT model).
+    "light" (default: the checkpoint's, ``checkpoint.checkpoint_decoder``).
     """
     from .envs import WorldModelVectorEnv
 

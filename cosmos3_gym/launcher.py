@@ -21,7 +21,7 @@ from .engine import Cosmos3Engine, check_decoder, find_light_decoder
 from .engine_protocol import WorldModelEngine
 from .errors import InputError
 from .models.transformer import Cosmos3TransformerConfig
-from .parallel.client import Cosmos3EngineClient
+from .executors.client import Cosmos3EngineClient
 from .parallel.mesh import ParallelConfig, ParallelContext, in_process_group, resolve_parallel_config
 from .parallel.tensor_parallel import check_tensor_parallel
 from .presets import get_preset
@@ -43,7 +43,7 @@ def engine_class(backend: str, config: ParallelConfig = ParallelConfig()) -> typ
     """The class that implements ``backend`` for ``config`` (vLLM's ``Executor.get_class``)."""
     backend = resolve_backend(backend, config)
     if backend == "ray":
-        from .parallel.ray_replicas import RayEngineReplicas  # optional dependency
+        from .executors.ray_replicas import RayEngineReplicas  # optional dependency
 
         return RayEngineReplicas
     return {"inprocess": Cosmos3Engine, "mp": Cosmos3EngineClient}[backend]

@@ -5,12 +5,8 @@ evaluation API accept, by name.
 spec                    policy
 ======================  =========================================================================================
 ``random``              uniform random actions (seeded)
-``scripted:NOISE``      the PushT scripted pusher with NOISE px of target noise; it reads the true block pose, so
-                        it runs in the simulator only (``eval-real``)
-``scripted-frames:N``   the same pusher reading agent and block off each chunk's first frame
-                        (``sim.pusht_frame_pusher``): it acts on frames, so it runs closed loop in a world model too
-``scripted-physics:N``  the same, planning each chunk with gym-pusht's physics from the state read off the frame
-                        (needs gym-pusht): near ``scripted:N`` in the simulator, and closed loop too
+``NAME:NUMBER``         a kind a task registered (``register_policy_kind``), e.g. a scripted policy with NUMBER
+                        pixels of noise (``scripted:NOISE``)
 ``agent``               the world-model checkpoint's own policy mode (``PolicyAgent``)
 ``file:PATH``           a policy file this package saved; its safetensors metadata says what it is (below)
 ``sb3:PATH``            a Stable-Baselines3 PPO policy of ``agents.save_sb3_policy`` (``ppo:PATH`` is an alias)
@@ -48,6 +44,7 @@ __all__ = [
     "POLICY_FILE_FORMAT",
     "POLICY_FILE_LOADERS",
     "FramePolicy",
+    "PolicyKind",
     "PolicySpec",
     "RandomPolicy",
     "check_policy_fits_env",
@@ -56,7 +53,9 @@ __all__ = [
     "parse_policy_spec",
     "parse_policy_specs",
     "policy_file_kind",
+    "policy_spec_help",
     "register_policy_file_kind",
+    "register_policy_kind",
 ]
 
 POLICY_FILE_FORMAT = "cosmos3_gym.policy"
@@ -65,10 +64,39 @@ SB3_FILE_FORMAT = "cosmos3_gym.sb3_policy.v1"  # agents/sb3_policy.FORMAT (not i
 POLICY_FILE_LOADERS: dict[str, str | Callable[[str], Any]] = {
     "pixel_gaussian": "cosmos3_gym.rl.policy:load_policy_file",
 }
-SPEC_HELP = ("'random', 'agent', 'scripted:NOISE', 'scripted-frames:NOISE', 'scripted-physics:NOISE', 'file:PATH' "
-             "(a policy file of this package), 'sb3:PATH' / 'ppo:PATH' (a save_sb3_policy file)")
-# The scripted pushers that read frames, and how each plans a chunk (sim.pusht_frame_pusher.FrameScriptedPusher).
-FRAME_PUSHER_PLANNERS = {"scripted-frames": "controller", "scripted-physics": "physics"}
+BUILTIN_SPEC_HELP = "'random', 'agent', 'file:PATH' (a policy file of this package), 'sb3:PATH' / 'ppo:PATH' " \
+                    "(a save_sb3_policy file)"
+
+
+@dataclass(frozen=True)
+class PolicyKind:
+    """A spec kind ``NAME:NUMBER`` a task adds (``register_policy_kind``), e.g. a scripted policy and its noise.
+
+    ``frame_agent``: ``"module:function"`` of ``function(spec, *, action_stats, chunk, seed) -> frame agent`` for a
+    kind that acts on frames (it then runs closed loop in a world model too); None for one that reads its simulator's
+    true state and runs only in that simulator. ``runs_where``: where such a policy runs, for the error ``eval``
+    gives (it cannot build it for an arbitrary env)."""
+
+    name: str
+    argument: str  # what NUMBER means, for help texts ("NOISE")
+    frame_agent: str | None
+    runs_where: str
+
+
+POLICY_KINDS: dict[str, PolicyKind] = {}
+
+
+def register_policy_kind(kind: PolicyKind) -> None:
+    """Make ``KIND:NUMBER`` a policy spec (idempotent for the same kind)."""
+    if kind.name in ("random", "agent", "file", "sb3", "ppo"):
+        raise InputError(f"kind: {kind.name!r} is a built-in spec name.")
+    POLICY_KINDS[kind.name] = kind
+
+
+def policy_spec_help() -> str:
+    """Every spec form, for help texts and errors."""
+    registered = ", ".join(f"'{kind.name}:{kind.argument}'" for kind in POLICY_KINDS.values())
+    return f"{BUILTIN_SPEC_HELP}, {registered}" if registered else BUILTIN_SPEC_HELP
 
 
 def register_policy_file_kind(kind: str, loader: str | Callable[[str], Any]) -> None:
@@ -80,14 +108,13 @@ def register_policy_file_kind(kind: str, loader: str | Callable[[str], Any]) -> 
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """A parsed spec. ``kind``: random | scripted | scripted-frames | scripted-physics | agent | sb3 (or its alias
-    ppo) | file | factory;
-    ``file_kind``:
-    for ``file``, the kind in the file's metadata ("sb3" for save_sb3_policy files)."""
+    """A parsed spec. ``kind``: random | agent | sb3 (or its alias ppo) | file | factory | a registered
+    ``PolicyKind``'s name; ``file_kind``: for ``file``, the kind in the file's metadata ("sb3" for save_sb3_policy
+    files)."""
 
     spec: str
     kind: str
-    noise: float = 0.0  # the scripted pushers: target noise in px
+    noise: float = 0.0  # a registered kind's NUMBER (a scripted policy's noise)
     path: str | None = None  # sb3 / file: the policy file; factory: the module or .py file
     file_kind: str | None = None
     attribute: str | None = None  # factory: the factory's (dotted) name
@@ -95,9 +122,11 @@ class PolicySpec:
     @property
     def acts_on_frames(self) -> bool:
         """True for policies that observe images (and so run closed loop in a world model)."""
-        return self.kind in ("agent", "sb3", "ppo", "file", *FRAME_PUSHER_PLANNERS)
+        registered = POLICY_KINDS.get(self.kind)
+        return self.kind in ("agent", "sb3", "ppo", "file") or (registered is not None and
+                                                                 registered.frame_agent is not None)
 
-    closed_loop_in_world_model = acts_on_frames  # the name sim.compare used
+    closed_loop_in_world_model = acts_on_frames
 
     @property
     def is_sb3_file(self) -> bool:
@@ -108,18 +137,18 @@ def parse_policy_spec(text: str, *, allow_factory: bool = False) -> PolicySpec:
     """One spec string -> ``PolicySpec`` (``InputError`` naming the spec otherwise). ``allow_factory``: also accept
     ``module:factory`` / ``file.py:factory`` (``eval``)."""
     if not isinstance(text, str) or not text.strip():
-        raise InputError(f"policy: expected {SPEC_HELP}, got {text!r}.")
+        raise InputError(f"policy: expected {policy_spec_help()}, got {text!r}.")
     text = text.strip()
     if text in ("random", "agent"):
         return PolicySpec(text, text)
     name, colon, argument = text.partition(":")
-    if (name == "scripted" or name in FRAME_PUSHER_PLANNERS) and colon:
+    if name in POLICY_KINDS and colon:
         try:
             noise = float(argument or 0.0)
         except ValueError:
             noise = -1.0
         if not noise >= 0:
-            raise InputError(f"policy: {text!r}: NOISE must be a number of pixels >= 0.")
+            raise InputError(f"policy: {text!r}: {POLICY_KINDS[name].argument} must be a number >= 0.")
         return PolicySpec(text, name, noise=noise)
     if name in ("sb3", "ppo") and argument:
         from .agents.sb3_policy import read_sb3_policy_metadata
@@ -131,11 +160,10 @@ def parse_policy_spec(text: str, *, allow_factory: bool = False) -> PolicySpec:
         return PolicySpec(text, name, path=argument, file_kind="sb3")
     if name == "file" and argument:
         return PolicySpec(text, "file", path=argument, file_kind=policy_file_kind(argument, text))
-    if allow_factory and colon and name and argument and name not in ("sb3", "ppo", "file", "scripted",
-                                                                      *FRAME_PUSHER_PLANNERS):
+    if allow_factory and colon and name and argument and name not in ("sb3", "ppo", "file", *POLICY_KINDS):
         module_name, _, attribute = text.rpartition(":")
         return PolicySpec(text, "factory", path=module_name, attribute=attribute)
-    raise InputError(f"policy: {text!r} is not one of {SPEC_HELP}" +
+    raise InputError(f"policy: {text!r} is not one of {policy_spec_help()}" +
                      (" or 'module:factory' / 'file.py:factory'." if allow_factory else "."))
 
 
@@ -193,17 +221,13 @@ def load_frame_agent(spec: PolicySpec | str, *, make_agent: Callable[[], Any] | 
                      device: str = "cpu", action_stats: Any = None, chunk: int | None = None,
                      seed: int = 0) -> Any:
     """The frame agent (``act(frames [N, H, W, 3]) -> [N, chunk, dim]``) of a policy that observes images:
-    a policy file, ``make_agent()`` for ``"agent"``, or for ``scripted-frames:NOISE`` / ``scripted-physics:NOISE``
-    the PushT pusher that reads frames (it needs the world model's ``action_stats`` and ``chunk``; ``seed`` seeds its
-    noise)."""
+    a policy file, ``make_agent()`` for ``"agent"``, or a registered kind that acts on frames (its factory gets the
+    world model's ``action_stats`` and ``chunk``; ``seed`` seeds its noise)."""
     spec = parse_policy_spec(spec) if isinstance(spec, str) else spec
-    if spec.kind in FRAME_PUSHER_PLANNERS:
-        if action_stats is None or chunk is None:
-            raise InputError(f"policy: {spec.spec!r} needs action_stats and chunk (the world model's action "
-                             "normalisation and chunk length).")
-        from .sim.pusht_frame_pusher import FrameScriptedPusher
-
-        return FrameScriptedPusher(spec.noise, chunk, action_stats, seed=seed, planner=FRAME_PUSHER_PLANNERS[spec.kind])
+    registered = POLICY_KINDS.get(spec.kind)
+    if registered is not None and registered.frame_agent is not None:
+        factory = _import_attribute(*registered.frame_agent.split(":"), spec.spec)
+        return factory(spec, action_stats=action_stats, chunk=chunk, seed=seed)
     if spec.kind == "agent":
         if make_agent is None:
             raise InputError("make_agent: the 'agent' policy needs make_agent() -> the checkpoint's PolicyAgent.")
@@ -279,12 +303,8 @@ def load_policy(spec: str, env: Any, *, seed: int | None = 0) -> Any:
         return RandomPolicy(env.action_space, seed)
     if parsed.kind == "agent":
         return _policy_agent(env, seed)
-    if parsed.kind == "scripted":
-        raise InputError(f"policy: {spec!r} reads the simulator's true state; it runs in `cosmos3-gym eval-real` "
-                         "only.")
-    if parsed.kind in FRAME_PUSHER_PLANNERS:
-        raise InputError(f"policy: {spec!r} runs in `cosmos3-gym eval-real` and the simulator comparisons "
-                         "(sim.compare), which give it the checkpoint's action statistics.")
+    if parsed.kind in POLICY_KINDS:
+        raise InputError(f"policy: {spec!r} runs {POLICY_KINDS[parsed.kind].runs_where}.")
     if parsed.is_sb3_file:
         from .agents.sb3_policy import load_sb3_policy
 

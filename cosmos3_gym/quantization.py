@@ -67,7 +67,7 @@ FP8_LAYER_POLICIES: dict[str, Fp8LayerPolicy] = {
 
 # The policy ``precision="fp8"`` uses, chosen by measurement (benchmarks/RESULTS.md, issue 23): every GEN GEMM in FP8
 # is the fastest (GEN forward 1.49x / 1.44x over compiled bf16 at tier 480, batch 1 / 16, where keeping Q/K in bf16,
-# vLLM-Omni's choice for Cosmos3-Nano, gives 1.40x / 1.36x), and on trained weights (the PushT model's fidelity
+# vLLM-Omni's choice for Cosmos3-Nano, gives 1.40x / 1.36x), and on trained weights (the built-in model's fidelity
 # targets, same run as bf16) no metric moved beyond its 95% interval.
 DEFAULT_FP8_LAYERS = "all"
 

@@ -1,38 +1,106 @@
-"""Registering the env ids with Gymnasium without importing the envs (torch, diffusers): entry points are strings,
-and the one setting the spec needs from the built-in model, its episode length, is read from its ``meta.json``.
+"""Registering env ids and named built-in models without importing the envs (torch, diffusers).
 
-``import cosmos3_gym`` calls ``register_envs()``, so ``gym.make("cosmos3_gym/PushT-v0")`` works after it while the
-package import (and the CLI's ``--help``) stays fast. ``cosmos3_gym.envs.register_envs`` registers the same ids.
+``import cosmos3_gym`` calls ``register_envs()``: it registers ``cosmos3_gym/WorldModel-v0`` (any checkpoint) and
+then runs every entry point of the ``cosmos3_gym.tasks`` group. A task (a bundled one in ``cosmos3_gym.tasks``, or a
+user's own package) registers its env ids with Gymnasium and its shipped models with ``register_builtin_model`` there,
+so the generic layers reach a task only through this registry::
+
+    [project.entry-points."cosmos3_gym.tasks"]
+    my_robot = "my_package.registration:register"
+
+A built-in model is a folder ``ROOT/checkpoint`` (a checkpoint with its ``meta.json``) that ``checkpoint="NAME"`` or
+``"builtin:NAME"`` names wherever a checkpoint is accepted; ``WorldModel-v0`` with such a checkpoint builds the env with
+the task's own factory, so it is the same env as the task's id.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ENV_ID", "PUSHT_ENV_ID", "builtin_max_episode_steps", "register_envs"]
+__all__ = [
+    "ENV_ID",
+    "TASK_ENTRY_POINT_GROUP",
+    "BuiltinModel",
+    "builtin_model",
+    "builtin_models",
+    "default_builtin_model",
+    "register_builtin_model",
+    "register_envs",
+]
 
 ENV_ID = "cosmos3_gym/WorldModel-v0"
-PUSHT_ENV_ID = "cosmos3_gym/PushT-v0"
-ASSETS_ENV_VAR = "COSMOS3_GYM_PUSHT_ASSETS"  # envs/pusht.py: another folder of the built-in model's layout
+TASK_ENTRY_POINT_GROUP = "cosmos3_gym.tasks"
+logger = logging.getLogger(__name__)
 
 
-def builtin_max_episode_steps() -> int | None:
-    """The built-in PushT checkpoint's episode length (its meta.json ``max_episode_steps``); None if not installed."""
-    override = os.environ.get(ASSETS_ENV_VAR)
-    root = Path(override).expanduser() if override else Path(__file__).resolve().parent / "assets" / "pusht"
-    try:
-        value = json.loads((root / "checkpoint" / "meta.json").read_text()).get("max_episode_steps")
-    except (OSError, ValueError, AttributeError):
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model a task ships: ``assets_dir/checkpoint`` is its checkpoint. ``env_entry_point`` and
+    ``vector_entry_point`` ("module:function") build its env and vector env from ``WorldModelEnv`` keywords;
+    ``env_var`` names an environment variable that points to another folder of the same layout."""
+
+    name: str
+    package_dir: Path
+    env_entry_point: str
+    vector_entry_point: str
+    env_var: str | None = None
+
+    @property
+    def assets_dir(self) -> Path:
+        override = os.environ.get(self.env_var) if self.env_var else None
+        return Path(override).expanduser() if override else self.package_dir
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.assets_dir / "checkpoint"
+
+    def max_episode_steps(self) -> int | None:
+        """The checkpoint's meta.json ``max_episode_steps``, for the Gymnasium spec; None when absent or unreadable."""
+        try:
+            value = json.loads((self.checkpoint_dir / "meta.json").read_text()).get("max_episode_steps")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+_BUILTIN_MODELS: dict[str, BuiltinModel] = {}
+_DEFAULT_MODEL: list[str] = []  # the model WorldModel-v0 runs without a checkpoint: the first registered as default
+
+
+def register_builtin_model(model: BuiltinModel, *, default: bool = False) -> None:
+    """Make ``checkpoint="NAME"`` / ``"builtin:NAME"`` name ``model`` (idempotent for the same model)."""
+    _BUILTIN_MODELS[model.name] = model
+    if default and not _DEFAULT_MODEL:
+        _DEFAULT_MODEL.append(model.name)
+
+
+def builtin_model(name: str) -> BuiltinModel | None:
+    return _BUILTIN_MODELS.get(name)
+
+
+def builtin_models() -> list[str]:
+    return sorted(_BUILTIN_MODELS)
+
+
+def default_builtin_model() -> BuiltinModel | None:
+    """The built-in model ``WorldModel-v0`` runs when given neither a checkpoint nor an engine, if one is installed."""
+    if not _DEFAULT_MODEL:
         return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    model = _BUILTIN_MODELS[_DEFAULT_MODEL[0]]
+    return model if (model.checkpoint_dir / "model_index.json").is_file() else None
+
+
+_TASKS_LOADED: list[bool] = []
 
 
 def register_envs() -> None:
-    """Register ``cosmos3_gym/PushT-v0`` (spec ``max_episode_steps``: the built-in model's) and
-    ``cosmos3_gym/WorldModel-v0`` (idempotent; a no-op without Gymnasium). Gymnasium's ``OrderEnforcing`` is off: the
-    envs check the order of calls themselves.
+    """Register ``cosmos3_gym/WorldModel-v0`` and every task of the ``cosmos3_gym.tasks`` entry-point group
+    (idempotent). Gymnasium's ``OrderEnforcing`` is off: the envs check the order of calls themselves.
 
     ``gym.make(ENV_ID, checkpoint=..., ...)`` builds a ``WorldModelEnv`` and ``gym.make_vec(ENV_ID, num_envs=N, ...)``
     a ``WorldModelVectorEnv`` (through ``vector_entry_point``; ``autoreset_mode=`` and ``group_size=`` go to it);
@@ -40,11 +108,16 @@ def register_envs() -> None:
     try:
         import gymnasium
     except ImportError:  # `cosmos3-gym infer` works without Gymnasium
+        gymnasium = None
+    if gymnasium is not None and ENV_ID not in gymnasium.registry:
+        gymnasium.register(id=ENV_ID, entry_point="cosmos3_gym.envs:make_world_model_env",
+                           vector_entry_point="cosmos3_gym.envs:make_world_model_vector_env", order_enforce=False)
+    if _TASKS_LOADED:
         return
-    for env_id, module, max_episode_steps in (
-        (PUSHT_ENV_ID, "cosmos3_gym.envs.pusht:make_pusht", builtin_max_episode_steps()),
-        (ENV_ID, "cosmos3_gym.envs:make_world_model", None),
-    ):
-        if env_id not in gymnasium.registry:
-            gymnasium.register(id=env_id, entry_point=f"{module}_env", vector_entry_point=f"{module}_vector_env",
-                               order_enforce=False, max_episode_steps=max_episode_steps)
+    _TASKS_LOADED.append(True)
+    for entry_point in sorted(importlib.metadata.entry_points(group=TASK_ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            entry_point.load()()
+        except Exception as error:  # a broken third-party task must not break `import cosmos3_gym`
+            logger.warning("cosmos3_gym: task entry point %r (%s) failed: %s", entry_point.name, entry_point.value,
+                           error)

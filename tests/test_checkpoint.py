@@ -349,9 +349,9 @@ def test_build_rejects_unknown_override_and_non_empty_directory(tiny_checkpoint:
 
 
 def test_builtin_names_resolve_to_the_shipped_pusht_model(tmp_path, monkeypatch):
-    from cosmos3_gym.checkpoint import builtin_assets_dir
+    from cosmos3_gym.registration import builtin_model
 
-    shipped = (builtin_assets_dir("pusht") / "checkpoint").resolve()
+    shipped = builtin_model("pusht").checkpoint_dir.resolve()
     monkeypatch.chdir(tmp_path)  # no local folder named "pusht"
     assert resolve_checkpoint("pusht") == resolve_checkpoint("builtin:pusht") == shipped
     validate_checkpoint(resolve_checkpoint("pusht"))
@@ -377,7 +377,10 @@ def test_checkpoint_defaults_of_the_shipped_pusht_model():
     assert (defaults["success_threshold"], defaults["max_episode_steps"], defaults["score_name"]) == \
         (0.92, 38, "coverage")
     assert defaults["action_stats"].dim == 2 and defaults["action_stats"].mode == "minmax"
-    assert len(defaults["initial_states"]) > 1  # every frame of initial_states.npz is a start, not only the first
+    from cosmos3_gym.data import load_initial_states
+
+    # every frame of initial_states.npz is a start, not only the first
+    assert len(load_initial_states(defaults["initial_states"])) > 1
     name, _, path = defaults["reward_model"].partition(":")
     assert name == "classifier" and Path(path).is_absolute() and (Path(path) / "config.json").is_file()
 

@@ -1,4 +1,4 @@
-"""Client mode (``cosmos3_gym/parallel/client.py``): worker processes running the SPMD engine, on the tiny checkpoint.
+"""Client mode (``cosmos3_gym/executors/client.py``): worker processes running the SPMD engine, on the tiny checkpoint.
 
 The clients use ``ParallelConfig(dp=2)`` (two gloo ranks, requests dealt between them) so that the results cross a
 real process group, and fp32 on CPU. References come from an in-process single engine: the dp split only changes
@@ -27,7 +27,7 @@ from PIL import Image
 
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import CheckpointError, InputError
-from cosmos3_gym.parallel.client import Cosmos3EngineClient, start_engine_client
+from cosmos3_gym.executors.client import Cosmos3EngineClient, start_engine_client
 from cosmos3_gym.parallel.mesh import ParallelConfig
 from reference import relative_error
 
@@ -136,7 +136,7 @@ def test_a_worker_that_fails_at_startup_reports_its_own_exception(tiny_checkpoin
 def test_a_worker_that_dies_before_connecting_reports_its_stderr(tiny_checkpoint, tmp_path, monkeypatch):
     """A worker that cannot even start the engine code (here: an interpreter that prints a traceback and exits) is
     reported with the end of its stderr."""
-    import cosmos3_gym.parallel.client as client_module
+    import cosmos3_gym.executors.client as client_module
 
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/bin/sh\necho 'Traceback (most recent call last):' >&2\n"

@@ -7,7 +7,6 @@ one brightened by the chunk's mean action) and backs ``WorldModelEnv`` through n
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import warnings
 from pathlib import Path
@@ -21,10 +20,9 @@ from cosmos3_gym import launcher
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request, Cosmos3Result
 from cosmos3_gym.engine_protocol import WorldModelEngine
 from cosmos3_gym.errors import InputError
-from cosmos3_gym.parallel.client import Cosmos3EngineClient
+from cosmos3_gym.executors.client import Cosmos3EngineClient
 from cosmos3_gym.parallel.mesh import ParallelConfig, resolve_parallel_config
 
-PACKAGE = Path(cosmos3_gym.__file__).parent
 
 
 class FakeWorldModel:
@@ -254,98 +252,3 @@ def test_cli_accepts_cfg_parallel_and_the_old_flag():
     base = ["infer", "--checkpoint", "c", "--image", "i.png", "--out", "o"]
     for flag in ("--cfg-parallel", "--cfg"):
         assert build_parser().parse_args([*base, flag, "2"]).cfg_parallel == 2
-
-
-# ---------------------------------------------------------------------- the import graph
-
-
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The package modules ``path`` imports anywhere (functions included; ``if TYPE_CHECKING:`` blocks excluded, they
-    never run). ``from .a import b`` imports ``a.b`` when that is a module, else ``a``."""
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    tree = ast.parse(path.read_text())
-    skipped = {id(node) for stmt in ast.walk(tree) if isinstance(stmt, ast.If)
-               and ast.unparse(stmt.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for node in ast.walk(stmt)}
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            # A name that is a submodule imports that module; any other name is read from ``module`` itself.
-            targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module
-                       for alias in node.names]
-        else:
-            continue
-        found.update(target for target in targets if target in modules and target != name)
-    return found
-
-
-def import_graph() -> dict[str, set[str]]:
-    paths = sorted(PACKAGE.rglob("*.py"))
-    modules = {_module_name(path) for path in paths}
-    return {_module_name(path): _imports(path, modules) for path in paths}
-
-
-def test_no_module_imports_a_module_that_imports_it_back():
-    """No import cycle of any length (Tarjan's strongly connected components), lazy imports inside functions
-    included; importing a package's ``__init__`` implicitly (as every submodule does) is not an edge."""
-    graph = import_graph()
-    assert "cosmos3_gym.launcher" in graph["cosmos3_gym.envs.core"]  # the walker sees real edges
-    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
-
-    def connect(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for target in graph[node]:
-            if target not in index:
-                connect(target)
-                low[node] = min(low[node], low[target])
-            elif target in on_stack:
-                low[node] = min(low[node], index[target])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1:
-                cycles.append(sorted(component))
-
-    for node in graph:
-        if node not in index:
-            connect(node)
-    assert cycles == []
-
-
-def test_the_cycle_check_would_catch_the_old_engine_client_pair(tmp_path):
-    """The walker finds function-level imports: the pre-issue-19 pair (engine.py importing parallel/client.py inside
-    from_pretrained, client.py importing engine.py inside its worker) is an edge in both directions."""
-    engine = tmp_path / "cosmos3_gym" / "engine.py"
-    client = tmp_path / "cosmos3_gym" / "parallel" / "client.py"
-    client.parent.mkdir(parents=True)
-    engine.write_text("def from_pretrained():\n    from .parallel.client import start_engine_client\n")
-    client.write_text("def _worker_main():\n    from ..engine import Cosmos3Engine\n")
-    global PACKAGE
-    saved, PACKAGE = PACKAGE, tmp_path / "cosmos3_gym"
-    try:
-        modules = {"cosmos3_gym.engine", "cosmos3_gym.parallel.client"}
-        assert _imports(engine, modules) == {"cosmos3_gym.parallel.client"}
-        assert _imports(client, modules) == {"cosmos3_gym.engine"}
-    finally:
-        PACKAGE = saved

@@ -621,7 +621,7 @@ def test_gym_pusht_info_keys_and_pixels_observations(engine):
 
 
 def test_registered_pusht_spec_carries_the_episode_length():
-    from cosmos3_gym.envs.pusht import load_pusht_assets
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets
 
     register_envs()
     assert gym.spec("cosmos3_gym/PushT-v0").max_episode_steps == load_pusht_assets().meta["max_episode_steps"] == 38

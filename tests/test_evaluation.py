@@ -126,7 +126,7 @@ def test_mean_interval_respects_known_bounds():
 
 def test_one_interval_implementation_everywhere():
     """The evaluation, the simulator comparison and the benchmarks use the statistics module's functions."""
-    from cosmos3_gym.sim import compare
+    from cosmos3_gym.tasks.pusht import compare
 
     assert evaluation.wilson_interval is statistics.wilson_interval
     assert evaluation.mean_interval is compare.mean_interval is statistics.mean_interval
@@ -403,7 +403,7 @@ def test_demo_command_uses_the_builtin_pusht_model(tmp_path, capsys):
 
 
 def test_demo_on_the_builtin_model_refuses_a_chunk_instead_of_ignoring_it(tmp_path):
-    from cosmos3_gym.demo import run_demo
+    from cosmos3_gym.tasks.pusht.demo import run_demo
 
     with pytest.raises(InputError, match="^chunk:"):
         run_demo(tmp_path / "demo", chunk=16)

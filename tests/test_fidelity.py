@@ -1,5 +1,5 @@
 """Fidelity metrics (SSIM, Pearson, Spearman, MMRV) on hand-computed cases, and the world model vs simulator policy
-comparison (cosmos3_gym.sim.compare) end to end with a stand-in world model."""
+comparison (cosmos3_gym.tasks.pusht.compare) end to end with a stand-in world model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.processor import ActionStats
-from cosmos3_gym.sim.compare import (
+from cosmos3_gym.tasks.pusht.compare import (
     SSIM_C1,
     compare_policies,
     mmrv,
@@ -111,7 +111,7 @@ class StandInAgent:
 
 def test_compare_policies_end_to_end_with_a_stand_in_world_model():
     pytest.importorskip("gym_pusht")
-    from cosmos3_gym.sim import pusht
+    from cosmos3_gym.tasks.pusht import episodes as pusht
 
     chunk, num_chunks, seeds = 4, 2, [3, 4]
     stats = ActionStats.from_json({"min": [0.0, 0.0], "max": [512.0, 512.0]}, mode="minmax")
@@ -228,7 +228,7 @@ def test_cli_eval_real_runs_the_builtin_model(tmp_path, capsys, tiny_ppo_model):
     pytest.importorskip("gym_pusht")
     from cosmos3_gym.agents import save_sb3_policy
     from cosmos3_gym.cli import main
-    from cosmos3_gym.envs.pusht import builtin_checkpoint_dir
+    from cosmos3_gym.tasks.pusht.env import builtin_checkpoint_dir
 
     assert builtin_checkpoint_dir() is not None  # it ships inside the package
     ppo = f"ppo:{save_sb3_policy(tiny_ppo_model, tmp_path / 'ppo.safetensors')}"
@@ -242,7 +242,7 @@ def test_cli_eval_real_runs_the_builtin_model(tmp_path, capsys, tiny_ppo_model):
 
 
 def test_real_episode_scores_end_at_the_first_success():
-    from cosmos3_gym.sim.compare import real_episode_scores
+    from cosmos3_gym.tasks.pusht.compare import real_episode_scores
 
     coverage = np.array([[0.0, 0.5, 0.96, 0.2],   # succeeds at step 2; gym-pusht ends the episode there
                          [0.0, 0.1, 0.3, 0.4]])   # never: its last coverage counts

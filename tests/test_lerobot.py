@@ -1,4 +1,4 @@
-"""LeRobot datasets (cosmos3_gym.training.lerobot): the published v3.0 / v2.1 layouts written from our episodes, read
+"""LeRobot datasets (cosmos3_gym.data.lerobot): the published v3.0 / v2.1 layouts written from our episodes, read
 back, trained on (train-vae and train through the CLI), used as env start frames, and bad datasets refused."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 
 from cosmos3_gym import cli
 from cosmos3_gym.engine import Cosmos3Engine
-from cosmos3_gym.envs.initial_states import load_initial_states
+from cosmos3_gym.data.initial_states import load_initial_states
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.training.data import read_dataset
-from cosmos3_gym.training.lerobot import LeRobotDataset, _aggregate_episode_stats, write_lerobot_dataset
+from cosmos3_gym.data.lerobot import LeRobotDataset, _aggregate_episode_stats, write_lerobot_dataset
 
 from test_training import CHUNK, FPS, TASK, TINY_MODEL, make_dataset
 

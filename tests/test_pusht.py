@@ -19,7 +19,7 @@ from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.media import write_video
 from cosmos3_gym.processor import ActionStats
 from cosmos3_gym.rewards import ClassifierRewardModel
-from cosmos3_gym.sim import pusht, pusht_policies
+from cosmos3_gym.tasks.pusht import episodes as pusht, policies as pusht_policies
 
 FRAME = 64  # tiny stand-in frames: 64 x 64 stays 64 x 64 at tier 256 (4 x 4 latents)
 
@@ -489,7 +489,7 @@ def _reference_episode(seed, index, mix, steps, size, stats):
     stepped and rendered at every step (and re-rendered for a frame policy), the replay's reference episode rendered
     too. The same random draws in the same order."""
     from cosmos3_gym.rl.policy import load_policy_file
-    from cosmos3_gym.sim import pusht_dataset
+    from cosmos3_gym.tasks.pusht import dataset as pusht_dataset
 
     family, noise, rng = pusht_dataset.episode_policy(seed, index, mix)
     env = _gym_pusht_pixel_env(size)

@@ -14,7 +14,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "benchmarks" / "recipes"
 sys.path[:0] = [str(RECIPES.parent), str(RECIPES)]
 import pusht_fidelity_targets as targets  # noqa: E402
 
-from cosmos3_gym.rewards.pusht_geometric import CENTROID_Y  # noqa: E402
+from cosmos3_gym.tasks.pusht.reward import CENTROID_Y  # noqa: E402
 
 AGENT_COLOUR = (78, 126, 255)
 
@@ -82,7 +82,7 @@ def test_block_pose_and_geometric_coverage_on_simulator_frames():
     """On gym-pusht's own frames the fit finds the true pose, a T on the goal scores full coverage, and the same T
     cut in two scores nothing (it is not rigid), nor does a frame turned by 90 deg find the true angle."""
     pytest.importorskip("gym_pusht")
-    from cosmos3_gym.sim import pusht
+    from cosmos3_gym.tasks.pusht import episodes as pusht
 
     sim = pusht.PushTSim((96, 96))
     frames, poses = [], []

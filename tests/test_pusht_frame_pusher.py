@@ -31,9 +31,9 @@ def test_spec_parses_acts_on_frames_and_needs_the_action_statistics():
 
 def test_plans_from_the_frame_like_the_true_state_pusher_and_is_reproducible():
     pytest.importorskip("gym_pusht")
-    from cosmos3_gym.sim import pusht
-    from cosmos3_gym.sim.pusht_frame_pusher import FrameScriptedPusher
-    from cosmos3_gym.sim.pusht_policies import ScriptedPusher
+    from cosmos3_gym.tasks.pusht import episodes as pusht
+    from cosmos3_gym.tasks.pusht.frame_pusher import FrameScriptedPusher
+    from cosmos3_gym.tasks.pusht.policies import ScriptedPusher
 
     sim = pusht.PushTSim((256, 256))
     try:
@@ -62,7 +62,7 @@ def test_plans_from_the_frame_like_the_true_state_pusher_and_is_reproducible():
 
 def test_pushes_the_block_closed_loop_in_gym_pusht():
     pytest.importorskip("gym_pusht")
-    from cosmos3_gym.sim.compare import evaluate_in_simulator
+    from cosmos3_gym.tasks.pusht.compare import evaluate_in_simulator
 
     result = evaluate_in_simulator("random,scripted-frames:0", num_episodes=8, num_chunks=16, first_sim_seed=110000,
                                    progress=False)
@@ -73,7 +73,7 @@ def test_pushes_the_block_closed_loop_in_gym_pusht():
 
 def test_compare_policies_runs_it_closed_loop_in_the_world_model():
     pytest.importorskip("gym_pusht")
-    from cosmos3_gym.sim.compare import compare_policies
+    from cosmos3_gym.tasks.pusht.compare import compare_policies
     from test_fidelity import StandInVectorEnv
 
     env = StandInVectorEnv(4, 8, 64)
@@ -85,8 +85,8 @@ def test_compare_policies_runs_it_closed_loop_in_the_world_model():
     # The stand-in world model never moves anything, so closed loop the pusher plans its second chunk from the start
     # frames again (carrying on its own state), where a replay would repeat its simulator chunk, planned from frames
     # that had moved.
-    from cosmos3_gym.sim import pusht
-    from cosmos3_gym.sim.pusht_frame_pusher import FrameScriptedPusher
+    from cosmos3_gym.tasks.pusht import episodes as pusht
+    from cosmos3_gym.tasks.pusht.frame_pusher import FrameScriptedPusher
 
     sim = pusht.PushTSim((64, 64))
     try:
@@ -103,8 +103,8 @@ def test_physics_planner_reads_the_frame_and_pushes_like_the_true_state_pusher()
     first target is the true-state pusher's, and closed loop on simulator frames it covers the target as that pusher
     does (where ``scripted-frames``, planning with the block held still, falls behind)."""
     pytest.importorskip("gym_pusht")
-    from cosmos3_gym.sim import pusht
-    from cosmos3_gym.sim.pusht_policies import ScriptedPusher
+    from cosmos3_gym.tasks.pusht import episodes as pusht
+    from cosmos3_gym.tasks.pusht.policies import ScriptedPusher
 
     with pytest.raises(InputError, match="planner"):
         load_frame_agent("scripted-frames:0", action_stats=STATS, chunk=8).__class__(0.0, 8, STATS, planner="mpc")

@@ -10,9 +10,9 @@ import pytest
 import cosmos3_gym  # noqa: F401  (registers the env ids)
 from cosmos3_gym.envs import pusht as pusht_env
 from cosmos3_gym.envs import pusht_projection
-from cosmos3_gym.envs.pusht_projection import RigidBlockProjection, check_rigid_block
+from cosmos3_gym.tasks.pusht.projection import RigidBlockProjection, check_rigid_block
 from cosmos3_gym.errors import InputError
-from cosmos3_gym.rewards.pusht_geometric import rigidity
+from cosmos3_gym.tasks.pusht.reward import rigidity
 
 SIZE = (256, 256)  # the built-in model's frames
 needs_gym_pusht = pytest.mark.skipif(not pusht_projection.has_gym_pusht(), reason="needs gym-pusht")
@@ -31,7 +31,7 @@ def projection():  # its tests are all marked needs_gym_pusht
 
 def _simulator_frames(count: int = 6) -> tuple[np.ndarray, np.ndarray]:
     """gym-pusht's reset frames of seeds 0.. and their true states ``[N, 5]`` (agent x, y, block x, y, angle)."""
-    from cosmos3_gym.sim.pusht_sim import PushTSim
+    from cosmos3_gym.tasks.pusht.sim import PushTSim
 
     sim = PushTSim(SIZE)
     frames, states = [], []

@@ -22,13 +22,13 @@ from PIL import Image
 from cosmos3_gym.cli import main
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import CheckpointError, InputError
-from cosmos3_gym.parallel.ray_replicas import split_contiguous
+from cosmos3_gym.executors.ray_replicas import split_contiguous
 from reference import relative_error
 
 try:
     import ray
 
-    from cosmos3_gym.parallel.ray_replicas import RayEngineReplicas
+    from cosmos3_gym.executors.ray_replicas import RayEngineReplicas
 except ImportError:
     ray = None
 needs_ray = pytest.mark.skipif(ray is None, reason='Ray is not installed (pip install "cosmos3_gym[ray]")')

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from cosmos3_gym.sim.readoff import block_centroid, read_positions
+from cosmos3_gym.tasks.pusht.readoff import block_centroid, read_positions
 
 
 def test_centroids_of_drawn_shapes_in_table_pixels():
@@ -27,7 +27,7 @@ def test_block_centroid_turns_with_the_block():
 
 def test_read_off_agrees_with_the_simulator_state():
     pytest.importorskip("gym_pusht")
-    from cosmos3_gym.sim import pusht
+    from cosmos3_gym.tasks.pusht import episodes as pusht
 
     sim = pusht.PushTSim((256, 256))
     rng = np.random.default_rng(0)

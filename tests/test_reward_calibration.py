@@ -16,7 +16,7 @@ import torch
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.rewards import fit_success_threshold, success_threshold_table
 from cosmos3_gym.rewards.calibration import calibrate_success_threshold, score_episode_files
-from cosmos3_gym.sim.pusht_sim import has_gym_pusht
+from cosmos3_gym.tasks.pusht.sim import has_gym_pusht
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 try:
@@ -72,7 +72,7 @@ def test_bad_input_names_the_field(scores, successes, field):
 
 @pytest.mark.skipif(not has_gym_pusht(), reason="needs gym-pusht")
 def test_script_fits_a_threshold_the_built_in_reward_model_reaches_and_writes_it(tmp_path):
-    from cosmos3_gym.envs.pusht import default_assets_dir
+    from cosmos3_gym.tasks.pusht.env import default_assets_dir
 
     assets = tmp_path / "pusht"
     shutil.copytree(default_assets_dir(), assets)
@@ -94,14 +94,14 @@ def test_script_fits_a_threshold_the_built_in_reward_model_reaches_and_writes_it
 
 
 def test_built_in_checkpoint_uses_the_calibrated_threshold():
-    from cosmos3_gym.envs.pusht import load_pusht_assets, pusht_env_defaults
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets, pusht_env_defaults
 
     # benchmarks/results/reward_model_calibration_cpu.json fitted it; 0.95 would never end an episode.
     assert pusht_env_defaults(load_pusht_assets())["success_threshold"] == 0.92
 
 
 def test_another_reward_model_gets_gym_pushts_line_not_the_checkpoints_threshold():
-    from cosmos3_gym.envs.pusht import pusht_env_arguments, pusht_env_defaults, load_pusht_assets
+    from cosmos3_gym.tasks.pusht.env import pusht_env_arguments, pusht_env_defaults, load_pusht_assets
 
     own = pusht_env_defaults(load_pusht_assets())["reward_model"]
     assert pusht_env_arguments()["success_threshold"] == 0.92

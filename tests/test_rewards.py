@@ -447,7 +447,7 @@ def _split(frame, pose):  # the stem torn 45 px off the bar
 def pusht_frames():
     """Real gym-pusht frames (96 x 96) along scripted pushes, their true coverage and block poses."""
     pytest.importorskip("gym_pusht")
-    from cosmos3_gym.sim import pusht
+    from cosmos3_gym.tasks.pusht import episodes as pusht
 
     sim = pusht.PushTSim((96, 96))
     frames, coverage, poses = [], [], []
@@ -464,7 +464,7 @@ def pusht_frames():
 
 
 def test_geometric_coverage_agrees_with_the_simulator(pusht_frames):
-    from cosmos3_gym.rewards import fit_tee
+    from cosmos3_gym.tasks.pusht.reward import fit_tee
 
     frames, coverage, poses = pusht_frames
     assert coverage.max() > 0.9 and coverage.min() < 0.3  # the set spans the range
@@ -478,7 +478,8 @@ def test_geometric_coverage_agrees_with_the_simulator(pusht_frames):
 
 
 def test_deformed_blocks_are_flagged_and_pay_nothing(pusht_frames):
-    from cosmos3_gym.rewards import fit_tee, resolve_reward_model, rigidity
+    from cosmos3_gym.rewards import resolve_reward_model
+    from cosmos3_gym.tasks.pusht.reward import fit_tee, rigidity
 
     frames, coverage, poses = pusht_frames
     chosen = np.argsort(-coverage)[:4]  # blocks on or near the target: a deformed one could fake coverage
@@ -494,7 +495,8 @@ def test_deformed_blocks_are_flagged_and_pay_nothing(pusht_frames):
 
 
 def test_geometric_reward_options_and_empty_frames():
-    from cosmos3_gym.rewards import PushTGeometricReward, available_reward_models, resolve_reward_model
+    from cosmos3_gym.rewards import available_reward_models, resolve_reward_model
+    from cosmos3_gym.tasks.pusht.reward import PushTGeometricReward
 
     assert "pusht_geometric" in available_reward_models()
     model = resolve_reward_model("pusht_geometric?reduce=max&min_iou=0.5")

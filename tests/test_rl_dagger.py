@@ -12,13 +12,13 @@ pytest.importorskip("gym_pusht")
 from cosmos3_gym.errors import InputError  # noqa: E402
 from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.rl.bc import BCConfig  # noqa: E402
-from cosmos3_gym.rl.dagger import DAggerConfig, collect_labelled_rollouts, train_dagger  # noqa: E402
+from cosmos3_gym.tasks.pusht.dagger import DAggerConfig, collect_labelled_rollouts, train_dagger  # noqa: E402
 from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig  # noqa: E402
-from cosmos3_gym.sim.pusht_policies import ScriptedPusher, plan_chunk_in_physics  # noqa: E402
-from cosmos3_gym.sim.pusht_replay import policy_rollout_starts  # noqa: E402
-from cosmos3_gym.sim.pusht_sim import PushTSim  # noqa: E402
-from cosmos3_gym.sim.pusht_vector_env import PushTSimVectorEnv  # noqa: E402
-from cosmos3_gym.sim.starts import DemoStartStates  # noqa: E402
+from cosmos3_gym.tasks.pusht.policies import ScriptedPusher, plan_chunk_in_physics  # noqa: E402
+from cosmos3_gym.tasks.pusht.replay import policy_rollout_starts  # noqa: E402
+from cosmos3_gym.tasks.pusht.sim import PushTSim  # noqa: E402
+from cosmos3_gym.tasks.pusht.sim_vector_env import PushTSimVectorEnv  # noqa: E402
+from cosmos3_gym.tasks.pusht.starts import DemoStartStates  # noqa: E402
 
 STATS = ActionStats.from_json({"action": {"min": [0.0, 0.0], "max": [512.0, 512.0]}}, mode="minmax")
 SMALL = dict(channels=(8, 8, 8, 8), hidden=16, image_size=32)

@@ -140,7 +140,7 @@ def test_a_time_budget_stops_between_iterations_and_the_run_continues(tmp_path):
 
 def _pusht_starts(image_size):
     pytest.importorskip("gym_pusht")
-    from cosmos3_gym.sim.starts import DemoStartStates
+    from cosmos3_gym.tasks.pusht.starts import DemoStartStates
 
     return DemoStartStates.from_seeds([1, 2, 3], image_size=image_size)
 
@@ -152,7 +152,7 @@ def _stats():
 
 
 def test_grpo_runs_in_the_gym_pusht_vector_env():
-    from cosmos3_gym.sim.pusht_vector_env import PushTSimVectorEnv
+    from cosmos3_gym.tasks.pusht.sim_vector_env import PushTSimVectorEnv
 
     starts = _pusht_starts((64, 64))
     env = PushTSimVectorEnv(4, starts=starts, action_stats=_stats(), group_size=2, image_size=(64, 64),
@@ -176,8 +176,8 @@ def test_grpo_runs_in_the_gym_pusht_vector_env():
 
 def test_grpo_in_the_tiny_world_model_with_the_replay_guard(tiny_checkpoint):
     from cosmos3_gym.envs.vector_env import WorldModelVectorEnv
-    from cosmos3_gym.sim.pusht_replay import replay_in_simulator
-    from cosmos3_gym.sim.pusht_vector_env import PushTSimVectorEnv
+    from cosmos3_gym.tasks.pusht.replay import replay_in_simulator
+    from cosmos3_gym.tasks.pusht.sim_vector_env import PushTSimVectorEnv
 
     starts = _pusht_starts((64, 64))
     world = WorldModelVectorEnv(4, checkpoint=tiny_checkpoint, domain="pusht", raw_action_dim=2, chunk=4,

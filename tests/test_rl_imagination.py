@@ -1,5 +1,5 @@
 """RL in imagination (benchmarks/recipes/rl_imagination_pusht.py) end to end at smoke size, and the simulator env it trains
-the comparison agent in (cosmos3_gym.sim.pusht_env.PushTSimEnv)."""
+the comparison agent in (cosmos3_gym.tasks.pusht.sim_env.PushTSimEnv)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_sim_env_matches_the_world_model_spaces_starts_and_compare_rollouts():
-    from cosmos3_gym.envs.pusht import load_pusht_assets
-    from cosmos3_gym.sim.compare import PolicyRun, simulate_policy
-    from cosmos3_gym.sim.pusht_env import make_pusht_sim_env
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets
+    from cosmos3_gym.tasks.pusht.compare import PolicyRun, simulate_policy
+    from cosmos3_gym.tasks.pusht.sim_env import make_pusht_sim_env
 
     assets = load_pusht_assets()
     with np.load(assets.initial_states) as archive:
@@ -124,8 +124,8 @@ def test_smoke_run_writes_learning_curves(tmp_path):
 
     # Both trained policies are saved next to the JSON; loaded back, each scores exactly its last curve point.
     from cosmos3_gym.agents import SB3PolicyAgent, read_sb3_policy_metadata
-    from cosmos3_gym.sim.compare import parse_policy_specs, simulate_policy
-    from cosmos3_gym.sim.pusht_env import pusht_sim_env_arguments
+    from cosmos3_gym.tasks.pusht.compare import parse_policy_specs, simulate_policy
+    from cosmos3_gym.tasks.pusht.sim_env import pusht_sim_env_arguments
 
     sim = pusht_sim_env_arguments(results["assets"])
     for world in ("world_model", "simulator"):

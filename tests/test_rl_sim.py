@@ -9,13 +9,13 @@ from gymnasium.vector import AutoresetMode
 
 pytest.importorskip("gym_pusht")
 
-from cosmos3_gym.envs.initial_states import InitialStateSource, resize_frame  # noqa: E402
+from cosmos3_gym.data.initial_states import InitialStateSource, resize_frame  # noqa: E402
 from cosmos3_gym.errors import InputError  # noqa: E402
 from cosmos3_gym.processor import ActionStats  # noqa: E402
-from cosmos3_gym.sim import pusht  # noqa: E402
-from cosmos3_gym.sim.pusht_replay import evaluate_in_simulator, replay_in_simulator  # noqa: E402
-from cosmos3_gym.sim.pusht_vector_env import PushTSimVectorEnv  # noqa: E402
-from cosmos3_gym.sim.starts import DemoStartStates, SimInitialState  # noqa: E402
+from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
+from cosmos3_gym.tasks.pusht.replay import evaluate_in_simulator, replay_in_simulator  # noqa: E402
+from cosmos3_gym.tasks.pusht.sim_vector_env import PushTSimVectorEnv  # noqa: E402
+from cosmos3_gym.tasks.pusht.starts import DemoStartStates, SimInitialState  # noqa: E402
 
 STATS = ActionStats.from_json({"action": {"min": [0.0, 0.0], "max": [512.0, 512.0]}}, mode="minmax")
 
@@ -167,8 +167,8 @@ def test_replay_and_evaluation_in_the_simulator(episode):
 
 
 def test_demonstrations_execute_noisy_actions_and_label_the_clean_ones():
-    from cosmos3_gym.sim.pusht_demos import generate_demonstrations
-    from cosmos3_gym.sim.pusht_policies import ScriptedPusher
+    from cosmos3_gym.tasks.pusht.demos import generate_demonstrations
+    from cosmos3_gym.tasks.pusht.policies import ScriptedPusher
 
     common = dict(action_stats=STATS, seed=3, max_steps=12, chunk=4, image_size=(64, 64), observation_size=(32, 32),
                   noise_levels=(0.0,), workers=1, progress=False)
@@ -232,7 +232,7 @@ def test_reset_starts_are_gym_pushts_own_resets(tmp_path):
     sim = pusht.PushTSim((64, 64), render_every_step=False)
     try:
         other = starts.sim_states[1]
-        from cosmos3_gym.sim.starts import put_in_start
+        from cosmos3_gym.tasks.pusht.starts import put_in_start
 
         put_in_start(sim, other, seeds[0])
         np.testing.assert_array_equal(sim.sim_state, other)

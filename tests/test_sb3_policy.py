@@ -13,7 +13,7 @@ import torch
 
 from cosmos3_gym.agents import SB3PolicyAgent, load_sb3_policy, read_sb3_policy_metadata, save_sb3_policy
 from cosmos3_gym.errors import CheckpointError, InputError
-from cosmos3_gym.sim.compare import parse_policy_specs
+from cosmos3_gym.tasks.pusht.compare import parse_policy_specs
 
 
 def test_round_trip_acts_bit_identically_to_the_trained_model(tiny_ppo_model, tmp_path):

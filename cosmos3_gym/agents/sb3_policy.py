@@ -30,7 +30,7 @@ from stable_baselines3.common.policies import MultiInputActorCriticPolicy
 from stable_baselines3.common.preprocessing import is_image_space_channels_first
 from stable_baselines3.common.torch_layers import CombinedExtractor
 
-from ..envs.initial_states import resize_frame
+from ..data.initial_states import resize_frame
 from ..errors import CheckpointError, InputError
 
 __all__ = ["SB3PolicyAgent", "load_sb3_policy", "read_sb3_policy_metadata", "save_sb3_policy"]
@@ -192,7 +192,7 @@ def _box_from_json(entry: dict[str, Any]) -> spaces.Box:
 
 class SB3PolicyAgent:
     """``act(frames [N, H, W, 3] uint8) -> [N, chunk, 2]``: normalised action chunks in [-1, 1] from an SB3 PPO
-    policy (or model) trained on the PushT envs' ``{"image": [s, s, 3]}`` observations.
+    policy (or model) trained on the world-model envs' ``{"image": [s, s, 3]}`` observations.
 
     Each frame is downscaled to the policy's image size by the envs' own ``resize_frame``, as the world-model env
     and the simulator env did for its training observations. ``deterministic`` (the default): the policy's mean
@@ -212,7 +212,7 @@ class SB3PolicyAgent:
 
     @property
     def action_shape(self) -> tuple[int, ...]:
-        """The shape of one action: ``(chunk, 2)`` for PushT."""
+        """The shape of one action: ``(chunk, raw_action_dim)``."""
         return tuple(self.policy.action_space.shape)
 
     @classmethod

@@ -1,21 +1,21 @@
 """Gymnasium environments backed by the Cosmos3 world model.
 
 ``WorldModelEnv`` (one rollout), ``WorldModelVectorEnv`` (a batch of rollouts sharing one model call per step) and
-``SB3VecEnv`` (Stable-Baselines3's VecEnv API over the vector env). ``register_envs()`` registers
-``cosmos3_gym/WorldModel-v0`` (any checkpoint) and ``cosmos3_gym/PushT-v0`` (the built-in PushT model, ``pusht.py``)
-with Gymnasium for ``gym.make`` / ``gym.make_vec``.
+``SB3VecEnv`` (Stable-Baselines3's VecEnv API over the vector env). ``cosmos3_gym/WorldModel-v0`` (any checkpoint) is
+registered with Gymnasium by ``cosmos3_gym.registration``; tasks register their own ids there.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
+from ..checkpoint import builtin_model_name
+from ..data.initial_states import InitialState, InitialStateSource, load_initial_states
+from ..registration import ENV_ID, builtin_model, default_builtin_model, register_envs
 from .core import REWARD_MODES, model_frame_size
-from .settings import WorldModelSettings
-from .initial_states import InitialState, InitialStateSource, load_initial_states
-from .pusht import (
-    PUSHT_ENV_ID, builtin_checkpoint_dir, make_pusht_env, make_pusht_vector_env,
-)
-from ..registration import ENV_ID, register_envs
 from .sb3 import SB3VecEnv
+from .settings import WorldModelSettings
 from .vector_env import WorldModelVectorEnv
 from .world_model_env import WorldModelEnv
 
@@ -24,14 +24,11 @@ __all__ = [
     "REWARD_MODES",
     "InitialState",
     "InitialStateSource",
-    "PUSHT_ENV_ID",
     "SB3VecEnv",
     "WorldModelEnv",
     "WorldModelSettings",
     "WorldModelVectorEnv",
     "load_initial_states",
-    "make_pusht_env",
-    "make_pusht_vector_env",
     "make_world_model_env",
     "make_world_model_vector_env",
     "model_frame_size",
@@ -39,17 +36,31 @@ __all__ = [
 ]
 
 
-def _uses_builtin_model(kwargs: dict) -> bool:
-    return kwargs.get("checkpoint") is None and kwargs.get("engine") is None and builtin_checkpoint_dir() is not None
+def _builtin_factory(kwargs: dict[str, Any], vector: bool):
+    """The factory of the built-in model the arguments name (``checkpoint="NAME"`` / ``"builtin:NAME"``, or neither a
+    checkpoint nor an engine: the default built-in model), with ``checkpoint`` dropped; None for any other checkpoint.
+    A built-in model is built by its task's own factory, so ``WorldModel-v0`` with it is the task's env."""
+    if kwargs.get("engine") is not None:
+        return None
+    if kwargs.get("checkpoint") is None:
+        model = default_builtin_model()
+    else:
+        name = builtin_model_name(kwargs["checkpoint"])
+        model = builtin_model(name) if name is not None else None
+    if model is None:
+        return None
+    kwargs.pop("checkpoint", None)
+    module, _, function = (model.vector_entry_point if vector else model.env_entry_point).partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
-def make_world_model_env(**kwargs) -> WorldModelEnv:
-    """``WorldModel-v0``: without ``checkpoint`` or ``engine``, the built-in PushT model with its own settings (its
-    domain, chunk and action statistics belong together), else a ``WorldModelEnv`` on the given checkpoint."""
-    return make_pusht_env(**kwargs) if _uses_builtin_model(kwargs) else WorldModelEnv(**kwargs)
+def make_world_model_env(**kwargs: Any) -> WorldModelEnv:
+    """``WorldModel-v0``: a ``WorldModelEnv`` on the given checkpoint; a built-in model (by name, or the default one
+    when neither ``checkpoint`` nor ``engine`` is given) is built by its task's factory with its own settings."""
+    factory = _builtin_factory(kwargs, vector=False)
+    return factory(**kwargs) if factory is not None else WorldModelEnv(**kwargs)
 
 
-def make_world_model_vector_env(num_envs: int = 1, **kwargs) -> WorldModelVectorEnv:
-    if _uses_builtin_model(kwargs):
-        return make_pusht_vector_env(num_envs, **kwargs)
-    return WorldModelVectorEnv(num_envs, **kwargs)
+def make_world_model_vector_env(num_envs: int = 1, **kwargs: Any) -> WorldModelVectorEnv:
+    factory = _builtin_factory(kwargs, vector=True)
+    return factory(num_envs, **kwargs) if factory is not None else WorldModelVectorEnv(num_envs, **kwargs)

@@ -1,7 +1,7 @@
 """The world-model logic both environments share: the engine, the reward, and a batch of slots.
 
 The settings live in one ``WorldModelSettings`` (``settings.py``), built once from the checkpoint's own settings
-(``checkpoint.checkpoint_defaults``), an entry point's defaults (PushT-v0) and the user's keywords.
+(``checkpoint.checkpoint_defaults``), a task's defaults and the user's keywords.
 
 A *slot* is one running episode: its current frame, task, step count and last reward-model score. ``WorldModelEnv``
 is one slot; ``WorldModelVectorEnv`` is ``num_envs`` slots. ``WorldModelCore.step_slots`` advances any subset of
@@ -41,7 +41,7 @@ from ..engine_protocol import WorldModelEngine
 from ..launcher import load_engine
 from ..errors import InputError
 from ..rewards import resolve_reward_model, validate_reward
-from .initial_states import InitialStateSource, check_task, first_frame, load_initial_states, resize_frame
+from ..data.initial_states import InitialStateSource, check_task, first_frame, load_initial_states, resize_frame
 from .settings import REWARD_MODES, WorldModelSettings, model_frame_size, split_settings  # noqa: F401 (re-exported)
 
 # Seeds for the engine's noise generator are drawn below 2**63 (torch.Generator.manual_seed takes any uint64).
@@ -87,7 +87,7 @@ class WorldModelCore:
     Keyword arguments: ``checkpoint`` or ``engine``; ``settings`` (a ``WorldModelSettings``) and/or any of its
     fields; ``initial_states``, ``reward_model`` (not given: the checkpoint's; None: none); ``handover_projection``
     (None, or a callable uint8 frames ``[N, H, W, 3]`` -> ``(frames, projected bool [N])`` that cleans each chunk's
-    last frame before it is scored, observed and conditions the next chunk, e.g. PushT's ``rigid_block``); how to
+    last frame before it is scored, observed and conditions the next chunk, e.g. a task's rigid-body re-drawing); how to
     load a checkpoint (``ENGINE_LOAD_KEYS``).
 
     Precedence, lowest first: ``WorldModelSettings``' defaults (or ``settings=``), the checkpoint's own settings
@@ -383,7 +383,7 @@ class WorldModelCore:
         if scores is not None:
             infos["score"] = scores.copy()
             if settings.score_name is not None:
-                infos[settings.score_name] = scores.copy()  # e.g. gym-pusht's "coverage"
+                infos[settings.score_name] = scores.copy()  # e.g. "coverage"
             if settings.success_threshold is not None:
                 terminated = scores >= settings.success_threshold
                 infos["is_success"] = terminated.copy()  # Gymnasium/SB3's key

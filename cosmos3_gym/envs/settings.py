@@ -32,7 +32,7 @@ from ..errors import InputError
 logger = logging.getLogger(__name__)
 
 REWARD_MODES = ("per_step", "terminal", "relative")
-# obs_type: "image" -> Dict({"image": Box}) (the default), "pixels" -> the Box itself (gym-pusht's "pixels").
+# obs_type: "image" -> Dict({"image": Box}) (the default), "pixels" -> the Box itself (as pixel envs name it).
 OBS_TYPES = ("image", "pixels")
 IMAGINATION_REDUCTIONS = ("mean", "min")
 # Cosmos3Request fields a user may set through ``request_options``; the env sets the others itself.
@@ -56,18 +56,18 @@ class WorldModelSettings:
         image_size: the model frame size ``(H, W)``; default: derived from the first initial state.
         observation_size: ``(h, w)`` to downscale observations to; the model keeps working at ``image_size``.
         obs_type: "image" (observations ``{"image": uint8 [h, w, 3]}``) or "pixels" (the image array itself, as
-            gym-pusht's ``obs_type="pixels"``).
+            the ``obs_type="pixels"`` of pixel-observation envs).
         reward_mode: "per_step", "terminal" or "relative" (see ``WorldModelEnv``).
         success_threshold: ``terminated`` when the reward model's score reaches it (``info["is_success"]``).
         max_episode_steps: truncate after this many chunks.
-        score_name: another name for ``info["score"]`` saying what the score measures (PushT: "coverage").
+        score_name: another name for ``info["score"]`` saying what the score measures (e.g. "coverage").
         action_stats: ``processor.ActionStats`` (or a statistics JSON path / dict, minmax) for ``info["raw_action"]``.
         return_frames: put each chunk's generated frames in ``info["frames"]``.
         imagination_samples: K > 1 scores every chunk by K imagined samples of the same action chunk (K
             forward-dynamics requests with different noise seeds, in the same batched call: K times the model and
             decode work); the slot continues from the first sample, its score is their ``imagination_reduce`` ("mean",
             or "min": pessimistic) and ``info["score_samples"]`` holds all K. The sampling noise alone moves the
-            PushT model's imagined coverage by 0.06; the mean of 3 tracks the real coverage after 4 chunks at Pearson
+            built-in model's imagined coverage by 0.06; the mean of 3 tracks the real coverage after 4 chunks at Pearson
             0.78 instead of 0.68 (``benchmarks/wm_reward_audit.py``, benchmarks/RESULTS.md).
         request_options: extra ``Cosmos3Request`` fields: flow_shift, use_karras_sigmas, view_point, negative_prompt,
             additional_view_description, canvas, use_native_flow_schedule.

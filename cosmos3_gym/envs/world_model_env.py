@@ -33,7 +33,7 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
     """Cosmos3 forward dynamics as a Gymnasium environment.
 
     Args:
-        checkpoint: checkpoint directory, hub id or built-in name (``"pusht"``); the env loads (and on ``close``
+        checkpoint: checkpoint directory, hub id or built-in model name; the env loads (and on ``close``
             releases) its own engine, with the settings the checkpoint carries (``checkpoint.checkpoint_defaults``:
             its ``meta.json``) unless given here.
         engine: an already-built ``Cosmos3Engine`` to share between envs (not closed by the env). Give one of the two.
@@ -50,7 +50,7 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
             (``cosmos3_gym.rewards.resolve_reward_model``).
         handover_projection: None, or a callable (uint8 frames ``[N, H, W, 3]`` -> ``(frames, projected bool
             [N])``) that replaces each chunk's last frame before it is scored, observed and conditions the next
-            chunk; ``info["handover_projected"]`` reports it. PushT-v0's ``rigid_block=True`` sets one.
+            chunk; ``info["handover_projected"]`` reports it. A task's env may set one.
         render_mode: None, "rgb_array", "rgb_array_list" or "human" (see ``rendering``).
         device, dtype, vae_dtype, precision, optimize, backend, decoder: how a checkpoint is loaded
             (``load_engine``; e.g. ``precision="fp8"``, ``optimize=True`` on a GPU, ``decoder="light"`` to decode
@@ -61,7 +61,7 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
 
     ``reward_mode``: "per_step" (the chunk's score), "terminal" (the score only on the step that ends the episode
     inside the env) or "relative" (score minus the previous chunk's score; the first chunk's minus 0). With a
-    reward model, ``info["score"]`` (also ``info[settings.score_name]``, PushT: ``"coverage"``) is the chunk's score
+    reward model, ``info["score"]`` (also ``info[settings.score_name]``, e.g. ``"coverage"``) is the chunk's score
     and, with a ``success_threshold``, ``info["is_success"]`` (alias ``"success"``) says whether it was reached.
     """
 

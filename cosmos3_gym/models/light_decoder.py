@@ -2,7 +2,7 @@
 
 The exact decode (``Cosmos3VAE.decode``, the causal Wan decoder) runs every latent frame through 3-D convolutions
 even when only the last pixel frame is wanted (the env's observation and reward: ``decode="last"``); for the
-built-in PushT model that is ~51 GFLOP per env step and most of its time. For models this project trains itself, a
+built-in model that is ~51 GFLOP per env step and most of its time. For models this project trains itself, a
 cheaper decoder of the same latents is allowed when the fidelity metrics say it is good enough (issue 24). This one
 is TAESD / TAEHV-shaped: plain 3x3 convolutions with ReLU, residual blocks, nearest-neighbour 2x upsampling and a
 pixel-shuffle head; no attention, no normalisation, no 3-D convolutions.
@@ -51,7 +51,7 @@ class LightDecoderConfig:
     ``channels[k]`` is the width at ``2**k`` times the latent resolution, after ``blocks[k]`` residual blocks; the
     last level is followed by a 3x3 head convolution and a ``patch_size`` pixel shuffle, so the spatial compression
     is ``2**(len(channels) - 1) * patch_size`` (16 for the defaults, as the Wan2.2 VAE). The defaults cost about
-    3.3 GFLOP per last frame at a 16 x 16 latent (the exact PushT decode: ~51) and weigh 2.2 MB in fp16.
+    3.3 GFLOP per last frame at a 16 x 16 latent (the built-in model's exact decode: ~51) and weigh 2.2 MB in fp16.
     """
 
     latent_channels: int = 16

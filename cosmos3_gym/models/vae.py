@@ -182,7 +182,7 @@ class Cosmos3VAE(torch.nn.Module):
         """The fast path for the VAE's device: ``optimize_encoder``; in the decoder direct convolutions and fused
         norms; on a CPU also
         channels-last weights, eager (uncompiled) fused norms and one latent frame per decoder pass (measured fastest
-        there, benchmarks/profile_pusht_env.py). ``compile`` (default: on a GPU) compiles the fused norms."""
+        there, the env profile in benchmarks/RESULTS.md). ``compile`` (default: on a GPU) compiles the fused norms."""
         on_cpu = self.latents_mean.device.type == "cpu"
         compile = not on_cpu if compile is None else compile
         self.use_direct_convolutions().optimize_encoder()

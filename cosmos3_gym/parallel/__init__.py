@@ -1,6 +1,6 @@
-"""Multi-GPU inference: the (dp, cfg, tp) mesh, tensor parallel for the transformer and the plan that applies it
-(``plan.py``), the SPMD collectives, tile-parallel VAE decode, and the worker processes / Ray replicas that
-``cosmos3_gym.load_engine(..., tp=, cfg_parallel=, dp=, backend=)`` starts.
+"""Multi-GPU inference inside an engine: the (dp, cfg, tp) mesh, tensor parallel for the transformer and the plan
+that applies it (``plan.py``), the SPMD collectives and tile-parallel VAE decode. The worker processes and Ray
+replicas that ``cosmos3_gym.load_engine(..., tp=, cfg_parallel=, dp=, backend=)`` starts are ``cosmos3_gym.executors``.
 """
 
 from .mesh import ParallelConfig, ParallelContext, init_parallel

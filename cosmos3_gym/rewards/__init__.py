@@ -10,7 +10,6 @@ from .calibration import fit_success_threshold, success_threshold_table
 from .callable import CallableRewardModel
 from .classifier import ClassifierRewardModel, train_classifier
 from .goal_image import GoalImageRewardModel
-from .pusht_geometric import PushTGeometricReward, fit_tee, rigidity
 from .registry import (
     ENTRY_POINT_GROUP,
     RewardModelSpec,
@@ -24,17 +23,14 @@ __all__ = [
     "CallableRewardModel",
     "ClassifierRewardModel",
     "GoalImageRewardModel",
-    "PushTGeometricReward",
     "RewardModel",
     "RewardModelSpec",
     "available_reward_models",
     "check_frames",
     "fit_success_threshold",
-    "fit_tee",
     "register_reward_model",
     "resolve_reward_model",
     "reward_model_name",
-    "rigidity",
     "success_threshold_table",
     "train_classifier",
     "validate_reward",

@@ -1,12 +1,12 @@
 """The reward-model score at which a frame counts as a success, fitted on frames whose true success is known.
 
-A reward model trained to regress a task's score (PushT: the covered fraction of the target) shrinks the top of its
-range, as regressors do. The built-in PushT model scores the real frames that gym-pusht calls successes (coverage
+A reward model trained to regress a task's score (e.g. the covered fraction of a target) shrinks the top of its
+range, as regressors do. The built-in model scores the real frames its simulator calls successes (coverage
 above 0.95) 0.93 on average and never 0.95 (``benchmarks/reward_model_calibration.py``), so a success threshold of
 0.95 on its score would never end an episode. The threshold belongs to the reward model, and is measured:
 ``success_threshold_table`` gives precision and recall for each candidate, ``fit_success_threshold`` the best by F1,
 ``calibrate_success_threshold`` fits it on one set of frames and checks it on another (with a fallback where there
-is no success to fit on), and ``score_episode_files`` scores the frames of simulated episodes. ``train_pusht.py``
+is no success to fit on), and ``score_episode_files`` scores the frames of simulated episodes. The built-in model's training recipe
 calibrates each reward model it trains this way, on episodes the model never saw;
 ``benchmarks/reward_model_calibration.py`` re-checks a model on fresh scripted episodes.
 """
@@ -117,7 +117,7 @@ def calibrate_success_threshold(
 def score_episode_files(paths: Sequence[str | os.PathLike], reward_model, *, label_key: str = "coverage",
                         batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """Every frame of episode files (``.npz`` with uint8 ``frames [T, H, W, 3]`` and a per-step ``label_key``, as
-    ``cosmos3_gym.sim.pusht.generate_pusht_dataset`` writes them): (label, ``reward_model.score_frames``) per frame,
+    a task's dataset generator writes them): (label, ``reward_model.score_frames``) per frame,
     all episodes concatenated (empty arrays for no paths). Frames are scored ``batch_size`` at a time on the reward
     model's device; an episode's frames beyond its labels (or labels beyond its frames) are left out."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

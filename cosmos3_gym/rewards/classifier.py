@@ -95,7 +95,7 @@ class ClassifierRewardModel(nn.Module):
         """Replay ``score_frames`` as CUDA graphs (one per image shape, rows padded as ``cuda_graphs.graph_rows``;
         GroupNorm scores each frame alone, so padding rows change nothing): the env's one-env step launches its ~30
         kernels at once. Same math. Needs the model on a CUDA device; moving it (``to``) drops the graphs, and while
-        it is off the GPU the eager forward runs. The PushT env turns it on where its engine replays its stages as
+        it is off the GPU the eager forward runs. The built-in model's env turns it on where its engine replays its stages as
         CUDA graphs (``Cosmos3Engine.stage_graphs``), with the engine's ``graph_padding`` as ``max_padding``
         (``cuda_graphs.graph_rows``)."""
         check_max_padding(max_padding)

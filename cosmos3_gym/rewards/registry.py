@@ -2,9 +2,9 @@
 
 A string spec reads ``NAME[:ARGUMENT][?KEY=VALUE&KEY=VALUE]``, for example ``"classifier:runs/rm"``,
 ``"classifier:runs/rm?reduce=max"``, ``"goal_image:goal.png"`` or ``"goal_image:goal.png?space=latent"``. NAME is
-looked up among the models registered in this process (the built-ins ``classifier``, ``goal_image`` and
-``pusht_geometric`` (``"pusht_geometric?min_iou=0.8&reduce=last"``: PushT coverage of a rigid T fitted to the frame) plus any
-``register_reward_model`` call), then among the ``cosmos3_gym.reward_models`` entry points of installed packages::
+looked up among the models registered in this process (the built-ins ``classifier`` and ``goal_image`` plus any
+``register_reward_model`` call), then among the ``cosmos3_gym.reward_models`` entry points of installed packages
+(tasks add theirs this way)::
 
     [project.entry-points."cosmos3_gym.reward_models"]
     my_rm = "my_package.rewards:make_reward_model"
@@ -30,7 +30,6 @@ from .base import RewardModel
 from .callable import CallableRewardModel
 from .classifier import ClassifierRewardModel
 from .goal_image import GoalImageRewardModel
-from .pusht_geometric import PushTGeometricReward
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -99,14 +98,8 @@ def _goal_image_factory(spec: RewardModelSpec) -> GoalImageRewardModel:
     )
 
 
-def _pusht_geometric_factory(spec: RewardModelSpec) -> PushTGeometricReward:
-    spec.check_options({"min_iou", "reduce"})
-    return PushTGeometricReward(min_iou=spec.float_option("min_iou", 0.8), reduce=spec.options.get("reduce", "last"),
-                                name=spec.text).to(spec.device)
-
-
 _FACTORIES: dict[str, RewardModelFactory] = {
-    "classifier": _classifier_factory, "goal_image": _goal_image_factory, "pusht_geometric": _pusht_geometric_factory,
+    "classifier": _classifier_factory, "goal_image": _goal_image_factory,
 }
 
 

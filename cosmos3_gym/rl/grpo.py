@@ -6,8 +6,8 @@ Readable top to bottom, CleanRL-style: the hyper-parameters are ``GRPOConfig``; 
    ``group_size`` slots of its group) and every slot acts for at most ``horizon`` chunks, sampling from the Gaussian
    policy. A slot's episode ends at ``terminated`` (success) or ``truncated``; what the env returns for it afterwards
    (an autoreset, or a group slot *waiting* for its group) is masked out. The env is any Gymnasium vector env that
-   takes ``reset(options={"initial_state_index": [...]})``: ``cosmos3_gym/PushT-v0`` (the world model) or
-   ``PushTSimVectorEnv`` (gym-pusht), so the trainer runs unchanged in both worlds.
+   takes ``reset(options={"initial_state_index": [...]})``: a world-model vector env or a real simulator behind the same interface
+   (the bundled task's ``sim_vector_env``), so the trainer runs unchanged in both worlds.
 2. **Returns and advantages.** An episode's return is ``1[success] + coverage_weight * final score`` (sparse success,
    with a small dense term that separates failures: the score is ``info["coverage"]``, or the reward model's
    ``info["score"]``). Its advantage is the return minus its group's mean (no value network), divided by the group's
@@ -64,7 +64,7 @@ class GRPOConfig:
     kl_coef: float = 0.05  # KL to the reference (behaviour-cloned) policy; 0 turns it off
     entropy_coef: float = 0.0
     coverage_weight: float = 0.1  # return = 1[success] + coverage_weight * final score
-    # "group", "batch" or "none" (see group_advantages). On PushT (gym-pusht, horizon 4, 80 iterations) "group" and
+    # "group", "batch" or "none" (see group_advantages). On the bundled task's simulator (horizon 4, 80 iterations) "group" and
     # "batch" gained alike over BC (+13 and +9.5 / +11 points; RESULTS.md, issue 17): GRPO's own default stays.
     advantage_normalization: str = "group"
     max_grad_norm: float = 1.0
@@ -90,7 +90,7 @@ def group_advantages(returns: np.ndarray, group_size: int, normalization: str = 
       weight (success against failure counts ``1 / coverage_weight`` times a coverage difference);
     * ``"none"``: nothing (Dr. GRPO, Liu et al. 2025, which argues the std division biases the update).
 
-    On PushT the first two gained alike (RESULTS.md, issue 17).
+    On the bundled task the first two gained alike (RESULTS.md, issue 17).
     """
     if normalization not in ADVANTAGE_NORMALIZATIONS:
         raise InputError(f"advantage_normalization: expected one of {ADVANTAGE_NORMALIZATIONS}, got {normalization!r}")

@@ -1,6 +1,6 @@
 """``PixelGaussianPolicy``: a small CNN from one frame to an action chunk, with a Gaussian head for RL.
 
-The frame (uint8 ``[H, W, 3]``, the PushT envs' ``{"image": ...}`` observation, 96 x 96 by default) goes through four
+The frame (uint8 ``[H, W, 3]``, the world-model envs' ``{"image": ...}`` observation, 96 x 96 by default) goes through four
 convolutions; a spatial soft-argmax turns each of the last layer's channels into an (x, y) keypoint (Levine et al.
 2016, robomimic's and Diffusion Policy's visual encoders: where the agent and the block are is what a pushing policy
 needs) and an MLP maps the keypoints to the mean of an action chunk ``[chunk, action_dim]`` in [-1, 1] (tanh). The
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..envs.initial_states import resize_frame
+from ..data.initial_states import resize_frame
 from ..errors import CheckpointError, InputError
 
 __all__ = ["FORMAT", "PixelGaussianPolicy", "PolicyConfig", "load_policy_file", "read_policy_metadata",
@@ -49,7 +49,7 @@ class PolicyConfig:
     action_dim: int = 2
     channels: tuple[int, ...] = (32, 64, 64, 64)
     hidden: int = 256
-    initial_log_std: float = -2.5  # std 0.08 in the [-1, 1] action space: about 21 table pixels for PushT
+    initial_log_std: float = -2.5  # std 0.08 in the [-1, 1] action space: about 21 table pixels on the bundled task
 
     def __post_init__(self):
         for name in ("image_size", "chunk", "action_dim", "hidden"):
@@ -68,7 +68,7 @@ def ieee_fp32_convolutions(device: torch.device):
     GRPO samples around the mean with sigma = exp(-3.5) = 0.03 and compares the log-probabilities the rollout
     computed with those the update computes. On an H200 with PyTorch's default (TF32 allowed for cuDNN convolutions)
     they disagreed far more than on the CPU: the median fraction of clipped ratios was 0.13 against the CPU's 0.017,
-    and the k3 KL to the reference passed 5 in 8 of 145 iterations in the world model (44 of 400 in gym-pusht, up to
+    and the k3 KL to the reference passed 5 in 8 of 145 iterations in the world model (44 of 400 in the real simulator, up to
     1e6; none on the CPU). With IEEE convolutions the same world-model run clipped a median 0.015 and the KL never
     passed 5 (benchmarks/RESULTS.md, issue 17, session 18). A no-grad forward matched the CPU to 4e-4 sigma either
     way, so the difference arises in the update's forward with autograd (the backward runs after this block, under

@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 from .. import processor
 from ..checkpoint import safetensors_files
 from ..errors import InputError
-from .episodes import DatasetInfo, read_episode_dataset, window_starts
-from .lerobot import is_lerobot_spec, read_lerobot_dataset
+from ..data.episodes import DatasetInfo, read_episode_dataset, window_starts
+from ..data.lerobot import is_lerobot_spec, read_lerobot_dataset
 
 
 def read_dataset(

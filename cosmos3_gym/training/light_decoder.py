@@ -8,7 +8,7 @@ and frames uint8 ``[N, 3, chunk + 1, H, W]`` (1.8 MB per 9-frame 256 x 256 windo
 
 Loss, per pixel frame of the window: ``l1_weight * L1 + gradient_weight * L1 of the horizontal and vertical pixel
 differences`` (edges: the agent and the T's outline), with the VAE trainer's contrast weighting
-(``training.vae.reconstruction_weights``: pixels away from the background count more, PushT being mostly empty
+(``training.vae.reconstruction_weights``: pixels away from the background count more, a table scene being mostly empty
 table) and ``last_frame_weight`` extra on each latent frame's last pixel frame (frames 0, 4, 8, ...: the one the env
 returns with ``decode="last"``); ``latent_noise`` optionally perturbs the latents (the world model's are generated).
 AdamW, warmup then cosine, bf16 autocast on a GPU, a step budget and optionally a time budget (``seconds``: then the
@@ -33,7 +33,7 @@ from .. import processor
 from ..errors import InputError
 from ..models.light_decoder import LightDecoder, LightDecoderConfig
 from .data import encode_windows, read_dataset
-from .episodes import window_starts
+from ..data.episodes import window_starts
 from .schedule import check_optimizer_settings, learning_rate
 from .vae import reconstruction_weights
 
@@ -55,7 +55,7 @@ class LightDecoderTrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     l1_weight: float = 1.0
     gradient_weight: float = 0.5
-    contrast_weight: float = 10.0  # as the PushT VAE was trained (benchmarks/recipes/train_pusht.py)
+    contrast_weight: float = 10.0  # as the built-in model's VAE was trained
     last_frame_weight: float = 1.0
     # std of Gaussian noise added to the (unit-variance) latents of each batch: robustness to the world model's
     # generated latents, which are near but not on the encoder's outputs; 0 trains on the encoded latents as they are

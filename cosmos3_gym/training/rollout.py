@@ -89,7 +89,7 @@ class RolloutConditioner:
     ``prob`` is the fraction of each batch that gets it (among the samples in policy or forward-dynamics mode with
     enough predecessor windows); the depth (chunks generated) is drawn per step, uniform in 1..``max_chunks``.
     ``light_decoder``: the hand-over decodes with it, as the env does for a checkpoint that decodes with its light
-    decoder (the built-in PushT model); None: with the VAE.
+    decoder (the built-in model); None: with the VAE.
     """
 
     def __init__(

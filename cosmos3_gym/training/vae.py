@@ -32,7 +32,7 @@ from .. import processor
 from ..errors import InputError
 from ..models.vae import WAN22_FIXED_CONFIG
 from .data import read_dataset
-from .episodes import load_episode
+from ..data.episodes import load_episode
 from .distributed import init_distributed
 from .schedule import check_optimizer_settings, learning_rate
 
@@ -40,7 +40,7 @@ from .schedule import check_optimizer_settings, learning_rate
 @dataclass
 class VAETrainConfig:
     """Settings of ``train_vae``. The Wan2.2 VAE itself is base_dim 160, decoder_base_dim 256, z_dim 48,
-    num_res_blocks 2; the defaults here are a PushT-sized version: 4.8 M parameters (19 MB in float32, 1.0 M of
+    num_res_blocks 2; the defaults here are a small version (the built-in model's): 4.8 M parameters (19 MB in float32, 1.0 M of
     them in the encoder). base_dim 12 / decoder_base_dim 16 gives 2.3 M; 32 / 48 gives 19 M."""
 
     base_dim: int = 16
@@ -58,7 +58,7 @@ class VAETrainConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
     # 1 + 4k, at least the world model's chunk + 1 (17 for WorldModelTrainConfig's default chunk 16): the causal
-    # decoder only learns to decode as many latent frames as its clips have (trained on 5-frame clips, the PushT VAE
+    # decoder only learns to decode as many latent frames as its clips have (trained on 5-frame clips, the built-in model's VAE
     # faded frames 5-8 of a 9-frame chunk to 29-34 dB from 38-40 dB, and env rollouts lost the target in two chunks).
     frames_per_clip: int = 17
     resolution_tier: int = 256
@@ -66,7 +66,7 @@ class VAETrainConfig:
     l2_weight: float = 1.0
     kl_weight: float = 1e-4
     # Extra reconstruction weight for pixels that differ from their image's background (per-channel median):
-    # 0 = plain means. Scenes that are mostly empty table (PushT) otherwise settle on painting the background.
+    # 0 = plain means. Scenes that are mostly empty table otherwise settle on painting the background.
     contrast_weight: float = 0.0
     stats_clips: int = 256  # clips encoded to fit latents_mean / latents_std
     camera: str | None = None  # LeRobot datasets: the video feature to train on (default: the only one)

@@ -77,7 +77,7 @@ from .rollout import RolloutConditioner
 from .schedule import LR_SCHEDULES, learning_rate
 
 # A small Cosmos3 (11 M parameters, 22 MB in float16, with the tiny tokenizer): the Nano structure (GQA, qk-norm,
-# interleaved mRoPE, domain-aware action heads) at PushT scale. rope_theta is small because the latent grids are
+# interleaved mRoPE, domain-aware action heads) at the built-in model's scale. rope_theta is small because the latent grids are
 # small: with Nano's 5e6 most spatial rotary slots would barely turn across a 6x6 latent. latent_channel,
 # patch_latent_dim and vocab_size are filled in from the VAE and the tokenizer.
 DEFAULT_MODEL_CONFIG: dict[str, Any] = {

@@ -1,8 +1,8 @@
 """Client mode: an SPMD engine of ``config.world_size`` ranks run by worker processes this module starts.
 
 ``load_engine(path, tp=2, cfg_parallel=2)`` outside torchrun lands here (vLLM's executor/worker split). The caller's
-process stays light: no model, no process group. Each rank is a fresh ``python -m cosmos3_gym.parallel.worker``
-process (``parallel/worker.py``) with torchrun's environment (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK,
+process stays light: no model, no process group. Each rank is a fresh ``python -m cosmos3_gym.executors.worker``
+process (``executors/worker.py``) with torchrun's environment (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; OMP_NUM_THREADS=1, NCCL_NVLS_ENABLE=0 and
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless already set). Workers never import the caller's ``__main__``, so this works
 from unguarded scripts, ``python -``, ``python -c`` and notebooks. Each worker connects back to a
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from .mesh import ParallelConfig
+from ..parallel.mesh import ParallelConfig
 from .messages import USER_ERRORS, receive, send
 from .remote import RemoteEngine
 
@@ -70,7 +70,7 @@ class _Worker:
         self.connection: multiprocessing.connection.Connection | None = None
         self.stderr_tail = bytearray()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cosmos3_gym.parallel.worker", str(address)],
+            [sys.executable, "-m", "cosmos3_gym.executors.worker", str(address)],
             env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
         )
         try:

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from ..errors import InputError
+from ...errors import InputError
 
 __all__ = ["psnr"]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
-from .pusht_vector_env import PushTSimVectorEnv
+from ...errors import InputError
+from .sim_vector_env import PushTSimVectorEnv
 from .starts import DemoStartStates
 
 __all__ = ["evaluate_in_simulator", "policy_rollout_starts", "replay_in_simulator", "taken_mask"]

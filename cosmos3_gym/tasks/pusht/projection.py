@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
-from ..sim.pusht_sim import SIM_STATE_FIELDS, PushTSim, has_gym_pusht
-from ..sim.readoff import read_state
+from ...errors import InputError
+from .sim import SIM_STATE_FIELDS, PushTSim, has_gym_pusht
+from .readoff import read_state
 
 __all__ = ["RigidBlockProjection", "check_rigid_block"]
 

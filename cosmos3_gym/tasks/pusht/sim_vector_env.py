@@ -43,13 +43,13 @@ from gymnasium.utils import seeding
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
-from ..envs.initial_states import resize_frame
-from ..envs.vector_env import slot_seeds
-from ..errors import InputError
-from ..processor import ActionStats
-from .pusht_geometry import RAW_ACTION_DIM, SUCCESS_COVERAGE, TABLE_SIZE
-from .pusht_policies import ScriptedPusher, plan_chunk_in_physics
-from .pusht_sim import PushTSim, _check_image_size
+from ...data.initial_states import resize_frame
+from ...envs.vector_env import slot_seeds
+from ...errors import InputError
+from ...processor import ActionStats
+from .geometry import RAW_ACTION_DIM, SUCCESS_COVERAGE, TABLE_SIZE
+from .policies import ScriptedPusher, plan_chunk_in_physics
+from .sim import PushTSim, _check_image_size
 from .starts import DemoStartStates, put_in_start
 
 __all__ = ["PushTSimVectorEnv"]

@@ -528,7 +528,7 @@ def _rows_table(episode_index: int, first_index: int, actions: np.ndarray, fps: 
 def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, version: str = "v3.0",
                           camera: str = "observation.image", episodes_per_file: int = 100, crf: int = 18,
                           progress: bool = True) -> Path:
-    """Convert a dataset in our layout (``data.py``; e.g. ``sim.pusht.generate_pusht_dataset`` output) to LeRobot.
+    """Convert a dataset in our layout (``data.episodes``; e.g. a task's generated dataset) to LeRobot.
 
     v3.0 puts ``episodes_per_file`` episodes in each data parquet and each mp4; v2.1 writes one of each per episode.
     Videos are H.264 at ``crf`` (0: lossless 4:4:4). ``robot_type`` is the source's domain, so the trainers find the

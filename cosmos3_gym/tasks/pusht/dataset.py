@@ -1,4 +1,4 @@
-"""Simulated PushT datasets in the episode layout ``cosmos3_gym.training`` reads (layout: ``cosmos3_gym.sim.pusht``)."""
+"""Simulated PushT datasets in the episode layout ``cosmos3_gym.training`` reads (layout: ``cosmos3_gym.tasks.pusht.episodes``)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
-from .pusht_geometry import DOMAIN, RAW_ACTION_DIM, SIM_ENV_ID, SIM_FPS, TASK
-from .pusht_policies import (
+from ...errors import InputError
+from .geometry import DOMAIN, RAW_ACTION_DIM, SIM_ENV_ID, SIM_FPS, TASK
+from .policies import (
     REPLAY_NOISE, SCRIPTED_NOISE_LEVELS, ChunkedFramePolicy, RandomWaypoints, Replay, ScriptedPusher, UniformTargets,
 )
-from .pusht_sim import PushTSim, _check_image_size, require_gym_pusht, rollout_episode
+from .sim import PushTSim, _check_image_size, require_gym_pusht, rollout_episode
 
 __all__ = ["DEFAULT_POLICY_MIX", "POLICIES", "action_statistics", "episode_policy", "generate_pusht_dataset",
            "write_dataset_files"]
@@ -70,7 +70,7 @@ def generate_pusht_dataset(
         if action_stats is None:
             raise InputError(f"action_stats: required with policy files in policy_mix ({policy_files}): the action "
                              f"statistics that map their normalised actions to table pixels.")
-        from ..processor import ActionStats
+        from ...processor import ActionStats
 
         ActionStats.from_json(action_stats)  # fail here on a bad file, not in every worker
         stats_document = action_stats if isinstance(action_stats, dict) else json.loads(Path(action_stats).read_text())
@@ -225,8 +225,8 @@ def _actions_only(sim: PushTSim, policy, seed: int, steps: int) -> np.ndarray:
 def _frame_policy(path: str, sim: PushTSim, stats_document: dict, rng: np.random.Generator) -> ChunkedFramePolicy:
     import torch
 
-    from ..processor import ActionStats
-    from ..rl.policy import load_policy_file
+    from ...processor import ActionStats
+    from ...rl.policy import load_policy_file
 
     if path not in _WORKER_POLICIES:
         torch.set_num_threads(1)  # one worker per core

@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import InputError
-from .bc import BCConfig, train_bc
-from .policy import PixelGaussianPolicy
+from ...errors import InputError
+from ...rl.bc import BCConfig, train_bc
+from ...rl.policy import PixelGaussianPolicy
 
 __all__ = ["DAggerConfig", "collect_labelled_rollouts", "train_dagger"]
 
@@ -71,7 +71,7 @@ def collect_labelled_rollouts(policy: PixelGaussianPolicy, env: Any, start_indic
     """One episode per slot of ``env`` (a ``PushTSimVectorEnv``, ``num_envs == len(start_indices)``, group size 1)
     from those starts. Returns ``observations`` uint8 ``[M, h, w, 3]`` and ``labels`` ``[M, chunk, 2]`` (the
     expert's chunk at every step an episode took, time-major), and per episode ``success`` and ``final_coverage``."""
-    from ..sim.pusht_replay import evaluate_in_simulator, taken_mask
+    from .replay import evaluate_in_simulator, taken_mask
 
     labeller = _LabellingPolicy(policy, env, expert_probability, rng)
     episodes = evaluate_in_simulator(labeller, env, start_indices, chunks)

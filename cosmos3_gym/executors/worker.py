@@ -1,4 +1,4 @@
-"""One rank of a client-mode engine: ``python -m cosmos3_gym.parallel.worker ADDRESS`` (started by
+"""One rank of a client-mode engine: ``python -m cosmos3_gym.executors.worker ADDRESS`` (started by
 ``parallel/client.py``, never by hand).
 
 A fresh interpreter that imports only this package, never the caller's ``__main__``, so an engine can be started from
@@ -80,7 +80,7 @@ def serve(connection: Connection, rank: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m cosmos3_gym.parallel.worker ADDRESS  (started by cosmos3_gym's client mode)",
+        print("usage: python -m cosmos3_gym.executors.worker ADDRESS  (started by cosmos3_gym's client mode)",
               file=sys.stderr)
         return 2
     # Ctrl-C in a terminal reaches the whole process group; the client stops the workers itself.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pusht_geometry import TABLE_SIZE
+from .geometry import TABLE_SIZE
 
 # The T's drawn centroid in the block body's frame (pymunk's body origin is the top bar's centre): a least-squares
 # fit over simulator frames, 2.4 px worst case.
@@ -61,7 +61,7 @@ def read_state(frames: np.ndarray, min_rigidity: float = 0.0) -> tuple[np.ndarra
     of gym-pusht's ``block.position`` / ``block.angle``: the best-fitting rigid T, ``rewards.pusht_geometric.fit_tee``);
     ``block_found [N]``: a block is visible and its fit's rigidity is at least ``min_rigidity``). On simulator frames
     both are within about 1 px and 0.4 degrees of the true state."""
-    from ..rewards.pusht_geometric import fit_tee  # torch: only for the callers that fit the block's pose
+    from .reward import fit_tee  # torch: only for the callers that fit the block's pose
 
     fit = fit_tee(frames)
     agent, _ = read_positions(frames)

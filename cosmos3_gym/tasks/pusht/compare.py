@@ -33,10 +33,10 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..errors import InputError
-from ..policy_specs import PolicySpec, load_frame_agent, parse_policy_specs
-from ..statistics import check_confidence, mean_interval, wilson_interval
-from . import pusht
+from ...errors import InputError
+from ...policy_specs import PolicySpec, load_frame_agent, parse_policy_specs
+from ...statistics import check_confidence, mean_interval, wilson_interval
+from . import episodes as pusht
 
 __all__ = [
     "PolicyRun", "compare_policies", "compare_with_simulator", "evaluate_in_simulator", "format_comparison",
@@ -359,10 +359,10 @@ def compare_with_simulator(
     ``success_threshold``, and by ``extra_scores`` (see ``compare_policies``).
     ``env_options``: more arguments of the world model's env (``make_pusht_vector_env``, e.g. ``rigid_block``).
     Needs gym-pusht."""
-    from ..envs.pusht import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults
-    from ..envs.settings import check_int
-    from ..processor import ActionStats
-    from ..rewards import ClassifierRewardModel
+    from .env import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults
+    from ...envs.settings import check_int
+    from ...processor import ActionStats
+    from ...rewards import ClassifierRewardModel
 
     runs = parse_policy_specs(policies)
     pusht.require_gym_pusht()
@@ -398,7 +398,7 @@ def compare_with_simulator(
 
 def _pusht_policy_agent(engine: Any, defaults: dict[str, Any], seed: int) -> Any:
     """The "agent" policy: the PushT checkpoint's own PolicyAgent with its env defaults (``pusht_env_defaults``)."""
-    from ..agents import PolicyAgent
+    from ...agents import PolicyAgent
 
     return PolicyAgent(
         engine, task=defaults["task"], domain=defaults["domain"], raw_action_dim=defaults["raw_action_dim"],
@@ -447,9 +447,9 @@ def evaluate_in_simulator(
     loaded only for the ``agent`` policy."""
     from tqdm.auto import tqdm
 
-    from ..envs.pusht import load_pusht_assets, pusht_env_defaults
-    from ..envs.settings import check_int
-    from ..processor import ActionStats
+    from .env import load_pusht_assets, pusht_env_defaults
+    from ...envs.settings import check_int
+    from ...processor import ActionStats
 
     runs = parse_policy_specs(policies)
     confidence = check_confidence(confidence)
@@ -464,7 +464,7 @@ def evaluate_in_simulator(
     stats = ActionStats.from_json(defaults["action_stats"], mode=assets.meta.get("action_normalization", "minmax"))
     engine = None
     if any(run.kind == "agent" for run in runs):
-        from ..engine import Cosmos3Engine
+        from ...engine import Cosmos3Engine
 
         engine = Cosmos3Engine.from_pretrained(assets.checkpoint, device=device, progress=False)
 

@@ -44,16 +44,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint import (  # noqa: F401 (checkpoint_decoder: re-exported)
-    BUILTIN_MODELS, builtin_assets_dir, checkpoint_decoder, checkpoint_defaults, read_json_object,
-)
-from ..engine import Cosmos3Engine
-from ..errors import CheckpointError, InputError
-from ..registration import PUSHT_ENV_ID, builtin_max_episode_steps, register_envs
-from .core import ENGINE_LOAD_KEYS
-from .initial_states import read_initial_states_archive
-from .vector_env import WorldModelVectorEnv
-from .world_model_env import WorldModelEnv
+from ...checkpoint import checkpoint_decoder, checkpoint_defaults, read_json_object
+from ...engine import Cosmos3Engine
+from ...errors import CheckpointError, InputError
+from .registration import ASSETS_ENV_VAR, PUSHT_ENV_ID, PUSHT_MODEL
+from ...envs.core import ENGINE_LOAD_KEYS
+from ...data.initial_states import read_initial_states_archive
+from ...envs.vector_env import WorldModelVectorEnv
+from ...envs.world_model_env import WorldModelEnv
 
 __all__ = [
     "ASSETS_ENV_VAR",
@@ -65,13 +63,10 @@ __all__ = [
     "load_pusht_assets",
     "make_pusht_env",
     "make_pusht_vector_env",
-    "builtin_max_episode_steps",
     "pusht_env_arguments",
     "pusht_env_defaults",
-    "register_pusht_env",
 ]
 
-ASSETS_ENV_VAR = BUILTIN_MODELS["pusht"][1]  # COSMOS3_GYM_PUSHT_ASSETS
 CHECKPOINT_DIR = "checkpoint"
 REWARD_MODEL_DIR = "reward_model"
 INITIAL_STATES_FILE = "initial_states.npz"
@@ -92,7 +87,7 @@ FALLBACK_SETTINGS = {
 
 def default_assets_dir() -> Path:
     """``$COSMOS3_GYM_PUSHT_ASSETS`` if set, else the package's ``assets/pusht`` folder."""
-    return builtin_assets_dir("pusht")
+    return PUSHT_MODEL.assets_dir
 
 
 @dataclass(frozen=True)
@@ -252,7 +247,7 @@ def pusht_env_arguments(
     ``handover_projection`` that re-draws each chunk's last frame as a rigid T (``pusht_projection``). Another
     ``reward_model`` without a ``success_threshold`` gets gym-pusht's 0.95, not the checkpoint's (calibrated for
     its own reward model). The env logs the overrides that change a setting of the checkpoint."""
-    from .pusht_projection import RigidBlockProjection, check_rigid_block  # the simulator's modules: only here
+    from .projection import RigidBlockProjection, check_rigid_block  # the simulator's modules: only here
 
     if check_rigid_block(rigid_block):
         overrides["handover_projection"] = RigidBlockProjection()
@@ -265,7 +260,3 @@ def pusht_env_arguments(
     if arguments.get("engine") is not None and "checkpoint" not in overrides:
         del arguments["checkpoint"]
     return arguments
-
-
-# One registration path, the package import's (cosmos3_gym.registration: no torch); the old name stays.
-register_pusht_env = register_envs

@@ -3,7 +3,7 @@
 ``DemoStartStates`` is an ``InitialStateSource`` (what the world-model envs take as ``initial_states``): item ``i``
 is a ``SimInitialState``, an ``InitialState`` (frame, task) that also carries the simulator state
 (``PushTSim.sim_state``, float64 ``[10]``) the frame shows, and where it came from (episode, step). The same index
-restarts ``PushTSimVectorEnv`` (``cosmos3_gym.sim.pusht_vector_env``) in that state, so a world-model rollout and
+restarts ``PushTSimVectorEnv`` (``cosmos3_gym.tasks.pusht.sim_vector_env``) in that state, so a world-model rollout and
 its replay in the simulator start from one state (RLinf / WMPO start rollouts from mid-trajectory keyframes of
 demonstrations: shorter rollouts, less drift).
 
@@ -21,10 +21,10 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from ..envs.initial_states import InitialState, InitialStateSource
-from ..errors import InputError
-from .pusht_geometry import TASK
-from .pusht_sim import SIM_STATE_FIELDS, PushTSim
+from ...data.initial_states import InitialState, InitialStateSource
+from ...errors import InputError
+from .geometry import TASK
+from .sim import SIM_STATE_FIELDS, PushTSim
 
 __all__ = ["DemoStartStates", "SimInitialState", "put_in_start"]
 

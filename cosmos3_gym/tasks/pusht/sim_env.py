@@ -4,7 +4,7 @@ model env, so that one agent can be trained or evaluated in either world.
 Like ``cosmos3_gym/PushT-v0`` (``WorldModelEnv``): observations are ``{"image": uint8 [h, w, 3]}`` (the simulator's
 frame rendered at the model's ``image_size``, downscaled to ``observation_size`` by the same ``resize_frame``), an
 action is one chunk ``Box(-1, 1, (chunk, 2), float32)`` of the model's normalised actions, and a step runs the whole
-chunk. Actions are mapped to table pixels exactly as ``cosmos3_gym.sim.compare`` runs a policy in the simulator:
+chunk. Actions are mapped to table pixels exactly as ``cosmos3_gym.tasks.pusht.compare`` runs a policy in the simulator:
 clipped to [-1, 1], ``action_stats.denormalize``, clipped to the table [0, 512]. The reward is the true coverage of
 the target after the chunk's last step (the world model's reward is its reward model's estimate of that coverage on
 the chunk's last frame), the episode terminates when it reaches ``success_threshold`` and is truncated after
@@ -28,10 +28,10 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from ..envs.initial_states import resize_frame
-from ..errors import InputError
-from ..processor import ActionStats
-from . import pusht
+from ...data.initial_states import resize_frame
+from ...errors import InputError
+from ...processor import ActionStats
+from . import episodes as pusht
 
 __all__ = ["PushTSimEnv", "make_pusht_sim_env", "pusht_sim_env_arguments"]
 
@@ -159,7 +159,7 @@ def pusht_sim_env_arguments(assets_dir: str | os.PathLike | None = None, **overr
     """The ``PushTSimEnv`` arguments of a PushT model folder (default: the built-in one), updated with
     ``overrides``: its action statistics, chunk, image size, max_episode_steps, success threshold and the simulator
     seeds of its start frames."""
-    from ..envs.pusht import load_pusht_assets, pusht_env_defaults
+    from .env import load_pusht_assets, pusht_env_defaults
 
     assets = load_pusht_assets(assets_dir)
     defaults = pusht_env_defaults(assets)

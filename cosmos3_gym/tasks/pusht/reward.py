@@ -3,7 +3,7 @@
 A learned reward scores whatever an imagined frame looks like; a world model that melts the T onto the target can
 fool it. This one measures: it segments the block by its colour (gym-pusht draws it slate grey; the agent blue, the
 target light green), fits a rigid T of the true size to the segment (pose ``x, y, angle`` in table pixels, the frame
-of ``cosmos3_gym.sim.pusht_geometry``), computes the coverage of the goal by the *fitted* T, and checks the fit:
+of ``cosmos3_gym.tasks.pusht.geometry``), computes the coverage of the goal by the *fitted* T, and checks the fit:
 ``rigidity`` is the IoU of the segmented block and the fitted T (agent pixels, which may hide the block, left out).
 A frame whose block is not a T (IoU below ``min_iou``) or shows no block scores 0.
 
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import InputError
-from .base import check_frames
+from ...errors import InputError
+from ...rewards.base import check_frames
 
 __all__ = ["PushTGeometricReward", "TeeFit", "fit_tee", "rigidity", "tee_coverage"]
 
@@ -230,3 +230,11 @@ class PushTGeometricReward:
         self.last_fit = fit
         scores = torch.where(fit.rigidity >= self.min_iou, fit.coverage, torch.zeros_like(fit.coverage))
         return scores.view(batch, -1).max(dim=1).values.to(self.device)
+
+
+def make_pusht_geometric_reward(spec: Any) -> PushTGeometricReward:
+    """The ``pusht_geometric`` reward-model spec (entry point of group ``cosmos3_gym.reward_models``):
+    ``"pusht_geometric?min_iou=0.8&reduce=last"``."""
+    spec.check_options({"min_iou", "reduce"})
+    return PushTGeometricReward(min_iou=spec.float_option("min_iou", 0.8), reduce=spec.options.get("reduce", "last"),
+                                name=spec.text).to(spec.device)

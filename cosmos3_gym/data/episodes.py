@@ -5,7 +5,7 @@ windows and their latent cache) and ``lerobot.py`` (LeRobot datasets), so both c
 each other. Layout::
 
     DATASET/
-      meta.json    {"domain": "pusht", "raw_action_dim": 2, "fps": 10.0, "image_size": [H, W],
+      meta.json    {"domain": DOMAIN, "raw_action_dim": 2, "fps": 10.0, "image_size": [H, W],
                     "action_normalization": "minmax", "num_episodes": N, "source": "...", "policies": {...}}
       stats.json   action statistics as processor.ActionStats.from_json reads them:
                    {"action": {"min": [...], "max": [...], "mean": [...], "std": [...], "q01": [...], "q99": [...]}}

@@ -41,7 +41,7 @@ from typing import Any
 
 from ..engine import Cosmos3Request
 from ..errors import InputError
-from .mesh import resolve_parallel_config
+from ..parallel.mesh import resolve_parallel_config
 from .remote import RemoteEngine
 
 try:

@@ -42,22 +42,22 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
-from ..media import write_video
-from .pusht_dataset import (  # noqa: F401  (re-exported)
+from ...errors import InputError
+from ...media import write_video
+from .dataset import (  # noqa: F401  (re-exported)
     DEFAULT_POLICY_MIX, POLICIES, RANDOM_GOAL_HIGH, RANDOM_GOAL_LOW, _check_policy_mix, action_statistics,
     episode_policy, generate_pusht_dataset, parse_policy_mix, random_goal_pose, write_dataset_files,
 )
-from .pusht_geometry import (  # noqa: F401  (re-exported)
+from .geometry import (  # noqa: F401  (re-exported)
     AGENT_RADIUS, DOMAIN, GOAL_POSE, RAW_ACTION_DIM, SIM_ENV_ID, SIM_FPS, SUCCESS_COVERAGE, TABLE_SIZE, TASK,
     TEE_CENTER_OF_GRAVITY, TEE_OUTLINE, contact_candidates, distance_to_outline, rotation,
     tee_center, tee_outline, wrap_angle,
 )
-from .pusht_metrics import psnr  # noqa: F401  (re-exported)
-from .pusht_policies import (  # noqa: F401  (re-exported)
+from .metrics import psnr  # noqa: F401  (re-exported)
+from .policies import (  # noqa: F401  (re-exported)
     REPLAY_NOISE, SCRIPTED_NOISE_LEVELS, RandomWaypoints, Replay, ScriptedPusher,
 )
-from .pusht_sim import (  # noqa: F401  (re-exported)
+from .sim import (  # noqa: F401  (re-exported)
     SIM_STATE_FIELDS, PushTSim, _check_image_size, has_gym_pusht, require_gym_pusht, rollout_episode,
 )
 
@@ -100,8 +100,8 @@ def side_by_side(
     Returns ``{"path", "mode": "side_by_side" | "world_model_only", "num_frames", "psnr_per_chunk" (dB, side by
     side only), "final_sim_coverage" (side by side only)}``.
     """
-    from ..envs.pusht import pusht_env_arguments
-    from ..envs.world_model_env import WorldModelEnv
+    from .env import pusht_env_arguments
+    from ...envs.world_model_env import WorldModelEnv
 
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise InputError(f"num_chunks: expected an integer >= 1, got {num_chunks!r}.")
@@ -160,7 +160,7 @@ def _simulator_and_model(env, seed: int, num_chunks: int) -> tuple[dict[str, Any
 
 
 def _model_only(env, arguments: dict[str, Any], seed: int, num_chunks: int) -> tuple[dict[str, Any], np.ndarray]:
-    from ..agents import PolicyAgent
+    from ...agents import PolicyAgent
 
     chunk, raw_action_dim = env.action_space.shape
     agent = PolicyAgent(

@@ -9,8 +9,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import InputError
-from .pusht_geometry import RAW_ACTION_DIM, SUCCESS_COVERAGE
+from ...errors import InputError
+from .geometry import RAW_ACTION_DIM, SUCCESS_COVERAGE
 
 __all__ = ["SIM_STATE_FIELDS", "PushTSim", "has_gym_pusht", "require_gym_pusht", "rollout_episode"]
 

@@ -27,11 +27,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..envs.initial_states import resize_frame
-from ..errors import InputError
-from .pusht_geometry import SUCCESS_COVERAGE, TABLE_SIZE
-from .pusht_policies import ScriptedPusher
-from .pusht_sim import PushTSim, require_gym_pusht
+from ...data.initial_states import resize_frame
+from ...errors import InputError
+from .geometry import SUCCESS_COVERAGE, TABLE_SIZE
+from .policies import ScriptedPusher
+from .sim import PushTSim, require_gym_pusht
 
 __all__ = ["generate_demonstrations"]
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import InputError
-from .checkpoint import checkpoint_defaults
-from .evaluation import EvalReport, evaluate_checkpoint, evaluate_policy
-from .policy_specs import load_policy
+from ...errors import InputError
+from ...checkpoint import checkpoint_defaults
+from ...evaluation import EvalReport, evaluate_checkpoint, evaluate_policy
+from ...policy_specs import load_policy
 
 __all__ = ["DEMO_IMAGE", "DEMO_TASK", "run_demo"]
 
 # The demo's initial state ships inside the package (a copy of examples/assets/tabletop.png) so that the demo also
 # runs from an installed wheel.
-DEMO_IMAGE = Path(__file__).parent / "assets" / "tabletop.png"
+DEMO_IMAGE = Path(__file__).resolve().parents[2] / "assets" / "tabletop.png"
 DEMO_TASK = "push the T-shaped block onto the target"
 
 
@@ -39,7 +39,7 @@ def run_demo(
 ) -> EvalReport:
     """A few short episodes with a ``"random"`` or ``"agent"`` policy; writes ``out_dir/report.json`` and one mp4 per
     episode (see the module docstring for the model it uses without ``checkpoint``)."""
-    from .envs.pusht import builtin_checkpoint_dir
+    from .env import builtin_checkpoint_dir
 
     if policy not in ("random", "agent"):
         raise InputError(f"policy: the demo takes 'random' or 'agent', got {policy!r}.")
@@ -53,7 +53,7 @@ def run_demo(
                            progress)
     random_weights = checkpoint is None
     if random_weights:
-        from .testing import cached_tiny_checkpoint  # only on request: production code does not need the factory
+        from ...testing import cached_tiny_checkpoint  # only on request: production code does not need the factory
 
         checkpoint = cached_tiny_checkpoint()
     recorded = checkpoint_defaults(checkpoint)
@@ -68,8 +68,8 @@ def run_demo(
 
 def _pusht_demo(out_dir: Path, policy, episodes, steps_per_episode, num_steps, seed, device, dtype, progress):
     """The built-in PushT world model: episodes in the vector env, then the side-by-side video on the same engine."""
-    from .envs.pusht import builtin_checkpoint_dir, make_pusht_vector_env
-    from .sim.pusht import side_by_side
+    from .env import builtin_checkpoint_dir, make_pusht_vector_env
+    from .episodes import side_by_side
 
     env = make_pusht_vector_env(num_envs=min(episodes, 8), max_episode_steps=steps_per_episode, num_steps=num_steps,
                                 return_frames=True, device=device, dtype=dtype)

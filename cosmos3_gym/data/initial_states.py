@@ -28,7 +28,8 @@ import torch
 from PIL import Image
 
 from .. import processor
-from ..errors import InputError
+from ..checkpoint import StartFramesArchive
+from ..errors import CheckpointError, InputError
 from ..media import to_uint8
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -71,6 +72,11 @@ def load_initial_states(spec: Any) -> InitialStateSource | None:
         return None
     if isinstance(spec, InitialStateSource):
         return spec
+    if isinstance(spec, StartFramesArchive):  # a checkpoint's meta.json archive: N start states
+        try:
+            return InitialStateSource(read_initial_states_archive(spec.path), f"archive {spec.path}")
+        except InputError as error:
+            raise CheckpointError(f"checkpoint: meta.json field 'initial_states': {error}") from error
     if isinstance(spec, str) and spec.startswith("lerobot:"):  # every episode's first frame and task
         return lerobot_initial_states(spec)
     if isinstance(spec, (str, os.PathLike)):
@@ -93,7 +99,7 @@ def load_initial_states(spec: Any) -> InitialStateSource | None:
 
 def lerobot_initial_states(path, camera: str | None = None) -> InitialStateSource:
     """Every episode's first frame and task of a LeRobot dataset (read on access)."""
-    from ..training.lerobot import LeRobotDataset
+    from .lerobot import LeRobotDataset
 
     dataset = LeRobotDataset(path, camera=camera)
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
-from .pusht_geometry import TABLE_SIZE
-from .pusht_policies import ScriptedPusher, plan_chunk_in_physics
+from ...errors import InputError
+from .geometry import TABLE_SIZE
+from .policies import ScriptedPusher, plan_chunk_in_physics
 from .readoff import read_state
 
 __all__ = ["FrameScriptedPusher"]
@@ -109,9 +109,22 @@ class FrameScriptedPusher:
                          pose: np.ndarray, out: np.ndarray) -> np.ndarray:
         """The same, stepping gym-pusht from the read-off state (the block at rest); returns the agent's velocity."""
         if self._physics is None:
-            from .pusht_sim import PushTSim
+            from .sim import PushTSim
 
             self._physics = PushTSim((16, 16), render_every_step=False)  # never draws: only its physics is used
         sim = self._physics
         out[:] = plan_chunk_in_physics(sim, pusher, np.concatenate([position, velocity, pose, np.zeros(3)]), self.chunk)
         return np.asarray(sim.sim_state[2:4], float)
+
+
+# The scripted pushers that read frames, and how each plans a chunk.
+FRAME_PUSHER_PLANNERS = {"scripted-frames": "controller", "scripted-physics": "physics"}
+
+
+def make_frame_pusher(spec: Any, *, action_stats: Any, chunk: int | None, seed: int = 0) -> FrameScriptedPusher:
+    """The frame agent of ``scripted-frames:NOISE`` / ``scripted-physics:NOISE`` (``policy_specs.PolicyKind``): it
+    needs the world model's ``action_stats`` and ``chunk``."""
+    if action_stats is None or chunk is None:
+        raise InputError(f"policy: {spec.spec!r} needs action_stats and chunk (the world model's action "
+                         "normalisation and chunk length).")
+    return FrameScriptedPusher(spec.noise, chunk, action_stats, seed=seed, planner=FRAME_PUSHER_PLANNERS[spec.kind])

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .pusht_geometry import (
+from .geometry import (
     AGENT_RADIUS, GOAL_POSE, TABLE_SIZE, contact_candidates, distance_to_outline, tee_center, tee_outline, wrap_angle,
 )
 
