@@ -7,16 +7,26 @@ from typing import Any
 from .errors import CheckpointError, InputError
 
 __all__ = [
-    "Cosmos3Engine", "Cosmos3Request", "Cosmos3Result", "WorldModelEngine", "load_engine", "ParallelConfig",
-    "CheckpointError", "InputError",
+    "Cosmos3Engine",
+    "Cosmos3Request",
+    "Cosmos3Result",
+    "WorldModelEngine",
+    "load_engine",
+    "ParallelConfig",
+    "CheckpointError",
+    "InputError",
 ]
 __version__ = "0.1.0"
 
 # The engine (torch, diffusers) loads on first use, so `import cosmos3_gym` - and the CLI's --help, --version and
 # argument errors - stay fast.
 _LAZY = {
-    "Cosmos3Engine": "engine", "Cosmos3Request": "engine", "Cosmos3Result": "engine",
-    "WorldModelEngine": "engine_protocol", "load_engine": "launcher", "ParallelConfig": "parallel.mesh",
+    "Cosmos3Engine": "engine",
+    "Cosmos3Request": "engine",
+    "Cosmos3Result": "engine",
+    "WorldModelEngine": "engine_protocol",
+    "load_engine": "launcher",
+    "ParallelConfig": "parallel.mesh",
 }
 
 

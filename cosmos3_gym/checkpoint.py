@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from cosmos3_gym.errors import CheckpointError, InputError
+from cosmos3_gym.errors import CheckpointError
 from cosmos3_gym.registration import builtin_model, builtin_models
 
 TRANSFORMER_DIR = "transformer"
@@ -92,7 +92,7 @@ def builtin_model_name(path_or_id: Any) -> str | None:
         return None
     text = os.fspath(path_or_id)
     if text.startswith(BUILTIN_PREFIX):
-        return text[len(BUILTIN_PREFIX):]
+        return text[len(BUILTIN_PREFIX) :]
     return text if builtin_model(text) is not None and not Path(text).expanduser().is_dir() else None
 
 
@@ -100,7 +100,8 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
     """Return the local directory of a checkpoint given as a local path, a built-in name or a hub id ("org/name").
 
     A local directory is returned as is (resolved). ``builtin:NAME`` (or ``NAME`` where no local folder of that
-    name exists) is a built-in model a task registered (``cosmos3_gym.registration``). Anything else that looks like a hub id is fetched with
+    name exists) is a built-in model a task registered (``cosmos3_gym.registration``). Anything else that looks like
+    a hub id is fetched with
     ``huggingface_hub.snapshot_download`` (the local cache is tried first, without network); when the hub is
     offline or unreachable, or the repo does not exist, ``CheckpointError`` is raised at once.
     """
@@ -112,14 +113,15 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
     if name is not None:
         model = builtin_model(name)
         if model is None:
-            raise CheckpointError(f"checkpoint: unknown built-in model {text!r}; expected one of "
-                                  f"{[BUILTIN_PREFIX + known for known in builtin_models()]}")
+            raise CheckpointError(
+                f"checkpoint: unknown built-in model {text!r}; expected one of "
+                f"{[BUILTIN_PREFIX + known for known in builtin_models()]}"
+            )
         directory = model.checkpoint_dir
         if not (directory / "model_index.json").is_file():
             where = f" (or set {model.env_var} to a folder of that layout)" if model.env_var else ""
             raise CheckpointError(
-                f"checkpoint: the built-in model {name!r} is not installed ({directory} has no model_index.json)"
-                f"{where}"
+                f"checkpoint: the built-in model {name!r} is not installed ({directory} has no model_index.json){where}"
             )
         return directory.resolve()
     if local_path.exists():
@@ -229,8 +231,18 @@ def validate_checkpoint(path: str | os.PathLike) -> CheckpointLayout:
 
 # meta.json keys that are env settings of the same name (``WorldModelSettings`` fields).
 META_SETTING_KEYS = (
-    "domain", "raw_action_dim", "chunk", "resolution_tier", "fps", "num_steps", "guidance_scale", "task",
-    "reward_mode", "success_threshold", "max_episode_steps", "score_name",
+    "domain",
+    "raw_action_dim",
+    "chunk",
+    "resolution_tier",
+    "fps",
+    "num_steps",
+    "guidance_scale",
+    "task",
+    "reward_mode",
+    "success_threshold",
+    "max_episode_steps",
+    "score_name",
 )
 META_FILE = "meta.json"
 ACTION_STATS_FILE = "action_stats.json"
@@ -260,7 +272,8 @@ def checkpoint_defaults(path_or_id: str | os.PathLike) -> dict[str, Any]:
     fields plus ``initial_states`` and ``reward_model``). Empty for a checkpoint without ``meta.json``.
 
     From ``meta.json``: the ``META_SETTING_KEYS`` it has; ``initial_states`` (a path relative to the checkpoint; an
-    ``.npz`` is a ``StartFramesArchive``, N start states); ``reward_model`` (a reward spec ``NAME:PATH``, PATH relative to the checkpoint). From
+    ``.npz`` is a ``StartFramesArchive``, N start states); ``reward_model`` (a reward spec ``NAME:PATH``, PATH
+    relative to the checkpoint). From
     ``action_stats.json``: ``action_stats`` (a ``processor.ActionStats`` in meta's ``action_normalization`` mode,
     default minmax). Entry points use these unless the user overrides them (and log what was overridden).
     """
@@ -473,9 +486,15 @@ POLICY_SCHEDULER_CONFIG: dict[str, Any] = {
 # Names that moved out of this module (loading and validation only): the tiny-checkpoint factory to
 # ``cosmos3_gym.testing``, the small tokenizer to ``cosmos3_gym.tokenizer``. Kept importable from here, deprecated.
 _MOVED = {
-    "TINY_TRANSFORMER_CONFIG": "testing", "TINY_VAE_CONFIG": "testing", "TINY_SCHEDULER_CONFIG": "testing",
-    "build_tiny_checkpoint": "testing", "TINY_TOKENIZER_VOCAB_SIZE": "tokenizer", "PAD_TOKEN": "tokenizer",
-    "EOS_TOKEN": "tokenizer", "SPECIAL_TOKENS": "tokenizer", "QWEN_CHAT_TEMPLATE": "tokenizer",
+    "TINY_TRANSFORMER_CONFIG": "testing",
+    "TINY_VAE_CONFIG": "testing",
+    "TINY_SCHEDULER_CONFIG": "testing",
+    "build_tiny_checkpoint": "testing",
+    "TINY_TOKENIZER_VOCAB_SIZE": "tokenizer",
+    "PAD_TOKEN": "tokenizer",
+    "EOS_TOKEN": "tokenizer",
+    "SPECIAL_TOKENS": "tokenizer",
+    "QWEN_CHAT_TEMPLATE": "tokenizer",
     "build_tiny_tokenizer": "tokenizer",
 }
 

@@ -76,8 +76,9 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cosmos3-gym", description=__doc__.splitlines()[0],
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="cosmos3-gym", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     add_infer_command(sub)
@@ -94,75 +95,142 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------------------------
 
 # Used where neither the flag nor the checkpoint's meta.json gives a setting (the DROID release's values).
-INFER_FALLBACKS = dict(domain="droid_lerobot", chunk=32, resolution_tier=480, fps=15.0, num_steps=4,
-                       guidance_scale=3.0)
+INFER_FALLBACKS = dict(domain="droid_lerobot", chunk=32, resolution_tier=480, fps=15.0, num_steps=4, guidance_scale=3.0)
 
 
 def add_infer_command(sub) -> None:
     infer = _add_command(sub, "infer", "run one Cosmos3 request (policy / forward / inverse dynamics)")
-    infer.add_argument("--checkpoint", required=True,
-                       help="checkpoint directory, hub id (diffusers layout), or 'pusht' for the built-in model")
+    infer.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint directory, hub id (diffusers layout), or 'pusht' for the built-in model",
+    )
     source = infer.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", help="conditioning image (path)")
     source.add_argument("--video", help="conditioning video (mp4/gif path); inverse_dynamics needs chunk + 1 frames")
     infer.add_argument("--prompt", default="", help="task description")
     infer.add_argument("--negative-prompt", default=None, help="negative prompt for classifier-free guidance")
     from_checkpoint = " (default: the checkpoint's meta.json, else {})"
-    infer.add_argument("--domain-name", type=_domain, default=None,
-                       help="embodiment name or integer id" + from_checkpoint.format(INFER_FALLBACKS["domain"]))
-    infer.add_argument("--raw-action-dim", type=int, default=None,
-                       help="action width (default: the checkpoint's meta.json, else the domain table's)")
-    infer.add_argument("--mode", default="policy",
-                       help="policy (image -> actions) | forward_dynamics (image + actions -> video) | "
-                       "inverse_dynamics (video -> actions)")
+    infer.add_argument(
+        "--domain-name",
+        type=_domain,
+        default=None,
+        help="embodiment name or integer id" + from_checkpoint.format(INFER_FALLBACKS["domain"]),
+    )
+    infer.add_argument(
+        "--raw-action-dim",
+        type=int,
+        default=None,
+        help="action width (default: the checkpoint's meta.json, else the domain table's)",
+    )
+    infer.add_argument(
+        "--mode",
+        default="policy",
+        help="policy (image -> actions) | forward_dynamics (image + actions -> video) | "
+        "inverse_dynamics (video -> actions)",
+    )
     infer.add_argument("--action-file", default=None, help="action chunk JSON (forward_dynamics)")
     infer.add_argument("--action-chunk-index", type=int, default=0, help="which chunk of an action_chunks file")
-    infer.add_argument("--condition-frames", type=_int_list, default=None,
-                       help="clean latent frames, e.g. 0,1 (default: the mode's own)")
-    infer.add_argument("--chunk", type=int, default=None, help="action chunk length, the video has chunk + 1 frames"
-                       + from_checkpoint.format(INFER_FALLBACKS["chunk"]))
-    infer.add_argument("--num-steps", type=int, default=None, help="denoising steps"
-                       + from_checkpoint.format(INFER_FALLBACKS["num_steps"]))
-    infer.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance scale"
-                       + from_checkpoint.format(INFER_FALLBACKS["guidance_scale"]))
-    infer.add_argument("--flow-shift", type=float, default=None,
-                       help="sampler flow shift (default: the checkpoint's scheduler config)")
+    infer.add_argument(
+        "--condition-frames",
+        type=_int_list,
+        default=None,
+        help="clean latent frames, e.g. 0,1 (default: the mode's own)",
+    )
+    infer.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="action chunk length, the video has chunk + 1 frames" + from_checkpoint.format(INFER_FALLBACKS["chunk"]),
+    )
+    infer.add_argument(
+        "--num-steps",
+        type=int,
+        default=None,
+        help="denoising steps" + from_checkpoint.format(INFER_FALLBACKS["num_steps"]),
+    )
+    infer.add_argument(
+        "--guidance-scale",
+        type=float,
+        default=None,
+        help="classifier-free guidance scale" + from_checkpoint.format(INFER_FALLBACKS["guidance_scale"]),
+    )
+    infer.add_argument(
+        "--flow-shift", type=float, default=None, help="sampler flow shift (default: the checkpoint's scheduler config)"
+    )
     infer.add_argument("--seed", type=int, default=0, help="noise seed")
-    infer.add_argument("--fps", type=float, default=None, help="frame rate of the conditioning and the mp4"
-                       + from_checkpoint.format(INFER_FALLBACKS["fps"]))
+    infer.add_argument(
+        "--fps",
+        type=float,
+        default=None,
+        help="frame rate of the conditioning and the mp4" + from_checkpoint.format(INFER_FALLBACKS["fps"]),
+    )
     infer.add_argument("--view-point", default="ego_view", help="camera view point of the prompt")
-    infer.add_argument("--resolution-tier", type=int, default=None, help="canvas tier (256, 480, ...)"
-                       + from_checkpoint.format(INFER_FALLBACKS["resolution_tier"]))
-    infer.add_argument("--preset", default=None,
-                       help="settings bundle (cosmos3_gym.presets): droid_robolab (the released DROID policy as "
-                       "RoboLab serves it) | diffusers; options you set yourself win (default: none)")
-    infer.add_argument("--prompt-format", default=None, help="json (diffusers) | plain (PhyAI PR49) | auto (from the "
-                       "checkpoint: plain for Nano/silu, json for Edge/relu2) (default: the preset's, else json)")
-    infer.add_argument("--state", default=None,
-                       help="robot state rows for checkpoints trained with them (droid_robolab: 7 joint positions "
-                       "+ gripper): comma-separated values of one row, or an action JSON file (default: none)")
-    infer.add_argument("--action-stats", default=None,
-                       help="statistics JSON to denormalise the output actions (default: none, normalised output)")
-    infer.add_argument("--action-normalization", default="minmax",
-                       help="how --action-stats normalises: meanstd | minmax | quantile | quantile_rot")
+    infer.add_argument(
+        "--resolution-tier",
+        type=int,
+        default=None,
+        help="canvas tier (256, 480, ...)" + from_checkpoint.format(INFER_FALLBACKS["resolution_tier"]),
+    )
+    infer.add_argument(
+        "--preset",
+        default=None,
+        help="settings bundle (cosmos3_gym.presets): droid_robolab (the released DROID policy as "
+        "RoboLab serves it) | diffusers; options you set yourself win (default: none)",
+    )
+    infer.add_argument(
+        "--prompt-format",
+        default=None,
+        help="json (diffusers) | plain (PhyAI PR49) | auto (from the "
+        "checkpoint: plain for Nano/silu, json for Edge/relu2) (default: the preset's, else json)",
+    )
+    infer.add_argument(
+        "--state",
+        default=None,
+        help="robot state rows for checkpoints trained with them (droid_robolab: 7 joint positions "
+        "+ gripper): comma-separated values of one row, or an action JSON file (default: none)",
+    )
+    infer.add_argument(
+        "--action-stats",
+        default=None,
+        help="statistics JSON to denormalise the output actions (default: none, normalised output)",
+    )
+    infer.add_argument(
+        "--action-normalization",
+        default="minmax",
+        help="how --action-stats normalises: meanstd | minmax | quantile | quantile_rot",
+    )
     infer.add_argument("--no-decode", action="store_true", help="skip the VAE decode (no mp4)")
     infer.add_argument("--save-arrays", action="store_true", help="also write PREFIX_video.npy [T,H,W,3] in [0,1]")
     infer.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     infer.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
     infer.add_argument("--vae-dtype", default=None, help="fp32 | bf16 | fp16 (default: fp32)")
-    infer.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
-                       help="GEN-tower GEMMs: bf16 (in --dtype) or fp8 (Hopper-class GPU, the fp8 extra)")
-    infer.add_argument("--optimize", action="store_true",
-                       help="torch.compile the transformer blocks and fuse the VAE norms (GPU; the first step "
-                       "compiles)")
+    infer.add_argument(
+        "--precision",
+        default="bf16",
+        choices=["bf16", "fp8"],
+        help="GEN-tower GEMMs: bf16 (in --dtype) or fp8 (Hopper-class GPU, the fp8 extra)",
+    )
+    infer.add_argument(
+        "--optimize",
+        action="store_true",
+        help="torch.compile the transformer blocks and fuse the VAE norms (GPU; the first step compiles)",
+    )
     infer.add_argument("--out", required=True, help="output prefix")
     parallel = infer.add_argument_group(
-        "parallel", "under torchrun --nproc_per_node=dp*cfg_parallel*tp every rank runs this command and rank 0 "
-        "writes the files; without torchrun a config of several ranks starts its own worker processes"
+        "parallel",
+        "under torchrun --nproc_per_node=dp*cfg_parallel*tp every rank runs this command and rank 0 "
+        "writes the files; without torchrun a config of several ranks starts its own worker processes",
     )
     parallel.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (must divide the KV heads)")
-    parallel.add_argument("--cfg-parallel", "--cfg", dest="cfg_parallel", type=int, default=1,
-                          help="1, or 2 to run the CFG branches on two rank groups (--cfg: deprecated alias)")
+    parallel.add_argument(
+        "--cfg-parallel",
+        "--cfg",
+        dest="cfg_parallel",
+        type=int,
+        default=1,
+        help="1, or 2 to run the CFG branches on two rank groups (--cfg: deprecated alias)",
+    )
     parallel.add_argument("--dp", type=int, default=1, help="data-parallel replicas (split a batch of requests)")
     infer.set_defaults(func=run_infer)
 
@@ -172,8 +240,15 @@ def _infer_settings(args: argparse.Namespace) -> dict:
     from .checkpoint import checkpoint_defaults
 
     recorded = checkpoint_defaults(args.checkpoint)
-    given = dict(domain=args.domain_name, raw_action_dim=args.raw_action_dim, chunk=args.chunk, fps=args.fps,
-                 resolution_tier=args.resolution_tier, num_steps=args.num_steps, guidance_scale=args.guidance_scale)
+    given = dict(
+        domain=args.domain_name,
+        raw_action_dim=args.raw_action_dim,
+        chunk=args.chunk,
+        fps=args.fps,
+        resolution_tier=args.resolution_tier,
+        num_steps=args.num_steps,
+        guidance_scale=args.guidance_scale,
+    )
     settings = {}
     for key, value in given.items():
         if value is not None:
@@ -191,8 +266,10 @@ def _check_inverse_dynamics_video(path: str, chunk: int) -> None:
 
     frames = processor.load_frames(path)
     if len(frames) != chunk + 1:
-        raise InputError(f"--video: inverse_dynamics with chunk {chunk} needs {chunk + 1} frames (the start frame and "
-                         f"one per action), {path} has {len(frames)}; trim the video or pass --chunk {len(frames) - 1}")
+        raise InputError(
+            f"--video: inverse_dynamics with chunk {chunk} needs {chunk + 1} frames (the start frame and "
+            f"one per action), {path} has {len(frames)}; trim the video or pass --chunk {len(frames) - 1}"
+        )
 
 
 def _state_rows(spec: str | None):
@@ -218,8 +295,8 @@ def run_infer(args: argparse.Namespace) -> None:
     import numpy as np
 
     from . import processor
-    from .engine import Cosmos3Engine, Cosmos3Request
     from .checkpoint import resolve_checkpoint
+    from .engine import Cosmos3Engine, Cosmos3Request
     from .launcher import load_engine
     from .media import write_video
 
@@ -234,23 +311,46 @@ def run_infer(args: argparse.Namespace) -> None:
         _check_inverse_dynamics_video(args.video, settings["chunk"])
     state = _state_rows(args.state)
     observation = args.image or args.video
-    stats = processor.ActionStats.from_json(args.action_stats, mode=args.action_normalization) if args.action_stats \
+    stats = (
+        processor.ActionStats.from_json(args.action_stats, mode=args.action_normalization)
+        if args.action_stats
         else None
+    )
 
     request = Cosmos3Request(
-        mode=args.mode, observation=observation, task=args.prompt, action=actions, domain=settings["domain"],
-        raw_action_dim=settings["raw_action_dim"], chunk=settings["chunk"], cond_frame_indexes=args.condition_frames,
-        num_inference_steps=settings["num_steps"], guidance_scale=settings["guidance_scale"],
-        flow_shift=args.flow_shift, fps=settings["fps"], seed=args.seed, resolution_tier=settings["resolution_tier"],
-        view_point=args.view_point, negative_prompt=args.negative_prompt, preset=args.preset,
+        mode=args.mode,
+        observation=observation,
+        task=args.prompt,
+        action=actions,
+        domain=settings["domain"],
+        raw_action_dim=settings["raw_action_dim"],
+        chunk=settings["chunk"],
+        cond_frame_indexes=args.condition_frames,
+        num_inference_steps=settings["num_steps"],
+        guidance_scale=settings["guidance_scale"],
+        flow_shift=args.flow_shift,
+        fps=settings["fps"],
+        seed=args.seed,
+        resolution_tier=settings["resolution_tier"],
+        view_point=args.view_point,
+        negative_prompt=args.negative_prompt,
+        preset=args.preset,
         prompt_format=args.prompt_format,
         # A preset knows how many state rows its checkpoint takes (the last ones are used); otherwise all given.
-        action_history=state, action_history_length=None if state is None or args.preset else len(state),
+        action_history=state,
+        action_history_length=None if state is None or args.preset else len(state),
     )
     engine = load_engine(
-        args.checkpoint, device=args.device, dtype=args.dtype, vae_dtype=args.vae_dtype,
-        decode_video=not args.no_decode, tp=args.tp, cfg_parallel=args.cfg_parallel, dp=args.dp,
-        optimize=args.optimize, precision=args.precision,
+        args.checkpoint,
+        device=args.device,
+        dtype=args.dtype,
+        vae_dtype=args.vae_dtype,
+        decode_video=not args.no_decode,
+        tp=args.tp,
+        cfg_parallel=args.cfg_parallel,
+        dp=args.dp,
+        optimize=args.optimize,
+        precision=args.precision,
     )
     try:
         if isinstance(engine, Cosmos3Engine):
@@ -312,48 +412,91 @@ def add_eval_command(sub) -> None:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``cosmos3-gym eval`` (shared with benchmarks/policy_eval.py)."""
     checkpoint = " (default: the checkpoint's, else {})"
-    parser.add_argument("--checkpoint", default=BUILTIN_CHECKPOINT,
-                        help="checkpoint directory, hub id, or 'pusht' for the built-in PushT model")
-    parser.add_argument("--policy", default="agent",
-                        help="'agent' (the checkpoint's policy), 'random', 'file:PATH' (a policy file of this "
-                        "package), 'sb3:PATH' (save_sb3_policy), or 'module:factory' / 'file.py:factory' "
-                        "(factory(env) returns a callable obs -> action or a Stable-Baselines3 model)")
+    parser.add_argument(
+        "--checkpoint",
+        default=BUILTIN_CHECKPOINT,
+        help="checkpoint directory, hub id, or 'pusht' for the built-in PushT model",
+    )
+    parser.add_argument(
+        "--policy",
+        default="agent",
+        help="'agent' (the checkpoint's policy), 'random', 'file:PATH' (a policy file of this "
+        "package), 'sb3:PATH' (save_sb3_policy), or 'module:factory' / 'file.py:factory' "
+        "(factory(env) returns a callable obs -> action or a Stable-Baselines3 model)",
+    )
     parser.add_argument("--episodes", type=int, default=10, help="episodes to evaluate")
     parser.add_argument("--num-envs", type=int, default=1, help="env slots run in one batched model call")
-    parser.add_argument("--initial-states", default=None,
-                        help="image / video / folder / .npz of start frames (default: the checkpoint's)")
-    parser.add_argument("--task", default=None, help="instruction for every episode (default: the checkpoint's, "
-                        "else each state's own)")
-    parser.add_argument("--reward-model", default=None,
-                        help="reward model spec, e.g. goal_image:goal.png (default: the checkpoint's, else none)")
-    parser.add_argument("--reward-bounds", type=_bounds, default=None,
-                        help="LOW,HIGH of the per-step reward, to bound the return's interval (default: 0,1 for a "
-                        "classifier reward model, else unknown: the interval is marked approximate)")
-    parser.add_argument("--success-threshold", type=float, default=None,
-                        help="an episode succeeds (and ends) when the reward model's score reaches this "
-                        "(default: the checkpoint's, e.g. 0.95 for pusht)")
-    parser.add_argument("--success-return-threshold", type=float, default=None,
-                        help="where the env gives no success: an episode succeeds when its return exceeds this "
-                        "(default: none, no success rate is reported without a success definition)")
-    parser.add_argument("--max-episode-steps", type=int, default=None,
-                        help="env steps (action chunks) per episode" + checkpoint.format(10))
-    parser.add_argument("--domain-name", type=_domain, default=None,
-                        help="embodiment name or id" + checkpoint.format("droid_lerobot"))
-    parser.add_argument("--raw-action-dim", type=int, default=None,
-                        help="action width (default: the checkpoint's, else the domain table's)")
+    parser.add_argument(
+        "--initial-states",
+        default=None,
+        help="image / video / folder / .npz of start frames (default: the checkpoint's)",
+    )
+    parser.add_argument(
+        "--task", default=None, help="instruction for every episode (default: the checkpoint's, else each state's own)"
+    )
+    parser.add_argument(
+        "--reward-model",
+        default=None,
+        help="reward model spec, e.g. goal_image:goal.png (default: the checkpoint's, else none)",
+    )
+    parser.add_argument(
+        "--reward-bounds",
+        type=_bounds,
+        default=None,
+        help="LOW,HIGH of the per-step reward, to bound the return's interval (default: 0,1 for a "
+        "classifier reward model, else unknown: the interval is marked approximate)",
+    )
+    parser.add_argument(
+        "--success-threshold",
+        type=float,
+        default=None,
+        help="an episode succeeds (and ends) when the reward model's score reaches this "
+        "(default: the checkpoint's, e.g. 0.95 for pusht)",
+    )
+    parser.add_argument(
+        "--success-return-threshold",
+        type=float,
+        default=None,
+        help="where the env gives no success: an episode succeeds when its return exceeds this "
+        "(default: none, no success rate is reported without a success definition)",
+    )
+    parser.add_argument(
+        "--max-episode-steps",
+        type=int,
+        default=None,
+        help="env steps (action chunks) per episode" + checkpoint.format(10),
+    )
+    parser.add_argument(
+        "--domain-name", type=_domain, default=None, help="embodiment name or id" + checkpoint.format("droid_lerobot")
+    )
+    parser.add_argument(
+        "--raw-action-dim",
+        type=int,
+        default=None,
+        help="action width (default: the checkpoint's, else the domain table's)",
+    )
     parser.add_argument("--chunk", type=int, default=None, help="actions per env step" + checkpoint.format(32))
     parser.add_argument("--num-steps", type=int, default=None, help="denoising steps" + checkpoint.format(4))
-    parser.add_argument("--guidance-scale", type=float, default=None,
-                        help="classifier-free guidance scale" + checkpoint.format(3.0))
+    parser.add_argument(
+        "--guidance-scale", type=float, default=None, help="classifier-free guidance scale" + checkpoint.format(3.0)
+    )
     parser.add_argument("--resolution-tier", type=int, default=None, help="canvas tier" + checkpoint.format(480))
     parser.add_argument("--fps", type=float, default=None, help="frame rate" + checkpoint.format(15))
-    parser.add_argument("--observation-size", type=_size, default=None,
-                        help="N or H,W: the size of the policy's observed image (default: the model's frame size)")
+    parser.add_argument(
+        "--observation-size",
+        type=_size,
+        default=None,
+        help="N or H,W: the size of the policy's observed image (default: the model's frame size)",
+    )
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
-    parser.add_argument("--decoder", choices=["vae", "light"], default=None,
-                        help="vae: the exact VAE decode; light: the checkpoint's light_decoder/ (default: the "
-                        "checkpoint's meta.json, else vae; the built-in pusht model: light)")
+    parser.add_argument(
+        "--decoder",
+        choices=["vae", "light"],
+        default=None,
+        help="vae: the exact VAE decode; light: the checkpoint's light_decoder/ (default: the "
+        "checkpoint's meta.json, else vae; the built-in pusht model: light)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="env and policy seed")
     parser.add_argument("--max-videos", type=int, default=8, help="write mp4s of the first N episodes")
     parser.add_argument("--out", required=True, help="output directory (report.json and episode mp4s)")
@@ -362,14 +505,31 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def eval_options(args: argparse.Namespace) -> dict:
     """``evaluation.evaluate_checkpoint`` keyword arguments from parsed ``add_eval_arguments`` options."""
     return dict(
-        checkpoint=args.checkpoint, out_dir=args.out, policy=args.policy, episodes=args.episodes,
-        num_envs=args.num_envs, initial_states=args.initial_states, task=args.task, reward_model=args.reward_model,
-        reward_bounds=args.reward_bounds, success_threshold=args.success_threshold,
-        success_return_threshold=args.success_return_threshold, max_episode_steps=args.max_episode_steps,
-        domain=args.domain_name, raw_action_dim=args.raw_action_dim, chunk=args.chunk, num_steps=args.num_steps,
-        guidance_scale=args.guidance_scale, resolution_tier=args.resolution_tier, fps=args.fps,
-        observation_size=args.observation_size, device=args.device, dtype=args.dtype, seed=args.seed,
-        max_videos=args.max_videos, decoder=args.decoder,
+        checkpoint=args.checkpoint,
+        out_dir=args.out,
+        policy=args.policy,
+        episodes=args.episodes,
+        num_envs=args.num_envs,
+        initial_states=args.initial_states,
+        task=args.task,
+        reward_model=args.reward_model,
+        reward_bounds=args.reward_bounds,
+        success_threshold=args.success_threshold,
+        success_return_threshold=args.success_return_threshold,
+        max_episode_steps=args.max_episode_steps,
+        domain=args.domain_name,
+        raw_action_dim=args.raw_action_dim,
+        chunk=args.chunk,
+        num_steps=args.num_steps,
+        guidance_scale=args.guidance_scale,
+        resolution_tier=args.resolution_tier,
+        fps=args.fps,
+        observation_size=args.observation_size,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        max_videos=args.max_videos,
+        decoder=args.decoder,
     )
 
 
@@ -383,8 +543,9 @@ def _check_counts(*checks: tuple[str, int | None, int]) -> None:
 
 def _check_eval_arguments(args: argparse.Namespace) -> None:
     """Checks that need no model: counts and files, so their errors come at once."""
-    _check_counts(("--episodes", args.episodes, 1), ("--num-envs", args.num_envs, 1),
-                  ("--max-videos", args.max_videos, 0))
+    _check_counts(
+        ("--episodes", args.episodes, 1), ("--num-envs", args.num_envs, 1), ("--max-videos", args.max_videos, 0)
+    )
     if args.initial_states is not None and not Path(args.initial_states).exists():
         raise InputError(f"--initial-states: not found: {args.initial_states}")
     _check_local_checkpoint(args.checkpoint)
@@ -415,20 +576,33 @@ def run_eval(args: argparse.Namespace) -> None:
 
 
 def add_eval_real_command(sub) -> None:
-    real = _add_command(sub, "eval-real", "run policies in the real PushT simulator (gym-pusht), alone "
-                        "(--real-only) or next to the PushT world model from the same starts, comparing scores and "
-                        "rankings")
-    real.add_argument("--policies", default="random,scripted:0,scripted:25,agent",
-                      help="comma-separated: random, agent (the checkpoint's policy), scripted:NOISE (px), "
-                      "file:PATH (a policy file of this package: BC / GRPO / SB3), sb3:PATH or ppo:PATH "
-                      "(a save_sb3_policy file)")
-    real.add_argument("--real-only", action="store_true",
-                      help="evaluate in gym-pusht alone: success rate and final coverage with 95%% CIs")
-    real.add_argument("--starts", type=int, default=4,
-                      help="simulator start states (episodes) per policy")
-    real.add_argument("--chunks", type=int, default=None,
-                      help="action chunks per episode (default: 4 next to the world model, the checkpoint's "
-                      "max_episode_steps with --real-only)")
+    real = _add_command(
+        sub,
+        "eval-real",
+        "run policies in the real PushT simulator (gym-pusht), alone "
+        "(--real-only) or next to the PushT world model from the same starts, comparing scores and "
+        "rankings",
+    )
+    real.add_argument(
+        "--policies",
+        default="random,scripted:0,scripted:25,agent",
+        help="comma-separated: random, agent (the checkpoint's policy), scripted:NOISE (px), "
+        "file:PATH (a policy file of this package: BC / GRPO / SB3), sb3:PATH or ppo:PATH "
+        "(a save_sb3_policy file)",
+    )
+    real.add_argument(
+        "--real-only",
+        action="store_true",
+        help="evaluate in gym-pusht alone: success rate and final coverage with 95%% CIs",
+    )
+    real.add_argument("--starts", type=int, default=4, help="simulator start states (episodes) per policy")
+    real.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        help="action chunks per episode (default: 4 next to the world model, the checkpoint's "
+        "max_episode_steps with --real-only)",
+    )
     real.add_argument("--first-sim-seed", type=int, default=10_000, help="gym-pusht reset seed of the first start")
     real.add_argument("--assets", default=None, help="PushT model folder (default: the built-in one)")
     real.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
@@ -447,14 +621,26 @@ def run_eval_real(args: argparse.Namespace) -> None:
     from .tasks.pusht.compare import compare_with_simulator, evaluate_in_simulator, format_comparison, format_real_only
 
     if args.real_only:
-        result = evaluate_in_simulator(args.policies, num_episodes=args.starts, num_chunks=args.chunks,
-                                       first_sim_seed=args.first_sim_seed, assets_dir=args.assets,
-                                       device=args.device, seed=args.seed)
+        result = evaluate_in_simulator(
+            args.policies,
+            num_episodes=args.starts,
+            num_chunks=args.chunks,
+            first_sim_seed=args.first_sim_seed,
+            assets_dir=args.assets,
+            device=args.device,
+            seed=args.seed,
+        )
         print(format_real_only(result))
     else:
-        result = compare_with_simulator(args.policies, num_starts=args.starts, num_chunks=args.chunks or 4,
-                                        first_sim_seed=args.first_sim_seed, assets_dir=args.assets,
-                                        device=args.device, seed=args.seed)
+        result = compare_with_simulator(
+            args.policies,
+            num_starts=args.starts,
+            num_chunks=args.chunks or 4,
+            first_sim_seed=args.first_sim_seed,
+            assets_dir=args.assets,
+            device=args.device,
+            seed=args.seed,
+        )
         print(format_comparison(result))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -469,10 +655,15 @@ def run_eval_real(args: argparse.Namespace) -> None:
 
 def add_demo_command(sub) -> None:
     demo = _add_command(sub, "demo", "run a few short episodes of the default env and write their videos")
-    demo.add_argument("--checkpoint", default=None,
-                      help="checkpoint directory or hub id (default: the built-in PushT world model)")
-    demo.add_argument("--policy", default="random", choices=["random", "agent"],
-                      help="uniform random actions, or the checkpoint's own policy (PolicyAgent)")
+    demo.add_argument(
+        "--checkpoint", default=None, help="checkpoint directory or hub id (default: the built-in PushT world model)"
+    )
+    demo.add_argument(
+        "--policy",
+        default="random",
+        choices=["random", "agent"],
+        help="uniform random actions, or the checkpoint's own policy (PolicyAgent)",
+    )
     demo.add_argument("--episodes", type=int, default=2, help="episodes to run")
     demo.add_argument("--steps-per-episode", type=int, default=3, help="env steps (action chunks) per episode")
     demo.add_argument("--seed", type=int, default=0, help="env and policy seed")
@@ -484,25 +675,40 @@ def add_demo_command(sub) -> None:
 
 def run_demo(args: argparse.Namespace) -> None:
     from .tasks.pusht.demo import run_demo as demo
-    from .testing import cached_tiny_checkpoint
     from .tasks.pusht.env import builtin_checkpoint_dir
+    from .testing import cached_tiny_checkpoint
 
     _check_counts(("--episodes", args.episodes, 1), ("--steps-per-episode", args.steps_per_episode, 1))
     if args.checkpoint is None and builtin_checkpoint_dir() is not None:
-        print(f"No --checkpoint given: using the built-in PushT world model ({builtin_checkpoint_dir()}), a small "
-              "Cosmos3 trained by this project on the gym-pusht simulator (see README: its fidelity is limited).")
+        print(
+            f"No --checkpoint given: using the built-in PushT world model ({builtin_checkpoint_dir()}), a small "
+            "Cosmos3 trained by this project on the gym-pusht simulator (see README: its fidelity is limited)."
+        )
     elif args.checkpoint is None:
-        print(f"No --checkpoint given: using a tiny checkpoint with RANDOM weights ({cached_tiny_checkpoint()}).\n"
-              "Its videos show what an untrained model generates, not a world model; pass --checkpoint for a real one.")
-    report = demo(args.out, checkpoint=args.checkpoint, policy=args.policy, episodes=args.episodes,
-                  steps_per_episode=args.steps_per_episode, seed=args.seed, device=args.device, dtype=args.dtype)
+        print(
+            f"No --checkpoint given: using a tiny checkpoint with RANDOM weights ({cached_tiny_checkpoint()}).\n"
+            "Its videos show what an untrained model generates, not a world model; pass --checkpoint for a real one."
+        )
+    report = demo(
+        args.out,
+        checkpoint=args.checkpoint,
+        policy=args.policy,
+        episodes=args.episodes,
+        steps_per_episode=args.steps_per_episode,
+        seed=args.seed,
+        device=args.device,
+        dtype=args.dtype,
+    )
     print(report.table())
     videos = [e.video for e in report.episodes if e.video is not None]
     print(f"wrote {Path(args.out) / 'report.json'} and {len(videos)} videos in {args.out}: {', '.join(videos)}")
     side_by_side = report.settings.get("side_by_side")
     if side_by_side:
-        what = "the real simulator next to the world model" if side_by_side["mode"] == "side_by_side" else \
-            "the world model driven by its own policy (pip install gym-pusht for the simulator next to it)"
+        what = (
+            "the real simulator next to the world model"
+            if side_by_side["mode"] == "side_by_side"
+            else "the world model driven by its own policy (pip install gym-pusht for the simulator next to it)"
+        )
         print(f"and {side_by_side['path']}: {what}")
 
 
@@ -525,47 +731,80 @@ def _json_object(text: str) -> dict:
 def add_training_commands(sub) -> None:
     """``train-vae`` and ``train`` (cosmos3_gym.training); flags left out keep the config dataclass defaults."""
     vae = _add_command(sub, "train-vae", "train a small Wan2.2-layout VAE on an episode dataset")
-    vae.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py) "
-                     "or lerobot:PATH (a LeRobot v3.0 / v2.1 dataset)")
+    vae.add_argument(
+        "--dataset",
+        required=True,
+        help="episode dataset folder (layout: cosmos3_gym/training/data.py) "
+        "or lerobot:PATH (a LeRobot v3.0 / v2.1 dataset)",
+    )
     vae.add_argument("--out", required=True, help="output folder (AutoencoderKLWan.save_pretrained)")
     for flag, kind, text in (
-        ("--steps", int, "optimizer steps"), ("--batch-size", int, "clips per step"), ("--lr", float, "AdamW lr"),
-        ("--base-dim", int, "encoder width"), ("--decoder-base-dim", int, "decoder width"),
-        ("--z-dim", int, "latent channels"), ("--num-res-blocks", int, "residual blocks per level"),
-        ("--frames-per-clip", int, "1 + 4k frames"), ("--resolution-tier", int, "canvas tier (256, 480, ...)"),
-        ("--kl-weight", float, "weight of the KL term"), ("--stats-clips", int, "clips for latents_mean/std"),
-        ("--num-workers", int, "DataLoader workers"), ("--log-every", int, "steps per log line"),
-        ("--seed", int, "seed"), ("--warmup-steps", int, "linear warmup steps"),
+        ("--steps", int, "optimizer steps"),
+        ("--batch-size", int, "clips per step"),
+        ("--lr", float, "AdamW lr"),
+        ("--base-dim", int, "encoder width"),
+        ("--decoder-base-dim", int, "decoder width"),
+        ("--z-dim", int, "latent channels"),
+        ("--num-res-blocks", int, "residual blocks per level"),
+        ("--frames-per-clip", int, "1 + 4k frames"),
+        ("--resolution-tier", int, "canvas tier (256, 480, ...)"),
+        ("--kl-weight", float, "weight of the KL term"),
+        ("--stats-clips", int, "clips for latents_mean/std"),
+        ("--num-workers", int, "DataLoader workers"),
+        ("--log-every", int, "steps per log line"),
+        ("--seed", int, "seed"),
+        ("--warmup-steps", int, "linear warmup steps"),
         ("--contrast-weight", float, "extra loss weight on pixels unlike the background (0: plain means)"),
         ("--init-vae", str, "fine-tune this AutoencoderKLWan folder"),
         ("--camera", str, "LeRobot datasets: the video feature to train on"),
     ):
-        vae.add_argument(flag, type=kind, default=None,
-                         help=text if "default" in text else f"{text} (default: VAETrainConfig's)")
-    vae.add_argument("--decoder-only", action="store_true",
-                     help="with --init-vae: train the decoder only (the latent space, and world models on it, stay)")
+        vae.add_argument(
+            flag, type=kind, default=None, help=text if "default" in text else f"{text} (default: VAETrainConfig's)"
+        )
+    vae.add_argument(
+        "--decoder-only",
+        action="store_true",
+        help="with --init-vae: train the decoder only (the latent space, and world models on it, stay)",
+    )
     vae.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     vae.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
     vae.set_defaults(func=run_train_vae)
 
     train = _add_command(
-        sub, "train", "flow-matching training of a Cosmos3 policy world model; exports a checkpoint "
-        "(multi-GPU: torchrun --nproc_per_node=N -m cosmos3_gym.cli train ...)"
+        sub,
+        "train",
+        "flow-matching training of a Cosmos3 policy world model; exports a checkpoint "
+        "(multi-GPU: torchrun --nproc_per_node=N -m cosmos3_gym.cli train ...)",
     )
-    train.add_argument("--dataset", required=True, help="episode dataset folder (layout: cosmos3_gym/training/data.py) "
-                       "or lerobot:PATH (a LeRobot v3.0 / v2.1 dataset)")
+    train.add_argument(
+        "--dataset",
+        required=True,
+        help="episode dataset folder (layout: cosmos3_gym/training/data.py) "
+        "or lerobot:PATH (a LeRobot v3.0 / v2.1 dataset)",
+    )
     train.add_argument("--vae", required=True, help="trained VAE folder (train-vae output or a checkpoint's vae/)")
     train.add_argument("--out", required=True, help="checkpoint folder to write (training state in OUT/training)")
-    train.add_argument("--config", type=_json_object, default={},
-                       help="WorldModelTrainConfig fields as JSON (inline or file); the flags below override it")
+    train.add_argument(
+        "--config",
+        type=_json_object,
+        default={},
+        help="WorldModelTrainConfig fields as JSON (inline or file); the flags below override it",
+    )
     for flag, kind, text in (
-        ("--steps", int, "total optimizer steps"), ("--batch-size", int, "samples per step and rank"),
-        ("--lr", float, "peak AdamW lr"), ("--warmup-steps", int, "linear warmup steps"),
-        ("--chunk", int, "actions per window (chunk + 1 frames)"), ("--resolution-tier", int, "canvas tier"),
-        ("--window-stride", int, "frames between window starts"), ("--flow-shift", float, "default: tier rule"),
-        ("--uncond-prob", float, "prompt dropout for CFG"), ("--ema-decay", float, "0 disables the EMA"),
-        ("--save-every", int, "steps between training-state saves"), ("--log-every", int, "steps per log line"),
-        ("--seed", int, "seed"), ("--save-dtype", str, "float32 | float16 | bfloat16 (exported transformer)"),
+        ("--steps", int, "total optimizer steps"),
+        ("--batch-size", int, "samples per step and rank"),
+        ("--lr", float, "peak AdamW lr"),
+        ("--warmup-steps", int, "linear warmup steps"),
+        ("--chunk", int, "actions per window (chunk + 1 frames)"),
+        ("--resolution-tier", int, "canvas tier"),
+        ("--window-stride", int, "frames between window starts"),
+        ("--flow-shift", float, "default: tier rule"),
+        ("--uncond-prob", float, "prompt dropout for CFG"),
+        ("--ema-decay", float, "0 disables the EMA"),
+        ("--save-every", int, "steps between training-state saves"),
+        ("--log-every", int, "steps per log line"),
+        ("--seed", int, "seed"),
+        ("--save-dtype", str, "float32 | float16 | bfloat16 (exported transformer)"),
         ("--vae-save-dtype", str, "float32 | float16 | bfloat16 (exported VAE)"),
         ("--param-dtype", str, "float32 | bfloat16 (training weights)"),
         ("--work-dir", str, "training state, log and latent cache (default OUT/training)"),
@@ -582,17 +821,28 @@ def add_training_commands(sub) -> None:
         ("--lora-rank", int, "train rank-r LoRA adapters on the GEN tower (0: full fine-tuning)"),
         ("--lora-alpha", float, "LoRA alpha (default: the rank)"),
     ):
-        train.add_argument(flag, type=kind, default=None,
-                           help=text if "default" in text else f"{text} (default: WorldModelTrainConfig's)")
-    train.add_argument("--model", type=_json_object, default=None,
-                       help="transformer config overrides (JSON; default: none)")
-    train.add_argument("--mode-probs", type=_json_object, default=None,
-                       help='mode sampling probabilities, e.g. {"policy": 0.4, ...} '
-                       "(default: WorldModelTrainConfig's)")
+        train.add_argument(
+            flag,
+            type=kind,
+            default=None,
+            help=text if "default" in text else f"{text} (default: WorldModelTrainConfig's)",
+        )
+    train.add_argument(
+        "--model", type=_json_object, default=None, help="transformer config overrides (JSON; default: none)"
+    )
+    train.add_argument(
+        "--mode-probs",
+        type=_json_object,
+        default=None,
+        help='mode sampling probabilities, e.g. {"policy": 0.4, ...} (default: WorldModelTrainConfig\'s)',
+    )
     train.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     train.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
-    train.add_argument("--gradient-checkpointing", action="store_true",
-                       help="recompute activations in the backward pass (less memory, slower)")
+    train.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass (less memory, slower)",
+    )
     train.add_argument("--fsdp-cpu-offload", action="store_true", help="fsdp: sharded states on the host")
     train.add_argument("--freeze-text-tower", action="store_true", help="do not train the text tower")
     train.add_argument("--resume", action="store_true", help="continue from the saved training state")
@@ -606,9 +856,27 @@ def _flag_overrides(args: argparse.Namespace, names: list[str]) -> dict:
 def run_train_vae(args: argparse.Namespace) -> None:
     from .training import VAETrainConfig, train_vae
 
-    fields = ["steps", "batch_size", "lr", "base_dim", "decoder_base_dim", "z_dim", "num_res_blocks",
-              "frames_per_clip", "resolution_tier", "kl_weight", "stats_clips", "num_workers", "log_every", "seed",
-              "device", "warmup_steps", "contrast_weight", "init_vae", "camera"]
+    fields = [
+        "steps",
+        "batch_size",
+        "lr",
+        "base_dim",
+        "decoder_base_dim",
+        "z_dim",
+        "num_res_blocks",
+        "frames_per_clip",
+        "resolution_tier",
+        "kl_weight",
+        "stats_clips",
+        "num_workers",
+        "log_every",
+        "seed",
+        "device",
+        "warmup_steps",
+        "contrast_weight",
+        "init_vae",
+        "camera",
+    ]
     config = VAETrainConfig(**_flag_overrides(args, fields), bf16=not args.no_bf16, train_encoder=not args.decoder_only)
     path = train_vae(args.dataset, args.out, config)
     print(f"wrote the VAE to {path}")
@@ -624,11 +892,40 @@ def run_train(args: argparse.Namespace) -> None:
     unknown = sorted(set(args.config) - known)
     if unknown:
         raise InputError(f"--config: unknown WorldModelTrainConfig fields {unknown}")
-    fields = ["steps", "batch_size", "lr", "warmup_steps", "chunk", "resolution_tier", "window_stride", "flow_shift",
-              "uncond_prob", "ema_decay", "save_every", "log_every", "seed", "save_dtype", "vae_save_dtype",
-              "param_dtype", "work_dir", "cond_noise_std", "rollout_prob", "rollout_max_chunks",
-              "init_checkpoint", "tokenizer_dir", "model", "mode_probs", "device", "camera", "action_key",
-              "state_key", "domain", "data_parallel", "lora_rank", "lora_alpha"]
+    fields = [
+        "steps",
+        "batch_size",
+        "lr",
+        "warmup_steps",
+        "chunk",
+        "resolution_tier",
+        "window_stride",
+        "flow_shift",
+        "uncond_prob",
+        "ema_decay",
+        "save_every",
+        "log_every",
+        "seed",
+        "save_dtype",
+        "vae_save_dtype",
+        "param_dtype",
+        "work_dir",
+        "cond_noise_std",
+        "rollout_prob",
+        "rollout_max_chunks",
+        "init_checkpoint",
+        "tokenizer_dir",
+        "model",
+        "mode_probs",
+        "device",
+        "camera",
+        "action_key",
+        "state_key",
+        "domain",
+        "data_parallel",
+        "lora_rank",
+        "lora_alpha",
+    ]
     values = {**args.config, **_flag_overrides(args, fields)}
     for flag in ("gradient_checkpointing", "freeze_text_tower", "resume", "fsdp_cpu_offload"):
         if getattr(args, flag):

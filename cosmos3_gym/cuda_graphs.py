@@ -28,14 +28,14 @@ import torch
 from .errors import InputError
 from .models.transformer import Cosmos3Transformer, GenLayout, TextKV
 
-
 # graph_rows' default: pad a batch to a kept graph of at most twice its rows.
 DEFAULT_MAX_PADDING = 2.0
 
 
 def check_max_padding(max_padding: float | None) -> float | None:
-    if max_padding is not None and (isinstance(max_padding, bool) or not isinstance(max_padding, (int, float))
-                                    or not max_padding >= 1):
+    if max_padding is not None and (
+        isinstance(max_padding, bool) or not isinstance(max_padding, (int, float)) or not max_padding >= 1
+    ):
         raise InputError(f"max_padding: expected a number >= 1 or None (any kept graph), got {max_padding!r}")
     return max_padding
 
@@ -160,8 +160,17 @@ class GraphedGenForward(_GraphCache):
         """The batch sizes (rows of the GEN forward) of the graphs kept now."""
         return {len(key[0]) for key in self._graphs}
 
-    def __call__(self, text: TextKV, layout: GenLayout, video, video_noisy, timesteps, actions=None,
-                 action_noisy=None, domain_ids=None):
+    def __call__(
+        self,
+        text: TextKV,
+        layout: GenLayout,
+        video,
+        video_noisy,
+        timesteps,
+        actions=None,
+        action_noisy=None,
+        domain_ids=None,
+    ):
         tensors = (video, video_noisy, timesteps, actions, action_noisy, domain_ids)
         flat = _flat_inputs(text, layout, *tensors)
         entry, captured = self._cached(_signature(text, flat), lambda: self._capture(text, layout, flat))
@@ -209,8 +218,14 @@ class GraphedFunction(_GraphCache):
     ``max_graphs`` as for ``GraphedGenForward``; ``reset()`` when the module's weights move.
     """
 
-    def __init__(self, fn, device: torch.device | str, max_graphs: int = 4, name: str = "cuda_graphs",
-                 max_padding: float | None = DEFAULT_MAX_PADDING):
+    def __init__(
+        self,
+        fn,
+        device: torch.device | str,
+        max_graphs: int = 4,
+        name: str = "cuda_graphs",
+        max_padding: float | None = DEFAULT_MAX_PADDING,
+    ):
         device = torch.device(device)
         if device.type != "cuda":
             raise InputError(f"{name}: needs a CUDA device, the function runs on {device}")
@@ -224,7 +239,8 @@ class GraphedFunction(_GraphCache):
         rest = (tuple(like.shape[1:]), like.dtype)
         wanted = tuple(sorted(options.items()))
         return {
-            shapes[0][0][0] for shapes, opts in self._graphs
+            shapes[0][0][0]
+            for shapes, opts in self._graphs
             if len(shapes) == 1 and (shapes[0][0][1:], shapes[0][1]) == rest and opts == wanted
         }
 
@@ -243,7 +259,8 @@ class GraphedFunction(_GraphCache):
     def call_padded(self, batch: torch.Tensor, rows: int, **options):
         """``self(batch zero-padded to rows rows, **options)`` cropped back to the batch's rows, for a single-tensor
         call of a function that treats each row on its own. Once the graph of ``rows`` rows is kept, the batch and
-        the zero rows are copied straight into its static buffer: no padded copy of the batch is made (at 64 built-in-model
+        the zero rows are copied straight into its static buffer: no padded copy of the batch is made (at 64
+        built-in-model
         envs the encode's was a 50 MB tensor beside the batch, and the first smaller batch of a soak made the caching
         allocator reserve a segment for it)."""
         count = batch.shape[0]

@@ -30,9 +30,10 @@ import os
 import secrets
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,10 +49,18 @@ from .models.light_decoder import LightDecoder
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
 from .models.vae import Cosmos3VAE
 from .parallel.collectives import (
-    agree_on_seeds, dp_share, gather_cfg_rows, gather_dp_results, run_on_every_rank,
+    agree_on_seeds,
+    dp_share,
+    gather_cfg_rows,
+    gather_dp_results,
+    run_on_every_rank,
 )
 from .parallel.mesh import (
-    ParallelConfig, ParallelContext, in_process_group, init_parallel, resolve_parallel_config,
+    ParallelConfig,
+    ParallelContext,
+    in_process_group,
+    init_parallel,
+    resolve_parallel_config,
 )
 from .parallel.plan import parallelize_transformer
 from .parallel.tensor_parallel import check_tensor_parallel, release_symmetric_buffers
@@ -246,7 +255,7 @@ class Cosmos3Engine:
         precision: str = "bf16",
         preset: str | None = None,
         decoder: str = "vae",
-    ) -> "Cosmos3Engine":
+    ) -> Cosmos3Engine:
         """Load a diffusers-layout Cosmos3 checkpoint (local directory or hub id) into this process.
 
         ``dtype`` is the transformer's (default bf16 on CUDA, fp32 on CPU); the VAE runs in fp32 unless
@@ -282,13 +291,24 @@ class Cosmos3Engine:
             warnings.warn(
                 "Cosmos3Engine.from_pretrained with several ranks outside a process group is deprecated: it builds "
                 "in-process engines only from the next release. Use cosmos3_gym.load_engine(path, tp=..., "
-                "cfg_parallel=..., dp=...), which starts the worker processes.", DeprecationWarning, stacklevel=2,
+                "cfg_parallel=..., dp=...), which starts the worker processes.",
+                DeprecationWarning,
+                stacklevel=2,
             )
             # Late-bound: the launcher imports this module, and this shim goes away with the deprecation.
             load_engine = importlib.import_module(f"{__package__}.launcher").load_engine
             return load_engine(
-                path_or_id, parallel=config, backend="mp", device=device, dtype=dtype, vae_dtype=vae_dtype,
-                decode_video=decode_video, progress=progress, optimize=optimize, precision=precision, preset=preset,
+                path_or_id,
+                parallel=config,
+                backend="mp",
+                device=device,
+                dtype=dtype,
+                vae_dtype=vae_dtype,
+                decode_video=decode_video,
+                progress=progress,
+                optimize=optimize,
+                precision=precision,
+                preset=preset,
                 decoder=decoder,
             )
         layout = validate_checkpoint(resolve_checkpoint(path_or_id))
@@ -324,15 +344,22 @@ class Cosmos3Engine:
             light_decoder = LightDecoder.from_pretrained(light_decoder_dir, device=device, dtype=vae_dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(layout.text_tokenizer_dir))
         engine = cls(
-            transformer, vae, tokenizer, layout.scheduler_config, decode_video=decode_video, progress=progress,
-            parallel=context, owns_process_group=owns_process_group, light_decoder=light_decoder,
+            transformer,
+            vae,
+            tokenizer,
+            layout.scheduler_config,
+            decode_video=decode_video,
+            progress=progress,
+            parallel=context,
+            owns_process_group=owns_process_group,
+            light_decoder=light_decoder,
         )
         engine.preset = preset
         return engine.optimize() if optimize else engine
 
     def optimize(
         self, *, cuda_graphs: bool | None = None, tp_overlap: bool | None = None, stage_graphs: bool | None = None
-    ) -> "Cosmos3Engine":
+    ) -> Cosmos3Engine:
         """The fast path measured in benchmarks/gpu_suite.py and benchmarks/parallel_gpu.py: regional
         ``torch.compile`` of the transformer blocks, the VAE decoder's fused RMS-norm + SiLU and, on a CUDA device,
         the GEN forward replayed as CUDA graphs (``cuda_graphs``; default: on when this engine runs on a GPU; under
@@ -366,7 +393,11 @@ class Cosmos3Engine:
             raise InputError(f"stage_graphs: needs a CUDA device; this engine runs on {self.device}")
         overlap = self.device.type == "cuda" if tp_overlap is None else tp_overlap
         self._graphed_forward = parallelize_transformer(
-            self.transformer, self.parallel, compile=True, tp_overlap=overlap, cuda_graphs=use_graphs,
+            self.transformer,
+            self.parallel,
+            compile=True,
+            tp_overlap=overlap,
+            cuda_graphs=use_graphs,
             graphed_forward=self._graphed_forward,
         )
         if self._graphed_forward is not None:
@@ -376,28 +407,33 @@ class Cosmos3Engine:
             self.light_decoder.use_channels_last()
         return self.use_stage_graphs(use_stage_graphs)
 
-    def use_stage_graphs(self, on: bool = True) -> "Cosmos3Engine":
+    def use_stage_graphs(self, on: bool = True) -> Cosmos3Engine:
         """``optimize``'s ``stage_graphs`` alone: turn the CUDA-graphed VAE encode and light decode on or off (off
         drops their graphs) and leave the rest as it is; for an A/B of them on one optimised engine."""
         if on and self.device.type != "cuda":
             raise InputError(f"stage_graphs: needs a CUDA device; this engine runs on {self.device}")
-        # Captured lazily, at each shape's first call: whatever optimizes the modules after optimize() (the built-in model's env
+        # Captured lazily, at each shape's first call: whatever optimizes the modules after optimize() (the built-in
+        # model's env
         # env's vae.optimize() swaps the encoder's convolution classes) is in place by then. The graphs call the
         # modules through these bound methods, so they follow a later module change only after reset().
         if not on:
             self._graphed_encode = self._graphed_light_decode = None
             return self
         if self._graphed_encode is None:
-            self._graphed_encode = GraphedFunction(self.vae.encode, self.device, max_graphs=8, name="stage_graphs",
-                                                   max_padding=self.graph_padding)
+            self._graphed_encode = GraphedFunction(
+                self.vae.encode, self.device, max_graphs=8, name="stage_graphs", max_padding=self.graph_padding
+            )
         if self.light_decoder is not None and self._graphed_light_decode is None:
             self._graphed_light_decode = GraphedFunction(
-                self.light_decoder.decode, self.device, max_graphs=8, name="stage_graphs",
+                self.light_decoder.decode,
+                self.device,
+                max_graphs=8,
+                name="stage_graphs",
                 max_padding=self.graph_padding,
             )
         return self
 
-    def set_graph_padding(self, max_padding: float | None) -> "Cosmos3Engine":
+    def set_graph_padding(self, max_padding: float | None) -> Cosmos3Engine:
         """How far a batch is padded to replay a CUDA graph already captured instead of capturing one for its size
         (``cuda_graphs.graph_rows``): at most ``max_padding`` times its rows (default 2), or, with None, up to any
         kept graph, so that no batch up to the largest one seen compiles or captures again and memory stays flat
@@ -436,7 +472,10 @@ class Cosmos3Engine:
     # ------------------------------------------------------------------ public API
 
     def step(
-        self, requests: Cosmos3Request | Sequence[Cosmos3Request], *, decode: bool | None = None,
+        self,
+        requests: Cosmos3Request | Sequence[Cosmos3Request],
+        *,
+        decode: bool | None = None,
         pixels_on_device: bool = False,
     ):
         """Run one request (returns a ``Cosmos3Result``) or a list (returns a list, in order).
@@ -607,16 +646,33 @@ class Cosmos3Engine:
         h, w = layout.latent_hw
 
         x0_actions, clean_rows = processor.prepare_action_rows(
-            r.mode, r.chunk, raw_dim, action_dim, actions=r.action, history=r.action_history,
-            history_length=r.action_history_length, flip=r.flip_gripper,
+            r.mode,
+            r.chunk,
+            raw_dim,
+            action_dim,
+            actions=r.action,
+            history=r.action_history,
+            history_length=r.action_history_length,
+            flip=r.flip_gripper,
         )
 
         cond_ids, uncond_ids = self._prompt_token_ids(r, num_frames, canvas_h, canvas_w)
         schedule = self._schedule(r.num_inference_steps, r.flow_shift, r.use_karras_sigmas, r.use_native_flow_schedule)
         seed = r.seed if r.seed is not None else secrets.randbelow(2**63)
         prepared = _Prepared(
-            r, seed, domain_id, raw_dim, cond_ids, uncond_ids, clean_frames, clean_rows,
-            pixels, x0_actions, (latent_t, h, w), schedule, history_rows=r.action_history_length,
+            r,
+            seed,
+            domain_id,
+            raw_dim,
+            cond_ids,
+            uncond_ids,
+            clean_frames,
+            clean_rows,
+            pixels,
+            x0_actions,
+            (latent_t, h, w),
+            schedule,
+            history_rows=r.action_history_length,
         )
         return prepared, deferred
 
@@ -625,17 +681,35 @@ class Cosmos3Engine:
         costs milliseconds per call, which a vector env paid for every slot at every step. Bounded like the text
         cache; the cached lists are never mutated."""
         prompt_format = processor.resolve_prompt_format(r.prompt_format, self.transformer.config.hidden_act)
-        key = (r.task, r.negative_prompt, r.view_point, num_frames, r.fps, height, width, prompt_format,
-               r.use_system_prompt, r.additional_view_description)
+        key = (
+            r.task,
+            r.negative_prompt,
+            r.view_point,
+            num_frames,
+            r.fps,
+            height,
+            width,
+            prompt_format,
+            r.use_system_prompt,
+            r.additional_view_description,
+        )
         try:
             ids = self._prompt_ids.get(key)
         except TypeError:  # an unhashable (hence invalid) field: let the builder name it
             key, ids = None, None
         if ids is None:
             ids = processor.build_prompt_token_ids(
-                self.tokenizer, r.task, negative_prompt=r.negative_prompt, view_point=r.view_point,
-                num_frames=num_frames, fps=r.fps, height=height, width=width, prompt_format=prompt_format,
-                use_system_prompt=r.use_system_prompt, additional_view_description=r.additional_view_description,
+                self.tokenizer,
+                r.task,
+                negative_prompt=r.negative_prompt,
+                view_point=r.view_point,
+                num_frames=num_frames,
+                fps=r.fps,
+                height=height,
+                width=width,
+                prompt_format=prompt_format,
+                use_system_prompt=r.use_system_prompt,
+                additional_view_description=r.additional_view_description,
             )
             if key is not None:
                 if len(self._prompt_ids) >= self._text_cache_size:
@@ -676,7 +750,10 @@ class Cosmos3Engine:
             if len(self._schedules) >= 64:
                 self._schedules.clear()
             self._schedules[key] = make_schedule(
-                num_steps, self.scheduler_config, flow_shift=flow_shift, use_karras_sigmas=use_karras_sigmas,
+                num_steps,
+                self.scheduler_config,
+                flow_shift=flow_shift,
+                use_karras_sigmas=use_karras_sigmas,
                 use_native_flow_schedule=bool(native),
             )
         return self._schedules[key]
@@ -785,7 +862,10 @@ class Cosmos3Engine:
             )
             fps = [group[b].request.fps for b in rows]
             layout = self.transformer.gen_layout(
-                text.lengths, group[0].latent_thw, chunk, fps,
+                text.lengths,
+                group[0].latent_thw,
+                chunk,
+                fps,
                 action_start_offset=[1 - group[b].history_rows for b in rows],
             )
             domain_ids = torch.tensor([group[b].domain_id for b in rows], device=device)
@@ -802,8 +882,14 @@ class Cosmos3Engine:
             timesteps = video_sampler.timesteps_for_step(i)
             if rows:
                 v_video, v_action = gen_forward(
-                    text, layout, video[row_index], video_noisy, timesteps[row_index], actions[row_index],
-                    action_noisy, domain_ids,
+                    text,
+                    layout,
+                    video[row_index],
+                    video_noisy,
+                    timesteps[row_index],
+                    actions[row_index],
+                    action_noisy,
+                    domain_ids,
                 )
                 v_video, v_action = v_video[:num_rows], v_action[:num_rows]
             else:  # a single unguided request under cfg=2: cfg rank 1 has no row, it only sends padding
@@ -861,9 +947,7 @@ class Cosmos3Engine:
         cond_video, cond_action = v_video[:batch], v_action[:batch]
         if guided_index.numel() == 0:
             return cond_video, cond_action
-        video = cond_video.index_copy(
-            0, guided_index, cfg_combine(cond_video[guided_index], v_video[batch:], guidance)
-        )
+        video = cond_video.index_copy(0, guided_index, cfg_combine(cond_video[guided_index], v_video[batch:], guidance))
         action = cond_action.index_copy(
             0, guided_index, cfg_combine(cond_action[guided_index], v_action[batch:], guidance)
         )
@@ -936,8 +1020,14 @@ def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torc
         return default
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "float16": torch.float16}
+    names = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+    }
     if dtype not in names:
         raise InputError(f"dtype: expected one of {sorted(names)}, got {dtype!r}")
     return names[dtype]

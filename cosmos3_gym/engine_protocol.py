@@ -14,7 +14,8 @@ builds ``Cosmos3Request`` objects, calls ``step`` and reads ``Cosmos3Result.pixe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, overload, runtime_checkable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, overload, runtime_checkable
 
 import torch
 

@@ -36,9 +36,10 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -106,8 +107,9 @@ class Summary:
     mean_length: float
 
     @classmethod
-    def of(cls, results: Sequence[EpisodeResult], confidence: float,
-           return_bounds: tuple[float, float] | None = None) -> "Summary":
+    def of(
+        cls, results: Sequence[EpisodeResult], confidence: float, return_bounds: tuple[float, float] | None = None
+    ) -> Summary:
         returns = [result.episode_return for result in results]
         defined = all(result.success is not None for result in results)
         successes = sum(bool(result.success) for result in results) if defined else None
@@ -168,13 +170,16 @@ class EvalReport:
             rows.append((name or '""', str(summary.episodes), success, ret))
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines = [
-            "  ".join(cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in
-                      enumerate(zip(row, widths))).rstrip()
+            "  ".join(
+                cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))
+            ).rstrip()
             for row in rows
         ]
         if self.overall.success_rate is None:
-            lines.append("success rate: n/a, no success definition (give a success threshold, or a checkpoint or "
-                         "env that defines one)")
+            lines.append(
+                "success rate: n/a, no success definition (give a success threshold, or a checkpoint or "
+                "env that defines one)"
+            )
         if approximate:
             lines.append("~: the reward's bounds are unknown, so the mean-return interval is approximate")
         return "\n".join(lines)
@@ -218,6 +223,7 @@ def _act_function(policy: Any, batched: bool, deterministic: bool) -> ActFunctio
     ``batched=False`` (a single env run as one slot): the policy sees and returns one unbatched item.
     """
     if isinstance(policy, PolicyAgent):
+
         def act_one(observation, tasks, starts):  # the agent takes each slot's instruction as its prompt
             return policy.act(observation, task=tasks if batched else tasks[0])
     elif callable(getattr(policy, "predict", None)):  # Stable-Baselines3 model or policy (recurrent state kept)
@@ -225,10 +231,12 @@ def _act_function(policy: Any, batched: bool, deterministic: bool) -> ActFunctio
 
         def act_one(observation, tasks, starts):
             nonlocal state
-            action, state = policy.predict(observation, state=state, episode_start=starts if batched else starts[:1],
-                                           deterministic=deterministic)
+            action, state = policy.predict(
+                observation, state=state, episode_start=starts if batched else starts[:1], deterministic=deterministic
+            )
             return action
     elif callable(policy):
+
         def act_one(observation, tasks, starts):
             return policy(observation)
     else:
@@ -269,8 +277,17 @@ class _RunningEpisode:
 class _EpisodeBook:
     """Which episode runs in each slot, and the results of the finished ones that count."""
 
-    def __init__(self, num_envs: int, episodes: int, success_return_threshold: float | None, max_videos: int,
-                 video_dir: Path | None, fps: float, bar, max_episode_steps: int | None):
+    def __init__(
+        self,
+        num_envs: int,
+        episodes: int,
+        success_return_threshold: float | None,
+        max_videos: int,
+        video_dir: Path | None,
+        fps: float,
+        bar,
+        max_episode_steps: int | None,
+    ):
         self.num_envs, self.episodes, self.success_return_threshold = num_envs, episodes, success_return_threshold
         self.max_videos, self.video_dir, self.fps, self.bar = max_videos, video_dir, fps, bar
         self.max_episode_steps = max_episode_steps
@@ -288,8 +305,9 @@ class _EpisodeBook:
             first = _observation_image(observations, slot)
             clips = [] if first is None else [first[None]]
         index = _slot_value(info, "initial_state_index", slot)
-        self.running[slot] = _RunningEpisode(episode, str(_slot_value(info, "task", slot, "")),
-                                             None if index is None else int(index), clips)
+        self.running[slot] = _RunningEpisode(
+            episode, str(_slot_value(info, "task", slot, "")), None if index is None else int(index), clips
+        )
 
     def counts(self, slot: int) -> bool:
         """Whether the episode running in ``slot`` is one of the evaluated ones (within the slot's quota)."""
@@ -306,12 +324,23 @@ class _EpisodeBook:
             success = current.episode_return > self.success_return_threshold
         video = None
         if current.clips:
-            video = write_video(self.video_dir / f"episode_{current.episode:04d}.mp4", _concatenate_clips(current.clips),
-                                fps=self.fps).name
-        self.finished.append(EpisodeResult(
-            current.episode, slot, current.task, current.episode_return, current.length, success, terminated,
-            truncated, current.initial_state_index, video,
-        ))
+            video = write_video(
+                self.video_dir / f"episode_{current.episode:04d}.mp4", _concatenate_clips(current.clips), fps=self.fps
+            ).name
+        self.finished.append(
+            EpisodeResult(
+                current.episode,
+                slot,
+                current.task,
+                current.episode_return,
+                current.length,
+                success,
+                terminated,
+                truncated,
+                current.initial_state_index,
+                video,
+            )
+        )
         if self.max_episode_steps is not None and current.length < self.max_episode_steps:
             self.bar.update(self.max_episode_steps - current.length)  # the steps this episode will not take
         self.bar.set_postfix(episodes=f"{len(self.finished)}/{self.episodes}", refresh=False)
@@ -367,16 +396,27 @@ def evaluate_policy(
     fps = float(vector_env.metadata.get("render_fps") or 15.0)
     if max_episode_steps is None:
         max_episode_steps = _max_episode_steps(env)
-    elif isinstance(max_episode_steps, bool) or not isinstance(max_episode_steps, (int, np.integer)) or \
-            max_episode_steps < 1:
+    elif (
+        isinstance(max_episode_steps, bool)
+        or not isinstance(max_episode_steps, (int, np.integer))
+        or max_episode_steps < 1
+    ):
         raise InputError(f"max_episode_steps: expected an integer >= 1 or None, got {max_episode_steps!r}.")
 
     wall_start = time.perf_counter()
     vector_steps = 0
     total = None if max_episode_steps is None else episodes * int(max_episode_steps)
     with tqdm(total=total, unit="step", desc="evaluating (env steps)", disable=not progress, file=sys.stderr) as bar:
-        book = _EpisodeBook(num_envs, episodes, success_return_threshold,
-                            int(max_videos) if video_dir is not None else 0, video_dir, fps, bar, max_episode_steps)
+        book = _EpisodeBook(
+            num_envs,
+            episodes,
+            success_return_threshold,
+            int(max_videos) if video_dir is not None else 0,
+            video_dir,
+            fps,
+            bar,
+            max_episode_steps,
+        )
         observations, info = vector_env.reset(seed=seed)
         for slot in range(num_envs):
             book.start(slot, info, observations)
@@ -426,8 +466,9 @@ def evaluate_policy(
     longest = max(result.length for result in finished)
     bounds = return_bounds(reward_bounds, max(int(max_episode_steps or 0), longest))
     if success_return_threshold is not None:
-        success_rule = (f"info['success'] of the last step when the env sets it, else return > "
-                        f"{success_return_threshold}")
+        success_rule = (
+            f"info['success'] of the last step when the env sets it, else return > {success_return_threshold}"
+        )
     elif all(result.success is not None for result in finished):
         success_rule = "info['success'] of the last step (the env's success threshold)"
     else:
@@ -470,8 +511,11 @@ def _slot_value(info: dict, key: str, slot: int, default: Any = None) -> Any:
 def _slot_info(info: dict, slot: int) -> dict[str, Any]:
     """The entries of a vector info dict that slot ``slot`` has (``final_obs`` / ``final_info`` left out)."""
     absent = object()
-    entries = {key: _slot_value(info, key, slot, absent) for key in info
-               if not key.startswith("_") and key not in ("final_obs", "final_info")}
+    entries = {
+        key: _slot_value(info, key, slot, absent)
+        for key in info
+        if not key.startswith("_") and key not in ("final_obs", "final_info")
+    }
     return {key: value for key, value in entries.items() if value is not absent}
 
 
@@ -500,8 +544,6 @@ def _concatenate_clips(clips: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([clip for clip in clips if clip.shape[1:] == size])
 
 
-
-
 def _max_episode_steps(env: Any) -> int | None:
     """The env's episode step limit: its registered spec's, else its settings' (None when unbounded/unknown)."""
     spec = getattr(env, "spec", None)
@@ -516,8 +558,15 @@ def _max_episode_steps(env: Any) -> int | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 # Used where neither the user nor the checkpoint gives a setting.
-FALLBACK_ENV_SETTINGS = dict(domain="droid_lerobot", chunk=32, resolution_tier=480, fps=15.0, num_steps=4,
-                             guidance_scale=3.0, max_episode_steps=10)
+FALLBACK_ENV_SETTINGS = dict(
+    domain="droid_lerobot",
+    chunk=32,
+    resolution_tier=480,
+    fps=15.0,
+    num_steps=4,
+    guidance_scale=3.0,
+    max_episode_steps=10,
+)
 
 
 def evaluate_checkpoint(
@@ -569,10 +618,20 @@ def evaluate_checkpoint(
     checkpoint = resolve_checkpoint(checkpoint)
     recorded = checkpoint_defaults(checkpoint)
     decoder = decoder if decoder is not None else checkpoint_decoder(checkpoint)
-    given = dict(domain=domain, raw_action_dim=raw_action_dim, chunk=chunk, resolution_tier=resolution_tier, fps=fps,
-                 num_steps=num_steps, guidance_scale=guidance_scale, task=task, reward_model=reward_model,
-                 success_threshold=success_threshold, max_episode_steps=max_episode_steps,
-                 initial_states=initial_states)
+    given = dict(
+        domain=domain,
+        raw_action_dim=raw_action_dim,
+        chunk=chunk,
+        resolution_tier=resolution_tier,
+        fps=fps,
+        num_steps=num_steps,
+        guidance_scale=guidance_scale,
+        task=task,
+        reward_model=reward_model,
+        success_threshold=success_threshold,
+        max_episode_steps=max_episode_steps,
+        initial_states=initial_states,
+    )
     settings, overrides = {}, {}
     for key, value in given.items():
         if value is not None:
@@ -587,8 +646,9 @@ def evaluate_checkpoint(
         else:
             settings[key] = None
     if settings["initial_states"] is None:
-        raise InputError("initial_states: this checkpoint ships no start states; give an image, video or folder "
-                         "(--initial-states).")
+        raise InputError(
+            "initial_states: this checkpoint ships no start states; give an image, video or folder (--initial-states)."
+        )
     if settings["reward_model"] is None and settings["success_threshold"] is not None and success_threshold is None:
         settings["success_threshold"] = None  # the checkpoint's threshold applies to its reward model only
     if reward_bounds is None and str(settings["reward_model"] or "").startswith("classifier:"):
@@ -607,25 +667,45 @@ def evaluate_checkpoint(
             pass
     out_dir = Path(out_dir)
     env = WorldModelVectorEnv(
-        num_envs, checkpoint, **{**settings, "initial_states": initial_states},
-        observation_size=observation_size, return_frames=max_videos > 0, device=device, dtype=dtype, decoder=decoder,
+        num_envs,
+        checkpoint,
+        **{**settings, "initial_states": initial_states},
+        observation_size=observation_size,
+        return_frames=max_videos > 0,
+        device=device,
+        dtype=dtype,
+        decoder=decoder,
     )
     try:
         agent = load_policy(policy, env, seed=seed)
         report = evaluate_policy(
-            env, agent, episodes, seed=seed, video_dir=out_dir if max_videos > 0 else None, max_videos=max_videos,
-            success_return_threshold=success_return_threshold, progress=progress,
-            max_episode_steps=settings["max_episode_steps"], reward_bounds=reward_bounds,
+            env,
+            agent,
+            episodes,
+            seed=seed,
+            video_dir=out_dir if max_videos > 0 else None,
+            max_videos=max_videos,
+            success_return_threshold=success_return_threshold,
+            progress=progress,
+            max_episode_steps=settings["max_episode_steps"],
+            reward_bounds=reward_bounds,
         )
     finally:
         env.close()
     report.settings.update(
-        policy=policy, checkpoint=str(checkpoint), overrides=overrides, decoder=decoder,
+        policy=policy,
+        checkpoint=str(checkpoint),
+        overrides=overrides,
+        decoder=decoder,
         initial_states=str(settings["initial_states"])
-        if isinstance(settings["initial_states"], (str, os.PathLike)) else "<from the checkpoint or in memory>",
+        if isinstance(settings["initial_states"], (str, os.PathLike))
+        else "<from the checkpoint or in memory>",
         observation_size=None if observation_size is None else list(observation_size),
-        env={key: (value if isinstance(value, (str, int, float, type(None))) else str(value))
-             for key, value in settings.items() if key != "initial_states"},
+        env={
+            key: (value if isinstance(value, (str, int, float, type(None))) else str(value))
+            for key, value in settings.items()
+            if key != "initial_states"
+        },
         **(extra_settings or {}),
     )
     report.to_json(out_dir / "report.json")

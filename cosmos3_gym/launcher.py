@@ -20,8 +20,8 @@ from .checkpoint import resolve_checkpoint, validate_checkpoint
 from .engine import Cosmos3Engine, check_decoder, find_light_decoder
 from .engine_protocol import WorldModelEngine
 from .errors import InputError
-from .models.transformer import Cosmos3TransformerConfig
 from .executors.client import Cosmos3EngineClient
+from .models.transformer import Cosmos3TransformerConfig
 from .parallel.mesh import ParallelConfig, ParallelContext, in_process_group, resolve_parallel_config
 from .parallel.tensor_parallel import check_tensor_parallel
 from .presets import get_preset
@@ -89,24 +89,37 @@ def load_engine(
         get_preset(preset)  # an unknown name fails before any worker starts
     if resolved != "ray" and (num_replicas != 1 or replica_resources is not None):
         raise InputError(f"num_replicas / replica_resources: only for backend='ray', not {resolved!r}")
-    engine_kwargs = dict(device=device, dtype=dtype, vae_dtype=vae_dtype, decode_video=decode_video,
-                         progress=progress, optimize=optimize, precision=precision, preset=preset, decoder=decoder)
+    engine_kwargs = dict(
+        device=device,
+        dtype=dtype,
+        vae_dtype=vae_dtype,
+        decode_video=decode_video,
+        progress=progress,
+        optimize=optimize,
+        precision=precision,
+        preset=preset,
+        decoder=decoder,
+    )
     if resolved == "inprocess":
         if config.world_size > 1 and not in_process_group() and not isinstance(parallel, ParallelContext):
             raise InputError(
                 f"backend 'inprocess': parallel config {config} needs {config.world_size} processes: run under "
                 f"torchrun --nproc_per_node={config.world_size}, or use backend 'mp' (or 'auto'), which starts them"
             )
-        return Cosmos3Engine.from_pretrained(path_or_id, parallel=parallel if parallel is not None else config,
-                                             **engine_kwargs)
+        return Cosmos3Engine.from_pretrained(
+            path_or_id, parallel=parallel if parallel is not None else config, **engine_kwargs
+        )
     if isinstance(parallel, ParallelContext):
-        raise InputError(f"parallel: a ParallelContext belongs to this process; backend {resolved!r} starts its own "
-                         "processes and needs a ParallelConfig")
+        raise InputError(
+            f"parallel: a ParallelContext belongs to this process; backend {resolved!r} starts its own "
+            "processes and needs a ParallelConfig"
+        )
     layout = validate_checkpoint(resolve_checkpoint(path_or_id))
     if decoder == "light":
         find_light_decoder(layout.root)  # before any worker starts
     check_tensor_parallel(Cosmos3TransformerConfig.from_dict(layout.transformer_config), config.tp)
     if resolved == "mp":
         return Cosmos3EngineClient(layout.root, config, engine_kwargs)
-    return engine_class("ray")(layout.root, num_replicas, replica_resources=replica_resources, parallel=config,
-                               **engine_kwargs)
+    return engine_class("ray")(
+        layout.root, num_replicas, replica_resources=replica_resources, parallel=config, **engine_kwargs
+    )

@@ -34,9 +34,10 @@ import importlib
 import importlib.util
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .errors import InputError
 
@@ -64,8 +65,9 @@ SB3_FILE_FORMAT = "cosmos3_gym.sb3_policy.v1"  # agents/sb3_policy.FORMAT (not i
 POLICY_FILE_LOADERS: dict[str, str | Callable[[str], Any]] = {
     "pixel_gaussian": "cosmos3_gym.rl.policy:load_policy_file",
 }
-BUILTIN_SPEC_HELP = "'random', 'agent', 'file:PATH' (a policy file of this package), 'sb3:PATH' / 'ppo:PATH' " \
-                    "(a save_sb3_policy file)"
+BUILTIN_SPEC_HELP = (
+    "'random', 'agent', 'file:PATH' (a policy file of this package), 'sb3:PATH' / 'ppo:PATH' (a save_sb3_policy file)"
+)
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,9 @@ class PolicySpec:
     def acts_on_frames(self) -> bool:
         """True for policies that observe images (and so run closed loop in a world model)."""
         registered = POLICY_KINDS.get(self.kind)
-        return self.kind in ("agent", "sb3", "ppo", "file") or (registered is not None and
-                                                                 registered.frame_agent is not None)
+        return self.kind in ("agent", "sb3", "ppo", "file") or (
+            registered is not None and registered.frame_agent is not None
+        )
 
     closed_loop_in_world_model = acts_on_frames
 
@@ -163,8 +166,10 @@ def parse_policy_spec(text: str, *, allow_factory: bool = False) -> PolicySpec:
     if allow_factory and colon and name and argument and name not in ("sb3", "ppo", "file", *POLICY_KINDS):
         module_name, _, attribute = text.rpartition(":")
         return PolicySpec(text, "factory", path=module_name, attribute=attribute)
-    raise InputError(f"policy: {text!r} is not one of {policy_spec_help()}" +
-                     (" or 'module:factory' / 'file.py:factory'." if allow_factory else "."))
+    raise InputError(
+        f"policy: {text!r} is not one of {policy_spec_help()}"
+        + (" or 'module:factory' / 'file.py:factory'." if allow_factory else ".")
+    )
 
 
 def parse_policy_specs(specs: str | Sequence[str]) -> list[PolicySpec]:
@@ -200,12 +205,13 @@ def policy_file_kind(path: str | os.PathLike, spec: str | None = None) -> str:
     if metadata.get("format") == SB3_FILE_FORMAT:
         return "sb3"
     if metadata.get("format") != POLICY_FILE_FORMAT:
-        raise InputError(f"{where}: {path} has no policy metadata this package knows (format "
-                         f"{metadata.get('format')!r}; expected {POLICY_FILE_FORMAT!r} or {SB3_FILE_FORMAT!r}).")
+        raise InputError(
+            f"{where}: {path} has no policy metadata this package knows (format "
+            f"{metadata.get('format')!r}; expected {POLICY_FILE_FORMAT!r} or {SB3_FILE_FORMAT!r})."
+        )
     kind = metadata.get("kind")
     if kind not in POLICY_FILE_LOADERS:
-        raise InputError(f"{where}: {path} is a policy of kind {kind!r}; known kinds: "
-                         f"{sorted(POLICY_FILE_LOADERS)}.")
+        raise InputError(f"{where}: {path} is a policy of kind {kind!r}; known kinds: {sorted(POLICY_FILE_LOADERS)}.")
     return kind
 
 
@@ -217,9 +223,15 @@ def _json_or_text(value: str) -> Any:
         return value
 
 
-def load_frame_agent(spec: PolicySpec | str, *, make_agent: Callable[[], Any] | None = None,
-                     device: str = "cpu", action_stats: Any = None, chunk: int | None = None,
-                     seed: int = 0) -> Any:
+def load_frame_agent(
+    spec: PolicySpec | str,
+    *,
+    make_agent: Callable[[], Any] | None = None,
+    device: str = "cpu",
+    action_stats: Any = None,
+    chunk: int | None = None,
+    seed: int = 0,
+) -> Any:
     """The frame agent (``act(frames [N, H, W, 3]) -> [N, chunk, dim]``) of a policy that observes images:
     a policy file, ``make_agent()`` for ``"agent"``, or a registered kind that acts on frames (its factory gets the
     world model's ``action_stats`` and ``chunk``; ``seed`` seeds its noise)."""
@@ -243,8 +255,10 @@ def load_frame_agent(spec: PolicySpec | str, *, make_agent: Callable[[], Any] | 
             try:
                 loader = getattr(importlib.import_module(module_name), attribute)
             except (ImportError, AttributeError) as error:
-                raise InputError(f"policy: {spec.spec!r}: the loader {POLICY_FILE_LOADERS[spec.file_kind]!r} of "
-                                 f"kind {spec.file_kind!r} is not available ({error}).") from None
+                raise InputError(
+                    f"policy: {spec.spec!r}: the loader {POLICY_FILE_LOADERS[spec.file_kind]!r} of "
+                    f"kind {spec.file_kind!r} is not available ({error})."
+                ) from None
         agent = _wrap_load_error(spec, lambda: loader(spec.path))
         if not callable(getattr(agent, "act", None)):
             raise InputError(f"policy: {spec.spec!r}: the loader returned a {type(agent).__name__} without act().")
@@ -376,20 +390,27 @@ def check_policy_fits_env(policy: Any, env: Any, spec: str) -> None:
         policy_keys = set(getattr(policy_observation, "spaces", {}) or {})
         env_keys = set(getattr(env_observation, "spaces", {}) or {})
         if policy_keys != env_keys:
-            raise InputError(f"policy: {spec!r} observes {sorted(policy_keys) or 'a plain array'}, the env gives "
-                             f"{sorted(env_keys) or 'a plain array'}.")
+            raise InputError(
+                f"policy: {spec!r} observes {sorted(policy_keys) or 'a plain array'}, the env gives "
+                f"{sorted(env_keys) or 'a plain array'}."
+            )
         for key in policy_keys or [None]:
             ours = policy_observation[key] if key else policy_observation
             theirs = env_observation[key] if key else env_observation
             if _hwc(ours.shape) != _hwc(theirs.shape):
                 hint = ""
                 if key == "image":
-                    hint = f"; pass --observation-size {_hwc(ours.shape)[0]} (observation_size=" \
-                           f"{_hwc(ours.shape)[0]}) to match"
-                raise InputError(f"policy: {spec!r} was trained on observation {key or ''} of shape "
-                                 f"{list(_hwc(ours.shape))}, the env gives {list(_hwc(theirs.shape))}{hint}.")
+                    hint = (
+                        f"; pass --observation-size {_hwc(ours.shape)[0]} (observation_size="
+                        f"{_hwc(ours.shape)[0]}) to match"
+                    )
+                raise InputError(
+                    f"policy: {spec!r} was trained on observation {key or ''} of shape "
+                    f"{list(_hwc(ours.shape))}, the env gives {list(_hwc(theirs.shape))}{hint}."
+                )
     policy_action = getattr(policy, "action_space", None)
     action_shape = tuple(policy_action.shape) if policy_action is not None else getattr(policy, "action_shape", None)
     if action_shape is not None and env_action is not None and tuple(action_shape) != tuple(env_action.shape):
-        raise InputError(f"policy: {spec!r} acts with actions of shape {list(action_shape)}, the env takes "
-                         f"{list(env_action.shape)}.")
+        raise InputError(
+            f"policy: {spec!r} acts with actions of shape {list(action_shape)}, the env takes {list(env_action.shape)}."
+        )

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -156,13 +156,15 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
 
 # What the request fields that default to None mean when neither the request nor a preset sets them: diffusers'.
 # (use_system_prompt stays None: it then follows the prompt format, see processor.build_prompt_token_ids.)
-UNSET_DEFAULTS: Mapping[str, Any] = MappingProxyType({
-    "prompt_format": "json",
-    "canvas": "diffusers",
-    "action_history_length": 0,
-    "flip_gripper": False,
-    "use_native_flow_schedule": False,
-})
+UNSET_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "prompt_format": "json",
+        "canvas": "diffusers",
+        "action_history_length": 0,
+        "flip_gripper": False,
+        "use_native_flow_schedule": False,
+    }
+)
 
 
 def get_preset(name: str | Preset) -> Preset:
@@ -200,7 +202,7 @@ def resolve_request(request: Any, default_preset: str | Preset | None = None) ->
     return dataclasses.replace(request, **{**resolved, "preset": None})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_defaults(request_type: type) -> tuple[tuple[str, ...], dict[str, Any]]:
     """A request dataclass's field names and defaults, read once (``dataclasses.fields`` costs a vector env's step
     tens of microseconds per slot). The defaults dict is never mutated."""

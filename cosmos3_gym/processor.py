@@ -390,7 +390,7 @@ def uint8_layout(observation: Any, resolution_tier: int, num_frames: int, canvas
     return layout if layout.content_hw == layout.source_hw else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _uint8_to_model_range(device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """[256] float32 on ``device``: the value ``prepare_conditioning`` gives each 8-bit level, computed by its own
     functions (``load_frames``' x / 255, then 2x - 1), so a table lookup gives the same bits. Kept per device: a
@@ -402,7 +402,11 @@ def _uint8_to_model_range(device: torch.device = torch.device("cpu")) -> torch.T
 
 
 def prepare_uint8_conditioning(
-    observations: list[np.ndarray], layout: CanvasLayout, num_frames: int, *, device: torch.device | str = "cpu",
+    observations: list[np.ndarray],
+    layout: CanvasLayout,
+    num_frames: int,
+    *,
+    device: torch.device | str = "cpu",
     stacked: bool | None = None,
 ) -> list[torch.Tensor]:
     """``prepare_conditioning(observation, ...).pixels`` (``[1, 3, num_frames, *canvas_hw]`` float32, the same
@@ -573,8 +577,14 @@ def build_prompt_token_ids(
         )
 
     caption = build_prompt_text(
-        task, prompt_format=prompt_format, view_point=view_point, num_frames=num_frames, fps=fps, height=height,
-        width=width, additional_view_description=additional_view_description,
+        task,
+        prompt_format=prompt_format,
+        view_point=view_point,
+        num_frames=num_frames,
+        fps=fps,
+        height=height,
+        width=width,
+        additional_view_description=additional_view_description,
     )
     if use_system_prompt is None:
         use_system_prompt = prompt_format == "json"
@@ -891,7 +901,7 @@ def load_action_file(path: str | os.PathLike, chunk_index: int = 0) -> np.ndarra
             raise InputError(f"{field}: chunk_index {chunk_index!r} is out of range; it has {len(chunks)} chunks.")
         return _as_float_matrix(chunks[chunk_index], field)
     raise InputError(
-        f"{field}: expected {{\"shape\", \"dtype\", \"data\"}} or {{\"action_chunks\"}}, got "
+        f'{field}: expected {{"shape", "dtype", "data"}} or {{"action_chunks"}}, got '
         f"{sorted(document) if isinstance(document, dict) else type(document).__name__}."
     )
 

@@ -24,8 +24,8 @@ weights and compiles the blocks whole instead of overlapping the all-reduces (``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -53,16 +53,21 @@ def _is_edge(index: int, num_layers: int) -> bool:
 
 
 FP8_LAYER_POLICIES: dict[str, Fp8LayerPolicy] = {
-    "all": Fp8LayerPolicy("every GEN-layer GEMM (qkv, out, gate_up, down) of every GEN layer",
-                          lambda i, n, name: True),
-    "keep_qkv": Fp8LayerPolicy("as 'all' but the fused q/k/v projection stays bf16 (Q/K precision)",
-                               lambda i, n, name: name != "attn.qkv"),
-    "keep_edges": Fp8LayerPolicy("as 'all' but the first and last GEN layers stay bf16",
-                                 lambda i, n, name: not _is_edge(i, n)),
-    "keep_qkv_edges": Fp8LayerPolicy("'keep_qkv' and the first and last GEN layers stay bf16",
-                                     lambda i, n, name: name != "attn.qkv" and not _is_edge(i, n)),
-    "mlp_only": Fp8LayerPolicy("only the MLP GEMMs (gate_up, down; ~78% of a GEN layer's GEMM FLOPs)",
-                               lambda i, n, name: name.startswith("mlp.")),
+    "all": Fp8LayerPolicy("every GEN-layer GEMM (qkv, out, gate_up, down) of every GEN layer", lambda i, n, name: True),
+    "keep_qkv": Fp8LayerPolicy(
+        "as 'all' but the fused q/k/v projection stays bf16 (Q/K precision)", lambda i, n, name: name != "attn.qkv"
+    ),
+    "keep_edges": Fp8LayerPolicy(
+        "as 'all' but the first and last GEN layers stay bf16", lambda i, n, name: not _is_edge(i, n)
+    ),
+    "keep_qkv_edges": Fp8LayerPolicy(
+        "'keep_qkv' and the first and last GEN layers stay bf16",
+        lambda i, n, name: name != "attn.qkv" and not _is_edge(i, n),
+    ),
+    "mlp_only": Fp8LayerPolicy(
+        "only the MLP GEMMs (gate_up, down; ~78% of a GEN layer's GEMM FLOPs)",
+        lambda i, n, name: name.startswith("mlp."),
+    ),
 }
 
 # The policy ``precision="fp8"`` uses, chosen by measurement (benchmarks/RESULTS.md, issue 23): every GEN GEMM in FP8
@@ -108,9 +113,7 @@ def check_fp8_supported(device: torch.device | str) -> None:
     try:
         import torchao  # noqa: F401
     except ImportError as error:
-        raise InputError(
-            "precision: 'fp8' needs torchao (pip install 'cosmos3_gym[fp8]', torchao>=0.18)"
-        ) from error
+        raise InputError("precision: 'fp8' needs torchao (pip install 'cosmos3_gym[fp8]', torchao>=0.18)") from error
 
 
 def apply_fp8(transformer: Cosmos3Transformer, layers: str = DEFAULT_FP8_LAYERS) -> Cosmos3Transformer:
@@ -119,16 +122,21 @@ def apply_fp8(transformer: Cosmos3Transformer, layers: str = DEFAULT_FP8_LAYERS)
     (compile and CUDA graphs then capture the FP8 GEMMs). On a tensor-parallel model it quantizes this rank's
     shards. Inference only (the weights no longer train)."""
     names = fp8_linear_names(transformer, layers)  # validates the policy name first, on any device
-    if any(isinstance(module, RowParallelLinear) and module.all_reduce == "symm_mem"
-           for module in transformer.gen_layers.modules()):
-        raise InputError("precision: the row-parallel layers already use the symmetric-memory all-reduce, which "
-                         "multiplies plain weights only; apply FP8 before optimize() (the plan then keeps NCCL)")
+    if any(
+        isinstance(module, RowParallelLinear) and module.all_reduce == "symm_mem"
+        for module in transformer.gen_layers.modules()
+    ):
+        raise InputError(
+            "precision: the row-parallel layers already use the symmetric-memory all-reduce, which "
+            "multiplies plain weights only; apply FP8 before optimize() (the plan then keeps NCCL)"
+        )
     check_fp8_supported(transformer.device)
     if transformer.blocks_compiled:
         raise InputError("precision: apply FP8 before compile_blocks / Cosmos3Engine.optimize, not after")
     if transformer.dtype != torch.bfloat16:
-        raise InputError(f"precision: 'fp8' needs the transformer loaded in bf16 (dtype='bf16'), "
-                         f"it is {transformer.dtype}")
+        raise InputError(
+            f"precision: 'fp8' needs the transformer loaded in bf16 (dtype='bf16'), it is {transformer.dtype}"
+        )
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     # set_inductor_config=False: torchao would otherwise switch on inductor's coordinate-descent tuning process-wide,

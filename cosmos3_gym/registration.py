@@ -110,8 +110,12 @@ def register_envs() -> None:
     except ImportError:  # `cosmos3-gym infer` works without Gymnasium
         gymnasium = None
     if gymnasium is not None and ENV_ID not in gymnasium.registry:
-        gymnasium.register(id=ENV_ID, entry_point="cosmos3_gym.envs:make_world_model_env",
-                           vector_entry_point="cosmos3_gym.envs:make_world_model_vector_env", order_enforce=False)
+        gymnasium.register(
+            id=ENV_ID,
+            entry_point="cosmos3_gym.envs:make_world_model_env",
+            vector_entry_point="cosmos3_gym.envs:make_world_model_vector_env",
+            order_enforce=False,
+        )
     if _TASKS_LOADED:
         return
     _TASKS_LOADED.append(True)
@@ -119,5 +123,6 @@ def register_envs() -> None:
         try:
             entry_point.load()()
         except Exception as error:  # a broken third-party task must not break `import cosmos3_gym`
-            logger.warning("cosmos3_gym: task entry point %r (%s) failed: %s", entry_point.name, entry_point.value,
-                           error)
+            logger.warning(
+                "cosmos3_gym: task entry point %r (%s) failed: %s", entry_point.name, entry_point.value, error
+            )

@@ -350,9 +350,7 @@ class FlowUniPCSampler:
         self._next_step += 1
         return next_sample.to(output_dtype)
 
-    def _update(
-        self, table: _DeviceTable, i: int, sample: torch.Tensor, new_x0: torch.Tensor | None
-    ) -> torch.Tensor:
+    def _update(self, table: _DeviceTable, i: int, sample: torch.Tensor, new_x0: torch.Tensor | None) -> torch.Tensor:
         """``a*x + b*m_anchor + sum_k w_k (m_{anchor-k} - m_anchor) [+ w_new (m_new - m_anchor)]`` at step i."""
         anchor_x0 = self._x0_history[-1]
         result = self._per_item(table.sample_coef[i], sample) * sample
@@ -370,9 +368,7 @@ class FlowUniPCSampler:
         return coefficient.view(-1, *([1] * (like.dim() - 1)))
 
 
-def cfg_combine(
-    cond: torch.Tensor, uncond: torch.Tensor | None, guidance_scale: float | torch.Tensor
-) -> torch.Tensor:
+def cfg_combine(cond: torch.Tensor, uncond: torch.Tensor | None, guidance_scale: float | torch.Tensor) -> torch.Tensor:
     """Classifier-free guidance as ``Cosmos3OmniPipeline``: ``uncond + g * (cond - uncond)``, and ``cond`` when g == 1.
 
     ``guidance_scale`` is a float (``uncond`` may be None when it is 1.0: the pipeline skips the uncond pass) or a

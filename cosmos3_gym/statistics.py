@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .errors import InputError
 
@@ -38,8 +39,9 @@ def check_confidence(confidence: Any) -> float:
 def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
     """Wilson score interval ``(low, high)`` for a success rate of ``successes`` out of ``trials``."""
     if trials < 1 or not 0 <= successes <= trials:
-        raise InputError(f"successes/trials: expected 0 <= successes <= trials and trials >= 1, got "
-                         f"{successes}/{trials}.")
+        raise InputError(
+            f"successes/trials: expected 0 <= successes <= trials and trials >= 1, got {successes}/{trials}."
+        )
     z = statistics.NormalDist().inv_cdf(0.5 + check_confidence(confidence) / 2)
     rate = successes / trials
     denominator = 1 + z * z / trials
@@ -57,8 +59,9 @@ def student_t_quantile(probability: float, df: int) -> float:
     Bisection on the exact CDF for integer ``df`` (Abramowitz & Stegun 26.7.3 / 26.7.4).
     """
     if not 0.5 < probability < 1 or isinstance(df, bool) or not isinstance(df, int) or df < 1:
-        raise InputError(f"probability/df: expected 0.5 < probability < 1 and an integer df >= 1, got "
-                         f"{probability!r}, {df!r}.")
+        raise InputError(
+            f"probability/df: expected 0.5 < probability < 1 and an integer df >= 1, got {probability!r}, {df!r}."
+        )
     target = 2 * probability - 1  # P(|T| <= t)
     high = 1.0
     while _t_central_probability(high, df) < target:
@@ -110,8 +113,8 @@ def mean_interval(
     if len(values) < 2 or not all(math.isfinite(value) for value in values):
         return None
     mean = statistics.fmean(values)
-    half_width = student_t_quantile(0.5 + confidence / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(
-        len(values)
+    half_width = (
+        student_t_quantile(0.5 + confidence / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
     )
     low, high = mean - half_width, mean + half_width
     if bounds is not None:
@@ -126,13 +129,20 @@ def describe_mean_interval(bounds: tuple[float, float] | None) -> str:
     return f"student_t clipped to the known bounds [{bounds[0]:g}, {bounds[1]:g}]"
 
 
-def mean_summary(values: Sequence[float], confidence: float = 0.95,
-                 bounds: tuple[float, float] | None = None) -> dict[str, Any]:
+def mean_summary(
+    values: Sequence[float], confidence: float = 0.95, bounds: tuple[float, float] | None = None
+) -> dict[str, Any]:
     """``{"mean", "low", "high", "n", "interval"}`` of ``mean_interval`` (low/high NaN for fewer than 2 values)."""
     values = [float(value) for value in values]
     if not values:
         raise InputError("values: expected at least one value.")
     interval = mean_interval(values, confidence, bounds)
     low, high = interval if interval is not None else (math.nan, math.nan)
-    return {"mean": statistics.fmean(values), "low": low, "high": high, "n": len(values),
-            "confidence": confidence, "interval": describe_mean_interval(bounds)}
+    return {
+        "mean": statistics.fmean(values),
+        "low": low,
+        "high": high,
+        "n": len(values),
+        "confidence": confidence,
+        "interval": describe_mean_interval(bounds),
+    }

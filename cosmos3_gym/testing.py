@@ -174,6 +174,7 @@ def cached_tiny_checkpoint() -> Path:
     try:
         validate_checkpoint(target)
     except CheckpointError as error:
-        raise CheckpointError(f"{error}\nThe cached tiny checkpoint {target} is damaged; delete it to rebuild.") \
-            from error
+        raise CheckpointError(
+            f"{error}\nThe cached tiny checkpoint {target} is damaged; delete it to rebuild."
+        ) from error
     return target

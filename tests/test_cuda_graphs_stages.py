@@ -274,7 +274,7 @@ def test_pusht_light_env_with_stage_graphs_matches_eager_stages():
     """The light PushT env (the issue's 1-env latency target), graphed stages (its default on a GPU) against eager
     ones, same seed and actions: the same observations up to a uint8 rounding step and the same rewards up to float
     noise."""
-    from cosmos3_gym.envs import pusht as pusht_env
+    from cosmos3_gym.tasks.pusht import env as pusht_env
 
     graphed = pusht_env.make_pusht_vector_env(2, device="cuda", decoder="light")
     eager = pusht_env.make_pusht_vector_env(2, device="cuda", decoder="light")
@@ -305,7 +305,7 @@ def test_pusht_light_env_with_stage_graphs_matches_eager_stages():
 def test_pusht_vector_env_replays_its_first_graphs_for_smaller_batches():
     """The PushT vector env owns its engine and pads every smaller batch to the graphs of its first, largest step
     (``set_graph_padding(None)``): slots falling out of step capture nothing more, so memory stays flat."""
-    from cosmos3_gym.envs import pusht as pusht_env
+    from cosmos3_gym.tasks.pusht import env as pusht_env
 
     env = pusht_env.make_pusht_vector_env(4, device="cuda", decoder="light")
     try:

@@ -107,7 +107,7 @@ def test_every_shipped_engine_implements_the_protocol(tiny_checkpoint):
                                   "temporal_compression", "device", "vae", "is_output_rank"}
     engine = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)
     assert isinstance(engine, WorldModelEngine)
-    from cosmos3_gym.parallel import ray_replicas
+    from cosmos3_gym.executors import ray_replicas
 
     for cls in (Cosmos3EngineClient, ray_replicas.RayEngineReplicas):  # their members are all properties / methods
         assert not [name for name in protocol_members() if not hasattr(cls, name)], cls

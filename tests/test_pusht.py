@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cosmos3_gym  # noqa: F401  (registers the env ids)
-from cosmos3_gym.envs import pusht as pusht_env
+from cosmos3_gym.tasks.pusht import env as pusht_env
 from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.media import write_video
 from cosmos3_gym.processor import ActionStats

@@ -11,7 +11,7 @@ import torch
 
 from cosmos3_gym.cuda_graphs import row_bucket as _row_bucket
 from cosmos3_gym.engine import Cosmos3Request
-from cosmos3_gym.envs import pusht as pusht_env
+from cosmos3_gym.tasks.pusht import env as pusht_env
 from cosmos3_gym.errors import CheckpointError, InputError
 
 try:

@@ -7,6 +7,12 @@ from .policy import PolicyAgent
 from .sb3_policy import SB3PolicyAgent, load_sb3_policy, read_sb3_policy_metadata, save_sb3_policy
 
 __all__ = [
-    "InverseDynamicsAgent", "PolicyAgent", "SB3PolicyAgent", "action_errors", "load_sb3_policy",
-    "read_sb3_policy_metadata", "save_sb3_policy", "video_windows",
+    "InverseDynamicsAgent",
+    "PolicyAgent",
+    "SB3PolicyAgent",
+    "action_errors",
+    "load_sb3_policy",
+    "read_sb3_policy_metadata",
+    "save_sb3_policy",
+    "video_windows",
 ]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,10 +53,13 @@ class EngineAgent:
             raise InputError(f"task: expected a string or None, got {type(task).__name__}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise InputError(f"seed: expected a non-negative integer or None, got {seed!r}")
-        shorthands = {key: value for key, value in (("view_point", view_point), ("negative_prompt", negative_prompt))
-                      if value is not None}
+        shorthands = {
+            key: value
+            for key, value in (("view_point", view_point), ("negative_prompt", negative_prompt))
+            if value is not None
+        }
         if shorthands:
-            base_options = (settings.request_options if settings is not None else {})
+            base_options = settings.request_options if settings is not None else {}
             options = setting_fields.get("request_options") or base_options
             setting_fields["request_options"] = {**options, **shorthands}
         # An engine loaded with a preset (from_pretrained(preset=...)) gives it to its agents unless they name one.
@@ -120,8 +124,14 @@ class EngineAgent:
         fields = self.settings.request_fields()
         if chunk is not None:
             fields["chunk"] = chunk
-        return Cosmos3Request(mode=self.mode, observation=observation, task=task, seed=self._next_seed(),
-                              action_history=action_history, **fields)
+        return Cosmos3Request(
+            mode=self.mode,
+            observation=observation,
+            task=task,
+            seed=self._next_seed(),
+            action_history=action_history,
+            **fields,
+        )
 
     def _run(self, requests: list[Cosmos3Request]) -> np.ndarray:
         """One batched engine pass (no video decode) -> the action chunks ``[N, chunk, raw_action_dim]``."""

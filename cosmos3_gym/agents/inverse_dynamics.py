@@ -7,7 +7,8 @@ and compare (``action_following_error``).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,8 +57,9 @@ class InverseDynamicsAgent(EngineAgent):
         chunk = self.chunk if chunk is None else chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise InputError(f"chunk: expected an integer >= 1, got {chunk!r}")
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                       or batch_size < 1):
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
             raise InputError(f"batch_size: expected an integer >= 1 or None, got {batch_size!r}")
         if task is not None and not isinstance(task, str):
             raise InputError(f"task: expected one string for the whole video, got {type(task).__name__}")
@@ -146,8 +148,12 @@ def _is_video(item: Any) -> bool:
 
 def _video_frames(video: Any) -> np.ndarray:
     """One video -> float32 ``[T, H, W, 3]`` in [0, 1], with ``[T, 3, H, W]`` numpy arrays read channels-first."""
-    if isinstance(video, np.ndarray) and video.ndim == 4 and video.shape[-1] not in (1, 3, 4) \
-            and video.shape[1] in (1, 3, 4):
+    if (
+        isinstance(video, np.ndarray)
+        and video.ndim == 4
+        and video.shape[-1] not in (1, 3, 4)
+        and video.shape[1] in (1, 3, 4)
+    ):
         video = np.moveaxis(video, 1, -1)
     try:
         return load_frames(video)

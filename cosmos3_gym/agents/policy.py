@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,10 +42,12 @@ class PolicyAgent(EngineAgent):
         images, batched = _split_observations(observation, whole_dicts=self.observation_adapter is not None)
         tasks = self._tasks(task, len(images))
         histories = self._histories(observation, images, batched, state)
-        actions = self._run([
-            self._request(image, task, action_history=history)
-            for image, task, history in zip(images, tasks, histories)
-        ])
+        actions = self._run(
+            [
+                self._request(image, task, action_history=history)
+                for image, task, history in zip(images, tasks, histories)
+            ]
+        )
         if self.normalized_actions:
             actions = np.clip(actions, -1.0, 1.0)
         return actions if batched else actions[0]

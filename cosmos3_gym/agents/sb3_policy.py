@@ -39,8 +39,16 @@ FORMAT = "cosmos3_gym.sb3_policy.v1"
 KIND = "sb3_ppo"  # what cosmos3_gym.rl.policy.load_policy_file dispatches on (files written before it lack it)
 # The metadata keys save_sb3_policy writes itself; the caller's own metadata may not reuse them.
 ARCHITECTURE_KEYS = (
-    "format", "policy_class", "observation_space", "action_space", "net_arch", "activation_fn",
-    "features_extractor_class", "features_extractor_kwargs", "normalize_images", "share_features_extractor",
+    "format",
+    "policy_class",
+    "observation_space",
+    "action_space",
+    "net_arch",
+    "activation_fn",
+    "features_extractor_class",
+    "features_extractor_kwargs",
+    "normalize_images",
+    "share_features_extractor",
 )
 
 
@@ -55,13 +63,17 @@ def save_sb3_policy(model_or_policy: Any, path: str | os.PathLike, **metadata: A
     values stored with it (e.g. ``world="simulator"``), read back by ``read_sb3_policy_metadata``. Returns ``path``."""
     policy = getattr(model_or_policy, "policy", model_or_policy)
     if type(policy) is not MultiInputActorCriticPolicy:
-        raise InputError(f"policy: expected an SB3 MultiInputActorCriticPolicy (PPO 'MultiInputPolicy') or a model "
-                         f"with one, got {type(policy).__name__}")
+        raise InputError(
+            f"policy: expected an SB3 MultiInputActorCriticPolicy (PPO 'MultiInputPolicy') or a model "
+            f"with one, got {type(policy).__name__}"
+        )
     if policy.use_sde:
         raise InputError("policy: policies with state-dependent exploration (use_sde=True) are not supported")
     if policy.features_extractor_class is not CombinedExtractor:
-        raise InputError(f"policy: only SB3's CombinedExtractor features extractor is supported, got "
-                         f"{policy.features_extractor_class.__name__}")
+        raise InputError(
+            f"policy: only SB3's CombinedExtractor features extractor is supported, got "
+            f"{policy.features_extractor_class.__name__}"
+        )
     activation = policy.activation_fn.__name__
     if getattr(torch.nn, activation, None) is not policy.activation_fn:
         raise InputError(f"policy: the activation must be a torch.nn class, got {policy.activation_fn!r}")
@@ -72,8 +84,10 @@ def save_sb3_policy(model_or_policy: Any, path: str | os.PathLike, **metadata: A
         "format": FORMAT,
         "kind": KIND,
         "policy_class": type(policy).__name__,
-        "observation_space": {key: _box_to_json(space, f"observation_space[{key!r}]")
-                              for key, space in policy.observation_space.spaces.items()},
+        "observation_space": {
+            key: _box_to_json(space, f"observation_space[{key!r}]")
+            for key, space in policy.observation_space.spaces.items()
+        },
         "action_space": _box_to_json(policy.action_space, "action_space"),
         "net_arch": policy.net_arch,
         "activation_fn": activation,
@@ -89,8 +103,9 @@ def save_sb3_policy(model_or_policy: Any, path: str | os.PathLike, **metadata: A
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = policy.state_dict()
-    tensors = {name: state[name].detach().cpu().contiguous() for name, first in _first_names(policy).items()
-               if name == first}
+    tensors = {
+        name: state[name].detach().cpu().contiguous() for name, first in _first_names(policy).items() if name == first
+    }
     safetensors.torch.save_file(tensors, str(path), metadata=encoded)
     return path
 
@@ -100,8 +115,9 @@ def read_sb3_policy_metadata(path: str | os.PathLike) -> dict[str, Any]:
     architecture entries and the caller's own. Raises ``CheckpointError`` naming the file and what is wrong."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"sb3 policy: {path} does not exist (expected a .safetensors file written by "
-                              f"save_sb3_policy)")
+        raise CheckpointError(
+            f"sb3 policy: {path} does not exist (expected a .safetensors file written by save_sb3_policy)"
+        )
     try:
         with safetensors.safe_open(str(path), framework="pt") as handle:
             raw = handle.metadata() or {}
@@ -110,15 +126,18 @@ def read_sb3_policy_metadata(path: str | os.PathLike) -> dict[str, Any]:
     try:
         metadata = {key: json.loads(value) for key, value in raw.items()}
     except json.JSONDecodeError as error:
-        raise CheckpointError(f"sb3 policy: {path} has metadata that is not JSON ({error}): not written by "
-                              f"save_sb3_policy") from error
+        raise CheckpointError(
+            f"sb3 policy: {path} has metadata that is not JSON ({error}): not written by save_sb3_policy"
+        ) from error
     missing = [key for key in ARCHITECTURE_KEYS if key not in metadata]
     if missing:
         raise CheckpointError(f"sb3 policy: {path} lacks the metadata {missing}: not written by save_sb3_policy")
     if metadata["format"] != FORMAT:
         raise CheckpointError(f"sb3 policy: {path} has format {metadata['format']!r}, expected {FORMAT!r}")
-    supported = {"policy_class": MultiInputActorCriticPolicy.__name__,
-                 "features_extractor_class": CombinedExtractor.__name__}
+    supported = {
+        "policy_class": MultiInputActorCriticPolicy.__name__,
+        "features_extractor_class": CombinedExtractor.__name__,
+    }
     for key, name in supported.items():
         if metadata[key] != name:
             raise CheckpointError(f"sb3 policy: {path} has {key} {metadata[key]!r}; only {name} is supported")
@@ -130,13 +149,16 @@ def load_sb3_policy(path: str | os.PathLike, device: torch.device | str = "cpu")
     in eval mode on ``device``. Raises ``CheckpointError`` naming the file and what is wrong."""
     metadata = read_sb3_policy_metadata(path)
     try:
-        observation_space = spaces.Dict({key: _box_from_json(value)
-                                         for key, value in metadata["observation_space"].items()})
+        observation_space = spaces.Dict(
+            {key: _box_from_json(value) for key, value in metadata["observation_space"].items()}
+        )
         activation_fn = getattr(torch.nn, metadata["activation_fn"])
         policy = MultiInputActorCriticPolicy(
-            observation_space, _box_from_json(metadata["action_space"]),
+            observation_space,
+            _box_from_json(metadata["action_space"]),
             lr_schedule=lambda _: 0.0,  # only used by the optimizer, which acting does not touch
-            net_arch=metadata["net_arch"], activation_fn=activation_fn,
+            net_arch=metadata["net_arch"],
+            activation_fn=activation_fn,
             ortho_init=False,  # the saved weights replace any initialisation
             features_extractor_class=CombinedExtractor,
             features_extractor_kwargs=metadata["features_extractor_kwargs"],
@@ -150,13 +172,16 @@ def load_sb3_policy(path: str | os.PathLike, device: torch.device | str = "cpu")
     missing = sorted(set(first_names.values()) - set(stored))
     unexpected = sorted(set(stored) - set(first_names.values()))
     if missing or unexpected:
-        raise CheckpointError(f"sb3 policy: the tensors in {path} do not match the policy its metadata describes: "
-                              f"missing {missing}, unexpected {unexpected}")
+        raise CheckpointError(
+            f"sb3 policy: the tensors in {path} do not match the policy its metadata describes: "
+            f"missing {missing}, unexpected {unexpected}"
+        )
     try:
         policy.load_state_dict({name: stored[first] for name, first in first_names.items()}, strict=True)
     except RuntimeError as error:  # a tensor's shape differs from the metadata's architecture
-        raise CheckpointError(f"sb3 policy: the weights in {path} do not fit the policy its metadata describes "
-                              f"({error})") from error
+        raise CheckpointError(
+            f"sb3 policy: the weights in {path} do not fit the policy its metadata describes ({error})"
+        ) from error
     policy.set_training_mode(False)
     return policy.to(device)
 
@@ -180,8 +205,9 @@ def _box_to_json(space: Any, field: str) -> dict[str, Any]:
 
 def _box_from_json(entry: dict[str, Any]) -> spaces.Box:
     dtype = np.dtype(entry["dtype"])
-    low, high = (np.asarray(entry[name], dtype) if isinstance(entry[name], list) else entry[name]
-                 for name in ("low", "high"))
+    low, high = (
+        np.asarray(entry[name], dtype) if isinstance(entry[name], list) else entry[name] for name in ("low", "high")
+    )
     return spaces.Box(low, high, tuple(entry["shape"]), dtype)
 
 
@@ -206,8 +232,9 @@ class SB3PolicyAgent:
             raise InputError(f"policy: expected an SB3 policy observing {{'image': Box}}, got {observation_space}")
         image_space = observation_space["image"]
         # SB3 stores image spaces channels first (it transposes the envs' HWC images) and transposes back in predict.
-        self.image_size = tuple(image_space.shape[1:] if is_image_space_channels_first(image_space)
-                                else image_space.shape[:2])
+        self.image_size = tuple(
+            image_space.shape[1:] if is_image_space_channels_first(image_space) else image_space.shape[:2]
+        )
         self.deterministic = deterministic
 
     @property
@@ -216,16 +243,18 @@ class SB3PolicyAgent:
         return tuple(self.policy.action_space.shape)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
-                  deterministic: bool = True) -> "SB3PolicyAgent":
+    def from_file(
+        cls, path: str | os.PathLike, device: torch.device | str = "cpu", deterministic: bool = True
+    ) -> SB3PolicyAgent:
         """The agent of a policy file written by ``save_sb3_policy``."""
         return cls(load_sb3_policy(path, device), deterministic)
 
     def act(self, frames: np.ndarray) -> np.ndarray:
         frames = np.asarray(frames)
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not len(frames):
-            raise InputError(f"frames: expected uint8 [N, H, W, 3] with N >= 1, got {frames.dtype} "
-                             f"{list(frames.shape)}")
+            raise InputError(
+                f"frames: expected uint8 [N, H, W, 3] with N >= 1, got {frames.dtype} {list(frames.shape)}"
+            )
         images = np.stack([resize_frame(frame, self.image_size) for frame in frames])
         actions, _ = self.policy.predict({"image": images}, deterministic=self.deterministic)
         return np.clip(actions, -1.0, 1.0)

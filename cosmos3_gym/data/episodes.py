@@ -131,9 +131,16 @@ def read_episode_dataset(dataset_dir: str | os.PathLike, *, domain: str | int | 
     if not episode_paths:
         raise InputError(f"dataset: no {EPISODES_DIR}/{EPISODE_GLOB} files in {root}")
     return DatasetInfo(
-        root=root, meta=meta, domain=meta["domain"] if domain is None else domain, raw_action_dim=raw_action_dim,
-        fps=float(fps), action_normalization=mode, stats=stats, stats_document=stats_document,
-        episode_paths=episode_paths, episodes=NpzEpisodes(episode_paths, raw_action_dim),
+        root=root,
+        meta=meta,
+        domain=meta["domain"] if domain is None else domain,
+        raw_action_dim=raw_action_dim,
+        fps=float(fps),
+        action_normalization=mode,
+        stats=stats,
+        stats_document=stats_document,
+        episode_paths=episode_paths,
+        episodes=NpzEpisodes(episode_paths, raw_action_dim),
     )
 
 

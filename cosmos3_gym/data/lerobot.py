@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -62,7 +62,7 @@ def is_lerobot_spec(spec) -> bool:
 
 def strip_prefix(spec) -> Path:
     text = os.fspath(spec)
-    return Path(text[len(LEROBOT_PREFIX):] if text.startswith(LEROBOT_PREFIX) else text).expanduser()
+    return Path(text[len(LEROBOT_PREFIX) :] if text.startswith(LEROBOT_PREFIX) else text).expanduser()
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -93,9 +93,7 @@ def _matrix(table, column: str, path: Path) -> np.ndarray:
     import pyarrow.compute as pc
 
     values = table.column(column)
-    if pa.types.is_list(values.type) or pa.types.is_fixed_size_list(values.type) or pa.types.is_large_list(
-        values.type
-    ):
+    if pa.types.is_list(values.type) or pa.types.is_fixed_size_list(values.type) or pa.types.is_large_list(values.type):
         flat = pc.list_flatten(values).to_numpy(zero_copy_only=False)
         rows = len(table)
         if rows and flat.size % rows:
@@ -128,9 +126,7 @@ def decode_video(path: Path, start_time: float, count: int, fps: float, field: s
     except Exception as error:  # imageio-ffmpeg raises OSError / RuntimeError / StopIteration for broken files
         raise InputError(f"dataset: cannot decode the video {path} ({field}): {error}") from error
     if video_fps and abs(video_fps - fps) > 1e-3 * fps:
-        raise InputError(
-            f"dataset: {path} ({field}) is a {video_fps:g} fps video but meta/info.json says fps={fps:g}"
-        )
+        raise InputError(f"dataset: {path} ({field}) is a {video_fps:g} fps video but meta/info.json says fps={fps:g}")
     if len(frames) < count:
         raise InputError(
             f"dataset: {path} ({field}) holds {len(frames)} frames from {start_time:.3f} s, the episode needs {count}"
@@ -171,8 +167,14 @@ class LeRobotDataset:
     ``state_key``: the tabular features of the actions and (optionally, returned by ``read_rows``) the state.
     """
 
-    def __init__(self, root: str | os.PathLike, *, camera: str | None = None, action_key: str = "action",
-                 state_key: str | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        camera: str | None = None,
+        action_key: str = "action",
+        state_key: str | None = None,
+    ):
         self.root = strip_prefix(root)
         if not self.root.is_dir():
             raise InputError(f"dataset: {self.root} is not a directory")
@@ -199,7 +201,8 @@ class LeRobotDataset:
             if len(videos) != 1:
                 raise InputError(
                     f"camera: {self.info_path} has the video features {videos}; name one (--camera)"
-                    if videos else f"camera: {self.info_path} 'features' has no video feature (dtype 'video')"
+                    if videos
+                    else f"camera: {self.info_path} 'features' has no video feature (dtype 'video')"
                 )
             camera = videos[0]
         if camera not in videos:
@@ -251,8 +254,9 @@ class LeRobotDataset:
         index_columns = [c for c in pandas_meta.get("index_columns", []) if isinstance(c, str)]
         task_column = next((c for c in ["task", *index_columns, "__index_level_0__"] if c in names), None)
         if task_column is None or "task_index" not in names:
-            raise InputError(f"dataset: {path} needs the columns 'task_index' and 'task' (or the task as index), "
-                             f"has {names}")
+            raise InputError(
+                f"dataset: {path} needs the columns 'task_index' and 'task' (or the task as index), has {names}"
+            )
         return dict(zip(table.column("task_index").to_pylist(), map(str, table.column(task_column).to_pylist())))
 
     def _task_list(self, value, path: Path) -> tuple[str, ...]:
@@ -274,31 +278,52 @@ class LeRobotDataset:
                         raise InputError(f"dataset: {path} has an episode line without the field {key!r}")
                 index = int(row["episode_index"])
                 fields = dict(episode_chunk=index // chunks_size, episode_index=index, video_key=camera)
-                episodes.append(LeRobotEpisode(
-                    index=index, length=int(row["length"]), tasks=self._task_list(row.get("tasks", []), path),
-                    data_file=self.root / info["data_path"].format(**fields),
-                    video_file=self.root / info["video_path"].format(**fields), video_from_timestamp=0.0,
-                ))
+                episodes.append(
+                    LeRobotEpisode(
+                        index=index,
+                        length=int(row["length"]),
+                        tasks=self._task_list(row.get("tasks", []), path),
+                        data_file=self.root / info["data_path"].format(**fields),
+                        video_file=self.root / info["video_path"].format(**fields),
+                        video_from_timestamp=0.0,
+                    )
+                )
             return sorted(episodes, key=lambda e: e.index)
         files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
         if not files:
             raise InputError(f"dataset: no meta/episodes/chunk-*/file-*.parquet in {self.root}")
         prefix = f"videos/{camera}/"
-        columns = ["episode_index", "length", "tasks", "data/chunk_index", "data/file_index",
-                   prefix + "chunk_index", prefix + "file_index", prefix + "from_timestamp"]
+        columns = [
+            "episode_index",
+            "length",
+            "tasks",
+            "data/chunk_index",
+            "data/file_index",
+            prefix + "chunk_index",
+            prefix + "file_index",
+            prefix + "from_timestamp",
+        ]
         for path in files:
             table = _read_parquet(path, columns)
             for row in table.to_pylist():
-                episodes.append(LeRobotEpisode(
-                    index=int(row["episode_index"]), length=int(row["length"]),
-                    tasks=self._task_list(row["tasks"], path),
-                    data_file=self.root / info["data_path"].format(
-                        chunk_index=row["data/chunk_index"], file_index=row["data/file_index"]),
-                    video_file=self.root / info["video_path"].format(
-                        video_key=camera, chunk_index=row[prefix + "chunk_index"],
-                        file_index=row[prefix + "file_index"]),
-                    video_from_timestamp=float(row[prefix + "from_timestamp"]),
-                ))
+                episodes.append(
+                    LeRobotEpisode(
+                        index=int(row["episode_index"]),
+                        length=int(row["length"]),
+                        tasks=self._task_list(row["tasks"], path),
+                        data_file=self.root
+                        / info["data_path"].format(
+                            chunk_index=row["data/chunk_index"], file_index=row["data/file_index"]
+                        ),
+                        video_file=self.root
+                        / info["video_path"].format(
+                            video_key=camera,
+                            chunk_index=row[prefix + "chunk_index"],
+                            file_index=row[prefix + "file_index"],
+                        ),
+                        video_from_timestamp=float(row[prefix + "from_timestamp"]),
+                    )
+                )
         return sorted(episodes, key=lambda e: e.index)
 
     def action_stats_document(self) -> dict:
@@ -310,8 +335,9 @@ class LeRobotDataset:
             if self.action_key not in stats:
                 raise InputError(f"dataset: {path} has no statistics for the action feature {self.action_key!r}")
             block = stats[self.action_key]
-            return {"action": {k: np.asarray(block[k], np.float64).reshape(-1).tolist()
-                               for k in STATS_KEYS if k in block}}
+            return {
+                "action": {k: np.asarray(block[k], np.float64).reshape(-1).tolist() for k in STATS_KEYS if k in block}
+            }
         episode_stats = self.root / "meta" / "episodes_stats.jsonl"
         if episode_stats.is_file():
             return {"action": _aggregate_episode_stats(_read_jsonl(episode_stats), self.action_key, episode_stats)}
@@ -334,8 +360,11 @@ class LeRobotDataset:
     def fingerprint(self) -> list:
         """What the latent cache depends on: the camera, the action key and every file's size and mtime."""
         files = sorted({p for e in self.episodes for p in (e.data_file, e.video_file)} | {self.info_path})
-        return [self.camera, self.action_key, *[(str(p.relative_to(self.root)), p.stat().st_size,
-                                                 p.stat().st_mtime_ns) for p in files if p.exists()]]
+        return [
+            self.camera,
+            self.action_key,
+            *[(str(p.relative_to(self.root)), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()],
+        ]
 
     def read_rows(self, i: int) -> dict:
         """Episode ``i``'s tabular rows: actions [L, D] (and states [L, S] with a state key), its task string."""
@@ -362,17 +391,23 @@ class LeRobotDataset:
             )
         actions = _matrix(table, self.action_key, path)
         if actions.shape[1] != self.raw_action_dim:
-            raise InputError(f"dataset: {path} column {self.action_key!r} is {actions.shape[1]}-dim, meta/info.json "
-                             f"says {self.raw_action_dim}")
+            raise InputError(
+                f"dataset: {path} column {self.action_key!r} is {actions.shape[1]}-dim, meta/info.json "
+                f"says {self.raw_action_dim}"
+            )
         if not np.isfinite(actions).all():
             raise InputError(f"dataset: {path} column {self.action_key!r} contains NaN or infinity")
         if episode.tasks:
             task = episode.tasks[0]
         else:
             task = self.task_names.get(int(table.column("task_index")[0].as_py()), "")
-        rows = {"actions": actions, "task": task,
-                "success": bool(np.any(table.column("next.success").to_numpy(zero_copy_only=False)))
-                if has_success else None}
+        rows = {
+            "actions": actions,
+            "task": task,
+            "success": bool(np.any(table.column("next.success").to_numpy(zero_copy_only=False)))
+            if has_success
+            else None,
+        }
         if self.state_key:
             rows["states"] = _matrix(table, self.state_key, path)
         return rows
@@ -383,8 +418,13 @@ class LeRobotDataset:
         stop = episode.length if stop is None else stop
         if not 0 <= start < stop <= episode.length:
             raise InputError(f"frames: [{start}, {stop}) is outside episode {episode.index} ({episode.length} frames)")
-        return decode_video(episode.video_file, episode.video_from_timestamp + start / self.fps, stop - start,
-                            self.fps, f"camera {self.camera!r}, episode {episode.index}")
+        return decode_video(
+            episode.video_file,
+            episode.video_from_timestamp + start / self.fps,
+            stop - start,
+            self.fps,
+            f"camera {self.camera!r}, episode {episode.index}",
+        )
 
     def load(self, i: int, with_frames: bool = True):
         """Episode ``i`` as ``episodes.Episode``: L frames and the first L - 1 actions (module docstring)."""
@@ -392,8 +432,13 @@ class LeRobotDataset:
         frames = self.read_frames(i) if with_frames else None
         return Episode(frames=frames, actions=rows["actions"][:-1], task=rows["task"], success=rows["success"])
 
-    def clips(self, chunk: int, stride: int | None = None, resolution_tier: int | None = None,
-              episodes: list[int] | None = None) -> Iterator[LeRobotClip]:
+    def clips(
+        self,
+        chunk: int,
+        stride: int | None = None,
+        resolution_tier: int | None = None,
+        episodes: list[int] | None = None,
+    ) -> Iterator[LeRobotClip]:
         """Training windows episode by episode (one episode's frames in memory at a time); ``resolution_tier`` adds
         the pixels on the model's tier canvas (``processor.prepare_conditioning``, as the trainers see them)."""
         stride = stride or chunk
@@ -402,21 +447,33 @@ class LeRobotDataset:
             starts = window_starts(episode.num_actions, chunk, stride)
             pixels = None
             if starts and resolution_tier is not None:
-                pixels = processor.prepare_conditioning(episode.frames, resolution_tier,
-                                                        int(episode.frames.shape[0])).pixels[0].numpy()
+                pixels = (
+                    processor.prepare_conditioning(episode.frames, resolution_tier, int(episode.frames.shape[0]))
+                    .pixels[0]
+                    .numpy()
+                )
             for s in starts:
                 yield LeRobotClip(
                     pixels=None if pixels is None else pixels[:, s : s + chunk + 1],
-                    frames=episode.frames[s : s + chunk + 1], actions=episode.actions[s : s + chunk],
-                    task=episode.task, episode_index=self.episodes[i].index, start=s, episode_start=s == 0,
+                    frames=episode.frames[s : s + chunk + 1],
+                    actions=episode.actions[s : s + chunk],
+                    task=episode.task,
+                    episode_index=self.episodes[i].index,
+                    start=s,
+                    episode_start=s == 0,
                     episode_end=s + chunk == episode.num_actions,
                 )
 
 
 def _stats_of(values: np.ndarray) -> dict:
-    return {"min": values.min(0).tolist(), "max": values.max(0).tolist(), "mean": values.mean(0).tolist(),
-            "std": values.std(0).tolist(), "q01": np.quantile(values, 0.01, 0).tolist(),
-            "q99": np.quantile(values, 0.99, 0).tolist()}
+    return {
+        "min": values.min(0).tolist(),
+        "max": values.max(0).tolist(),
+        "mean": values.mean(0).tolist(),
+        "std": values.std(0).tolist(),
+        "q01": np.quantile(values, 0.01, 0).tolist(),
+        "q99": np.quantile(values, 0.99, 0).tolist(),
+    }
 
 
 def _aggregate_episode_stats(lines: list[dict], key: str, path: Path) -> dict:
@@ -426,19 +483,27 @@ def _aggregate_episode_stats(lines: list[dict], key: str, path: Path) -> dict:
         block = (line.get("stats") or {}).get(key)
         if block is None or not all(k in block for k in ("min", "max", "mean", "std", "count")):
             raise InputError(f"dataset: {path} has an episode without stats[{key!r}] min/max/mean/std/count")
-        blocks.append({k: np.asarray(block[k], np.float64).reshape(-1) for k in ("min", "max", "mean", "std",
-                                                                                  "count")})
+        blocks.append({k: np.asarray(block[k], np.float64).reshape(-1) for k in ("min", "max", "mean", "std", "count")})
     counts = np.array([b["count"][0] for b in blocks])
     means = np.stack([b["mean"] for b in blocks])
     mean = (counts[:, None] * means).sum(0) / counts.sum()
     second = (counts[:, None] * (np.stack([b["std"] for b in blocks]) ** 2 + means**2)).sum(0) / counts.sum()
-    return {"min": np.stack([b["min"] for b in blocks]).min(0).tolist(),
-            "max": np.stack([b["max"] for b in blocks]).max(0).tolist(), "mean": mean.tolist(),
-            "std": np.sqrt(np.maximum(second - mean**2, 0.0)).tolist()}
+    return {
+        "min": np.stack([b["min"] for b in blocks]).min(0).tolist(),
+        "max": np.stack([b["max"] for b in blocks]).max(0).tolist(),
+        "mean": mean.tolist(),
+        "std": np.sqrt(np.maximum(second - mean**2, 0.0)).tolist(),
+    }
 
 
-def read_lerobot_dataset(spec, *, camera: str | None = None, action_key: str = "action", state_key: str | None = None,
-                         domain: str | int | None = None):
+def read_lerobot_dataset(
+    spec,
+    *,
+    camera: str | None = None,
+    action_key: str = "action",
+    state_key: str | None = None,
+    domain: str | int | None = None,
+):
     """``episodes.DatasetInfo`` of a LeRobot dataset (its ``episodes`` is the ``LeRobotDataset``).
 
     The embodiment is ``domain``, else the info.json ``robot_type`` when that is a Cosmos3 embodiment name.
@@ -454,17 +519,34 @@ def read_lerobot_dataset(spec, *, camera: str | None = None, action_key: str = "
     stats_document = dataset.action_stats_document()
     stats = processor.ActionStats.from_json(stats_document, mode="minmax")
     if stats.dim != dataset.raw_action_dim:
-        raise InputError(f"dataset: the action statistics of {dataset.root} are {stats.dim}-dim but "
-                         f"features[{dataset.action_key!r}] is {dataset.raw_action_dim}-dim")
+        raise InputError(
+            f"dataset: the action statistics of {dataset.root} are {stats.dim}-dim but "
+            f"features[{dataset.action_key!r}] is {dataset.raw_action_dim}-dim"
+        )
     shape = dataset.info["features"][dataset.camera].get("shape") or []
     names = dataset.info["features"][dataset.camera].get("names") or []
     image_size = list(shape[1:3]) if names and names[0] in ("channels", "channel") else list(shape[:2])
-    meta = {"domain": domain, "raw_action_dim": dataset.raw_action_dim, "fps": dataset.fps, "image_size": image_size,
-            "action_normalization": "minmax", "num_episodes": len(dataset), "source": f"{LEROBOT_PREFIX}{dataset.root}",
-            "camera": dataset.camera, "codebase_version": dataset.version}
+    meta = {
+        "domain": domain,
+        "raw_action_dim": dataset.raw_action_dim,
+        "fps": dataset.fps,
+        "image_size": image_size,
+        "action_normalization": "minmax",
+        "num_episodes": len(dataset),
+        "source": f"{LEROBOT_PREFIX}{dataset.root}",
+        "camera": dataset.camera,
+        "codebase_version": dataset.version,
+    }
     return DatasetInfo(
-        root=dataset.root, meta=meta, domain=domain, raw_action_dim=dataset.raw_action_dim, fps=dataset.fps,
-        action_normalization="minmax", stats=stats, stats_document=stats_document, episode_paths=(),
+        root=dataset.root,
+        meta=meta,
+        domain=domain,
+        raw_action_dim=dataset.raw_action_dim,
+        fps=dataset.fps,
+        action_normalization="minmax",
+        stats=stats,
+        stats_document=stats_document,
+        episode_paths=(),
         episodes=dataset,
     )
 
@@ -492,8 +574,13 @@ class _VideoWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             height, width = frames.shape[1:3]
             self.writer = imageio_ffmpeg.write_frames(
-                str(self.path), (width, height), fps=self.fps, codec="libx264",
-                pix_fmt_out=_pix_fmt(height, width, self.crf), quality=None, macro_block_size=1,
+                str(self.path),
+                (width, height),
+                fps=self.fps,
+                codec="libx264",
+                pix_fmt_out=_pix_fmt(height, width, self.crf),
+                quality=None,
+                macro_block_size=1,
                 # a keyframe every second keeps ffmpeg's seek to an episode's start short
                 output_params=["-crf", str(self.crf), "-g", str(max(int(round(self.fps)), 1))],
             )
@@ -506,28 +593,38 @@ class _VideoWriter:
             self.writer.close()
 
 
-def _rows_table(episode_index: int, first_index: int, actions: np.ndarray, fps: float, task_index: int,
-                success: bool | None):
+def _rows_table(
+    episode_index: int, first_index: int, actions: np.ndarray, fps: float, task_index: int, success: bool | None
+):
     import pyarrow as pa
 
     rows, dim = actions.shape
     extra = {}
     if success is not None:  # LeRobot's per-frame flag: set on the last frame of a successful episode
         extra["next.success"] = pa.array(np.arange(rows) == rows - 1 if success else np.zeros(rows, bool))
-    return pa.table({
-        **extra,
-        "action": pa.FixedSizeListArray.from_arrays(pa.array(actions.reshape(-1), pa.float32()), dim),
-        "timestamp": pa.array(np.arange(rows) / fps, pa.float32()),
-        "frame_index": pa.array(np.arange(rows), pa.int64()),
-        "episode_index": pa.array(np.full(rows, episode_index), pa.int64()),
-        "index": pa.array(first_index + np.arange(rows), pa.int64()),
-        "task_index": pa.array(np.full(rows, task_index), pa.int64()),
-    })
+    return pa.table(
+        {
+            **extra,
+            "action": pa.FixedSizeListArray.from_arrays(pa.array(actions.reshape(-1), pa.float32()), dim),
+            "timestamp": pa.array(np.arange(rows) / fps, pa.float32()),
+            "frame_index": pa.array(np.arange(rows), pa.int64()),
+            "episode_index": pa.array(np.full(rows, episode_index), pa.int64()),
+            "index": pa.array(first_index + np.arange(rows), pa.int64()),
+            "task_index": pa.array(np.full(rows, task_index), pa.int64()),
+        }
+    )
 
 
-def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathLike, *, version: str = "v3.0",
-                          camera: str = "observation.image", episodes_per_file: int = 100, crf: int = 18,
-                          progress: bool = True) -> Path:
+def write_lerobot_dataset(
+    source_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    version: str = "v3.0",
+    camera: str = "observation.image",
+    episodes_per_file: int = 100,
+    crf: int = 18,
+    progress: bool = True,
+) -> Path:
     """Convert a dataset in our layout (``data.episodes``; e.g. a task's generated dataset) to LeRobot.
 
     v3.0 puts ``episodes_per_file`` episodes in each data parquet and each mp4; v2.1 writes one of each per episode.
@@ -574,29 +671,38 @@ def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathL
             if image_hw is None:
                 image_hw = frames.shape[1:3]
             elif frames.shape[1:3] != image_hw:
-                raise InputError(f"dataset: {source.episode_paths[i]} frames are {frames.shape[1:3]}, earlier ones "
-                                 f"{image_hw}; a LeRobot camera has one size")
+                raise InputError(
+                    f"dataset: {source.episode_paths[i]} frames are {frames.shape[1:3]}, earlier ones "
+                    f"{image_hw}; a LeRobot camera has one size"
+                )
             # One action per frame: the last frame repeats the last action (the reader drops it again).
             actions = np.concatenate([episode.actions, episode.actions[-1:]]).astype(np.float32)
             task_index = tasks.setdefault(episode.task, len(tasks))
             if i == 0:
                 with_success = episode.success is not None
             elif (episode.success is not None) != with_success:
-                raise InputError(f"dataset: {source.episode_paths[i]} has {'no ' * (episode.success is None)}"
-                                 f"'success' array unlike episode 0; all episodes must agree")
+                raise InputError(
+                    f"dataset: {source.episode_paths[i]} has {'no ' * (episode.success is None)}"
+                    f"'success' array unlike episode 0; all episodes must agree"
+                )
             tables.append(_rows_table(i, total, actions, fps, task_index, episode.success))
             length = len(actions)
             row = {"episode_index": i, "tasks": [episode.task], "length": length}
             if version == "v3.0":
-                row.update({
-                    "data/chunk_index": file_index // CHUNKS_SIZE, "data/file_index": file_index % CHUNKS_SIZE,
-                    "dataset_from_index": total, "dataset_to_index": total + length,
-                    f"videos/{camera}/chunk_index": file_index // CHUNKS_SIZE,
-                    f"videos/{camera}/file_index": file_index % CHUNKS_SIZE,
-                    f"videos/{camera}/from_timestamp": offset / fps,
-                    f"videos/{camera}/to_timestamp": (offset + length) / fps,
-                    "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0,
-                })
+                row.update(
+                    {
+                        "data/chunk_index": file_index // CHUNKS_SIZE,
+                        "data/file_index": file_index % CHUNKS_SIZE,
+                        "dataset_from_index": total,
+                        "dataset_to_index": total + length,
+                        f"videos/{camera}/chunk_index": file_index // CHUNKS_SIZE,
+                        f"videos/{camera}/file_index": file_index % CHUNKS_SIZE,
+                        f"videos/{camera}/from_timestamp": offset / fps,
+                        f"videos/{camera}/to_timestamp": (offset + length) / fps,
+                        "meta/episodes/chunk_index": 0,
+                        "meta/episodes/file_index": 0,
+                    }
+                )
             episode_rows.append(row)
             stats = {k: np.asarray(v).tolist() for k, v in _stats_of(actions.astype(np.float64)).items()}
             episode_stats.append({"episode_index": i, "stats": {"action": {**stats, "count": [length]}}})
@@ -611,10 +717,21 @@ def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathL
 
     height, width = (int(v) for v in image_hw)
     features = {
-        camera: {"dtype": "video", "shape": [height, width, 3], "names": ["height", "width", "channels"],
-                 "info": {"video.height": height, "video.width": width, "video.codec": "h264",
-                          "video.pix_fmt": _pix_fmt(height, width, crf),
-                          "video.is_depth_map": False, "video.fps": fps, "video.channels": 3, "has_audio": False}},
+        camera: {
+            "dtype": "video",
+            "shape": [height, width, 3],
+            "names": ["height", "width", "channels"],
+            "info": {
+                "video.height": height,
+                "video.width": width,
+                "video.codec": "h264",
+                "video.pix_fmt": _pix_fmt(height, width, crf),
+                "video.is_depth_map": False,
+                "video.fps": fps,
+                "video.channels": 3,
+                "has_audio": False,
+            },
+        },
         "action": {"dtype": "float32", "shape": [source.raw_action_dim], "names": None},
         "timestamp": {"dtype": "float32", "shape": [1], "names": None},
         "frame_index": {"dtype": "int64", "shape": [1], "names": None},
@@ -625,11 +742,17 @@ def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathL
     if with_success:
         features["next.success"] = {"dtype": "bool", "shape": [1], "names": None}
     info = {
-        "codebase_version": version, "robot_type": source.domain if isinstance(source.domain, str) else None,
-        "total_episodes": len(episode_rows), "total_frames": total, "total_tasks": len(tasks),
-        "chunks_size": CHUNKS_SIZE, "fps": fps, "splits": {"train": f"0:{len(episode_rows)}"},
+        "codebase_version": version,
+        "robot_type": source.domain if isinstance(source.domain, str) else None,
+        "total_episodes": len(episode_rows),
+        "total_frames": total,
+        "total_tasks": len(tasks),
+        "chunks_size": CHUNKS_SIZE,
+        "fps": fps,
+        "splits": {"train": f"0:{len(episode_rows)}"},
         "data_path": V3_DATA_PATH if version == "v3.0" else V21_DATA_PATH,
-        "video_path": V3_VIDEO_PATH if version == "v3.0" else V21_VIDEO_PATH, "features": features,
+        "video_path": V3_VIDEO_PATH if version == "v3.0" else V21_VIDEO_PATH,
+        "features": features,
     }
     if version == "v2.1":
         info.update(total_chunks=len(groups) // CHUNKS_SIZE + 1, total_videos=len(episode_rows))
@@ -637,16 +760,34 @@ def write_lerobot_dataset(source_dir: str | os.PathLike, out_dir: str | os.PathL
     action_stats = {**source.stats_document["action"], "count": [total]}
     if version == "v3.0":
         (out / "meta" / "stats.json").write_text(json.dumps({"action": action_stats}, indent=2))
-        task_table = pa.table({"task_index": pa.array(list(tasks.values()), pa.int64()),
-                               "task": pa.array(list(tasks), pa.string())})
+        task_table = pa.table(
+            {"task_index": pa.array(list(tasks.values()), pa.int64()), "task": pa.array(list(tasks), pa.string())}
+        )
         # pandas metadata: lerobot reads meta/tasks.parquet with pandas and takes the task strings from the index.
-        pandas_meta = {"index_columns": ["task"], "column_indexes": [], "columns": [
-            {"name": "task_index", "field_name": "task_index", "pandas_type": "int64", "numpy_type": "int64",
-             "metadata": None},
-            {"name": "task", "field_name": "task", "pandas_type": "unicode", "numpy_type": "object",
-             "metadata": None}], "pandas_version": "2.2.0"}
-        pq.write_table(task_table.replace_schema_metadata({"pandas": json.dumps(pandas_meta)}),
-                       out / "meta" / "tasks.parquet")
+        pandas_meta = {
+            "index_columns": ["task"],
+            "column_indexes": [],
+            "columns": [
+                {
+                    "name": "task_index",
+                    "field_name": "task_index",
+                    "pandas_type": "int64",
+                    "numpy_type": "int64",
+                    "metadata": None,
+                },
+                {
+                    "name": "task",
+                    "field_name": "task",
+                    "pandas_type": "unicode",
+                    "numpy_type": "object",
+                    "metadata": None,
+                },
+            ],
+            "pandas_version": "2.2.0",
+        }
+        pq.write_table(
+            task_table.replace_schema_metadata({"pandas": json.dumps(pandas_meta)}), out / "meta" / "tasks.parquet"
+        )
         episodes_path = out / V3_EPISODES_PATH.format(chunk_index=0, file_index=0)
         episodes_path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.Table.from_pylist(episode_rows), episodes_path)

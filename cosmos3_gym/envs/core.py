@@ -26,8 +26,9 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,12 +37,12 @@ from gymnasium import spaces
 from .. import processor
 from ..checkpoint import checkpoint_defaults, resolve_checkpoint
 from ..cuda_graphs import DEFAULT_MAX_PADDING
+from ..data.initial_states import InitialStateSource, check_task, first_frame, load_initial_states, resize_frame
 from ..engine import Cosmos3Engine, Cosmos3Request
 from ..engine_protocol import WorldModelEngine
-from ..launcher import load_engine
 from ..errors import InputError
+from ..launcher import load_engine
 from ..rewards import resolve_reward_model, validate_reward
-from ..data.initial_states import InitialStateSource, check_task, first_frame, load_initial_states, resize_frame
 from .settings import REWARD_MODES, WorldModelSettings, model_frame_size, split_settings  # noqa: F401 (re-exported)
 
 # Seeds for the engine's noise generator are drawn below 2**63 (torch.Generator.manual_seed takes any uint64).
@@ -51,7 +52,17 @@ _UNSET: Any = object()
 # How to load a checkpoint (handed to ``_resolve_engine``): ``load_engine``'s arguments (``cfg`` is the deprecated
 # name of ``cfg_parallel``; ``decoder`` "light" decodes with the checkpoint's light_decoder/ instead of the VAE).
 ENGINE_LOAD_KEYS = (
-    "device", "dtype", "vae_dtype", "precision", "optimize", "backend", "tp", "cfg_parallel", "cfg", "dp", "decoder",
+    "device",
+    "dtype",
+    "vae_dtype",
+    "precision",
+    "optimize",
+    "backend",
+    "tp",
+    "cfg_parallel",
+    "cfg",
+    "dp",
+    "decoder",
 )
 
 
@@ -77,8 +88,10 @@ class StepBatch:
 
     def info(self, i: int) -> dict[str, Any]:
         """Row ``i``'s info as a single env returns it (Python scalars, arrays for array entries)."""
-        return {key: values[i].item() if values.ndim == 1 and values.dtype != object else values[i]
-                for key, values in self.infos.items()}
+        return {
+            key: values[i].item() if values.ndim == 1 and values.dtype != object else values[i]
+            for key, values in self.infos.items()
+        }
 
 
 class WorldModelCore:
@@ -117,8 +130,9 @@ class WorldModelCore:
                 "reward_model or handover_projection."
             )
         if handover_projection is not None and not callable(handover_projection):
-            raise InputError(f"handover_projection: expected a callable or None, got "
-                             f"{type(handover_projection).__name__}.")
+            raise InputError(
+                f"handover_projection: expected a callable or None, got {type(handover_projection).__name__}."
+            )
         self.handover_projection = handover_projection
         carried: dict[str, Any] = {}
         if checkpoint is not None and engine is None:
@@ -333,8 +347,9 @@ class WorldModelCore:
         sample_scores = None
         if scores is not None and samples > 1:
             sample_scores = scores.reshape(samples, len(slots)).T  # [B, K]
-            scores = sample_scores.mean(axis=1) if self.settings.imagination_reduce == "mean" else \
-                sample_scores.min(axis=1)
+            scores = (
+                sample_scores.mean(axis=1) if self.settings.imagination_reduce == "mean" else sample_scores.min(axis=1)
+            )
         frames_uint8 = _to_uint8_frames(generated[: len(slots)])  # [B, T, H, W, 3]: the first sample goes on
         batch = self._finish_step(list(slots), np.asarray(actions), seeds, scores, frames_uint8)
         if sample_scores is not None:
@@ -355,7 +370,11 @@ class WorldModelCore:
         return generated, projected
 
     def _finish_step(
-        self, slots: list[int], actions: np.ndarray, seeds: list[int], scores: np.ndarray | None,
+        self,
+        slots: list[int],
+        actions: np.ndarray,
+        seeds: list[int],
+        scores: np.ndarray | None,
         frames_uint8: np.ndarray,
     ) -> StepBatch:
         """The slots' new state, rewards, flags and infos from the step's frames and scores, as arrays."""
@@ -364,7 +383,7 @@ class WorldModelCore:
         self._frames[index] = frames_uint8[:, -1]
         if settings.history_length:
             for i, slot in enumerate(slots):
-                self._history[slot] = actions[i, -settings.history_length:].copy()
+                self._history[slot] = actions[i, -settings.history_length :].copy()
         self._elapsed[index] += 1
         elapsed = self._elapsed[index]
         count = len(slots)
@@ -414,7 +433,7 @@ class WorldModelCore:
         return self._history[slot]
 
     def decode_mode(self) -> str:
-        """"last" when nothing reads more than the chunk's last frame (the observation, the next step's conditioning
+        """ "last" when nothing reads more than the chunk's last frame (the observation, the next step's conditioning
         frame, a reward model whose ``frames_read`` is "last"), so the engine decodes only that frame (same values,
         less work); "all" with ``return_frames``, ``keep_all_frames`` (e.g. a render mode that shows every frame) or
         a reward model that may read every frame."""
@@ -487,8 +506,11 @@ def _stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
     first = rows[0]
     step = rows[1].storage_offset() - first.storage_offset() if len(rows) > 1 else first.numel()
     consecutive = step > 0 and all(
-        row.shape == first.shape and row.stride() == first.stride() and row.dtype == first.dtype
-        and row.device == first.device and row.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        row.shape == first.shape
+        and row.stride() == first.stride()
+        and row.dtype == first.dtype
+        and row.device == first.device
+        and row.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
         and row.storage_offset() == first.storage_offset() + i * step
         for i, row in enumerate(rows)
     )
@@ -583,7 +605,7 @@ def _per_slot_tasks(task: Any, num_slots: int, field: str) -> list[str | None]:
 class WorldModelExtras:
     """What both envs offer beyond the Gymnasium API, delegated to their ``_core`` (a ``WorldModelCore``)."""
 
-    _core: "WorldModelCore"
+    _core: WorldModelCore
 
     def offload(self) -> None:
         """Move the model to CPU memory (e.g. while a policy trains on the GPU); the next step moves it back."""

@@ -21,11 +21,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..errors import InputError
+
 
 def check_render_mode(render_mode: str | None, render_modes: Sequence[str]) -> str | None:
     if render_mode == "human":

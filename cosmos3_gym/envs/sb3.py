@@ -16,7 +16,8 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.vector import AutoresetMode, VectorEnv as GymVectorEnv
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector import VectorEnv as GymVectorEnv
 from stable_baselines3.common.vec_env import VecEnv
 
 from ..errors import InputError
@@ -94,6 +95,7 @@ class SB3VecEnv(VecEnv):
         if not keys:
             return None
         return {key: [options.get(key) for options in self._options] for key in keys}
+
 
 def _slot_info(info: dict[str, Any], slot: int) -> dict[str, Any]:
     """Slot ``slot``'s entries of a Gymnasium vector info dict (arrays masked by ``_key``) as a plain dict."""

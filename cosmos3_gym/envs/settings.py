@@ -20,9 +20,10 @@ import dataclasses
 import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,12 @@ OBS_TYPES = ("image", "pixels")
 IMAGINATION_REDUCTIONS = ("mean", "min")
 # Cosmos3Request fields a user may set through ``request_options``; the env sets the others itself.
 REQUEST_OPTION_KEYS = (
-    "flow_shift", "use_karras_sigmas", "view_point", "negative_prompt", "additional_view_description", "canvas",
+    "flow_shift",
+    "use_karras_sigmas",
+    "view_point",
+    "negative_prompt",
+    "additional_view_description",
+    "canvas",
     "use_native_flow_schedule",
 )
 # Preset fields (``presets.Preset``, named as on ``Cosmos3Request``) under another name here.
@@ -153,8 +159,9 @@ class WorldModelSettings:
         set_("return_frames", bool(self.return_frames))
         set_("imagination_samples", check_int(self.imagination_samples, "imagination_samples", minimum=1))
         if self.imagination_reduce not in IMAGINATION_REDUCTIONS:
-            raise InputError(f"imagination_reduce: expected one of {list(IMAGINATION_REDUCTIONS)}, got "
-                             f"{self.imagination_reduce!r}.")
+            raise InputError(
+                f"imagination_reduce: expected one of {list(IMAGINATION_REDUCTIONS)}, got {self.imagination_reduce!r}."
+            )
         set_("request_options", MappingProxyType(_check_request_options(self.request_options)))
         if self.prompt_format is not None and self.prompt_format not in processor.PROMPT_FORMATS:
             raise InputError(
@@ -188,12 +195,12 @@ class WorldModelSettings:
     @classmethod
     def build(
         cls,
-        settings: "WorldModelSettings | None" = None,
+        settings: WorldModelSettings | None = None,
         defaults: Mapping[str, Any] | None = None,
         overrides: Mapping[str, Any] | None = None,
         *,
         source: str = "the checkpoint",
-    ) -> "WorldModelSettings":
+    ) -> WorldModelSettings:
         """The settings from a base object (or the class defaults), updated with ``defaults`` (e.g. a checkpoint's)
         and then ``overrides`` (the user's). An override that changes a value of ``defaults`` is logged (warning),
         since a checkpoint's own settings belong together. Unknown keys are an ``InputError``."""
@@ -207,7 +214,8 @@ class WorldModelSettings:
         changed = sorted(key for key, value in overrides.items() if key in defaults and not _same(value, defaults[key]))
         if changed:
             logger.warning(
-                "Overriding the settings of %s: %s.", source,
+                "Overriding the settings of %s: %s.",
+                source,
                 ", ".join(f"{key}={overrides[key]!r} (was {defaults[key]!r})" for key in changed),
             )
         base = settings if settings is not None else cls()
@@ -219,7 +227,7 @@ class WorldModelSettings:
                 values["raw_action_dim"] = None  # derived from the domain, not given: a preset may set it
         return dataclasses.replace(base, **values) if values else base
 
-    def replace(self, **changes: Any) -> "WorldModelSettings":
+    def replace(self, **changes: Any) -> WorldModelSettings:
         """A validated copy with ``changes`` (``InputError`` for unknown fields)."""
         return type(self).build(self, overrides=changes)
 
@@ -245,11 +253,19 @@ class WorldModelSettings:
         """The ``Cosmos3Request`` fields these settings fix (everything but mode, observation, task, action, seed,
         action_history), under the request's current names (``num_steps`` is ``num_inference_steps`` there)."""
         return dict(
-            domain=self.domain, raw_action_dim=self.raw_action_dim, chunk=self.chunk,
-            num_inference_steps=self.num_steps, guidance_scale=self.guidance_scale, fps=self.fps,
-            resolution_tier=self.resolution_tier, preset=self.preset, prompt_format=self.prompt_format,
-            use_system_prompt=self.use_system_prompt, flip_gripper=self.flip_gripper,
-            action_history_length=self.action_history_length, **self.request_options,
+            domain=self.domain,
+            raw_action_dim=self.raw_action_dim,
+            chunk=self.chunk,
+            num_inference_steps=self.num_steps,
+            guidance_scale=self.guidance_scale,
+            fps=self.fps,
+            resolution_tier=self.resolution_tier,
+            preset=self.preset,
+            prompt_format=self.prompt_format,
+            use_system_prompt=self.use_system_prompt,
+            flip_gripper=self.flip_gripper,
+            action_history_length=self.action_history_length,
+            **self.request_options,
         )
 
 
@@ -281,8 +297,11 @@ def _same(override: Any, default: Any) -> bool:
         if isinstance(override, (str, os.PathLike)):
             return os.fspath(override) == default.source
         if isinstance(override, processor.ActionStats):
-            return override.mode == default.mode and np.array_equal(override.offset, default.offset) and \
-                np.array_equal(override.scale, default.scale)
+            return (
+                override.mode == default.mode
+                and np.array_equal(override.offset, default.offset)
+                and np.array_equal(override.scale, default.scale)
+            )
         return False
     try:
         return bool(override == default)
@@ -322,9 +341,7 @@ def _check_request_options(options: Any) -> dict[str, Any]:
     if unknown:
         raise InputError(f"request_options: unknown keys {unknown}; expected some of {list(REQUEST_OPTION_KEYS)}.")
     if "view_point" in options and options["view_point"] not in processor.VIEW_POINTS:
-        raise InputError(
-            f"view_point: expected one of {list(processor.VIEW_POINTS)}, got {options['view_point']!r}."
-        )
+        raise InputError(f"view_point: expected one of {list(processor.VIEW_POINTS)}, got {options['view_point']!r}.")
     return dict(options)
 
 

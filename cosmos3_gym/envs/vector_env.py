@@ -36,7 +36,8 @@ Reset options (``frames``, ``task``, ``initial_state_index``) are one value for 
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -138,7 +139,9 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
         result = self._core.step_slots(stepping, actions[stepping], [self._slot_rngs[s] for s in stepping])
         if result is not None:
             rewards[stepping], terminated[stepping], truncated[stepping] = (
-                result.rewards, result.terminated, result.truncated
+                result.rewards,
+                result.terminated,
+                result.truncated,
             )
             ended = result.terminated | result.truncated
             self._ended[stepping] |= ended
@@ -187,7 +190,12 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
         return np.flatnonzero(self._ended.reshape(self.num_groups, self.group_size).all(axis=1)).tolist()
 
     def _reset_group(
-        self, group: int, infos: dict[str, Any], *, frames: Any = None, task: str | None = None,
+        self,
+        group: int,
+        infos: dict[str, Any],
+        *,
+        frames: Any = None,
+        task: str | None = None,
         initial_state_index: int | None = None,
     ) -> dict[str, Any]:
         """Start a new episode in every slot of ``group`` from one shared start; returns ``infos`` updated."""
@@ -200,7 +208,7 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
                 slot, self._slot_rngs[slot], frames=frames, task=task, initial_state_index=initial_state_index
             )
             infos = self._add_info(infos, info, slot)
-        self._ended[slots.start:slots.stop] = False
+        self._ended[slots.start : slots.stop] = False
         return infos
 
     def _per_group_option(self, key: str, value: Any) -> list[Any]:
@@ -220,8 +228,9 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
         if len(values) == self.num_groups:
             return values
         if len(values) != self.num_envs:
-            expected = f"{self.num_envs}" + (f" (one per env) or {self.num_groups} (one per group)"
-                                             if self.group_size > 1 else "")
+            expected = f"{self.num_envs}" + (
+                f" (one per env) or {self.num_groups} (one per group)" if self.group_size > 1 else ""
+            )
             raise InputError(f"options[{key!r}]: expected one value or a list of {expected}, got {len(values)} items.")
         per_group = values[:: self.group_size]
         for slot, item in enumerate(values):
@@ -252,8 +261,11 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
             return infos
         for key, values in batch_infos.items():
             if key not in infos:
-                array = (np.full(self.num_envs, None, dtype=object) if values.dtype == object
-                         else np.zeros((self.num_envs, *values.shape[1:]), dtype=values.dtype))
+                array = (
+                    np.full(self.num_envs, None, dtype=object)
+                    if values.dtype == object
+                    else np.zeros((self.num_envs, *values.shape[1:]), dtype=values.dtype)
+                )
                 mask = np.zeros(self.num_envs, dtype=np.bool_)
             else:
                 array, mask = infos[key], infos.get(f"_{key}", np.zeros(self.num_envs, dtype=np.bool_))

@@ -17,7 +17,8 @@ chunks itself. Either way a step is one chunk and only one of them counts. The d
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -97,8 +98,13 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
         action = self._core.check_actions(action, batch=None, field="action")
         result = self._core.step_slots([0], action[None], [self.np_random])
         self._renderer.on_step(result.frames[0])
-        return (result.observation(0), float(result.rewards[0]), bool(result.terminated[0]),
-                bool(result.truncated[0]), result.info(0))
+        return (
+            result.observation(0),
+            float(result.rewards[0]),
+            bool(result.terminated[0]),
+            bool(result.truncated[0]),
+            result.info(0),
+        )
 
     def render(self) -> np.ndarray | list[np.ndarray] | None:
         """``rgb_array``: the current frame; ``rgb_array_list``: the frames since the last reset or render;

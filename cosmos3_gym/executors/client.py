@@ -54,7 +54,7 @@ _STDERR_TAIL_BYTES = 8192  # what an error message quotes of a worker's stderr (
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def start_engine_client(path_or_id: str | Path, config: ParallelConfig, **engine_kwargs) -> "Cosmos3EngineClient":
+def start_engine_client(path_or_id: str | Path, config: ParallelConfig, **engine_kwargs) -> Cosmos3EngineClient:
     """Start ``config.world_size`` workers that each build their rank of the SPMD engine; returns once all have
     loaded the checkpoint. ``engine_kwargs`` go to ``Cosmos3Engine.from_pretrained`` on every worker."""
     return Cosmos3EngineClient(path_or_id, config, engine_kwargs)
@@ -71,7 +71,9 @@ class _Worker:
         self.stderr_tail = bytearray()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "cosmos3_gym.executors.worker", str(address)],
-            env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=env,
+            stdin=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         try:
             self.process.stdin.write(authkey.hex().encode() + b"\n")
@@ -117,8 +119,9 @@ class _Worker:
         # A worker that exited on its own may have printed why (a traceback before it could report one).
         lines = self.stderr_tail.decode(errors="replace").strip().splitlines()[-30:] if exitcode > 0 else []
         tail = "\n".join(lines)
-        return f"worker rank {self.rank} (pid {self.pid}) {how}{context}" + (f"; its stderr ended with:\n{tail}\n"
-                                                                               if tail else "")
+        return f"worker rank {self.rank} (pid {self.pid}) {how}{context}" + (
+            f"; its stderr ended with:\n{tail}\n" if tail else ""
+        )
 
 
 class Cosmos3EngineClient(RemoteEngine):
@@ -140,8 +143,9 @@ class Cosmos3EngineClient(RemoteEngine):
         try:
             env = _worker_environment(config.world_size)
             for rank in range(config.world_size):
-                self._workers.append(_Worker(rank, self._listener.address, authkey, {**env, "RANK": str(rank),
-                                                                                     "LOCAL_RANK": str(rank)}))
+                self._workers.append(
+                    _Worker(rank, self._listener.address, authkey, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                )
             self._accept_all(authkey)
             for worker in self._workers:
                 self._send(worker, ("load", str(path_or_id), config, engine_kwargs), "startup")
@@ -160,7 +164,7 @@ class Cosmos3EngineClient(RemoteEngine):
         """Run one request (returns a ``Cosmos3Result``) or a list (returns a list, in order) on the workers."""
         return self._command("step", requests, decode)[0]
 
-    def optimize(self, **options) -> "Cosmos3EngineClient":
+    def optimize(self, **options) -> Cosmos3EngineClient:
         """``Cosmos3Engine.optimize(**options)`` on every rank (compile, CUDA graphs, overlap); returns self."""
         self._command("optimize", options)
         return self
@@ -268,8 +272,11 @@ class Cosmos3EngineClient(RemoteEngine):
                             replies[worker.rank] = receive(worker.connection)
                         except (EOFError, OSError):
                             pass  # it died; its exit code is reported below
-                crashes = [(rank, reply) for rank, reply in sorted(replies.items())
-                           if reply[0] == "error" and reply[1] not in USER_ERRORS]
+                crashes = [
+                    (rank, reply)
+                    for rank, reply in sorted(replies.items())
+                    if reply[0] == "error" and reply[1] not in USER_ERRORS
+                ]
                 if crashes:
                     # A rank whose peer died fails in its next collective; name the dead peer as the cause.
                     deadline = time.monotonic() + _PEER_DEATH_WAIT_S
@@ -289,9 +296,11 @@ class Cosmos3EngineClient(RemoteEngine):
                 if user_errors:
                     first_user_error_at = first_user_error_at or time.monotonic()
                     if time.monotonic() - first_user_error_at > _DIVERGENCE_TIMEOUT_S:
-                        self._fail(f"worker ranks {sorted(replies)} reported an error during {what} but ranks "
-                                   f"{[worker.rank for worker in pending]} did not answer within "
-                                   f"{_DIVERGENCE_TIMEOUT_S:.0f} s: the ranks are out of step")
+                        self._fail(
+                            f"worker ranks {sorted(replies)} reported an error during {what} but ranks "
+                            f"{[worker.rank for worker in pending]} did not answer within "
+                            f"{_DIVERGENCE_TIMEOUT_S:.0f} s: the ranks are out of step"
+                        )
         except BaseException as error:
             # An interrupt (or our own RuntimeError) mid-command leaves the workers at an unknown point: stop them.
             self._stop(f"interrupted by {type(error).__name__} during {what}")
@@ -331,15 +340,21 @@ class Cosmos3EngineClient(RemoteEngine):
         if worker.exitcode is not None:
             self._fail(worker.describe_exit(f" (could not send {what}: {error})"))
         exits = {w.rank: w.exitcode for w in self._workers if w.exitcode is not None}
-        self._fail(f"could not send {what} to worker rank {worker.rank}: {error}; "
-                   + (f"exit codes by rank: {exits}" if exits else "all workers still running"))
+        self._fail(
+            f"could not send {what} to worker rank {worker.rank}: {error}; "
+            + (f"exit codes by rank: {exits}" if exits else "all workers still running")
+        )
 
 
 def _worker_environment(world_size: int) -> dict[str, str]:
     """torchrun's environment for the ranks of one host (RANK and LOCAL_RANK are added per worker)."""
     env = dict(os.environ)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size),
-               LOCAL_WORLD_SIZE=str(world_size))
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     if world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks on one host would oversubscribe the cores
     # NVLink SHARP / symmetric-memory multicast stay off unless the user's environment says otherwise.

@@ -60,9 +60,13 @@ class _EngineReplica:
 
     def load(self) -> dict[str, int]:
         kwargs = dict(self._engine_kwargs)
-        config = resolve_parallel_config(kwargs.pop("parallel", None), tp=kwargs.pop("tp", None),
-                                         cfg_parallel=kwargs.pop("cfg_parallel", None), dp=kwargs.pop("dp", None),
-                                         cfg=kwargs.pop("cfg", None))
+        config = resolve_parallel_config(
+            kwargs.pop("parallel", None),
+            tp=kwargs.pop("tp", None),
+            cfg_parallel=kwargs.pop("cfg_parallel", None),
+            dp=kwargs.pop("dp", None),
+            cfg=kwargs.pop("cfg", None),
+        )
         if config.world_size > 1:  # the replica's ranks as worker processes on the actor's node
             from .client import Cosmos3EngineClient
 
@@ -105,8 +109,11 @@ class RayEngineReplicas(RemoteEngine):
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise InputError(f"num_replicas: expected an integer >= 1, got {num_replicas!r}")
         config = resolve_parallel_config(
-            engine_kwargs.get("parallel"), tp=engine_kwargs.get("tp"), cfg_parallel=engine_kwargs.get("cfg_parallel"),
-            dp=engine_kwargs.get("dp"), cfg=engine_kwargs.get("cfg"),
+            engine_kwargs.get("parallel"),
+            tp=engine_kwargs.get("tp"),
+            cfg_parallel=engine_kwargs.get("cfg_parallel"),
+            dp=engine_kwargs.get("dp"),
+            cfg=engine_kwargs.get("cfg"),
         )
         if not ray.is_initialized():
             ray.init()  # a local cluster, or the one RAY_ADDRESS names
@@ -133,7 +140,7 @@ class RayEngineReplicas(RemoteEngine):
     def closed(self) -> bool:
         return self._closed
 
-    def optimize(self, **options) -> "RayEngineReplicas":
+    def optimize(self, **options) -> RayEngineReplicas:
         """``optimize(**options)`` on every replica's engine; returns self."""
         self._get([replica.call.remote("optimize", options) for replica in self._replicas], "optimize")
         return self

@@ -44,8 +44,9 @@ def serve(connection: Connection, rank: int) -> None:
     except BaseException as error:  # noqa: BLE001 - reported to the client, which raises it
         _reply(connection, error_reply(error))
         return
-    _reply(connection, ("ready", {"action_dim": engine.action_dim,
-                                  "temporal_compression": engine.temporal_compression}))
+    _reply(
+        connection, ("ready", {"action_dim": engine.action_dim, "temporal_compression": engine.temporal_compression})
+    )
     try:
         while True:
             try:
@@ -70,7 +71,7 @@ def serve(connection: Connection, rank: int) -> None:
             except BaseException as error:  # noqa: BLE001 - reported to the client
                 _reply(connection, error_reply(error))
                 if not isinstance(error, InputError):
-                    raise SystemExit(1)  # the ranks may be out of step: the client stops all of them
+                    raise SystemExit(1) from None  # the ranks may be out of step: the client stops all of them
                 continue
             _reply(connection, ("ok", value))
     finally:
@@ -80,8 +81,10 @@ def serve(connection: Connection, rank: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m cosmos3_gym.executors.worker ADDRESS  (started by cosmos3_gym's client mode)",
-              file=sys.stderr)
+        print(
+            "usage: python -m cosmos3_gym.executors.worker ADDRESS  (started by cosmos3_gym's client mode)",
+            file=sys.stderr,
+        )
         return 2
     # Ctrl-C in a terminal reaches the whole process group; the client stops the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

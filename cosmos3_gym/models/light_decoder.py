@@ -81,8 +81,11 @@ class LightDecoderConfig:
                 fail(name, "an integer >= 1")
         if not isinstance(self.channels, tuple) or not self.channels or not all(map(positive_int, self.channels)):
             fail("channels", "a non-empty tuple of integers >= 1")
-        if (not isinstance(self.blocks, tuple) or len(self.blocks) != len(self.channels)
-                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.blocks)):
+        if (
+            not isinstance(self.blocks, tuple)
+            or len(self.blocks) != len(self.channels)
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.blocks)
+        ):
             fail("blocks", f"a tuple of {len(self.channels)} integers >= 0 (one per entry of channels)")
         if self.activation not in ACTIVATIONS:
             fail("activation", f"one of {list(ACTIVATIONS)}")
@@ -95,7 +98,7 @@ class LightDecoderConfig:
         return {"_class_name": _CLASS_NAME, **dataclasses.asdict(self)}
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "LightDecoderConfig":
+    def from_dict(cls, values: dict[str, Any]) -> LightDecoderConfig:
         values = {key: value for key, value in values.items() if not key.startswith("_")}
         unknown = sorted(set(values) - {field.name for field in dataclasses.fields(cls)})
         if unknown:
@@ -128,8 +131,11 @@ class LightDecoder(torch.nn.Module):
         for k, (width, count) in enumerate(zip(config.channels, config.blocks)):
             layers: list[torch.nn.Module] = []
             if k > 0:  # 2x up from the previous level, then a convolution to this level's width
-                layers += [torch.nn.Upsample(scale_factor=2, mode="nearest"),
-                           torch.nn.Conv2d(config.channels[k - 1], width, 3, padding=1), act]
+                layers += [
+                    torch.nn.Upsample(scale_factor=2, mode="nearest"),
+                    torch.nn.Conv2d(config.channels[k - 1], width, 3, padding=1),
+                    act,
+                ]
             layers += [_ResidualBlock(width, act) for _ in range(count)]
             levels.append(torch.nn.Sequential(*layers))
         self.levels = torch.nn.ModuleList(levels)
@@ -224,14 +230,16 @@ class LightDecoder(torch.nn.Module):
             shape = list(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
             raise InputError(f"latents: expected a tensor [B, {self.latent_channels}, t, h, w], got {shape}")
         if not latents.is_floating_point() or latents.shape[2] < 1:
-            raise InputError(f"latents: expected a floating-point tensor with t >= 1, got dtype {latents.dtype}, "
-                             f"shape {list(latents.shape)}")
+            raise InputError(
+                f"latents: expected a floating-point tensor with t >= 1, got dtype {latents.dtype}, "
+                f"shape {list(latents.shape)}"
+            )
         pixels = self(latents.to(self.device), frames=frames)
         return (pixels.float() * 0.5 + 0.5).clamp_(0.0, 1.0).contiguous()
 
     # ------------------------------------------------------------------ fast path
 
-    def use_channels_last(self) -> "LightDecoder":
+    def use_channels_last(self) -> LightDecoder:
         """Store the convolution weights channels-last (NHWC): the layout cuDNN's bf16 tensor-core kernels and
         oneDNN read natively; the input is converted once and the activations follow. Same math."""
         for module in self.modules():
@@ -252,21 +260,24 @@ class LightDecoder(torch.nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-        state = {key: value.detach().to("cpu", dtype or value.dtype).contiguous()
-                 for key, value in self.state_dict().items()}
+        state = {
+            key: value.detach().to("cpu", dtype or value.dtype).contiguous() for key, value in self.state_dict().items()
+        }
         safetensors.torch.save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
         return path
 
     @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-    ) -> "LightDecoder":
+    ) -> LightDecoder:
         """Load a folder written by ``save_pretrained``; ``CheckpointError`` saying what is wrong otherwise."""
         path = Path(path)
         config_path, weights_path = path / CONFIG_NAME, path / WEIGHTS_NAME
         if not config_path.is_file() or not weights_path.is_file():
-            raise CheckpointError(f"light decoder: expected a folder with {CONFIG_NAME} and {WEIGHTS_NAME} "
-                                  f"(LightDecoder.save_pretrained), got {str(path)!r}")
+            raise CheckpointError(
+                f"light decoder: expected a folder with {CONFIG_NAME} and {WEIGHTS_NAME} "
+                f"(LightDecoder.save_pretrained), got {str(path)!r}"
+            )
         try:
             values = json.loads(config_path.read_text())
             if not isinstance(values, dict) or values.get("_class_name") != _CLASS_NAME:

@@ -17,9 +17,10 @@ Differences from diffusers' packed single-sample implementation, all numerically
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
@@ -62,7 +63,7 @@ class Cosmos3TransformerConfig:
     temporal_compression: int = 4
 
     @classmethod
-    def from_dict(cls, config: dict) -> "Cosmos3TransformerConfig":
+    def from_dict(cls, config: dict) -> Cosmos3TransformerConfig:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in config.items() if k in known}
         if config.get("rope_axes_dim") is None:
@@ -85,7 +86,9 @@ class Cosmos3TransformerConfig:
                 f"transformer config: rope axes {self.rope_axes_dim} must sum to head_dim/2 = {self.head_dim // 2}"
             )
         if self.patch_latent_dim != self.latent_patch_size**2 * self.latent_channel:
-            raise CheckpointError("transformer config: patch_latent_dim must equal latent_patch_size**2 * latent_channel")
+            raise CheckpointError(
+                "transformer config: patch_latent_dim must equal latent_patch_size**2 * latent_channel"
+            )
         if self.action_gen and not self.action_dim:
             raise CheckpointError("transformer config: action_gen=True needs action_dim")
 
@@ -228,10 +231,15 @@ class DecoderBlock(nn.Module):
             # Prompts of different lengths: attend per group of equal length over the unpadded text K/V. A padding
             # mask would force SDPA off the flash / cuDNN kernels onto a much slower masked path.
             outputs = [
-                (rows, F.scaled_dot_product_attention(
-                    q[rows], torch.cat([text_k[rows, :, :length], k[rows]], dim=2),
-                    torch.cat([text_v[rows, :, :length], v[rows]], dim=2), enable_gqa=True,
-                ))
+                (
+                    rows,
+                    F.scaled_dot_product_attention(
+                        q[rows],
+                        torch.cat([text_k[rows, :, :length], k[rows]], dim=2),
+                        torch.cat([text_v[rows, :, :length], v[rows]], dim=2),
+                        enable_gqa=True,
+                    ),
+                )
                 for rows, length in length_groups
             ]
             # Allocated from an output, not from q: under autocast SDPA returns bf16 while q may be fp32.
@@ -272,7 +280,7 @@ class TextKV:
     values: list[torch.Tensor]  # per layer [B, KV, L, D]
     lengths: list[int]
 
-    def select(self, index: int) -> "TextKV":
+    def select(self, index: int) -> TextKV:
         """One prompt's cache, trimmed to its real length."""
         n = self.lengths[index]
         return TextKV(
@@ -280,7 +288,7 @@ class TextKV:
         )
 
     @staticmethod
-    def stack(items: list["TextKV"]) -> "TextKV":
+    def stack(items: list[TextKV]) -> TextKV:
         """Batch single-prompt caches, right-padding shorter prompts with zeros (masked in attention)."""
         lengths = [it.lengths[0] for it in items]
         max_len = max(lengths)
@@ -407,7 +415,7 @@ class Cosmos3Transformer(nn.Module):
     @classmethod
     def from_pretrained(
         cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-    ) -> "Cosmos3Transformer":
+    ) -> Cosmos3Transformer:
         """Load ``transformer/`` of a diffusers Cosmos3 checkpoint (config.json + safetensors shards)."""
         from ..checkpoint import load_safetensors_state_dict
 
@@ -509,7 +517,9 @@ class Cosmos3Transformer(nn.Module):
         hp, wp = -(-h // p), -(-w // p)
         batch = len(text_lengths)
         fps_list = fps if isinstance(fps, (list, tuple)) else [fps] * batch
-        offsets = action_start_offset if isinstance(action_start_offset, (list, tuple)) else [action_start_offset] * batch
+        offsets = (
+            action_start_offset if isinstance(action_start_offset, (list, tuple)) else [action_start_offset] * batch
+        )
         rows = []
         for length, item_fps, action_offset in zip(text_lengths, fps_list, offsets):
             # diffusers: text occupies positions [0, L); media start after a fixed margin.
@@ -620,12 +630,24 @@ def module_name_map(cfg: Cosmos3TransformerConfig) -> list[tuple[str, list[tuple
         src = f"layers.{i}"
         for tower, q, k, v, o, qn, kn, mlp, suffix in (
             ("text_layers", "to_q", "to_k", "to_v", "to_out", "norm_q", "norm_k", "mlp", ""),
-            ("gen_layers", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "norm_added_q", "norm_added_k",
-             "mlp_moe_gen", "_moe_gen"),
+            (
+                "gen_layers",
+                "add_q_proj",
+                "add_k_proj",
+                "add_v_proj",
+                "to_add_out",
+                "norm_added_q",
+                "norm_added_k",
+                "mlp_moe_gen",
+                "_moe_gen",
+            ),
         ):
             dst, attn = f"{tower}.{i}", f"{src}.self_attn"
-            gate_up = [(f"{src}.{mlp}.gate_proj", ffn), (f"{src}.{mlp}.up_proj", ffn)] if gated else \
-                [(f"{src}.{mlp}.up_proj", ffn)]
+            gate_up = (
+                [(f"{src}.{mlp}.gate_proj", ffn), (f"{src}.{mlp}.up_proj", ffn)]
+                if gated
+                else [(f"{src}.{mlp}.up_proj", ffn)]
+            )
             table += [
                 (f"{dst}.attn.qkv", [(f"{attn}.{q}", q_size), (f"{attn}.{k}", kv_size), (f"{attn}.{v}", kv_size)]),
                 (f"{dst}.attn.out", [(f"{attn}.{o}", 0)]),

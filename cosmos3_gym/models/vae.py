@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
+from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.autoencoders.autoencoder_kl_wan import (
     CACHE_T,
     WanAttentionBlock,
@@ -42,10 +43,8 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
     WanRMS_norm,
     unpatchify,
 )
-from diffusers.image_processor import VaeImageProcessor
 
 from cosmos3_gym.errors import CheckpointError, InputError
-
 
 # The parts of the Wan2.2 VAE layout that Cosmos3 fixes (16x spatial / 4x temporal compression, the residual
 # variant with a 2x2 pixel patchify); the widths (base_dim, decoder_base_dim, z_dim, ...) vary by model size.
@@ -59,6 +58,7 @@ WAN22_FIXED_CONFIG = {
     "scale_factor_temporal": 4,
     "dropout": 0.0,
 }
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -106,9 +106,7 @@ class Cosmos3VAE(torch.nn.Module):
         _check_latent_stats(vae.config)
         # Built in the VAE dtype straight from the config's Python floats, as the pipeline does: building them in
         # float32 and casting later can round differently in bf16 (and 1/std would be computed in float32).
-        self.register_buffer(
-            "latents_mean", torch.tensor(vae.config.latents_mean, dtype=vae.dtype), persistent=False
-        )
+        self.register_buffer("latents_mean", torch.tensor(vae.config.latents_mean, dtype=vae.dtype), persistent=False)
         self.register_buffer(
             "latents_inv_std", 1.0 / torch.tensor(vae.config.latents_std, dtype=vae.dtype), persistent=False
         )
@@ -116,7 +114,7 @@ class Cosmos3VAE(torch.nn.Module):
     @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-    ) -> "Cosmos3VAE":
+    ) -> Cosmos3VAE:
         """Load the ``vae/`` folder of a diffusers checkpoint (``config.json`` plus weights)."""
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise CheckpointError(f"vae: expected a folder with config.json and the VAE weights, got {str(path)!r}")
@@ -126,7 +124,7 @@ class Cosmos3VAE(torch.nn.Module):
             raise CheckpointError(f"vae: could not load AutoencoderKLWan from {str(path)!r}: {error}") from error
         return cls(vae.eval()).to(device)
 
-    def use_channels_last(self) -> "Cosmos3VAE":
+    def use_channels_last(self) -> Cosmos3VAE:
         """Store the decoder's convolution weights channels-last (NDHWC / NHWC), the layout cuDNN's bf16 tensor-core
         kernels read natively; activations follow the weights' layout. Same math, different kernels."""
         for module in self.vae.decoder.modules():
@@ -136,7 +134,7 @@ class Cosmos3VAE(torch.nn.Module):
                 module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
         return self
 
-    def fuse_decoder_norms(self, compile: bool = True) -> "Cosmos3VAE":
+    def fuse_decoder_norms(self, compile: bool = True) -> Cosmos3VAE:
         """Compute every decoder ``WanRMS_norm`` together with the SiLU that follows it in one ``torch.compile``d
         kernel (the mid-block attention's norm, which has no SiLU after it, alone). Same math and casts as diffusers;
         the encoder and the weights are untouched; works with ``use_channels_last``, any ``decode_chunk_frames`` and
@@ -149,7 +147,7 @@ class Cosmos3VAE(torch.nn.Module):
         _fuse_decoder_norms(self.vae.decoder, compiled=compile)
         return self
 
-    def use_direct_convolutions(self) -> "Cosmos3VAE":
+    def use_direct_convolutions(self) -> Cosmos3VAE:
         """Run every decoder causal convolution with its spatial zero padding inside the convolution (diffusers pads a
         copy of the activation first) and, for float32 on a CPU, through oneDNN in channels-last layout: PyTorch's
         heuristic sends small batch-1 3D convolutions (every single-frame pass of the decoder) to its native
@@ -162,7 +160,7 @@ class Cosmos3VAE(torch.nn.Module):
                 module.__class__ = _DirectCausalConv3d
         return self
 
-    def optimize_encoder(self) -> "Cosmos3VAE":
+    def optimize_encoder(self) -> Cosmos3VAE:
         """The encoder's share of ``optimize`` (it encodes each conditioning frame): direct convolutions and, for
         float32, every RMS norm in eager in-place ops (not fused with its SiLU: the encoder's layout is not
         planned); on a CPU also channels-last weights. Same math up to float summation order."""
@@ -178,7 +176,7 @@ class Cosmos3VAE(torch.nn.Module):
                 module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
         return self
 
-    def optimize(self, *, compile: bool | None = None) -> "Cosmos3VAE":
+    def optimize(self, *, compile: bool | None = None) -> Cosmos3VAE:
         """The fast path for the VAE's device: ``optimize_encoder``; in the decoder direct convolutions and fused
         norms; on a CPU also
         channels-last weights, eager (uncompiled) fused norms and one latent frame per decoder pass (measured fastest
@@ -245,9 +243,7 @@ class Cosmos3VAE(torch.nn.Module):
         return ((raw_mu - mean) * inv_std).to(pixels.dtype).float()
 
     @torch.no_grad()
-    def decode(
-        self, latents: torch.Tensor, *, tile: TileConfig | None = None, frames: str = "all"
-    ) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, *, tile: TileConfig | None = None, frames: str = "all") -> torch.Tensor:
         """Normalised latents ``[B, z, t, h, w]`` -> pixels ``[B, 3, 1 + 4(t-1), 16h, 16w]`` in [0, 1], float32.
 
         Untiled, equal to ``Cosmos3OmniPipeline``'s decode followed by ``postprocess_video(..., "pt")`` (up to the
@@ -322,11 +318,13 @@ class Cosmos3VAE(torch.nn.Module):
                 if last_frame_only and num_frames > 1:
                     head = "last" if end == num_frames else "none"
                 if head == "all":  # diffusers' own forward (module hooks fire)
-                    piece = vae.decoder(x[:, :, start:end], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
-                                        first_chunk=start == 0)
+                    piece = vae.decoder(
+                        x[:, :, start:end], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=start == 0
+                    )
                 else:
-                    piece = _decoder_forward(vae.decoder, x[:, :, start:end], vae._feat_map, vae._conv_idx,
-                                             first_chunk=start == 0, head=head)
+                    piece = _decoder_forward(
+                        vae.decoder, x[:, :, start:end], vae._feat_map, vae._conv_idx, first_chunk=start == 0, head=head
+                    )
                 if piece is not None:
                     pieces.append(piece)
         finally:
@@ -532,9 +530,7 @@ def _check_latent_stats(config) -> None:
     for field in ("latents_mean", "latents_std"):
         values = getattr(config, field, None)
         if values is None or len(values) != config.z_dim:
-            raise CheckpointError(
-                f"vae/config.json {field}: expected {config.z_dim} values (z_dim), got {values!r}"
-            )
+            raise CheckpointError(f"vae/config.json {field}: expected {config.z_dim} values (z_dim), got {values!r}")
     if any(not value > 0 for value in config.latents_std):
         raise CheckpointError(f"vae/config.json latents_std: expected positive values, got {config.latents_std}")
 

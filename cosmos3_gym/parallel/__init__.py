@@ -7,6 +7,10 @@ from .mesh import ParallelConfig, ParallelContext, init_parallel
 from .tensor_parallel import RowParallelLinear, apply_tensor_parallel, check_tensor_parallel
 
 __all__ = [
-    "ParallelConfig", "ParallelContext", "init_parallel", "RowParallelLinear", "apply_tensor_parallel",
+    "ParallelConfig",
+    "ParallelContext",
+    "init_parallel",
+    "RowParallelLinear",
+    "apply_tensor_parallel",
     "check_tensor_parallel",
 ]

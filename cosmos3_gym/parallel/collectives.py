@@ -79,8 +79,9 @@ def gather_dp_results(local_results: list, num_requests: int, parallel: Parallel
     return results
 
 
-def gather_cfg_rows(v_video: torch.Tensor, v_action: torch.Tensor, rows_per_rank: int, num_rows: int,
-                    parallel: ParallelContext) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_cfg_rows(
+    v_video: torch.Tensor, v_action: torch.Tensor, rows_per_rank: int, num_rows: int, parallel: ParallelContext
+) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather the velocity rows of both cfg rank groups: one collective per step (video and action rows
     packed side by side), every rank padded to ``rows_per_rank`` rows of the same dtype (fp32) so that the
     shapes agree; returns all ``num_rows`` rows in branch order on every rank."""

@@ -39,9 +39,7 @@ class ParallelConfig:
                 raise InputError(f"{name}: expected an integer >= 1, got {value!r}")
             object.__setattr__(self, name, value)
         if self.cfg_parallel > 2:
-            raise InputError(
-                f"cfg_parallel: expected 1 or 2 (one rank group per CFG branch), got {self.cfg_parallel}"
-            )
+            raise InputError(f"cfg_parallel: expected 1 or 2 (one rank group per CFG branch), got {self.cfg_parallel}")
 
     @property
     def cfg(self) -> int:
@@ -106,20 +104,28 @@ def in_process_group() -> bool:
 
 
 def resolve_parallel_config(
-    parallel: ParallelConfig | ParallelContext | None = None, *, tp: int | None = None,
-    cfg_parallel: int | None = None, dp: int | None = None, cfg: int | None = None,
+    parallel: ParallelConfig | ParallelContext | None = None,
+    *,
+    tp: int | None = None,
+    cfg_parallel: int | None = None,
+    dp: int | None = None,
+    cfg: int | None = None,
 ) -> ParallelConfig:
     """One ``ParallelConfig`` from ``parallel`` and/or the ``tp``/``cfg_parallel``/``dp`` shorthands (which must
     agree with it). ``cfg`` is the deprecated name of ``cfg_parallel``."""
     if cfg is not None:
-        warnings.warn("cfg= (the CFG-parallel degree) is deprecated; use cfg_parallel=", DeprecationWarning,
-                      stacklevel=3)
+        warnings.warn(
+            "cfg= (the CFG-parallel degree) is deprecated; use cfg_parallel=", DeprecationWarning, stacklevel=3
+        )
         if cfg_parallel is not None and cfg_parallel != cfg:
             raise InputError(f"cfg: {cfg} contradicts cfg_parallel={cfg_parallel}; give one or the other")
         cfg_parallel = cfg
     if parallel is None:
-        return ParallelConfig(dp=1 if dp is None else dp, cfg_parallel=1 if cfg_parallel is None else cfg_parallel,
-                              tp=1 if tp is None else tp)
+        return ParallelConfig(
+            dp=1 if dp is None else dp,
+            cfg_parallel=1 if cfg_parallel is None else cfg_parallel,
+            tp=1 if tp is None else tp,
+        )
     if isinstance(parallel, ParallelContext):
         config = parallel.config
     elif isinstance(parallel, ParallelConfig):
@@ -158,13 +164,16 @@ def init_parallel(config: ParallelConfig, device: str | torch.device | None = No
         )
     if device is None:
         if torch.cuda.is_available() and dist.get_backend() == "nccl":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+            device = torch.device(
+                "cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+            )
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
     device = torch.device(device)
-    mesh = init_device_mesh(device.type, (config.dp, config.cfg_parallel, config.tp),
-                            mesh_dim_names=("dp", "cfg", "tp"))
+    mesh = init_device_mesh(
+        device.type, (config.dp, config.cfg_parallel, config.tp), mesh_dim_names=("dp", "cfg", "tp")
+    )
     # new_group is collective over the world: every rank creates every replica's group, in the same order.
     replica_size = config.cfg_parallel * config.tp
     replica_group = None

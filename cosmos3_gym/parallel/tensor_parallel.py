@@ -32,8 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import InputError
-from ..models.transformer import Attention, Cosmos3Transformer, Cosmos3TransformerConfig, MLP
-
+from ..models.transformer import MLP, Attention, Cosmos3Transformer, Cosmos3TransformerConfig
 
 ALL_REDUCES = ("nccl", "symm_mem")
 
@@ -65,8 +64,9 @@ def release_symmetric_buffers(group_name: str) -> None:
         del _SYMM_BUFFERS[key]
 
 
-def _linear_two_shot(x: torch.Tensor, weight: torch.Tensor, group_name: str, slot: int,
-                     stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+def _linear_two_shot(
+    x: torch.Tensor, weight: torch.Tensor, group_name: str, slot: int, stream: torch.cuda.Stream | None = None
+) -> torch.Tensor:
     """``all_reduce(x @ weight^T)`` for the rows ``x`` ([rows, in_features]): the GEMM writes into the slot's
     symmetric buffer, the two-shot kernel sums it into a new tensor on ``stream`` (default: the current one)."""
     buffer = _symm_buffer(group_name, x.shape[0] * weight.shape[0], x.dtype, x.device, slot)
@@ -105,8 +105,9 @@ class RowParallelLinear(nn.Module):
     the full (replicated) result. The bias is added once, after the sum. ``all_reduce``: "nccl" (``dist.all_reduce``,
     any backend) or "symm_mem" (CUDA only, see the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
-                 all_reduce: str = "nccl"):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup, all_reduce: str = "nccl"
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
@@ -133,7 +134,7 @@ class RowParallelLinear(nn.Module):
             dist.all_reduce(y, group=self.group)
         return y + self.bias if self.bias is not None else y
 
-    def start(self, x: torch.Tensor, slot: int) -> "PendingSum":
+    def start(self, x: torch.Tensor, slot: int) -> PendingSum:
         """``forward`` of the rows ``x`` ([rows, in_features_local]) with the all-reduce left in flight: the caller
         computes something else and then calls ``wait()``. Up to one pending sum per ``slot`` (symm_mem: the slot's
         shared buffer must not be rewritten before its sum is waited for). Not for torch.compile'd code."""
@@ -183,8 +184,9 @@ def check_tensor_parallel(config: Cosmos3TransformerConfig, tp: int) -> None:
             )
 
 
-def apply_tensor_parallel(model: Cosmos3Transformer, tp_group: dist.ProcessGroup,
-                          all_reduce: str = "nccl") -> Cosmos3Transformer:
+def apply_tensor_parallel(
+    model: Cosmos3Transformer, tp_group: dist.ProcessGroup, all_reduce: str = "nccl"
+) -> Cosmos3Transformer:
     """Shard ``model`` (a plain, fully loaded ``Cosmos3Transformer``) in place over ``tp_group`` and return it.
 
     Every rank of the group must call this on identical weights. Afterwards each rank holds 1/tp of the attention

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -364,8 +364,9 @@ class _HaloExchange:
         assert conv.padding_mode == "zeros" and conv.padding[0] == conv.padding[1]
 
         def forward(x):
-            return F.conv2d(self.pad(x, conv.padding[0]), conv.weight, conv.bias, conv.stride, 0, conv.dilation,
-                            conv.groups)
+            return F.conv2d(
+                self.pad(x, conv.padding[0]), conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups
+            )
 
         return forward
 

@@ -6,7 +6,8 @@ above 0.95) 0.93 on average and never 0.95 (``benchmarks/reward_model_calibratio
 0.95 on its score would never end an episode. The threshold belongs to the reward model, and is measured:
 ``success_threshold_table`` gives precision and recall for each candidate, ``fit_success_threshold`` the best by F1,
 ``calibrate_success_threshold`` fits it on one set of frames and checks it on another (with a fallback where there
-is no success to fit on), and ``score_episode_files`` scores the frames of simulated episodes. The built-in model's training recipe
+is no success to fit on), and ``score_episode_files`` scores the frames of simulated episodes. The built-in model's
+training recipe
 calibrates each reward model it trains this way, on episodes the model never saw;
 ``benchmarks/reward_model_calibration.py`` re-checks a model on fresh scripted episodes.
 """
@@ -14,15 +15,21 @@ calibrates each reward model it trains this way, on episodes the model never saw
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import InputError
 
-__all__ = ["success_threshold_table", "fit_success_threshold", "calibrate_success_threshold",
-           "score_episode_files", "DEFAULT_CANDIDATES"]
+__all__ = [
+    "success_threshold_table",
+    "fit_success_threshold",
+    "calibrate_success_threshold",
+    "score_episode_files",
+    "DEFAULT_CANDIDATES",
+]
 
 DEFAULT_CANDIDATES = tuple(np.round(np.arange(0.80, 0.9951, 0.005), 3))
 
@@ -45,8 +52,9 @@ def _check(scores: Any, successes: Any, need_success: bool = True) -> tuple[np.n
     return scores, successes
 
 
-def success_threshold_table(scores: Any, successes: Any,
-                            thresholds: Sequence[float] = DEFAULT_CANDIDATES) -> list[dict[str, float]]:
+def success_threshold_table(
+    scores: Any, successes: Any, thresholds: Sequence[float] = DEFAULT_CANDIDATES
+) -> list[dict[str, float]]:
     """For each threshold: how many frames ``score >= threshold`` marks, and that rule's precision, recall and F1
     against ``successes`` (the true success of each frame)."""
     scores, successes = _check(scores, successes)
@@ -60,12 +68,18 @@ def _row(scores: np.ndarray, successes: np.ndarray, threshold: float) -> dict[st
     precision = hits / int(predicted.sum()) if predicted.any() else 0.0
     recall = hits / int(successes.sum()) if successes.any() else 0.0
     f1 = 2 * precision * recall / (precision + recall) if hits else 0.0
-    return {"threshold": float(threshold), "predicted": int(predicted.sum()), "precision": precision,
-            "recall": recall, "f1": f1}
+    return {
+        "threshold": float(threshold),
+        "predicted": int(predicted.sum()),
+        "precision": precision,
+        "recall": recall,
+        "f1": f1,
+    }
 
 
-def fit_success_threshold(scores: Any, successes: Any,
-                          thresholds: Sequence[float] = DEFAULT_CANDIDATES) -> dict[str, float]:
+def fit_success_threshold(
+    scores: Any, successes: Any, thresholds: Sequence[float] = DEFAULT_CANDIDATES
+) -> dict[str, float]:
     """The row of ``success_threshold_table`` with the best F1; of equal F1 the higher threshold (fewer false
     successes, which RL in a world model exploits)."""
     rows = success_threshold_table(scores, successes, thresholds)
@@ -73,8 +87,14 @@ def fit_success_threshold(scores: Any, successes: Any,
 
 
 def calibrate_success_threshold(
-    fit_scores: Any, fit_successes: Any, check_scores: Any = None, check_successes: Any = None, *,
-    fallback: float | None = None, min_success_frames: int = 1, thresholds: Sequence[float] = DEFAULT_CANDIDATES,
+    fit_scores: Any,
+    fit_successes: Any,
+    check_scores: Any = None,
+    check_successes: Any = None,
+    *,
+    fallback: float | None = None,
+    min_success_frames: int = 1,
+    thresholds: Sequence[float] = DEFAULT_CANDIDATES,
 ) -> dict[str, Any]:
     """Fit the threshold on one set of frames (``fit_success_threshold``) and measure it on another.
 
@@ -94,28 +114,37 @@ def calibrate_success_threshold(
     if fit is None:
         reason = "no frames to fit the threshold on"
     elif found < min_success_frames:
-        reason = (f"{found} success frame{'s' if found != 1 else ''} among the {fit[0].size} fit frames, fewer than "
-                  f"the {min_success_frames} needed to fit the threshold")
+        reason = (
+            f"{found} success frame{'s' if found != 1 else ''} among the {fit[0].size} fit frames, fewer than "
+            f"the {min_success_frames} needed to fit the threshold"
+        )
     if reason is not None:
         if fallback is None:
             raise InputError(f"successes: {reason}")
         threshold = float(fallback)
     else:
         threshold = fit_success_threshold(*fit, thresholds)["threshold"]
-    result: dict[str, Any] = {"success_threshold": threshold, "fitted": reason is None,
-                              "reason": None if reason is None else f"{reason}; the fallback {threshold:g} stands"}
+    result: dict[str, Any] = {
+        "success_threshold": threshold,
+        "fitted": reason is None,
+        "reason": None if reason is None else f"{reason}; the fallback {threshold:g} stands",
+    }
     for name, scores, successes in (("fit", fit_scores, fit_successes), ("check", check_scores, check_successes)):
         if scores is None or np.asarray(scores).size == 0:
             result[name] = None
             continue
         scores, successes = _check(scores, successes, need_success=False)
-        result[name] = {"frames": int(scores.size), "success_frames": int(successes.sum()),
-                        **_row(scores, successes, threshold)}
+        result[name] = {
+            "frames": int(scores.size),
+            "success_frames": int(successes.sum()),
+            **_row(scores, successes, threshold),
+        }
     return result
 
 
-def score_episode_files(paths: Sequence[str | os.PathLike], reward_model, *, label_key: str = "coverage",
-                        batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
+def score_episode_files(
+    paths: Sequence[str | os.PathLike], reward_model, *, label_key: str = "coverage", batch_size: int = 256
+) -> tuple[np.ndarray, np.ndarray]:
     """Every frame of episode files (``.npz`` with uint8 ``frames [T, H, W, 3]`` and a per-step ``label_key``, as
     a task's dataset generator writes them): (label, ``reward_model.score_frames``) per frame,
     all episodes concatenated (empty arrays for no paths). Frames are scored ``batch_size`` at a time on the reward
@@ -132,8 +161,9 @@ def score_episode_files(paths: Sequence[str | os.PathLike], reward_model, *, lab
         for start in range(0, count, batch_size):
             batch = torch.from_numpy(frames[start : min(start + batch_size, count)]).to(device)
             with torch.no_grad():
-                scores.append(reward_model.score_frames(batch.permute(0, 3, 1, 2).float() / 255)
-                              .float().cpu().numpy().reshape(-1))
+                scores.append(
+                    reward_model.score_frames(batch.permute(0, 3, 1, 2).float() / 255).float().cpu().numpy().reshape(-1)
+                )
         labels.append(np.asarray(episode_labels[:count]))
     if not labels:
         return np.zeros(0), np.zeros(0)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ class CallableRewardModel:
         self.name = name or reward_model_name(fn)
         self.device = torch.device("cpu")
 
-    def to(self, device: torch.device | str) -> "CallableRewardModel":
+    def to(self, device: torch.device | str) -> CallableRewardModel:
         self.device = torch.device(device)
         return self
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import safetensors.torch
@@ -84,18 +85,18 @@ class ClassifierRewardModel(nn.Module):
         self.stem = nn.Sequential(
             nn.Conv2d(3, channels[0], 3, stride=2, padding=1, bias=False), _group_norm(channels[0]), nn.ReLU()
         )
-        self.blocks = nn.Sequential(
-            *(_ResidualBlock(c_in, c_out) for c_in, c_out in zip(channels, channels[1:]))
-        )
+        self.blocks = nn.Sequential(*(_ResidualBlock(c_in, c_out) for c_in, c_out in zip(channels, channels[1:])))
         self.head = nn.Linear(channels[-1], 1)
         self._graphed_scores: GraphedFunction | None = None  # use_cuda_graphs
 
-    def use_cuda_graphs(self, on: bool = True, max_padding: float | None = DEFAULT_MAX_PADDING
-                        ) -> "ClassifierRewardModel":
+    def use_cuda_graphs(
+        self, on: bool = True, max_padding: float | None = DEFAULT_MAX_PADDING
+    ) -> ClassifierRewardModel:
         """Replay ``score_frames`` as CUDA graphs (one per image shape, rows padded as ``cuda_graphs.graph_rows``;
         GroupNorm scores each frame alone, so padding rows change nothing): the env's one-env step launches its ~30
         kernels at once. Same math. Needs the model on a CUDA device; moving it (``to``) drops the graphs, and while
-        it is off the GPU the eager forward runs. The built-in model's env turns it on where its engine replays its stages as
+        it is off the GPU the eager forward runs. The built-in model's env turns it on where its engine replays its
+        stages as
         CUDA graphs (``Cosmos3Engine.stage_graphs``), with the engine's ``graph_padding`` as ``max_padding``
         (``cuda_graphs.graph_rows``)."""
         check_max_padding(max_padding)
@@ -177,9 +178,12 @@ class ClassifierRewardModel(nn.Module):
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike, device: torch.device | str = "cpu", reduce: str | None = None,
+        cls,
+        path: str | os.PathLike,
+        device: torch.device | str = "cpu",
+        reduce: str | None = None,
         name: str | None = None,
-    ) -> "ClassifierRewardModel":
+    ) -> ClassifierRewardModel:
         """Load a directory written by ``save`` (or its ``model.safetensors``); ``reduce`` overrides the saved one."""
         path = Path(path)
         if path.is_file() and path.name == WEIGHTS_NAME:
@@ -197,8 +201,12 @@ class ClassifierRewardModel(nn.Module):
         if not isinstance(config, dict) or config.get("format") != _FORMAT:
             raise CheckpointError(f"classifier: {config_path} is not a {_FORMAT} config (its 'format' differs)")
         try:
-            model = cls(input_size=config.get("input_size"), channels=config.get("channels") or [],
-                        reduce=config.get("reduce"), name=name)
+            model = cls(
+                input_size=config.get("input_size"),
+                channels=config.get("channels") or [],
+                reduce=config.get("reduce"),
+                name=name,
+            )
         except InputError as error:
             raise CheckpointError(f"classifier: {config_path}: {error}") from error
         if reduce is not None:

@@ -74,7 +74,7 @@ class GoalImageRewardModel:
     def device(self) -> torch.device:
         return self.goal.device
 
-    def to(self, device: torch.device | str) -> "GoalImageRewardModel":
+    def to(self, device: torch.device | str) -> GoalImageRewardModel:
         self.goal = self.goal.to(device)
         return self
 

@@ -20,8 +20,9 @@ import math
 import os
 import re
 import urllib.parse
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -93,13 +94,18 @@ def _goal_image_factory(spec: RewardModelSpec) -> GoalImageRewardModel:
     spec.check_options({"space", "scale"})
     path = spec.require_argument("PATH (an image file)")
     return GoalImageRewardModel(
-        path, space=spec.options.get("space", "pixel"), scale=spec.float_option("scale", 0.05), vae=spec.vae,
-        device=spec.device, name=spec.text,
+        path,
+        space=spec.options.get("space", "pixel"),
+        scale=spec.float_option("scale", 0.05),
+        vae=spec.vae,
+        device=spec.device,
+        name=spec.text,
     )
 
 
 _FACTORIES: dict[str, RewardModelFactory] = {
-    "classifier": _classifier_factory, "goal_image": _goal_image_factory,
+    "classifier": _classifier_factory,
+    "goal_image": _goal_image_factory,
 }
 
 
@@ -127,9 +133,7 @@ def available_reward_models() -> list[str]:
     return sorted(set(_FACTORIES) | set(_entry_points()))
 
 
-def resolve_reward_model(
-    spec: Any, device: torch.device | str = "cpu", *, vae: Any = None
-) -> RewardModel | None:
+def resolve_reward_model(spec: Any, device: torch.device | str = "cpu", *, vae: Any = None) -> RewardModel | None:
     """Turn ``spec`` into a reward model on ``device``, or ``None`` for ``None``.
 
     ``spec``: ``None``; a reward model (anything callable with a ``to`` method); a plain callable

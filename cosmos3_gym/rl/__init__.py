@@ -8,5 +8,12 @@ simulator behind the same vector-env interface): a pixel policy, behaviour cloni
 from .bc import BCConfig, train_bc
 from .policy import PixelGaussianPolicy, PolicyConfig, load_policy_file, read_policy_metadata, save_policy_file
 
-__all__ = ["BCConfig", "PixelGaussianPolicy", "PolicyConfig", "load_policy_file",
-           "read_policy_metadata", "save_policy_file", "train_bc"]
+__all__ = [
+    "BCConfig",
+    "PixelGaussianPolicy",
+    "PolicyConfig",
+    "load_policy_file",
+    "read_policy_metadata",
+    "save_policy_file",
+    "train_bc",
+]

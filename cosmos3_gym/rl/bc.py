@@ -13,9 +13,8 @@ steps after the first ``WARMUP_STEPS``, and the cosine schedule is laid over the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -65,8 +64,13 @@ def random_shift(pixels: torch.Tensor, shift: int, generator: torch.Generator) -
     return padded[batch_index, :, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
 
 
-def train_bc(policy: PixelGaussianPolicy, observations: np.ndarray, action_chunks: np.ndarray,
-             config: BCConfig | None = None, progress: bool = True) -> list[float]:
+def train_bc(
+    policy: PixelGaussianPolicy,
+    observations: np.ndarray,
+    action_chunks: np.ndarray,
+    config: BCConfig | None = None,
+    progress: bool = True,
+) -> list[float]:
     """Train ``policy`` (in place, on its device) on ``observations`` uint8 ``[M, s, s, 3]`` and ``action_chunks``
     ``[M, chunk, D]`` in [-1, 1]. Returns the loss of every step."""
     from tqdm.auto import tqdm
@@ -75,22 +79,30 @@ def train_bc(policy: PixelGaussianPolicy, observations: np.ndarray, action_chunk
     observations = np.asarray(observations)
     action_chunks = np.asarray(action_chunks, np.float32)
     if len(observations) != len(action_chunks) or not len(observations):
-        raise InputError(f"observations/action_chunks: expected the same non-zero count, got {len(observations)} and "
-                         f"{len(action_chunks)}.")
+        raise InputError(
+            f"observations/action_chunks: expected the same non-zero count, got {len(observations)} and "
+            f"{len(action_chunks)}."
+        )
     if tuple(action_chunks.shape[1:]) != policy.action_shape:
-        raise InputError(f"action_chunks: expected [M, {policy.action_shape[0]}, {policy.action_shape[1]}], got "
-                         f"{list(action_chunks.shape)}.")
+        raise InputError(
+            f"action_chunks: expected [M, {policy.action_shape[0]}, {policy.action_shape[1]}], got "
+            f"{list(action_chunks.shape)}."
+        )
     torch.manual_seed(config.seed)
     device = policy.device
     generator = torch.Generator(device=device).manual_seed(config.seed)
     frames = torch.from_numpy(np.ascontiguousarray(observations)).to(device)
     targets = torch.from_numpy(action_chunks.reshape(len(action_chunks), -1)).to(device)
     criterion = F.l1_loss if config.loss == "l1" else F.mse_loss
-    optimizer = torch.optim.AdamW([p for name, p in policy.named_parameters() if name != "log_std"],
-                                  lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        [p for name, p in policy.named_parameters() if name != "log_std"],
+        lr=config.learning_rate,
+        weight_decay=config.weight_decay,
+    )
     total = [config.steps]  # cut once the step time is known (max_seconds); the schedule reads it every step
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1.0 + np.cos(np.pi * min(step, total[0]) / total[0])))
+        optimizer, lambda step: 0.5 * (1.0 + np.cos(np.pi * min(step, total[0]) / total[0]))
+    )
     batch_size = min(config.batch_size, len(frames))
     policy.train()
     losses = []

@@ -6,7 +6,8 @@ Readable top to bottom, CleanRL-style: the hyper-parameters are ``GRPOConfig``; 
    ``group_size`` slots of its group) and every slot acts for at most ``horizon`` chunks, sampling from the Gaussian
    policy. A slot's episode ends at ``terminated`` (success) or ``truncated``; what the env returns for it afterwards
    (an autoreset, or a group slot *waiting* for its group) is masked out. The env is any Gymnasium vector env that
-   takes ``reset(options={"initial_state_index": [...]})``: a world-model vector env or a real simulator behind the same interface
+   takes ``reset(options={"initial_state_index": [...]})``: a world-model vector env or a real simulator behind the
+   same interface
    (the bundled task's ``sim_vector_env``), so the trainer runs unchanged in both worlds.
 2. **Returns and advantages.** An episode's return is ``1[success] + coverage_weight * final score`` (sparse success,
    with a small dense term that separates failures: the score is ``info["coverage"]``, or the reward model's
@@ -32,9 +33,10 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import safetensors
@@ -64,7 +66,8 @@ class GRPOConfig:
     kl_coef: float = 0.05  # KL to the reference (behaviour-cloned) policy; 0 turns it off
     entropy_coef: float = 0.0
     coverage_weight: float = 0.1  # return = 1[success] + coverage_weight * final score
-    # "group", "batch" or "none" (see group_advantages). On the bundled task's simulator (horizon 4, 80 iterations) "group" and
+    # "group", "batch" or "none" (see group_advantages). On the bundled task's simulator (horizon 4, 80 iterations)
+    # "group" and
     # "batch" gained alike over BC (+13 and +9.5 / +11 points; RESULTS.md, issue 17): GRPO's own default stays.
     advantage_normalization: str = "group"
     max_grad_norm: float = 1.0
@@ -123,19 +126,29 @@ class GRPOTrainer:
     ``len(env.initial_states)``). ``guard``: replays action chunks in the real simulator (module docstring).
     """
 
-    def __init__(self, policy: PixelGaussianPolicy, env: Any, config: GRPOConfig | None = None, *,
-                 reference: PixelGaussianPolicy | None = None, num_starts: int | None = None,
-                 guard: Guard | None = None):
+    def __init__(
+        self,
+        policy: PixelGaussianPolicy,
+        env: Any,
+        config: GRPOConfig | None = None,
+        *,
+        reference: PixelGaussianPolicy | None = None,
+        num_starts: int | None = None,
+        guard: Guard | None = None,
+    ):
         self.config = config or GRPOConfig()
         self.policy = policy
         self.env = env
         self.num_envs = int(env.num_envs)
         if self.num_envs % self.config.group_size:
-            raise InputError(f"group_size: num_envs ({self.num_envs}) must be a multiple of group_size "
-                             f"({self.config.group_size}).")
+            raise InputError(
+                f"group_size: num_envs ({self.num_envs}) must be a multiple of group_size ({self.config.group_size})."
+            )
         if self.config.advantage_normalization not in ADVANTAGE_NORMALIZATIONS:
-            raise InputError(f"advantage_normalization: expected one of {ADVANTAGE_NORMALIZATIONS}, got "
-                             f"{self.config.advantage_normalization!r}")
+            raise InputError(
+                f"advantage_normalization: expected one of {ADVANTAGE_NORMALIZATIONS}, got "
+                f"{self.config.advantage_normalization!r}"
+            )
         if num_starts is None:
             starts = getattr(env, "initial_states", None)
             if starts is None:
@@ -163,8 +176,9 @@ class GRPOTrainer:
         started = time.perf_counter()
         groups = n // config.group_size
         start_indices = np.repeat(self.rng.integers(self.num_starts, size=groups), config.group_size)
-        observations, _ = self.env.reset(seed=int(self.rng.integers(2**31 - n)),
-                                         options={"initial_state_index": start_indices})
+        observations, _ = self.env.reset(
+            seed=int(self.rng.integers(2**31 - n)), options={"initial_state_index": start_indices}
+        )
         alive = np.ones(n, bool)
         success = np.zeros(n, bool)
         final_score = np.zeros(n)
@@ -220,27 +234,34 @@ class GRPOTrainer:
             real_coverage = np.asarray(replayed["final_coverage"], float)
             imagined = int(success.sum())
             spread = final_score.std() * real_coverage.std()
-            stats.update({
-                "guard": True,
-                "imagined_success_rate": float(success.mean()),
-                "replayed_success_rate": float(real.mean()),
-                "false_success_rate": float((success & ~real).sum() / imagined) if imagined else math.nan,
-                "imagined_successes": imagined,
-                "false_successes": int((success & ~real).sum()),
-                "episodes": int(n),
-                "success_agreement": float((success == real).mean()),
-                "imagined_final_score": float(final_score.mean()),
-                "replayed_final_coverage": float(real_coverage.mean()),
-                "score_coverage_pearson": float(np.mean((final_score - final_score.mean())
-                                                        * (real_coverage - real_coverage.mean())) / spread)
-                if spread > 0 else math.nan,
-                "score_coverage_mae": float(np.abs(final_score - real_coverage).mean()),
-                "guard_s": time.perf_counter() - guard_started,
-            })
+            stats.update(
+                {
+                    "guard": True,
+                    "imagined_success_rate": float(success.mean()),
+                    "replayed_success_rate": float(real.mean()),
+                    "false_success_rate": float((success & ~real).sum() / imagined) if imagined else math.nan,
+                    "imagined_successes": imagined,
+                    "false_successes": int((success & ~real).sum()),
+                    "episodes": int(n),
+                    "success_agreement": float((success == real).mean()),
+                    "imagined_final_score": float(final_score.mean()),
+                    "replayed_final_coverage": float(real_coverage.mean()),
+                    "score_coverage_pearson": float(
+                        np.mean((final_score - final_score.mean()) * (real_coverage - real_coverage.mean())) / spread
+                    )
+                    if spread > 0
+                    else math.nan,
+                    "score_coverage_mae": float(np.abs(final_score - real_coverage).mean()),
+                    "guard_s": time.perf_counter() - guard_started,
+                }
+            )
         return Rollout(
-            images=torch.cat(images), actions=torch.cat(actions), log_probs=torch.cat(log_probs),
+            images=torch.cat(images),
+            actions=torch.cat(actions),
+            log_probs=torch.cat(log_probs),
             reference_log_probs=torch.cat(reference_log_probs) if reference_log_probs else None,
-            advantages=torch.from_numpy(advantages[owner]).float(), stats=stats,
+            advantages=torch.from_numpy(advantages[owner]).float(),
+            stats=stats,
         )
 
     # ------------------------------------------------------------------ 3: the clipped-ratio update
@@ -251,13 +272,12 @@ class GRPOTrainer:
         started = time.perf_counter()
         policy.train()
         count = len(rollout.actions)
-        totals = {"policy_loss": 0.0, "kl_to_reference": 0.0, "entropy": 0.0, "clip_fraction": 0.0,
-                  "approx_kl": 0.0}
+        totals = {"policy_loss": 0.0, "kl_to_reference": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
         batches = 0
         for _ in range(config.update_epochs):
             order = torch.randperm(count, generator=self.generator)
             for begin in range(0, count, config.minibatch_size):
-                index = order[begin:begin + config.minibatch_size]
+                index = order[begin : begin + config.minibatch_size]
                 pixels = policy.preprocess(rollout.images[index])
                 distribution = policy.distribution(pixels)
                 actions = rollout.actions[index].to(device)
@@ -265,8 +285,9 @@ class GRPOTrainer:
                 log_ratio = log_prob - rollout.log_probs[index].to(device)
                 ratio = log_ratio.clamp(max=MAX_LOG_RATIO).exp()
                 advantages = rollout.advantages[index].to(device)
-                policy_loss = torch.max(-advantages * ratio,
-                                        -advantages * ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)).mean()
+                policy_loss = torch.max(
+                    -advantages * ratio, -advantages * ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
+                ).mean()
                 entropy = distribution.entropy().sum(-1).mean()
                 loss = policy_loss - config.entropy_coef * entropy
                 kl = torch.zeros((), device=device)
@@ -279,7 +300,8 @@ class GRPOTrainer:
                     raise FloatingPointError(
                         f"GRPO: the loss is not finite at iteration {self.iteration} (policy loss "
                         f"{float(policy_loss)}, KL {float(kl)}); the policy's weights are left as they were after the "
-                        f"last finite step. Check the env's rewards, lower learning_rate or raise min_log_std.")
+                        f"last finite step. Check the env's rewards, lower learning_rate or raise min_log_std."
+                    )
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
@@ -300,9 +322,16 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def train(self, iterations: int | None = None, *, checkpoint_path: str | os.PathLike | None = None,
-              checkpoint_every: int = 1, progress: bool = True, max_seconds: float | None = None,
-              on_iteration: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    def train(
+        self,
+        iterations: int | None = None,
+        *,
+        checkpoint_path: str | os.PathLike | None = None,
+        checkpoint_every: int = 1,
+        progress: bool = True,
+        max_seconds: float | None = None,
+        on_iteration: Callable[[dict[str, Any]], None] | None = None,
+    ) -> list[dict[str, Any]]:
         """Run until ``iterations`` (default ``config.iterations``) iterations are done in total (a resumed trainer
         continues its count); checkpoint to ``checkpoint_path`` every ``checkpoint_every`` iterations.
 
@@ -323,14 +352,18 @@ class GRPOTrainer:
                     break
                 rollout = self.collect()
                 record = {"iteration": self.iteration, **rollout.stats, **self.update(rollout)}
-                record["env_steps_total"] = record["env_steps"] + (self.history[-1]["env_steps_total"]
-                                                                   if self.history else 0)
+                record["env_steps_total"] = record["env_steps"] + (
+                    self.history[-1]["env_steps_total"] if self.history else 0
+                )
                 self.history.append(record)
                 self.iteration += 1
                 if checkpoint_path is not None and (self.iteration % checkpoint_every == 0 or self.iteration == total):
                     self.save(checkpoint_path)
-                bar.set_postfix(success=f"{record['success_rate']:.2f}", ret=f"{record['mean_return']:.2f}",
-                                kl=f"{record['kl_to_reference']:.3f}")
+                bar.set_postfix(
+                    success=f"{record['success_rate']:.2f}",
+                    ret=f"{record['mean_return']:.2f}",
+                    kl=f"{record['kl_to_reference']:.3f}",
+                )
                 bar.update()
                 if on_iteration is not None:
                     on_iteration(record)
@@ -363,15 +396,24 @@ class GRPOTrainer:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(path.suffix + ".tmp")
-        safetensors.torch.save_file(tensors, str(temporary),
-                                    metadata={key: json.dumps(value, default=_json_number)
-                                              for key, value in metadata.items()})
+        safetensors.torch.save_file(
+            tensors,
+            str(temporary),
+            metadata={key: json.dumps(value, default=_json_number) for key, value in metadata.items()},
+        )
         os.replace(temporary, path)  # a crash mid-write leaves the previous checkpoint intact
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, env: Any, *, device: torch.device | str = "cpu",
-             reference: PixelGaussianPolicy | None = None, guard: Guard | None = None) -> "GRPOTrainer":
+    def load(
+        cls,
+        path: str | os.PathLike,
+        env: Any,
+        *,
+        device: torch.device | str = "cpu",
+        reference: PixelGaussianPolicy | None = None,
+        guard: Guard | None = None,
+    ) -> GRPOTrainer:
         """A trainer continuing the checkpoint at ``path`` on ``env``. ``reference``: the KL reference (default:
         the one the checkpoint's run started from is not stored, so pass the BC policy when ``kl_coef`` > 0)."""
         try:
@@ -381,15 +423,22 @@ class GRPOTrainer:
         except Exception as error:  # a missing or damaged file: safetensors raises several error types
             raise CheckpointError(f"grpo checkpoint: cannot read {path} ({error}).") from error
         if metadata.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"grpo checkpoint: {path} is not a GRPO checkpoint (format "
-                                  f"{metadata.get('format')!r}).")
+            raise CheckpointError(
+                f"grpo checkpoint: {path} is not a GRPO checkpoint (format {metadata.get('format')!r})."
+            )
         policy = PixelGaussianPolicy(PolicyConfig(**metadata["policy_config"]))
-        policy.load_state_dict({name[len("policy."):]: t for name, t in tensors.items() if name.startswith("policy.")})
+        policy.load_state_dict({name[len("policy.") :]: t for name, t in tensors.items() if name.startswith("policy.")})
         policy.to(device)
         if reference is None and metadata["config"]["kl_coef"] > 0:
             raise InputError("reference: the checkpoint trains with a KL term; pass the reference (BC) policy.")
-        trainer = cls(policy, env, GRPOConfig(**metadata["config"]), reference=reference,
-                      num_starts=metadata["num_starts"], guard=guard)
+        trainer = cls(
+            policy,
+            env,
+            GRPOConfig(**metadata["config"]),
+            reference=reference,
+            num_starts=metadata["num_starts"],
+            guard=guard,
+        )
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors.items():
             if name.startswith("optimizer."):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -35,9 +35,11 @@ def line_chart(path: str | os.PathLike, panels: Sequence[dict], *, title: str = 
         y0, y1 = (min(ys + [0.0]), max(ys + [1.0])) if ys else (0.0, 1.0)
         x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
 
-        def to_pixel(x, y):
-            return (box[0] + (x - x0) / (x1 - x0) * (box[2] - box[0]),
-                    box[3] - (y - y0) / (y1 - y0) * (box[3] - box[1]))
+        def to_pixel(x, y, box=box, x0=x0, x1=x1, y0=y0, y1=y1):  # bound now: defined per panel
+            return (
+                box[0] + (x - x0) / (x1 - x0) * (box[2] - box[0]),
+                box[3] - (y - y0) / (y1 - y0) * (box[3] - box[1]),
+            )
 
         draw.rectangle(box, outline=(0, 0, 0))
         for fraction in np.linspace(0, 1, 5):
@@ -50,8 +52,11 @@ def line_chart(path: str | os.PathLike, panels: Sequence[dict], *, title: str = 
             draw.line([(px, box[3]), (px, box[3] + 3)], fill=(0, 0, 0))
             draw.text((px - 12, box[3] + 5), f"{x:.4g}", fill=(0, 0, 0))
         draw.text((left + margin_left, top + 4), panel.get("title", ""), fill=(0, 0, 0))
-        draw.text((left + margin_left, top + height - 14), f"x: {panel.get('xlabel', '')}   y: "
-                  f"{panel.get('ylabel', '')}", fill=(90, 90, 90))
+        draw.text(
+            (left + margin_left, top + height - 14),
+            f"x: {panel.get('xlabel', '')}   y: {panel.get('ylabel', '')}",
+            fill=(90, 90, 90),
+        )
         for s, series in enumerate(panel["series"]):
             colour = COLOURS[s % len(COLOURS)]
             points = [to_pixel(x, y) for x, y in zip(series["x"], series["y"]) if math.isfinite(x) and math.isfinite(y)]

@@ -1,6 +1,7 @@
 """``PixelGaussianPolicy``: a small CNN from one frame to an action chunk, with a Gaussian head for RL.
 
-The frame (uint8 ``[H, W, 3]``, the world-model envs' ``{"image": ...}`` observation, 96 x 96 by default) goes through four
+The frame (uint8 ``[H, W, 3]``, the world-model envs' ``{"image": ...}`` observation, 96 x 96 by default) goes
+through four
 convolutions; a spatial soft-argmax turns each of the last layer's channels into an (x, y) keypoint (Levine et al.
 2016, robomimic's and Diffusion Policy's visual encoders: where the agent and the block are is what a pushing policy
 needs) and an MLP maps the keypoints to the mean of an action chunk ``[chunk, action_dim]`` in [-1, 1] (tanh). The
@@ -29,14 +30,19 @@ import numpy as np
 import safetensors
 import safetensors.torch
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..data.initial_states import resize_frame
 from ..errors import CheckpointError, InputError
 
-__all__ = ["FORMAT", "PixelGaussianPolicy", "PolicyConfig", "load_policy_file", "read_policy_metadata",
-           "save_policy_file"]
+__all__ = [
+    "FORMAT",
+    "PixelGaussianPolicy",
+    "PolicyConfig",
+    "load_policy_file",
+    "read_policy_metadata",
+    "save_policy_file",
+]
 
 FORMAT = "cosmos3_gym.policy"
 KIND = "pixel_gaussian"
@@ -68,7 +74,8 @@ def ieee_fp32_convolutions(device: torch.device):
     GRPO samples around the mean with sigma = exp(-3.5) = 0.03 and compares the log-probabilities the rollout
     computed with those the update computes. On an H200 with PyTorch's default (TF32 allowed for cuDNN convolutions)
     they disagreed far more than on the CPU: the median fraction of clipped ratios was 0.13 against the CPU's 0.017,
-    and the k3 KL to the reference passed 5 in 8 of 145 iterations in the world model (44 of 400 in the real simulator, up to
+    and the k3 KL to the reference passed 5 in 8 of 145 iterations in the world model (44 of 400 in the real
+    simulator, up to
     1e6; none on the CPU). With IEEE convolutions the same world-model run clipped a median 0.015 and the KL never
     passed 5 (benchmarks/RESULTS.md, issue 17, session 18). A no-grad forward matched the CPU to 4e-4 sigma either
     way, so the difference arises in the update's forward with autograd (the backward runs after this block, under
@@ -112,8 +119,10 @@ class PixelGaussianPolicy(nn.Module):
         self.keypoints = SpatialSoftArgmax()
         out = self.config.chunk * self.config.action_dim
         self.head = nn.Sequential(
-            nn.Linear(2 * c[-1], self.config.hidden), nn.ReLU(),
-            nn.Linear(self.config.hidden, self.config.hidden), nn.ReLU(),
+            nn.Linear(2 * c[-1], self.config.hidden),
+            nn.ReLU(),
+            nn.Linear(self.config.hidden, self.config.hidden),
+            nn.ReLU(),
             nn.Linear(self.config.hidden, out),
         )
         self.log_std = nn.Parameter(torch.full((out,), float(self.config.initial_log_std)))
@@ -133,8 +142,9 @@ class PixelGaussianPolicy(nn.Module):
         else:
             images = np.asarray(images)
             if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
-                raise InputError(f"observation['image']: expected uint8 [N, H, W, 3], got {images.dtype} "
-                                 f"{list(images.shape)}.")
+                raise InputError(
+                    f"observation['image']: expected uint8 [N, H, W, 3], got {images.dtype} {list(images.shape)}."
+                )
             size = self.config.image_size
             if images.shape[1:3] != (size, size):
                 images = np.stack([resize_frame(image, (size, size)) for image in images])
@@ -151,8 +161,7 @@ class PixelGaussianPolicy(nn.Module):
         return torch.distributions.Normal(mean, self.log_std.exp().expand_as(mean))
 
     @torch.no_grad()
-    def act(self, observation: Any, deterministic: bool = True, generator: torch.Generator | None = None
-            ) -> np.ndarray:
+    def act(self, observation: Any, deterministic: bool = True, generator: torch.Generator | None = None) -> np.ndarray:
         """Action chunks for ``{"image": [N, H, W, 3]}`` (or the images, or one frame): float32 ``[N, chunk, D]``
         (``[chunk, D]`` for one frame), clipped to [-1, 1]. ``deterministic``: the mean; else a sample."""
         images = observation["image"] if isinstance(observation, dict) else observation
@@ -215,8 +224,10 @@ def read_policy_metadata(path: str | os.PathLike) -> dict[str, Any]:
     if metadata.get("format") == "cosmos3_gym.sb3_policy.v1":
         metadata.setdefault("kind", "sb3_ppo")
     if "kind" not in metadata:
-        raise CheckpointError(f"policy file: {path} says nothing of what it holds (no 'kind' in its metadata); "
-                              f"expected a file of cosmos3_gym.rl.policy.save_policy_file or save_sb3_policy.")
+        raise CheckpointError(
+            f"policy file: {path} says nothing of what it holds (no 'kind' in its metadata); "
+            f"expected a file of cosmos3_gym.rl.policy.save_policy_file or save_sb3_policy."
+        )
     return metadata
 
 
@@ -229,8 +240,10 @@ def load_policy_file(path: str | os.PathLike, device: torch.device | str = "cpu"
     if kind == "sb3_ppo":
         return _SB3FilePolicy(path, device)
     if kind != KIND or metadata.get("format") != FORMAT:
-        raise CheckpointError(f"policy file: {path} holds kind {kind!r} (format {metadata.get('format')!r}); this "
-                              f"version reads {KIND!r} ({FORMAT}) and 'sb3_ppo'.")
+        raise CheckpointError(
+            f"policy file: {path} holds kind {kind!r} (format {metadata.get('format')!r}); this "
+            f"version reads {KIND!r} ({FORMAT}) and 'sb3_ppo'."
+        )
     try:
         policy = PixelGaussianPolicy(PolicyConfig(**metadata["config"]))
     except (TypeError, InputError) as error:

@@ -1,4 +1,5 @@
-"""Tasks: environment families built on the generic layers, each in its own package (the bundled example: ``tasks/pusht``).
+"""Tasks: environment families built on the generic layers, each in its own package (the bundled example:
+``tasks/pusht``).
 
 A task reaches the generic code only through its registries and entry points (``pyproject.toml``): the
 ``cosmos3_gym.tasks`` group registers env ids and built-in models (``cosmos3_gym.registration``), the

@@ -35,14 +35,18 @@ from safetensors.torch import load_file, save_file
 
 from .. import processor
 from ..checkpoint import safetensors_files
-from ..errors import InputError
 from ..data.episodes import DatasetInfo, read_episode_dataset, window_starts
 from ..data.lerobot import is_lerobot_spec, read_lerobot_dataset
+from ..errors import InputError
 
 
 def read_dataset(
-    dataset_dir: str | os.PathLike, *, camera: str | None = None, action_key: str | None = None,
-    state_key: str | None = None, domain: str | int | None = None,
+    dataset_dir: str | os.PathLike,
+    *,
+    camera: str | None = None,
+    action_key: str | None = None,
+    state_key: str | None = None,
+    domain: str | int | None = None,
 ) -> DatasetInfo:
     """Read and check meta.json and stats.json and list the episodes; ``InputError`` names the bad file and field.
 
@@ -51,12 +55,15 @@ def read_dataset(
     ``domain`` also overrides our layout's meta.json domain.
     """
     if is_lerobot_spec(dataset_dir):
-        return read_lerobot_dataset(dataset_dir, camera=camera, action_key=action_key or "action",
-                                    state_key=state_key, domain=domain)
+        return read_lerobot_dataset(
+            dataset_dir, camera=camera, action_key=action_key or "action", state_key=state_key, domain=domain
+        )
     for name, value in (("camera", camera), ("action_key", action_key), ("state_key", state_key)):
         if value is not None:
-            raise InputError(f"{name}: only LeRobot datasets (lerobot:PATH) have features to pick; {dataset_dir} is "
-                             f"in our episode layout")
+            raise InputError(
+                f"{name}: only LeRobot datasets (lerobot:PATH) have features to pick; {dataset_dir} is "
+                f"in our episode layout"
+            )
     return read_episode_dataset(dataset_dir, domain=domain)
 
 
@@ -164,8 +171,9 @@ def build_training_windows(
     if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
         raise InputError(f"window_stride: expected an integer >= 1, got {stride!r}")
     vae_dir = Path(vae_dir)
-    cache = Path(cache_dir) / latent_cache_key(info, vae_dir, chunk=chunk, stride=stride,
-                                               resolution_tier=resolution_tier)
+    cache = Path(cache_dir) / latent_cache_key(
+        info, vae_dir, chunk=chunk, stride=stride, resolution_tier=resolution_tier
+    )
     cache.mkdir(parents=True, exist_ok=True)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
@@ -178,9 +186,11 @@ def build_training_windows(
         raise InputError(f"chunk: {chunk} is longer than every episode of {info.root} (at most {longest} actions)")
 
     todo = [
-        i for i, starts in enumerate(starts_per_episode)
+        i
+        for i, starts in enumerate(starts_per_episode)
         if starts and i % world_size == rank and not (cache / f"{store.name(i)}.safetensors").exists()
     ]
+
     # Reading an episode (zlib) and putting it on the canvas is host work that releases the GIL: threads prepare the
     # next episodes while this one encodes, so a GPU is not left waiting on one core.
     def prepare(i: int) -> processor.Conditioning:
@@ -190,16 +200,18 @@ def build_training_windows(
     with ThreadPoolExecutor(PREPARE_THREADS) as pool:
         # At most 2 * PREPARE_THREADS episodes in flight: each is ~100 MB of float pixels at 256 x 256.
         pending = collections.deque(pool.submit(prepare, i) for i in todo[: 2 * PREPARE_THREADS])
-        for position, i in enumerate(tqdm(todo, desc="encoding windows", disable=not progress or not todo,
-                                          leave=False)):
+        for position, i in enumerate(
+            tqdm(todo, desc="encoding windows", disable=not progress or not todo, leave=False)
+        ):
             cond = pending.popleft().result()
             if position + len(pending) + 1 < len(todo):
                 pending.append(pool.submit(prepare, todo[position + len(pending) + 1]))
             latents = encode_windows(vae, cond, starts_per_episode[i], chunk, encode_batch_size)
             target = cache / f"{store.name(i)}.safetensors"
             temporary = target.with_suffix(f".tmp{rank}")
-            save_file({"latents": latents.contiguous()}, temporary,
-                      metadata={"canvas_hw": json.dumps(list(cond.canvas_hw))})
+            save_file(
+                {"latents": latents.contiguous()}, temporary, metadata={"canvas_hw": json.dumps(list(cond.canvas_hw))}
+            )
             os.replace(temporary, target)  # atomic: a crash never leaves a half-written cache file behind
     if world_size > 1:
         dist.barrier()
@@ -226,10 +238,18 @@ def build_training_windows(
         key = (episode.task, episode_canvas)
         if key not in prompt_of_key:
             prompt_of_key[key] = len(prompts)
-            prompts.append(processor.build_prompt_token_ids(
-                tokenizer, episode.task, negative_prompt=None, view_point=view_point, num_frames=chunk + 1,
-                fps=fps, height=episode_canvas[0], width=episode_canvas[1],
-            ))
+            prompts.append(
+                processor.build_prompt_token_ids(
+                    tokenizer,
+                    episode.task,
+                    negative_prompt=None,
+                    view_point=view_point,
+                    num_frames=chunk + 1,
+                    fps=fps,
+                    height=episode_canvas[0],
+                    width=episode_canvas[1],
+                )
+            )
         normalised = torch.from_numpy(np.asarray(info.stats.normalize(episode.actions), dtype=np.float32))
         latents.append(episode_latents)
         actions.append(torch.stack([normalised[s : s + chunk] for s in starts]))

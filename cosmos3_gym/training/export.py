@@ -106,8 +106,9 @@ def build_diffusers_transformer(
     transformer.load_state_dict(state, strict=True, assign=True)
     # The rotary inverse frequencies are a non-persistent buffer (not in the state dict): rebuild them for real.
     rotary = transformer.rotary_emb
-    transformer.rotary_emb = type(rotary)(head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
-                                          rope_axes_dim=cfg.rope_axes_dim)
+    transformer.rotary_emb = type(rotary)(
+        head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rope_axes_dim=cfg.rope_axes_dim
+    )
     return transformer.eval()
 
 

@@ -42,8 +42,9 @@ SIGMA_DISTRIBUTIONS = ("uniform", "logit_normal")
 # 480 -> 5, 720 -> 10); the 704 tier, not listed there, takes the 720 value.
 NATIVE_FLOW_SHIFT_BY_TIER = {256: 3.0, 480: 5.0, 704: 10.0, 720: 10.0}
 
-POLICY, FORWARD_DYNAMICS, INVERSE_DYNAMICS = (MODES.index(m) for m in ("policy", "forward_dynamics",
-                                                                       "inverse_dynamics"))
+POLICY, FORWARD_DYNAMICS, INVERSE_DYNAMICS = (
+    MODES.index(m) for m in ("policy", "forward_dynamics", "inverse_dynamics")
+)
 
 
 def shift_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
@@ -101,7 +102,7 @@ class FlowMatchingBatch:
     action_noise: torch.Tensor  # [B, chunk, action_dim]
     window_index: torch.Tensor | None = None  # [B] long: the training windows drawn (the objective ignores it)
 
-    def to(self, device: torch.device | str) -> "FlowMatchingBatch":
+    def to(self, device: torch.device | str) -> FlowMatchingBatch:
         values = {}
         for f in fields(self):
             value = getattr(self, f.name)

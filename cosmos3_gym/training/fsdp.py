@@ -42,15 +42,27 @@ def mixed_precision_policy(device: torch.device, bf16: bool, param_dtype: torch.
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def apply_fsdp(objective: nn.Module, *, device: torch.device, bf16: bool = True, cpu_offload: bool = False,
-               reshard_after_forward: bool = True, mesh=None) -> nn.Module:
+def apply_fsdp(
+    objective: nn.Module,
+    *,
+    device: torch.device,
+    bf16: bool = True,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+    mesh=None,
+) -> nn.Module:
     """Shard ``objective`` (a ``FlowMatchingObjective``) in place, block by block, and return it.
 
     Activation checkpointing (``world_model.enable_gradient_checkpointing``), ``set_trainable`` and LoRA must be
     applied before, the optimizer built after (it must see the sharded parameters).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    from torch.distributed.fsdp import register_fsdp_forward_method
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     if not dist.is_initialized():
         raise InputError("data_parallel: 'fsdp' needs torch.distributed (launch with torchrun)")
@@ -63,8 +75,11 @@ def apply_fsdp(objective: nn.Module, *, device: torch.device, bf16: bool = True,
         for layer in layers:
             fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward, **common)
             register_fsdp_forward_method(layer, method)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32) \
-        if policy.param_dtype is not None else MixedPrecisionPolicy()
+    fp32 = (
+        MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        if policy.param_dtype is not None
+        else MixedPrecisionPolicy()
+    )
     fully_shard(transformer.time_embedder, mp_policy=fp32, **common)
     # The root keeps its (small) parameters gathered through the whole step: no reshard after forward.
     fully_shard(objective, mp_policy=policy, reshard_after_forward=False, **common)
@@ -96,8 +111,9 @@ def full_ema_state_dict(ema, is_main: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_sharded_state(state_dir: Path, *, step: int, objective: nn.Module, ema, optimizer, document: dict,
-                       is_main: bool) -> None:
+def save_sharded_state(
+    state_dir: Path, *, step: int, objective: nn.Module, ema, optimizer, document: dict, is_main: bool
+) -> None:
     """Every rank writes its shards of the model, the optimizer and the EMA (``torch.distributed.checkpoint``);
     rank 0 adds state.json (``document`` plus the step). A new folder is renamed over the old one when complete."""
     import torch.distributed.checkpoint as dcp
@@ -114,8 +130,7 @@ def save_sharded_state(state_dir: Path, *, step: int, objective: nn.Module, ema,
     dcp.save(state, checkpoint_id=str(temporary))
     dist.barrier()
     if is_main:
-        (temporary / "state.json").write_text(json.dumps({**document, "step": step, "format": STATE_FORMAT},
-                                                         indent=2))
+        (temporary / "state.json").write_text(json.dumps({**document, "step": step, "format": STATE_FORMAT}, indent=2))
         previous = state_dir.with_name(state_dir.name + ".old")
         if state_dir.exists():
             state_dir.replace(previous)
@@ -132,8 +147,10 @@ def load_sharded_state(state_dir: Path, *, objective: nn.Module, ema, optimizer)
 
     document = json.loads((state_dir / "state.json").read_text())
     if document.get("format") != STATE_FORMAT:
-        raise InputError(f"resume: {state_dir} was not saved by an FSDP run (data_parallel='fsdp'); resume it with the "
-                         f"data_parallel it was trained with")
+        raise InputError(
+            f"resume: {state_dir} was not saved by an FSDP run (data_parallel='fsdp'); resume it with the "
+            f"data_parallel it was trained with"
+        )
     model_state, optimizer_state = get_state_dict(objective, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     if ema is not None:

@@ -39,11 +39,16 @@ def grow_depth(model: Cosmos3Transformer, num_layers: int) -> Cosmos3Transformer
     grown copy leaves ``model`` as it was."""
     old_layers = model.config.num_hidden_layers
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < old_layers:
-        raise InputError(f"grow_depth: expected an integer >= the checkpoint's {old_layers} layers, got {num_layers!r}.")
+        raise InputError(
+            f"grow_depth: expected an integer >= the checkpoint's {old_layers} layers, got {num_layers!r}."
+        )
     if num_layers == old_layers:
         return model
-    grown = build_on_meta(Cosmos3Transformer, dataclasses.replace(model.config, num_hidden_layers=num_layers),
-                          dtype=next(model.parameters()).dtype)
+    grown = build_on_meta(
+        Cosmos3Transformer,
+        dataclasses.replace(model.config, num_hidden_layers=num_layers),
+        dtype=next(model.parameters()).dtype,
+    )
     old_state = model.state_dict()
     state = {name: value for name, value in old_state.items() if not name.startswith(("text_layers.", "gen_layers."))}
     for tower in ("text_layers", "gen_layers"):
@@ -51,7 +56,7 @@ def grow_depth(model: Cosmos3Transformer, num_layers: int) -> Cosmos3Transformer
             prefix = f"{tower}.{old}."
             for name, value in old_state.items():
                 if name.startswith(prefix):
-                    suffix = name[len(prefix):]
+                    suffix = name[len(prefix) :]
                     copied = value.clone()
                     if not first and suffix in ZEROED_OUTPUTS:
                         copied.zero_()

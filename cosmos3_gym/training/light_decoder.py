@@ -30,10 +30,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import processor
+from ..data.episodes import window_starts
 from ..errors import InputError
 from ..models.light_decoder import LightDecoder, LightDecoderConfig
 from .data import encode_windows, read_dataset
-from ..data.episodes import window_starts
 from .schedule import check_optimizer_settings, learning_rate
 from .vae import reconstruction_weights
 
@@ -83,8 +83,20 @@ class LightDecoderTrainConfig:
                 fail(name, "an integer >= 0")
         if self.seconds is not None and (not isinstance(self.seconds, (int, float)) or not self.seconds > 0):
             fail("seconds", "a positive number or None")
-        check_optimizer_settings(self, fail, ("lr", "weight_decay", "grad_clip", "l1_weight", "gradient_weight",
-                                              "contrast_weight", "last_frame_weight", "latent_noise"))
+        check_optimizer_settings(
+            self,
+            fail,
+            (
+                "lr",
+                "weight_decay",
+                "grad_clip",
+                "l1_weight",
+                "gradient_weight",
+                "contrast_weight",
+                "last_frame_weight",
+                "latent_noise",
+            ),
+        )
 
 
 @dataclass
@@ -96,23 +108,34 @@ class DecoderWindows:
 
     def __post_init__(self) -> None:
         if self.latents.ndim != 5 or self.frames.ndim != 5 or self.frames.dtype != torch.uint8:
-            raise InputError(f"DecoderWindows: expected latents [N, C, t, h, w] and uint8 frames [N, 3, T, H, W], "
-                             f"got {list(self.latents.shape)} and {self.frames.dtype} {list(self.frames.shape)}")
+            raise InputError(
+                f"DecoderWindows: expected latents [N, C, t, h, w] and uint8 frames [N, 3, T, H, W], "
+                f"got {list(self.latents.shape)} and {self.frames.dtype} {list(self.frames.shape)}"
+            )
         if len(self.latents) != len(self.frames) or len(self.latents) == 0:
-            raise InputError(f"DecoderWindows: expected as many latents as frame clips (>= 1), got "
-                             f"{len(self.latents)} and {len(self.frames)}")
+            raise InputError(
+                f"DecoderWindows: expected as many latents as frame clips (>= 1), got "
+                f"{len(self.latents)} and {len(self.frames)}"
+            )
 
     def __len__(self) -> int:
         return int(self.latents.shape[0])
 
-    def to(self, device: torch.device | str) -> "DecoderWindows":
+    def to(self, device: torch.device | str) -> DecoderWindows:
         return DecoderWindows(self.latents.to(device), self.frames.to(device))
 
 
 @torch.no_grad()
 def build_decoder_windows(
-    dataset_dir: str | os.PathLike, vae, *, chunk: int, stride: int | None = None, resolution_tier: int = 256,
-    encode_batch_size: int = 64, max_episodes: int | None = None, progress: bool = True,
+    dataset_dir: str | os.PathLike,
+    vae,
+    *,
+    chunk: int,
+    stride: int | None = None,
+    resolution_tier: int = 256,
+    encode_batch_size: int = 64,
+    max_episodes: int | None = None,
+    progress: bool = True,
 ) -> DecoderWindows:
     """The ``chunk + 1`` frame windows of a dataset's episodes (every ``stride`` frames, default ``chunk``), encoded
     by ``vae`` (a ``Cosmos3VAE``) as the world model's training windows are, with their content frames as uint8."""
@@ -153,18 +176,23 @@ def light_decoder_loss(
     """The training loss of one batch (module docstring); ``target`` [B, 3, T, H, W] in [0, 1]."""
     pixels = decoder(latents).float() * 0.5 + 0.5  # [B, 3, T, H, W], the decode's [0, 1] scale, unclamped
     weights = reconstruction_weights(target, config.contrast_weight)
-    weights = weights * frame_weights(target.shape[2], decoder.temporal_compression,
-                                      config.last_frame_weight).to(target.device).view(1, 1, -1, 1, 1)
+    weights = weights * frame_weights(target.shape[2], decoder.temporal_compression, config.last_frame_weight).to(
+        target.device
+    ).view(1, 1, -1, 1, 1)
     l1 = ((pixels - target).abs() * weights).mean() / weights.mean()
-    gradient = ((pixels.diff(dim=-1) - target.diff(dim=-1)).abs().mean()
-                + (pixels.diff(dim=-2) - target.diff(dim=-2)).abs().mean())
+    gradient = (pixels.diff(dim=-1) - target.diff(dim=-1)).abs().mean() + (
+        pixels.diff(dim=-2) - target.diff(dim=-2)
+    ).abs().mean()
     loss = config.l1_weight * l1 + config.gradient_weight * gradient
     return loss, {"l1": l1.detach(), "gradient": gradient.detach()}
 
 
 def train_light_decoder(
-    windows: DecoderWindows, out_dir: str | os.PathLike | None = None, config: LightDecoderTrainConfig | None = None,
-    *, init: LightDecoder | None = None,
+    windows: DecoderWindows,
+    out_dir: str | os.PathLike | None = None,
+    config: LightDecoderTrainConfig | None = None,
+    *,
+    init: LightDecoder | None = None,
 ) -> LightDecoder:
     """Train a ``LightDecoder`` (``init`` to continue one, else a new one seeded by ``config.seed``) on ``windows``;
     with ``out_dir``, save it there (``save_pretrained``: config.json, model.safetensors) with ``train_log.jsonl``
@@ -173,8 +201,10 @@ def train_light_decoder(
     config.validate()
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if windows.latents.shape[1] != config.decoder.latent_channels:
-        raise InputError(f"windows: latents with {windows.latents.shape[1]} channels, the decoder config has "
-                         f"latent_channels={config.decoder.latent_channels}")
+        raise InputError(
+            f"windows: latents with {windows.latents.shape[1]} channels, the decoder config has "
+            f"latent_channels={config.decoder.latent_channels}"
+        )
     if init is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
@@ -185,8 +215,9 @@ def train_light_decoder(
     if device.type == "cuda":
         decoder.use_channels_last()  # bf16 tensor-core convolutions read NHWC natively
     data = windows.to(device)
-    optimizer = torch.optim.AdamW(decoder.parameters(), lr=config.lr, betas=tuple(config.betas),
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        decoder.parameters(), lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay
+    )
     autocast = device.type == "cuda" and config.bf16
     generator = torch.Generator().manual_seed(config.seed)
     log_path = None
@@ -228,10 +259,20 @@ def train_light_decoder(
             now = time.perf_counter()
             if log_path is not None:
                 with log_path.open("a") as handle:
-                    handle.write(json.dumps({"step": step, "lr": lr, "loss": loss_mean, "l1": l1, "gradient": gradient,
-                                             "elapsed_s": round(now - started, 2),
-                                             "windows_per_s": n * config.batch_size / max(now - last_log, 1e-9)})
-                                 + "\n")
+                    handle.write(
+                        json.dumps(
+                            {
+                                "step": step,
+                                "lr": lr,
+                                "loss": loss_mean,
+                                "l1": l1,
+                                "gradient": gradient,
+                                "elapsed_s": round(now - started, 2),
+                                "windows_per_s": n * config.batch_size / max(now - last_log, 1e-9),
+                            }
+                        )
+                        + "\n"
+                    )
             bar.set_postfix(loss=f"{loss_mean:.4f}")
             sums.zero_()
             last_log = now
@@ -239,10 +280,18 @@ def train_light_decoder(
     decoder = decoder.eval().requires_grad_(False)
     if out_dir is not None:
         decoder.save_pretrained(out_dir)
-        (out_dir / "train_config.json").write_text(json.dumps(
-            {"config": dataclasses.asdict(config), "steps": step, "windows": len(windows),
-             "seconds": round(time.perf_counter() - started, 2)}, indent=2, default=str
-        ))
+        (out_dir / "train_config.json").write_text(
+            json.dumps(
+                {
+                    "config": dataclasses.asdict(config),
+                    "steps": step,
+                    "windows": len(windows),
+                    "seconds": round(time.perf_counter() - started, 2),
+                },
+                indent=2,
+                default=str,
+            )
+        )
     return decoder
 
 

@@ -69,10 +69,15 @@ def synthetic_batch(model: Cosmos3Transformer, args, device: torch.device) -> Fl
     prompt = torch.randint(c.vocab_size, (args.prompt_tokens,), generator=generator).tolist()
     b = args.batch_size
     return FlowMatchingBatch(
-        prompt_ids=[prompt] * b, fps=[15.0] * b,
-        video=torch.randn(shape, generator=generator), actions=torch.rand(b, args.chunk, c.action_dim) * 2 - 1,
-        raw_action_dims=torch.full((b,), 8), domain_ids=torch.full((b,), 8), modes=torch.full((b,), POLICY),
-        sigmas=sample_sigmas(b, generator, shift=5.0), video_noise=torch.randn(shape, generator=generator),
+        prompt_ids=[prompt] * b,
+        fps=[15.0] * b,
+        video=torch.randn(shape, generator=generator),
+        actions=torch.rand(b, args.chunk, c.action_dim) * 2 - 1,
+        raw_action_dims=torch.full((b,), 8),
+        domain_ids=torch.full((b,), 8),
+        modes=torch.full((b,), POLICY),
+        sigmas=sample_sigmas(b, generator, shift=5.0),
+        video_noise=torch.randn(shape, generator=generator),
         action_noise=torch.randn(b, args.chunk, c.action_dim, generator=generator),
     ).to(device)
 
@@ -83,8 +88,11 @@ def run_plan(model: Cosmos3Transformer, plan: str, batch: FlowMatchingBatch, ste
     trainable = set_trainable(model, freeze_text_tower=freeze_und)
     params = [p for p in model.parameters() if p.requires_grad]
     objective = FlowMatchingObjective(model, freeze_text_tower=freeze_und)
-    result = {"plan": plan, "trainable_parameters": sum(p.numel() for p in params),
-              "optimizer": "SGD (no momentum)" if plan == "sgd" else "AdamW (fused, bf16 states)"}
+    result = {
+        "plan": plan,
+        "trainable_parameters": sum(p.numel() for p in params),
+        "optimizer": "SGD (no momentum)" if plan == "sgd" else "AdamW (fused, bf16 states)",
+    }
     optimizer = None
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -145,13 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     c = model.config
     latent_t = args.chunk // c.temporal_compression + 1
     report = {
-        "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
         "total_memory_gb": torch.cuda.get_device_properties(device).total_memory / 1e9,
-        "parameters": sum(p.numel() for p in model.parameters()), "param_dtype": "bfloat16",
-        "build_seconds": build_seconds, "gradient_checkpointing": not args.no_gradient_checkpointing,
-        "batch_size": args.batch_size, "prompt_tokens": args.prompt_tokens,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "param_dtype": "bfloat16",
+        "build_seconds": build_seconds,
+        "gradient_checkpointing": not args.no_gradient_checkpointing,
+        "batch_size": args.batch_size,
+        "prompt_tokens": args.prompt_tokens,
         "gen_tokens": latent_t * -(-args.latent_h // 2) * -(-args.latent_w // 2) + args.chunk,
-        "weights_memory_gb": torch.cuda.memory_allocated(device) / 1e9, "plans": [],
+        "weights_memory_gb": torch.cuda.memory_allocated(device) / 1e9,
+        "plans": [],
     }
     for plan in plans:
         report["plans"].append(run_plan(model, plan, batch, args.steps, device))

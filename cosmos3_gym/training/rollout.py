@@ -12,7 +12,7 @@ so the model learns to steer back towards the truth from its own drifted frames.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -167,9 +167,16 @@ class RolloutConditioner:
             domain_ids = torch.full((len(window),), self.domain_id, device=device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 latents = generate_forward_dynamics(
-                    transformer, encode_prompts(prompts), first[active.to(device)], actions.to(device), domain_ids,
-                    noise.to(device), self.schedule, self.fps,
+                    transformer,
+                    encode_prompts(prompts),
+                    first[active.to(device)],
+                    actions.to(device),
+                    domain_ids,
+                    noise.to(device),
+                    self.schedule,
+                    self.fps,
                 )
-            first[active.to(device)] = reencode_last_frame(self.vae, latents.float(), self.resolution_tier,
-                                                           self.light_decoder)
+            first[active.to(device)] = reencode_last_frame(
+                self.vae, latents.float(), self.resolution_tier, self.light_decoder
+            )
         return first

@@ -29,10 +29,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import processor
+from ..data.episodes import load_episode
 from ..errors import InputError
 from ..models.vae import WAN22_FIXED_CONFIG
 from .data import read_dataset
-from ..data.episodes import load_episode
 from .distributed import init_distributed
 from .schedule import check_optimizer_settings, learning_rate
 
@@ -40,7 +40,8 @@ from .schedule import check_optimizer_settings, learning_rate
 @dataclass
 class VAETrainConfig:
     """Settings of ``train_vae``. The Wan2.2 VAE itself is base_dim 160, decoder_base_dim 256, z_dim 48,
-    num_res_blocks 2; the defaults here are a small version (the built-in model's): 4.8 M parameters (19 MB in float32, 1.0 M of
+    num_res_blocks 2; the defaults here are a small version (the built-in model's): 4.8 M parameters (19 MB in
+    float32, 1.0 M of
     them in the encoder). base_dim 12 / decoder_base_dim 16 gives 2.3 M; 32 / 48 gives 19 M."""
 
     base_dim: int = 16
@@ -58,7 +59,8 @@ class VAETrainConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
     # 1 + 4k, at least the world model's chunk + 1 (17 for WorldModelTrainConfig's default chunk 16): the causal
-    # decoder only learns to decode as many latent frames as its clips have (trained on 5-frame clips, the built-in model's VAE
+    # decoder only learns to decode as many latent frames as its clips have (trained on 5-frame clips, the built-in
+    # model's VAE
     # faded frames 5-8 of a 9-frame chunk to 29-34 dB from 38-40 dB, and env rollouts lost the target in two chunks).
     frames_per_clip: int = 17
     resolution_tier: int = 256
@@ -102,8 +104,9 @@ class VAETrainConfig:
             fail("frames_per_clip", "1 + 4k frames (1, 5, 9, ...)")
         if self.resolution_tier not in processor.RESOLUTION_TIERS:
             fail("resolution_tier", f"one of {list(processor.RESOLUTION_TIERS)}")
-        check_optimizer_settings(self, fail, ("lr", "weight_decay", "grad_clip", "l1_weight", "l2_weight", "kl_weight",
-                                              "contrast_weight"))
+        check_optimizer_settings(
+            self, fail, ("lr", "weight_decay", "grad_clip", "l1_weight", "l2_weight", "kl_weight", "contrast_weight")
+        )
         if not self.train_encoder and self.init_vae is None:
             fail("train_encoder", "True unless init_vae names the VAE whose decoder to fine-tune")
 
@@ -231,9 +234,11 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
         raise InputError("train_vae: runs on one device; launch it without torchrun")
     device = ctx.device
     # Our layout is read into memory (the existing behaviour); a LeRobot dataset streams clips from its videos.
-    episodes = info.episodes if not info.episode_paths else [
-        load_episode(path, info.raw_action_dim).frames for path in info.episode_paths
-    ]
+    episodes = (
+        info.episodes
+        if not info.episode_paths
+        else [load_episode(path, info.raw_action_dim).frames for path in info.episode_paths]
+    )
     clips = _ClipBatches(episodes, config)
 
     if config.init_vae is not None:
@@ -247,11 +252,13 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
         for module in (vae.encoder, vae.quant_conv):
             module.requires_grad_(False)
     trainable = [p for p in vae.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas),
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
     autocast = device.type == "cuda" and config.bf16
     loader = torch.utils.data.DataLoader(
-        clips, batch_size=None, sampler=range(config.steps), num_workers=config.num_workers,
+        clips,
+        batch_size=None,
+        sampler=range(config.steps),
+        num_workers=config.num_workers,
         pin_memory=device.type == "cuda",
     )
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -278,8 +285,20 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
             loss_mean, l1, l2, kl = (sums / n).tolist()
             elapsed = time.perf_counter() - started
             with log_path.open("a") as handle:
-                handle.write(json.dumps({"step": step, "lr": lr, "loss": loss_mean, "l1": l1, "l2": l2, "kl": kl,
-                                         "clips_per_s": n * config.batch_size / max(elapsed, 1e-9)}) + "\n")
+                handle.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "lr": lr,
+                            "loss": loss_mean,
+                            "l1": l1,
+                            "l2": l2,
+                            "kl": kl,
+                            "clips_per_s": n * config.batch_size / max(elapsed, 1e-9),
+                        }
+                    )
+                    + "\n"
+                )
             bar.set_postfix(loss=f"{loss_mean:.4f}")
             sums.zero_()
             started = time.perf_counter()
@@ -292,8 +311,8 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
         )
         vae.register_to_config(latents_mean=latents_mean, latents_std=latents_std)
     vae.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "train_config.json").write_text(json.dumps(
-        {"config": dataclasses.asdict(config), "dataset": str(info.root), "steps": config.steps}, indent=2
-    ))
+    (out_dir / "train_config.json").write_text(
+        json.dumps({"config": dataclasses.asdict(config), "dataset": str(info.root), "steps": config.steps}, indent=2)
+    )
     ctx.close()
     return out_dir

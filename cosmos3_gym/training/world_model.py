@@ -45,17 +45,16 @@ from tqdm.auto import tqdm
 
 from .. import processor
 from ..checkpoint import validate_checkpoint
-from ..tokenizer import build_tiny_tokenizer
 from ..engine import MODES, find_light_decoder
 from ..errors import InputError
 from ..models.light_decoder import LightDecoder
 from ..models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, DomainAwareLinear
 from ..models.vae import Cosmos3VAE
 from ..sampling import make_schedule
+from ..tokenizer import build_tiny_tokenizer
 from .data import TrainingWindows, build_training_windows, read_dataset
 from .distributed import DistributedContext, init_distributed
 from .export import META_FILE, SAVE_DTYPES, export_checkpoint, scheduler_config
-from .growth import grow_depth
 from .flow_matching import (
     INVERSE_DYNAMICS,
     NATIVE_FLOW_SHIFT_BY_TIER,
@@ -72,12 +71,14 @@ from .fsdp import (
     load_sharded_state,
     save_sharded_state,
 )
+from .growth import grow_depth
 from .lora import apply_lora, merge_lora_state_dict
 from .rollout import RolloutConditioner
 from .schedule import LR_SCHEDULES, learning_rate
 
 # A small Cosmos3 (11 M parameters, 22 MB in float16, with the tiny tokenizer): the Nano structure (GQA, qk-norm,
-# interleaved mRoPE, domain-aware action heads) at the built-in model's scale. rope_theta is small because the latent grids are
+# interleaved mRoPE, domain-aware action heads) at the built-in model's scale. rope_theta is small because the latent
+# grids are
 # small: with Nano's 5e6 most spatial rotary slots would barely turn across a 6x6 latent. latent_channel,
 # patch_latent_dim and vocab_size are filled in from the VAE and the tokenizer.
 DEFAULT_MODEL_CONFIG: dict[str, Any] = {
@@ -120,9 +121,7 @@ class WorldModelTrainConfig:
     min_lr_ratio: float = 0.1
     ema_decay: float = 0.999  # 0 disables the EMA; effective decay min(ema_decay, (1 + k) / (10 + k)) at step k
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    mode_probs: dict = field(
-        default_factory=lambda: {"policy": 0.4, "forward_dynamics": 0.4, "inverse_dynamics": 0.2}
-    )
+    mode_probs: dict = field(default_factory=lambda: {"policy": 0.4, "forward_dynamics": 0.4, "inverse_dynamics": 0.2})
     # "successful": policy-mode samples come only from episodes whose file says success=True (filtered behaviour
     # cloning: the policy imitates what worked, while both dynamics modes still learn from every episode); a window
     # of another episode that draws policy mode trains forward dynamics instead.
@@ -200,16 +199,26 @@ class WorldModelTrainConfig:
         def is_number(value) -> bool:
             return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
-        for name in ("chunk", "window_stride", "batch_size", "log_every", "encode_batch_size", "rollout_max_chunks",
-                     "rollout_num_steps"):
+        for name in (
+            "chunk",
+            "window_stride",
+            "batch_size",
+            "log_every",
+            "encode_batch_size",
+            "rollout_max_chunks",
+            "rollout_num_steps",
+        ):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
         for name in ("steps", "warmup_steps", "save_every", "seed", "lora_rank"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 fail(name, "an integer >= 0")
-        for name in ("lr", "logit_std") + (("fps",) if self.fps is not None else ()) + (
-            ("flow_shift",) if self.flow_shift is not None else ()
-        ) + (("max_seconds",) if self.max_seconds is not None else ()):
+        for name in (
+            ("lr", "logit_std")
+            + (("fps",) if self.fps is not None else ())
+            + (("flow_shift",) if self.flow_shift is not None else ())
+            + (("max_seconds",) if self.max_seconds is not None else ())
+        ):
             if not is_number(getattr(self, name)) or getattr(self, name) <= 0:
                 fail(name, "a positive number")
         for name in ("weight_decay", "grad_clip", "video_loss_weight", "action_loss_weight", "cond_noise_std"):
@@ -248,8 +257,9 @@ class WorldModelTrainConfig:
             fail("window_stride", f"a divisor of chunk={self.chunk} with rollout_prob > 0 (windows a chunk apart)")
         if self.init_checkpoint is not None and self.model:
             fail("model", "{} with init_checkpoint (the architecture is the checkpoint's)")
-        if self.grow_depth is not None and (self.init_checkpoint is None or not is_int(self.grow_depth)
-                                            or self.grow_depth < 1):
+        if self.grow_depth is not None and (
+            self.init_checkpoint is None or not is_int(self.grow_depth) or self.grow_depth < 1
+        ):
             fail("grow_depth", "None, or a number of layers >= the init_checkpoint's (needs init_checkpoint)")
         if self.lora_alpha is not None and (not is_number(self.lora_alpha) or self.lora_alpha <= 0):
             fail("lora_alpha", "a positive number or None")
@@ -420,8 +430,12 @@ def build_optimizer(model: nn.Module, config: WorldModelTrainConfig) -> torch.op
 
 
 def training_step(
-    model: nn.Module, batch: FlowMatchingBatch, optimizer: torch.optim.Optimizer, trainable_params: list,
-    grad_clip: float, autocast: bool,
+    model: nn.Module,
+    batch: FlowMatchingBatch,
+    optimizer: torch.optim.Optimizer,
+    trainable_params: list,
+    grad_clip: float,
+    autocast: bool,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Forward (under bf16 autocast when asked), backward, gradient clipping (``grad_clip`` 0: none, the norm is
     still returned) and one optimizer step. Returns the objective's outputs and the gradient norm."""
@@ -494,8 +508,12 @@ def sample_batch(
         modes = torch.where(demoted, MODES.index("forward_dynamics"), modes)
     uncond = (torch.rand(b, generator=generator) < config.uncond_prob).tolist()
     sigmas = sample_sigmas(
-        b, generator, shift=config.resolved_flow_shift, distribution=config.sigma_distribution,
-        logit_mean=config.logit_mean, logit_std=config.logit_std,
+        b,
+        generator,
+        shift=config.resolved_flow_shift,
+        distribution=config.sigma_distribution,
+        logit_mean=config.logit_mean,
+        logit_std=config.logit_std,
     )
     video = windows.latents[index.to(windows.latents.device)]
     video_noise = torch.randn(video.shape, generator=generator)
@@ -506,12 +524,25 @@ def sample_batch(
     if config.cond_noise_std > 0:  # drawn last, so that the draws above do not depend on it
         std = torch.rand(b, generator=generator) * config.cond_noise_std
         first = video[:, :, :1]
-        video = torch.cat([first + std.view(b, 1, 1, 1, 1).to(first) * torch.randn(first.shape, generator=generator)
-                           .to(first), video[:, :, 1:]], dim=2)
+        video = torch.cat(
+            [
+                first + std.view(b, 1, 1, 1, 1).to(first) * torch.randn(first.shape, generator=generator).to(first),
+                video[:, :, 1:],
+            ],
+            dim=2,
+        )
     return FlowMatchingBatch(
-        prompt_ids=prompt_ids, fps=[fps] * b, video=video, actions=actions,
-        raw_action_dims=torch.full((b,), raw_action_dim), domain_ids=torch.full((b,), domain_id), modes=modes,
-        sigmas=sigmas, video_noise=video_noise, action_noise=action_noise, window_index=index,
+        prompt_ids=prompt_ids,
+        fps=[fps] * b,
+        video=video,
+        actions=actions,
+        raw_action_dims=torch.full((b,), raw_action_dim),
+        domain_ids=torch.full((b,), domain_id),
+        modes=modes,
+        sigmas=sigmas,
+        video_noise=video_noise,
+        action_noise=action_noise,
+        window_index=index,
     )
 
 
@@ -520,14 +551,26 @@ def sample_batch(
 # ----------------------------------------------------------------------------------------------------------------
 
 # Fields that must not change when a run is resumed: they change the model or what its optimizer state means.
-_RESUME_FIXED_FIELDS = ("chunk", "resolution_tier", "freeze_text_tower", "param_dtype", "init_checkpoint", "grow_depth",
-                        "data_parallel", "lora_rank", "lora_alpha")
+_RESUME_FIXED_FIELDS = (
+    "chunk",
+    "resolution_tier",
+    "freeze_text_tower",
+    "param_dtype",
+    "init_checkpoint",
+    "grow_depth",
+    "data_parallel",
+    "lora_rank",
+    "lora_alpha",
+)
 
 
 def state_document(config: WorldModelTrainConfig, transformer_config: dict) -> dict:
     """What state.json records besides the tensors: the format, the configs (checked on resume)."""
-    return {"format_version": STATE_FORMAT_VERSION, "config": dataclasses.asdict(config),
-            "transformer_config": transformer_config}
+    return {
+        "format_version": STATE_FORMAT_VERSION,
+        "config": dataclasses.asdict(config),
+        "transformer_config": transformer_config,
+    }
 
 
 def check_resumable(state_dir: Path, config: WorldModelTrainConfig, transformer_config: dict) -> dict:
@@ -553,8 +596,14 @@ def check_resumable(state_dir: Path, config: WorldModelTrainConfig, transformer_
 
 
 def save_training_state(
-    state_dir: Path, *, step: int, model: nn.Module, ema: EMA | None, optimizer: torch.optim.Optimizer,
-    config: WorldModelTrainConfig, transformer_config: dict,
+    state_dir: Path,
+    *,
+    step: int,
+    model: nn.Module,
+    ema: EMA | None,
+    optimizer: torch.optim.Optimizer,
+    config: WorldModelTrainConfig,
+    transformer_config: dict,
 ) -> None:
     """Write ``state_dir`` atomically (a new folder renamed over the old one): model.safetensors, ema.safetensors,
     optimizer.safetensors and state.json (step, configs, optimizer hyperparameters and scalar state)."""
@@ -590,8 +639,13 @@ def save_training_state(
 
 
 def load_training_state(
-    state_dir: Path, *, model: nn.Module, ema: EMA | None, optimizer: torch.optim.Optimizer,
-    config: WorldModelTrainConfig, transformer_config: dict,
+    state_dir: Path,
+    *,
+    model: nn.Module,
+    ema: EMA | None,
+    optimizer: torch.optim.Optimizer,
+    config: WorldModelTrainConfig,
+    transformer_config: dict,
 ) -> int:
     """Restore what ``save_training_state`` wrote; returns the step to continue from."""
     document = check_resumable(state_dir, config, transformer_config)
@@ -656,8 +710,9 @@ class _LossTracker:
         self.by_mode = torch.zeros(len(MODES), 4, dtype=torch.float64, device=self.device)
 
     def add(self, out: dict[str, torch.Tensor], modes: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        self.totals += torch.stack([out["loss"].detach().double(), grad_norm.double(),
-                                    torch.ones((), dtype=torch.float64, device=self.device)])
+        self.totals += torch.stack(
+            [out["loss"].detach().double(), grad_norm.double(), torch.ones((), dtype=torch.float64, device=self.device)]
+        )
         for column, key in ((0, "video_mse"), (2, "action_mse")):
             values = out[key].double()
             present = ~values.isnan()
@@ -708,8 +763,13 @@ class WorldModelTrainer:
         self.log_path = self.work_dir / "log.jsonl"
         device = ctx.device
 
-        self.info = read_dataset(dataset_dir, camera=config.camera, action_key=config.action_key,
-                                 state_key=config.state_key, domain=config.domain)
+        self.info = read_dataset(
+            dataset_dir,
+            camera=config.camera,
+            action_key=config.action_key,
+            state_key=config.state_key,
+            domain=config.domain,
+        )
         self.fps = float(config.fps if config.fps is not None else self.info.fps)
         self.init_train_steps = init_train_steps(config.init_checkpoint)  # read now: export comes hours later
         self.tokenizer = load_tokenizer(config)
@@ -720,13 +780,25 @@ class WorldModelTrainer:
         warn_if_vae_clips_are_short(self.vae_dir, config.chunk)
         vae = Cosmos3VAE.from_pretrained(self.vae_dir, device=device, dtype=torch.float32)
         self.windows = build_training_windows(
-            self.info, vae, self.vae_dir, self.tokenizer, chunk=config.chunk, stride=config.window_stride,
-            resolution_tier=config.resolution_tier, view_point=config.view_point, fps=self.fps, cache_dir=cache_dir,
-            encode_batch_size=config.encode_batch_size, progress=config.progress and ctx.is_main,
+            self.info,
+            vae,
+            self.vae_dir,
+            self.tokenizer,
+            chunk=config.chunk,
+            stride=config.window_stride,
+            resolution_tier=config.resolution_tier,
+            view_point=config.view_point,
+            fps=self.fps,
+            cache_dir=cache_dir,
+            encode_batch_size=config.encode_batch_size,
+            progress=config.progress and ctx.is_main,
         )
         latent_channels = vae.latent_channels
-        if config.policy_episodes == "successful" and config.mode_probs.get("policy", 0) > 0 \
-                and not bool(self.windows.successful.any()):
+        if (
+            config.policy_episodes == "successful"
+            and config.mode_probs.get("policy", 0) > 0
+            and not bool(self.windows.successful.any())
+        ):
             raise InputError(
                 f"policy_episodes: 'successful', but no episode of {self.info.root} has success=True (the optional "
                 f"'success' array of an episode file)"
@@ -745,30 +817,46 @@ class WorldModelTrainer:
                 f"{self.info.domain!r} (id {self.domain_id})"
             )
         if config.lora_rank:
-            trainable = apply_lora(self.transformer, config.lora_rank, config.lora_alpha or config.lora_rank,
-                                   seed=config.seed)
+            trainable = apply_lora(
+                self.transformer, config.lora_rank, config.lora_alpha or config.lora_rank, seed=config.seed
+            )
         else:
             trainable = set_trainable(self.transformer, config.freeze_text_tower)
         text_frozen = config.freeze_text_tower or config.lora_rank > 0
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(self.transformer, text_tower=not text_frozen)
         self.objective = FlowMatchingObjective(
-            self.transformer, video_loss_weight=config.video_loss_weight,
-            action_loss_weight=config.action_loss_weight, freeze_text_tower=text_frozen,
+            self.transformer,
+            video_loss_weight=config.video_loss_weight,
+            action_loss_weight=config.action_loss_weight,
+            freeze_text_tower=text_frozen,
         )
         self.sharded = config.data_parallel == "fsdp"
         if self.sharded:
-            apply_fsdp(self.objective, device=device, bf16=config.bf16, cpu_offload=config.fsdp_cpu_offload,
-                       reshard_after_forward=config.fsdp_reshard_after_forward)
+            apply_fsdp(
+                self.objective,
+                device=device,
+                bf16=config.bf16,
+                cpu_offload=config.fsdp_cpu_offload,
+                reshard_after_forward=config.fsdp_reshard_after_forward,
+            )
         self.rollout = None
         if config.rollout_prob > 0:
             schedule = make_schedule(config.rollout_num_steps, scheduler_config(config.resolved_flow_shift))
             self.rollout = RolloutConditioner(
-                self.windows, vae, schedule, chunk=config.chunk, prob=config.rollout_prob,
-                max_chunks=config.rollout_max_chunks, resolution_tier=config.resolution_tier, fps=self.fps,
-                domain_id=self.domain_id, action_dim=model_config.action_dim,
-                light_decoder=None if config.rollout_decoder == "vae" else LightDecoder.from_pretrained(
-                    find_light_decoder(config.init_checkpoint), device=device),
+                self.windows,
+                vae,
+                schedule,
+                chunk=config.chunk,
+                prob=config.rollout_prob,
+                max_chunks=config.rollout_max_chunks,
+                resolution_tier=config.resolution_tier,
+                fps=self.fps,
+                domain_id=self.domain_id,
+                action_dim=model_config.action_dim,
+                light_decoder=None
+                if config.rollout_decoder == "vae"
+                else LightDecoder.from_pretrained(find_light_decoder(config.init_checkpoint), device=device),
             )
         del vae
         self.optimizer = build_optimizer(self.transformer, config)
@@ -779,7 +867,11 @@ class WorldModelTrainer:
             load_sharded_state(self.state_dir, objective=self.objective, ema=self.ema, optimizer=self.optimizer)
         elif config.resume and (self.state_dir / "state.json").exists():
             self.step = load_training_state(
-                self.state_dir, model=self.transformer, ema=self.ema, optimizer=self.optimizer, config=config,
+                self.state_dir,
+                model=self.transformer,
+                ema=self.ema,
+                optimizer=self.optimizer,
+                config=config,
                 transformer_config=self.transformer_config,
             )
         self.model = self.objective
@@ -791,14 +883,24 @@ class WorldModelTrainer:
     def save_state(self) -> None:
         if self.sharded:
             save_sharded_state(
-                self.state_dir, step=self.step, objective=self.objective, ema=self.ema, optimizer=self.optimizer,
-                document=state_document(self.config, self.transformer_config), is_main=self.ctx.is_main,
+                self.state_dir,
+                step=self.step,
+                objective=self.objective,
+                ema=self.ema,
+                optimizer=self.optimizer,
+                document=state_document(self.config, self.transformer_config),
+                is_main=self.ctx.is_main,
             )
             return
         if self.ctx.is_main:
             save_training_state(
-                self.state_dir, step=self.step, model=self.transformer, ema=self.ema, optimizer=self.optimizer,
-                config=self.config, transformer_config=self.transformer_config,
+                self.state_dir,
+                step=self.step,
+                model=self.transformer,
+                ema=self.ema,
+                optimizer=self.optimizer,
+                config=self.config,
+                transformer_config=self.transformer_config,
             )
         self.ctx.barrier()
 
@@ -809,14 +911,20 @@ class WorldModelTrainer:
         tracker = _LossTracker(device)
         started, last_log_step = time.perf_counter(), self.step
         train_started, time_fraction = started, 0.0
-        bar = tqdm(total=config.steps, initial=self.step, desc="training",
-                   disable=not (config.progress and ctx.is_main))
+        bar = tqdm(
+            total=config.steps, initial=self.step, desc="training", disable=not (config.progress and ctx.is_main)
+        )
         while self.step < config.steps:
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate(config, self.step, time_fraction)
             batch = sample_batch(
-                self.windows, step_generator(config.seed, self.step, ctx.rank), config, domain_id=self.domain_id,
-                raw_action_dim=self.raw_action_dim, action_dim=self.transformer.config.action_dim, fps=self.fps,
+                self.windows,
+                step_generator(config.seed, self.step, ctx.rank),
+                config,
+                domain_id=self.domain_id,
+                raw_action_dim=self.raw_action_dim,
+                action_dim=self.transformer.config.action_dim,
+                fps=self.fps,
             ).to(device)
             if self.rollout is not None:
                 batch = self.condition_on_rollouts(batch, autocast)
@@ -835,8 +943,12 @@ class WorldModelTrainer:
                 elapsed = time.perf_counter() - started
                 if ctx.is_main:
                     samples = (self.step - last_log_step) * config.batch_size * ctx.world_size
-                    record = {"step": self.step, "lr": self.optimizer.param_groups[0]["lr"], **summary,
-                              "samples_per_s": samples / max(elapsed, 1e-9)}
+                    record = {
+                        "step": self.step,
+                        "lr": self.optimizer.param_groups[0]["lr"],
+                        **summary,
+                        "samples_per_s": samples / max(elapsed, 1e-9),
+                    }
                     if device.type == "cuda":
                         record["max_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                     with self.log_path.open("a") as handle:
@@ -893,20 +1005,34 @@ class WorldModelTrainer:
             if config.lora_rank:
                 weights = merge_lora_state_dict(weights, config.lora_scaling)
             meta = {
-                "domain": self.info.domain, "raw_action_dim": self.raw_action_dim, "fps": self.fps,
-                "chunk": config.chunk, "resolution_tier": config.resolution_tier,
-                "image_size": self.info.meta.get("image_size"), "canvas_hw": list(self.windows.canvas_hw),
-                "latent_thw": list(self.windows.latent_thw), "view_point": config.view_point,
-                "action_normalization": self.info.action_normalization, "flow_shift": config.resolved_flow_shift,
-                "train_steps": self.step, "total_train_steps": self.step + self.init_train_steps,
-                "weights": "ema" if use_ema else "model", "dataset": str(self.info.root),
+                "domain": self.info.domain,
+                "raw_action_dim": self.raw_action_dim,
+                "fps": self.fps,
+                "chunk": config.chunk,
+                "resolution_tier": config.resolution_tier,
+                "image_size": self.info.meta.get("image_size"),
+                "canvas_hw": list(self.windows.canvas_hw),
+                "latent_thw": list(self.windows.latent_thw),
+                "view_point": config.view_point,
+                "action_normalization": self.info.action_normalization,
+                "flow_shift": config.resolved_flow_shift,
+                "train_steps": self.step,
+                "total_train_steps": self.step + self.init_train_steps,
+                "weights": "ema" if use_ema else "model",
+                "dataset": str(self.info.root),
                 "source": self.info.meta.get("source"),
             }
             export_checkpoint(
-                self.out_dir, native_state_dict={k: v.float() for k, v in weights.items()},
-                transformer_config=self.transformer_config, vae_dir=self.vae_dir, tokenizer=self.tokenizer,
-                flow_shift=config.resolved_flow_shift, action_stats=self.info.stats_document, meta=meta,
-                save_dtype=config.save_dtype, vae_save_dtype=config.vae_save_dtype,
+                self.out_dir,
+                native_state_dict={k: v.float() for k, v in weights.items()},
+                transformer_config=self.transformer_config,
+                vae_dir=self.vae_dir,
+                tokenizer=self.tokenizer,
+                flow_shift=config.resolved_flow_shift,
+                action_stats=self.info.stats_document,
+                meta=meta,
+                save_dtype=config.save_dtype,
+                vae_save_dtype=config.vae_save_dtype,
             )
         self.ctx.barrier()
         return self.out_dir

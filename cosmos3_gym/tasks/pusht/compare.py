@@ -28,7 +28,8 @@ model's estimate of coverage on its frames; in the simulator it is gym-pusht's t
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,8 +40,18 @@ from ...statistics import check_confidence, mean_interval, wilson_interval
 from . import episodes as pusht
 
 __all__ = [
-    "PolicyRun", "compare_policies", "compare_with_simulator", "evaluate_in_simulator", "format_comparison",
-    "format_real_only", "mmrv", "parse_policy_specs", "pearson", "ranking_agreement", "spearman", "ssim",
+    "PolicyRun",
+    "compare_policies",
+    "compare_with_simulator",
+    "evaluate_in_simulator",
+    "format_comparison",
+    "format_real_only",
+    "mmrv",
+    "parse_policy_specs",
+    "pearson",
+    "ranking_agreement",
+    "spearman",
+    "ssim",
 ]
 
 
@@ -128,8 +139,9 @@ def mmrv(predicted: Sequence[float], real: Sequence[float]) -> float:
 def _pair(x: Sequence[float], y: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if x.ndim != 1 or x.shape != y.shape or len(x) < 2:
-        raise InputError(f"scores: expected two 1-D sequences of the same length >= 2, got {list(x.shape)} and "
-                         f"{list(y.shape)}")
+        raise InputError(
+            f"scores: expected two 1-D sequences of the same length >= 2, got {list(x.shape)} and {list(y.shape)}"
+        )
     return x, y
 
 
@@ -141,8 +153,17 @@ def _pair(x: Sequence[float], y: Sequence[float]) -> tuple[np.ndarray, np.ndarra
 PolicyRun = PolicySpec  # the name before the spec registry moved to cosmos3_gym.policy_specs
 
 
-def simulate_policy(run: PolicySpec, sim_seeds: Sequence[int], num_chunks: int, chunk: int, image_size, stats,
-                    agent: Any, seed: int, progress: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def simulate_policy(
+    run: PolicySpec,
+    sim_seeds: Sequence[int],
+    num_chunks: int,
+    chunk: int,
+    image_size,
+    stats,
+    agent: Any,
+    seed: int,
+    progress: Any = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``run`` in one gym-pusht simulator per start: start frames ``[N, H, W, 3]``, the normalised action chunks it
     took ``[N, num_chunks, chunk, 2]`` and the true coverage after every step ``[N, num_chunks * chunk + 1]``.
     ``agent``: for the policies that act on frames (``run.acts_on_frames``), ``act(frames [N, H, W, 3]) -> [N,
@@ -227,11 +248,12 @@ def compare_policies(
         raise InputError(f"vector_env: expected {slots} slots (policies x starts), got {vector_env.num_envs}")
     chunk = vector_env.single_action_space.shape[0]
     image_size = tuple(vector_env.single_observation_space["image"].shape[:2])
-    agents = [_frame_policy_agent(run, make_agent, chunk, stats, seed) if run.acts_on_frames else None
-              for run in runs]
+    agents = [_frame_policy_agent(run, make_agent, chunk, stats, seed) if run.acts_on_frames else None for run in runs]
 
-    simulated = [simulate_policy(run, sim_seeds, num_chunks, chunk, image_size, stats, agent, seed)
-                 for run, agent in zip(runs, agents)]
+    simulated = [
+        simulate_policy(run, sim_seeds, num_chunks, chunk, image_size, stats, agent, seed)
+        for run, agent in zip(runs, agents)
+    ]
     starts = np.concatenate([frames for frames, _, _ in simulated])
     replayed = np.concatenate([actions for _, actions, _ in simulated])
 
@@ -252,20 +274,24 @@ def compare_policies(
         frames = generated[:, -1]
         for name, scorer in scorers.items():
             predicted[name].append(scorer(frames))
-    predicted = {name: np.stack(scores, axis=1).reshape(len(runs), len(sim_seeds), num_chunks + 1)
-                 for name, scores in predicted.items()}
+    predicted = {
+        name: np.stack(scores, axis=1).reshape(len(runs), len(sim_seeds), num_chunks + 1)
+        for name, scores in predicted.items()
+    }
 
     per_policy = {}
     for index, (run, (_, _, coverage)) in enumerate(zip(runs, simulated)):
         per_policy[run.spec] = {
             "world_model": _scores(predicted[None][index], confidence, success_threshold),
             "simulator": _scores(coverage, confidence),
-            "evaluated_in_world_model": "closed loop" if run.acts_on_frames else
-            "open loop: the simulator's action chunks replayed",
+            "evaluated_in_world_model": "closed loop"
+            if run.acts_on_frames
+            else "open loop: the simulator's action chunks replayed",
         }
         if extra_scores:
             per_policy[run.spec]["world_model_by_score"] = {
-                name: _scores(predicted[name][index], confidence) for name in extra_scores}
+                name: _scores(predicted[name][index], confidence) for name in extra_scores
+            }
     real = np.array([entry["simulator"]["final_coverage"] for entry in per_policy.values()])
     guess = np.array([entry["world_model"]["final_coverage"] for entry in per_policy.values()])
     result = {
@@ -281,8 +307,9 @@ def compare_policies(
     }
     if extra_scores:
         result["agreement_by_score"] = {
-            name: ranking_agreement(np.array([entry["world_model_by_score"][name]["final_coverage"]
-                                       for entry in per_policy.values()]), real)
+            name: ranking_agreement(
+                np.array([entry["world_model_by_score"][name]["final_coverage"] for entry in per_policy.values()]), real
+            )
             for name in extra_scores
         }
     return result
@@ -299,20 +326,23 @@ def ranking_agreement(guess: np.ndarray, real: np.ndarray) -> dict[str, float]:
     }
 
 
-def _frame_policy_agent(run: PolicySpec, make_agent: Callable[[], Any] | None, chunk: int, stats: Any,
-                        seed: int = 0) -> Any:
+def _frame_policy_agent(
+    run: PolicySpec, make_agent: Callable[[], Any] | None, chunk: int, stats: Any, seed: int = 0
+) -> Any:
     """The agent of a policy that acts on frames (``make_agent()`` for "agent", the frame-reading pusher, else its
     file), which must act in chunks of the world model's length."""
     agent = load_frame_agent(run, make_agent=make_agent, action_stats=stats, chunk=chunk, seed=seed)
     shape = getattr(agent, "action_shape", None)
     if run.kind != "agent" and shape is not None and tuple(shape) != (chunk, 2):
-        raise InputError(f"policies: {run.spec!r} acts in chunks of shape {list(shape)}; the world model takes "
-                         f"[{chunk}, 2]")
+        raise InputError(
+            f"policies: {run.spec!r} acts in chunks of shape {list(shape)}; the world model takes [{chunk}, 2]"
+        )
     return agent
 
 
-def _scores(coverage: np.ndarray, confidence: float,
-            success_threshold: float = pusht.SUCCESS_COVERAGE) -> dict[str, Any]:
+def _scores(
+    coverage: np.ndarray, confidence: float, success_threshold: float = pusht.SUCCESS_COVERAGE
+) -> dict[str, Any]:
     """Coverage ``[starts, T]`` -> final coverage (mean, CI in [0, 1]) and success (rate, Wilson CI): the coverage
     passes ``success_threshold`` at any step."""
     final = coverage[:, -1].astype(float)
@@ -330,13 +360,23 @@ def format_comparison(result: dict[str, Any]) -> str:
     rows = [("policy", "sim coverage", "WM coverage", "sim success", "WM success")]
     for spec, entry in result["policies"].items():
         sim, model = entry["simulator"], entry["world_model"]
-        rows.append((spec, f"{sim['final_coverage']:.3f}", f"{model['final_coverage']:.3f}",
-                     f"{sim['success_rate']:.2f}", f"{model['success_rate']:.2f}"))
+        rows.append(
+            (
+                spec,
+                f"{sim['final_coverage']:.3f}",
+                f"{model['final_coverage']:.3f}",
+                f"{sim['success_rate']:.2f}",
+                f"{model['success_rate']:.2f}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
     agreement = result["agreement"]
-    lines.append("pearson {pearson:.3f}  spearman {spearman:.3f}  mmrv {mmrv:.3f}  mae {mean_absolute_error:.3f}"
-                 .format(**agreement))
+    lines.append(
+        "pearson {pearson:.3f}  spearman {spearman:.3f}  mmrv {mmrv:.3f}  mae {mean_absolute_error:.3f}".format(
+            **agreement
+        )
+    )
     return "\n".join(lines)
 
 
@@ -359,10 +399,10 @@ def compare_with_simulator(
     ``success_threshold``, and by ``extra_scores`` (see ``compare_policies``).
     ``env_options``: more arguments of the world model's env (``make_pusht_vector_env``, e.g. ``rigid_block``).
     Needs gym-pusht."""
-    from .env import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults
     from ...envs.settings import check_int
     from ...processor import ActionStats
     from ...rewards import ClassifierRewardModel
+    from .env import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults
 
     runs = parse_policy_specs(policies)
     pusht.require_gym_pusht()
@@ -371,9 +411,16 @@ def compare_with_simulator(
     defaults = pusht_env_defaults(assets)
     stats = ActionStats.from_json(defaults["action_stats"], mode=assets.meta.get("action_normalization", "minmax"))
     overrides = {"engine": engine} if engine is not None else {"device": device}
-    env = make_pusht_vector_env(len(runs) * num_starts, assets_dir=assets.root, return_frames=True,
-                                reward_model=None, success_threshold=None, max_episode_steps=None, **overrides,
-                                **(env_options or {}))
+    env = make_pusht_vector_env(
+        len(runs) * num_starts,
+        assets_dir=assets.root,
+        return_frames=True,
+        reward_model=None,
+        success_threshold=None,
+        max_episode_steps=None,
+        **overrides,
+        **(env_options or {}),
+    )
     reward_model = ClassifierRewardModel.load(assets.reward_model, device=env.engine.device)
 
     @torch.no_grad()
@@ -386,9 +433,16 @@ def compare_with_simulator(
 
     try:
         result = compare_policies(
-            [run.spec for run in runs], range(first_sim_seed, first_sim_seed + num_starts), vector_env=env,
-            score_frames=score_frames, stats=stats, num_chunks=num_chunks, make_agent=make_agent, seed=seed,
-            extra_scores=extra_scores, success_threshold=float(defaults["success_threshold"]),
+            [run.spec for run in runs],
+            range(first_sim_seed, first_sim_seed + num_starts),
+            vector_env=env,
+            score_frames=score_frames,
+            stats=stats,
+            num_chunks=num_chunks,
+            make_agent=make_agent,
+            seed=seed,
+            extra_scores=extra_scores,
+            success_threshold=float(defaults["success_threshold"]),
         )
     finally:
         env.close()
@@ -401,9 +455,16 @@ def _pusht_policy_agent(engine: Any, defaults: dict[str, Any], seed: int) -> Any
     from ...agents import PolicyAgent
 
     return PolicyAgent(
-        engine, task=defaults["task"], domain=defaults["domain"], raw_action_dim=defaults["raw_action_dim"],
-        chunk=int(defaults["chunk"]), num_steps=defaults["num_steps"], guidance_scale=defaults["guidance_scale"],
-        resolution_tier=defaults["resolution_tier"], fps=defaults["fps"], seed=seed,
+        engine,
+        task=defaults["task"],
+        domain=defaults["domain"],
+        raw_action_dim=defaults["raw_action_dim"],
+        chunk=int(defaults["chunk"]),
+        num_steps=defaults["num_steps"],
+        guidance_scale=defaults["guidance_scale"],
+        resolution_tier=defaults["resolution_tier"],
+        fps=defaults["fps"],
+        seed=seed,
     )
 
 
@@ -447,9 +508,9 @@ def evaluate_in_simulator(
     loaded only for the ``agent`` policy."""
     from tqdm.auto import tqdm
 
-    from .env import load_pusht_assets, pusht_env_defaults
     from ...envs.settings import check_int
     from ...processor import ActionStats
+    from .env import load_pusht_assets, pusht_env_defaults
 
     runs = parse_policy_specs(policies)
     confidence = check_confidence(confidence)
@@ -474,15 +535,28 @@ def evaluate_in_simulator(
     sim_seeds = list(range(first_sim_seed, first_sim_seed + num_episodes))
     per_policy = {}
     try:
-        with tqdm(total=len(runs) * num_episodes * num_chunks * chunk, unit="step", desc="gym-pusht (env steps)",
-                  disable=not progress) as bar:
+        with tqdm(
+            total=len(runs) * num_episodes * num_chunks * chunk,
+            unit="step",
+            desc="gym-pusht (env steps)",
+            disable=not progress,
+        ) as bar:
             for run in runs:
                 agent = _frame_policy_agent(run, make_agent, chunk, stats, seed) if run.acts_on_frames else None
                 coverage = []
                 for batch, start in enumerate(range(0, num_episodes, batch_size)):
                     # The batch index joins the seed so the random policy's draws differ between batches.
-                    _, _, batch_coverage = simulate_policy(run, sim_seeds[start:start + batch_size], num_chunks,
-                                                           chunk, image_size, stats, agent, seed + batch, bar)
+                    _, _, batch_coverage = simulate_policy(
+                        run,
+                        sim_seeds[start : start + batch_size],
+                        num_chunks,
+                        chunk,
+                        image_size,
+                        stats,
+                        agent,
+                        seed + batch,
+                        bar,
+                    )
                     coverage.append(batch_coverage)
                 success, final = real_episode_scores(np.concatenate(coverage))
                 successes = int(success.sum())
@@ -520,12 +594,23 @@ def format_real_only(result: dict[str, Any]) -> str:
     for spec, entry in result["policies"].items():
         interval = entry["final_coverage_interval"]
         coverage = f"{entry['final_coverage']:.3f}" + (" [{:.3f}, {:.3f}]".format(*interval) if interval else "")
-        rows.append((spec, str(entry["episodes"]),
-                     "{:.3f} [{:.3f}, {:.3f}]".format(entry["success_rate"], *entry["success_rate_interval"]),
-                     coverage))
+        rows.append(
+            (
+                spec,
+                str(entry["episodes"]),
+                "{:.3f} [{:.3f}, {:.3f}]".format(entry["success_rate"], *entry["success_rate_interval"]),
+                coverage,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in
-                       enumerate(zip(row, widths))).rstrip() for row in rows]
-    lines.append(f"{result['simulator']}, seeds {result['sim_seeds'][0]}..{result['sim_seeds'][1]}, "
-                 f"{result['num_chunks']} chunks of {result['chunk']} steps; success: {result['success']}")
+    lines = [
+        "  ".join(
+            cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in rows
+    ]
+    lines.append(
+        f"{result['simulator']}, seeds {result['sim_seeds'][0]}..{result['sim_seeds'][1]}, "
+        f"{result['num_chunks']} chunks of {result['chunk']} steps; success: {result['success']}"
+    )
     return "\n".join(lines)

@@ -17,8 +17,9 @@ samples and the fit's last loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -66,8 +67,14 @@ class _LabellingPolicy:
         return actions
 
 
-def collect_labelled_rollouts(policy: PixelGaussianPolicy, env: Any, start_indices: np.ndarray, chunks: int,
-                              expert_probability: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def collect_labelled_rollouts(
+    policy: PixelGaussianPolicy,
+    env: Any,
+    start_indices: np.ndarray,
+    chunks: int,
+    expert_probability: float,
+    rng: np.random.Generator,
+) -> dict[str, np.ndarray]:
     """One episode per slot of ``env`` (a ``PushTSimVectorEnv``, ``num_envs == len(start_indices)``, group size 1)
     from those starts. Returns ``observations`` uint8 ``[M, h, w, 3]`` and ``labels`` ``[M, chunk, 2]`` (the
     expert's chunk at every step an episode took, time-major), and per episode ``success`` and ``final_coverage``."""
@@ -76,13 +83,22 @@ def collect_labelled_rollouts(policy: PixelGaussianPolicy, env: Any, start_indic
     labeller = _LabellingPolicy(policy, env, expert_probability, rng)
     episodes = evaluate_in_simulator(labeller, env, start_indices, chunks)
     taken = taken_mask(len(labeller.frames), episodes["chunks"])
-    return {"observations": np.stack(labeller.frames)[taken], "labels": np.stack(labeller.labels)[taken],
-            "success": episodes["success"], "final_coverage": episodes["final_coverage"]}
+    return {
+        "observations": np.stack(labeller.frames)[taken],
+        "labels": np.stack(labeller.labels)[taken],
+        "success": episodes["success"],
+        "final_coverage": episodes["final_coverage"],
+    }
 
 
-def train_dagger(policy: PixelGaussianPolicy, env: Any, round_starts: Callable[[int], np.ndarray],
-                 config: DAggerConfig | None = None, progress: bool = True,
-                 on_round: Callable[[dict], None] | None = None) -> list[dict[str, Any]]:
+def train_dagger(
+    policy: PixelGaussianPolicy,
+    env: Any,
+    round_starts: Callable[[int], np.ndarray],
+    config: DAggerConfig | None = None,
+    progress: bool = True,
+    on_round: Callable[[dict], None] | None = None,
+) -> list[dict[str, Any]]:
     """Run ``config.rounds`` rounds on ``env`` (``round_starts(r)``: round ``r``'s start indices, one per slot) and
     fine-tune ``policy`` in place after each. Returns one record per round."""
     config = config or DAggerConfig()
@@ -91,17 +107,27 @@ def train_dagger(policy: PixelGaussianPolicy, env: Any, round_starts: Callable[[
     labels: list[np.ndarray] = []
     history = []
     for round_index in range(config.rounds):
-        probability = config.expert_probability * 0.5 ** round_index
+        probability = config.expert_probability * 0.5**round_index
         rollouts = collect_labelled_rollouts(policy, env, round_starts(round_index), config.chunks, probability, rng)
         frames.append(rollouts["observations"])
         labels.append(rollouts["labels"])
-        losses = train_bc(policy, np.concatenate(frames), np.concatenate(labels),
-                          replace(config.bc, seed=config.bc.seed + round_index), progress=progress)
-        record = {"round": round_index, "expert_probability": probability,
-                  "rollout_success_rate": float(rollouts["success"].mean()),
-                  "rollout_mean_final_coverage": float(rollouts["final_coverage"].mean()),
-                  "new_samples": int(len(rollouts["labels"])), "samples": int(sum(len(x) for x in labels)),
-                  "final_loss": losses[-1], "bc_steps": len(losses)}
+        losses = train_bc(
+            policy,
+            np.concatenate(frames),
+            np.concatenate(labels),
+            replace(config.bc, seed=config.bc.seed + round_index),
+            progress=progress,
+        )
+        record = {
+            "round": round_index,
+            "expert_probability": probability,
+            "rollout_success_rate": float(rollouts["success"].mean()),
+            "rollout_mean_final_coverage": float(rollouts["final_coverage"].mean()),
+            "new_samples": int(len(rollouts["labels"])),
+            "samples": int(sum(len(x) for x in labels)),
+            "final_loss": losses[-1],
+            "bc_steps": len(losses),
+        }
         history.append(record)
         if on_round is not None:
             on_round(record)

@@ -1,4 +1,5 @@
-"""Simulated PushT datasets in the episode layout ``cosmos3_gym.training`` reads (layout: ``cosmos3_gym.tasks.pusht.episodes``)."""
+"""Simulated PushT datasets in the episode layout ``cosmos3_gym.training`` reads (layout:
+``cosmos3_gym.tasks.pusht.episodes``)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,24 @@ import numpy as np
 from ...errors import InputError
 from .geometry import DOMAIN, RAW_ACTION_DIM, SIM_ENV_ID, SIM_FPS, TASK
 from .policies import (
-    REPLAY_NOISE, SCRIPTED_NOISE_LEVELS, ChunkedFramePolicy, RandomWaypoints, Replay, ScriptedPusher, UniformTargets,
+    REPLAY_NOISE,
+    SCRIPTED_NOISE_LEVELS,
+    ChunkedFramePolicy,
+    RandomWaypoints,
+    Replay,
+    ScriptedPusher,
+    UniformTargets,
 )
 from .sim import PushTSim, _check_image_size, require_gym_pusht, rollout_episode
 
-__all__ = ["DEFAULT_POLICY_MIX", "POLICIES", "action_statistics", "episode_policy", "generate_pusht_dataset",
-           "write_dataset_files"]
+__all__ = [
+    "DEFAULT_POLICY_MIX",
+    "POLICIES",
+    "action_statistics",
+    "episode_policy",
+    "generate_pusht_dataset",
+    "write_dataset_files",
+]
 
 POLICIES = ("random", "scripted", "scripted_random_goal", "replay", "uniform")  # and "file:PATH": a frame policy file
 # The box a ``scripted_random_goal`` episode draws its goal's center from: where gym-pusht's reset puts blocks
@@ -68,14 +81,16 @@ def generate_pusht_dataset(
     stats_document = None
     if policy_files:
         if action_stats is None:
-            raise InputError(f"action_stats: required with policy files in policy_mix ({policy_files}): the action "
-                             f"statistics that map their normalised actions to table pixels.")
+            raise InputError(
+                f"action_stats: required with policy files in policy_mix ({policy_files}): the action "
+                f"statistics that map their normalised actions to table pixels."
+            )
         from ...processor import ActionStats
 
         ActionStats.from_json(action_stats)  # fail here on a bad file, not in every worker
         stats_document = action_stats if isinstance(action_stats, dict) else json.loads(Path(action_stats).read_text())
         for name in policy_files:
-            if not Path(name[len(POLICY_FILE_PREFIX):]).is_file():
+            if not Path(name[len(POLICY_FILE_PREFIX) :]).is_file():
                 raise InputError(f"policy_mix: {name!r} names no file.")
     out_dir = Path(out_dir)
     episode_dir = out_dir / "episodes"
@@ -83,8 +98,10 @@ def generate_pusht_dataset(
         raise InputError(f"out_dir: {out_dir} already holds episodes; give a new or empty folder.")
     episode_dir.mkdir(parents=True, exist_ok=True)
 
-    jobs = [(str(episode_dir), index, int(seed), int(steps_per_episode), image_size, mix, stats_document)
-            for index in range(episodes)]
+    jobs = [
+        (str(episode_dir), index, int(seed), int(steps_per_episode), image_size, mix, stats_document)
+        for index in range(episodes)
+    ]
     workers = min(os.cpu_count() or 1, episodes) if workers is None else int(workers)
     from tqdm.auto import tqdm
 
@@ -135,7 +152,6 @@ def generate_pusht_dataset(
     }
     write_dataset_files(out_dir, meta, np.concatenate([summary["actions"] for summary in summaries]))
     return out_dir
-
 
 
 def save_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], compresslevel: int = 1) -> None:
@@ -247,7 +263,7 @@ def _simulate_and_write(job) -> dict[str, Any]:
     elif family == "uniform":
         policy, name = UniformTargets(rng), "uniform"
     elif family.startswith(POLICY_FILE_PREFIX):
-        path = family[len(POLICY_FILE_PREFIX):]
+        path = family[len(POLICY_FILE_PREFIX) :]
         policy, name = _frame_policy(path, sim, stats_document, rng), f"file({Path(path).stem})"
     elif family == "scripted":
         policy, name = ScriptedPusher(rng, noise=noise), f"scripted(noise={noise:g})"
@@ -256,12 +272,15 @@ def _simulate_and_write(job) -> dict[str, Any]:
         policy, name = ScriptedPusher(rng, noise=noise, goal_pose=goal), f"{family}(noise={noise:g})"
         extra = {"goal_pose": goal}
     else:  # a noise-free scripted episode from the same start, replayed with noise
-        reference = _actions_only(_worker_sim(image_size, render_every_step=False), ScriptedPusher(rng), sim_seed,
-                                  steps)
+        reference = _actions_only(
+            _worker_sim(image_size, render_every_step=False), ScriptedPusher(rng), sim_seed, steps
+        )
         policy, name = Replay(reference, rng, noise), f"replay(noise={noise:g})"
     episode = rollout_episode(sim, policy, sim_seed, steps)
-    save_npz(Path(episode_dir) / f"episode_{index:06d}.npz",
-             {**episode, **extra, "task": np.asarray(TASK), "policy": np.asarray(name)})
+    save_npz(
+        Path(episode_dir) / f"episode_{index:06d}.npz",
+        {**episode, **extra, "task": np.asarray(TASK), "policy": np.asarray(name)},
+    )
     return {
         "index": index,
         "policy": name,
@@ -291,11 +310,15 @@ def _check_policy_mix(policy_mix: dict[str, float] | None) -> dict[str, float]:
         return dict(DEFAULT_POLICY_MIX)
     if not isinstance(policy_mix, dict) or not policy_mix:
         raise InputError(f"policy_mix: expected a dict of policy shares, some of {list(POLICIES)}; got {policy_mix!r}.")
-    unknown = sorted(name for name in policy_mix
-                     if name not in POLICIES and not (isinstance(name, str) and name.startswith(POLICY_FILE_PREFIX)))
+    unknown = sorted(
+        name
+        for name in policy_mix
+        if name not in POLICIES and not (isinstance(name, str) and name.startswith(POLICY_FILE_PREFIX))
+    )
     if unknown:
-        raise InputError(f"policy_mix: unknown policies {unknown}; expected some of {list(POLICIES)} or "
-                         f"'{POLICY_FILE_PREFIX}PATH'.")
+        raise InputError(
+            f"policy_mix: unknown policies {unknown}; expected some of {list(POLICIES)} or '{POLICY_FILE_PREFIX}PATH'."
+        )
     shares = {name: float(share) for name, share in policy_mix.items()}
     total = sum(shares.values())
     if any(not math.isfinite(share) or share < 0 for share in shares.values()) or total <= 0:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...errors import InputError
 from ...checkpoint import checkpoint_defaults
+from ...errors import InputError
 from ...evaluation import EvalReport, evaluate_checkpoint, evaluate_policy
 from ...policy_specs import load_policy
 
@@ -47,10 +47,11 @@ def run_demo(
         raise InputError(f"episodes: expected an integer >= 1, got {episodes!r}.")
     if checkpoint is None and builtin_checkpoint_dir() is not None:
         if chunk is not None:  # the built-in model was trained on one chunk length; say so rather than ignore it
-            raise InputError(f"chunk: the built-in PushT model runs at the chunk it was trained for; got {chunk!r}. Pass a "
-                             "checkpoint to choose the chunk.")
-        return _pusht_demo(Path(out_dir), policy, episodes, steps_per_episode, num_steps, seed, device, dtype,
-                           progress)
+            raise InputError(
+                f"chunk: the built-in PushT model runs at the chunk it was trained for; got {chunk!r}. Pass a "
+                "checkpoint to choose the chunk."
+            )
+        return _pusht_demo(Path(out_dir), policy, episodes, steps_per_episode, num_steps, seed, device, dtype, progress)
     random_weights = checkpoint is None
     if random_weights:
         from ...testing import cached_tiny_checkpoint  # only on request: production code does not need the factory
@@ -58,11 +59,25 @@ def run_demo(
         checkpoint = cached_tiny_checkpoint()
     recorded = checkpoint_defaults(checkpoint)
     return evaluate_checkpoint(
-        checkpoint, out_dir, policy=policy, episodes=episodes, num_envs=min(episodes, 8), initial_states=DEMO_IMAGE,
-        task=DEMO_TASK, max_episode_steps=steps_per_episode, domain=recorded.get("domain", "pusht"),
-        chunk=chunk if chunk is not None else recorded.get("chunk", 8), num_steps=num_steps, resolution_tier=256,
-        device=device, dtype=dtype, seed=seed, max_videos=episodes, progress=progress,
-        extra_settings={"random_weights": random_weights}, log=lambda message: None,
+        checkpoint,
+        out_dir,
+        policy=policy,
+        episodes=episodes,
+        num_envs=min(episodes, 8),
+        initial_states=DEMO_IMAGE,
+        task=DEMO_TASK,
+        max_episode_steps=steps_per_episode,
+        domain=recorded.get("domain", "pusht"),
+        chunk=chunk if chunk is not None else recorded.get("chunk", 8),
+        num_steps=num_steps,
+        resolution_tier=256,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        max_videos=episodes,
+        progress=progress,
+        extra_settings={"random_weights": random_weights},
+        log=lambda message: None,
     )
 
 
@@ -71,17 +86,38 @@ def _pusht_demo(out_dir: Path, policy, episodes, steps_per_episode, num_steps, s
     from .env import builtin_checkpoint_dir, make_pusht_vector_env
     from .episodes import side_by_side
 
-    env = make_pusht_vector_env(num_envs=min(episodes, 8), max_episode_steps=steps_per_episode, num_steps=num_steps,
-                                return_frames=True, device=device, dtype=dtype)
+    env = make_pusht_vector_env(
+        num_envs=min(episodes, 8),
+        max_episode_steps=steps_per_episode,
+        num_steps=num_steps,
+        return_frames=True,
+        device=device,
+        dtype=dtype,
+    )
     try:
         agent = load_policy(policy, env, seed=seed)
-        report = evaluate_policy(env, agent, episodes, seed=seed, video_dir=out_dir, max_videos=episodes,
-                                 progress=progress, max_episode_steps=steps_per_episode, reward_bounds=(0.0, 1.0))
-        video = side_by_side(out_dir / "side_by_side.mp4", seed=seed, num_chunks=steps_per_episode,
-                             engine=env.engine, num_steps=num_steps)
+        report = evaluate_policy(
+            env,
+            agent,
+            episodes,
+            seed=seed,
+            video_dir=out_dir,
+            max_videos=episodes,
+            progress=progress,
+            max_episode_steps=steps_per_episode,
+            reward_bounds=(0.0, 1.0),
+        )
+        video = side_by_side(
+            out_dir / "side_by_side.mp4",
+            seed=seed,
+            num_chunks=steps_per_episode,
+            engine=env.engine,
+            num_steps=num_steps,
+        )
     finally:
         env.close()
-    report.settings.update(policy=policy, checkpoint=str(builtin_checkpoint_dir()), random_weights=False,
-                           side_by_side=video)
+    report.settings.update(
+        policy=policy, checkpoint=str(builtin_checkpoint_dir()), random_weights=False, side_by_side=video
+    )
     report.to_json(out_dir / "report.json")
     return report

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,27 +59,45 @@ def _demonstrate(job) -> dict[str, Any]:
     finally:
         sim.close()
     if not actions:  # already solved at the start: nothing to imitate
-        return {"seed": seed, "success": True, "final_coverage": coverage, "steps": 0,
-                "execution_noise": execution_noise,
-                "observations": np.zeros((0, *observation_size, 3), np.uint8),
-                "action_chunks": np.zeros((0, chunk, 2), np.float32), "sim_states": np.stack(states)}
+        return {
+            "seed": seed,
+            "success": True,
+            "final_coverage": coverage,
+            "steps": 0,
+            "execution_noise": execution_noise,
+            "observations": np.zeros((0, *observation_size, 3), np.uint8),
+            "action_chunks": np.zeros((0, chunk, 2), np.float32),
+            "sim_states": np.stack(states),
+        }
     normalised = np.clip(stats.normalize(np.asarray(actions, np.float32)), -1.0, 1.0).astype(np.float32)
     padded = np.concatenate([normalised, np.repeat(normalised[-1:], chunk - 1, axis=0)])
     recorded = np.arange(0, len(actions), stride)
     return {
-        "seed": seed, "success": bool(success), "final_coverage": float(coverage), "steps": len(actions),
+        "seed": seed,
+        "success": bool(success),
+        "final_coverage": float(coverage),
+        "steps": len(actions),
         "execution_noise": execution_noise,
         "observations": np.stack([frames[t] for t in recorded]),
-        "action_chunks": np.stack([padded[t:t + chunk] for t in recorded]),
+        "action_chunks": np.stack([padded[t : t + chunk] for t in recorded]),
         "sim_states": np.stack(states),
     }
 
 
 def generate_demonstrations(
-    episodes: int, *, action_stats, seed: int = 0, max_steps: int = 300, stride: int = 1, chunk: int = 8,
-    image_size: tuple[int, int] = (256, 256), observation_size: tuple[int, int] = (96, 96),
-    noise_levels: Sequence[float] = (0.0, 0.0, 4.0), execution_noise: Sequence[float] = (0.0,),
-    workers: int | None = None, progress: bool = True,
+    episodes: int,
+    *,
+    action_stats,
+    seed: int = 0,
+    max_steps: int = 300,
+    stride: int = 1,
+    chunk: int = 8,
+    image_size: tuple[int, int] = (256, 256),
+    observation_size: tuple[int, int] = (96, 96),
+    noise_levels: Sequence[float] = (0.0, 0.0, 4.0),
+    execution_noise: Sequence[float] = (0.0,),
+    workers: int | None = None,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """``episodes`` scripted-pusher demonstrations (see the module docstring). Returns ``{"observations",
     "action_chunks", "episodes": [{"seed", "success", "final_coverage", "steps", "sim_states", "execution_noise"}],
@@ -91,8 +110,20 @@ def generate_demonstrations(
         if len(levels) == 0 or min(levels) < 0:
             raise InputError(f"{name}: expected non-negative pixel noise levels, got {levels!r}.")
     rng = np.random.default_rng(seed)
-    jobs = [(seed + i, float(rng.choice(noise_levels)), float(rng.choice(execution_noise)), max_steps, stride, chunk, tuple(image_size),
-             tuple(observation_size), action_stats) for i in range(episodes)]
+    jobs = [
+        (
+            seed + i,
+            float(rng.choice(noise_levels)),
+            float(rng.choice(execution_noise)),
+            max_steps,
+            stride,
+            chunk,
+            tuple(image_size),
+            tuple(observation_size),
+            action_stats,
+        )
+        for i in range(episodes)
+    ]
     workers = min(os.cpu_count() or 1, episodes) if workers is None else int(workers)
     from tqdm.auto import tqdm
 
@@ -103,8 +134,9 @@ def generate_demonstrations(
                 results.append(_demonstrate(job))
                 bar.update()
         else:
-            context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
-                                                  else "spawn")
+            context = multiprocessing.get_context(
+                "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            )
             with ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread) as pool:
                 for result in pool.map(_demonstrate, jobs, chunksize=max(1, episodes // (4 * workers))):
                     results.append(result)

@@ -41,17 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ...checkpoint import checkpoint_decoder, checkpoint_defaults, read_json_object
-from ...engine import Cosmos3Engine
-from ...errors import CheckpointError, InputError
-from .registration import ASSETS_ENV_VAR, PUSHT_ENV_ID, PUSHT_MODEL
-from ...envs.core import ENGINE_LOAD_KEYS
 from ...data.initial_states import read_initial_states_archive
+from ...engine import Cosmos3Engine
+from ...envs.core import ENGINE_LOAD_KEYS
 from ...envs.vector_env import WorldModelVectorEnv
 from ...envs.world_model_env import WorldModelEnv
+from ...errors import CheckpointError, InputError
+from .registration import ASSETS_ENV_VAR, PUSHT_ENV_ID, PUSHT_MODEL
 
 __all__ = [
     "ASSETS_ENV_VAR",
@@ -109,17 +108,25 @@ def load_pusht_assets(assets_dir: str | os.PathLike | None = None) -> PushTAsset
     """
     root = Path(assets_dir).expanduser() if assets_dir is not None else default_assets_dir()
     checkpoint = root / CHECKPOINT_DIR
-    expected = [checkpoint / META_FILE, checkpoint / "model_index.json", root / REWARD_MODEL_DIR / "config.json",
-                root / INITIAL_STATES_FILE]
+    expected = [
+        checkpoint / META_FILE,
+        checkpoint / "model_index.json",
+        root / REWARD_MODEL_DIR / "config.json",
+        root / INITIAL_STATES_FILE,
+    ]
     missing = [str(path.relative_to(root)) for path in expected if not path.is_file()]
     if missing:
-        where = f"assets_dir={str(root)!r}" if assets_dir is not None else (
-            f"${ASSETS_ENV_VAR}={str(root)!r}" if os.environ.get(ASSETS_ENV_VAR) else f"the package folder {root}"
+        where = (
+            f"assets_dir={str(root)!r}"
+            if assets_dir is not None
+            else (
+                f"${ASSETS_ENV_VAR}={str(root)!r}" if os.environ.get(ASSETS_ENV_VAR) else f"the package folder {root}"
+            )
         )
         raise CheckpointError(
             f"{PUSHT_ENV_ID}: the built-in PushT world model is not installed ({where} lacks {', '.join(missing)}). "
-            f"Train one with `python benchmarks/recipes/train_pusht.py --out DIR` and pass assets_dir='DIR/assets/pusht' "
-            f"or set {ASSETS_ENV_VAR}, or use cosmos3_gym/WorldModel-v0 with checkpoint=."
+            "Train one with `python benchmarks/recipes/train_pusht.py --out DIR` and pass "
+            f"assets_dir='DIR/assets/pusht' or set {ASSETS_ENV_VAR}, or use cosmos3_gym/WorldModel-v0 with checkpoint=."
         )
     meta = read_json_object(checkpoint / META_FILE)
     return PushTAssets(root, checkpoint, root / REWARD_MODEL_DIR, root / INITIAL_STATES_FILE, meta)
@@ -174,8 +181,9 @@ def make_pusht_vector_env(
 ) -> WorldModelVectorEnv:
     """``WorldModelVectorEnv`` with the PushT model's defaults (the ``vector_entry_point`` of ``gym.make_vec``);
     ``optimize`` as for ``make_pusht_env``."""
-    return _make_with_builtin_engine(WorldModelVectorEnv, (num_envs,), pusht_env_arguments(assets_dir, **kwargs),
-                                     optimize)
+    return _make_with_builtin_engine(
+        WorldModelVectorEnv, (num_envs,), pusht_env_arguments(assets_dir, **kwargs), optimize
+    )
 
 
 def fast_pusht_engine(
@@ -195,8 +203,14 @@ def fast_pusht_engine(
     # The device from_pretrained would pick (init_parallel's default), known before loading for the VAE dtype.
     on_gpu = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
     bf16_vae = on_gpu or _cpu_has_native_bf16()
-    engine = Cosmos3Engine.from_pretrained(checkpoint, device=device, dtype=dtype, decoder=decoder,
-                                           vae_dtype=torch.bfloat16 if bf16_vae else None, progress=False)
+    engine = Cosmos3Engine.from_pretrained(
+        checkpoint,
+        device=device,
+        dtype=dtype,
+        decoder=decoder,
+        vae_dtype=torch.bfloat16 if bf16_vae else None,
+        progress=False,
+    )
     if on_gpu:
         # the light decoder's channels-last weights included; the stage graphs: one env steps in 41 instead of 50 ms
         # (light decoder: 8.7 instead of 21.5 ms) on an H200, the same observations (pusht_env_stage_graphs_h200.json)

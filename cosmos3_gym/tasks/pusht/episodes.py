@@ -18,7 +18,8 @@ solved above 0.95, as in gym-pusht.
                    frames uint8 [T+1, H, W, 3] (the frame before each action, then the final frame);
                    actions float32 [T, 2] (raw target positions); task (0-d str); rewards float32 [T] (gym-pusht's
                    reward after each action); coverage float32 [T+1] (of each frame); success bool (coverage > 0.95
-                   at some frame); policy (0-d str); sim_seed int64 (``PushTSim.reset(sim_seed)`` restores frame 0); sim_states float64 [T+1, 10]
+                   at some frame); policy (0-d str); sim_seed int64 (``PushTSim.reset(sim_seed)`` restores frame 0);
+                   sim_states float64 [T+1, 10]
                    (``PushTSim.restore(sim_states[t])`` restarts at frame t); goal_pose float64 [3] (only
                    ``scripted_random_goal`` episodes: the block pose that episode's pusher aimed for)
 
@@ -45,20 +46,52 @@ import numpy as np
 from ...errors import InputError
 from ...media import write_video
 from .dataset import (  # noqa: F401  (re-exported)
-    DEFAULT_POLICY_MIX, POLICIES, RANDOM_GOAL_HIGH, RANDOM_GOAL_LOW, _check_policy_mix, action_statistics,
-    episode_policy, generate_pusht_dataset, parse_policy_mix, random_goal_pose, write_dataset_files,
+    DEFAULT_POLICY_MIX,
+    POLICIES,
+    RANDOM_GOAL_HIGH,
+    RANDOM_GOAL_LOW,
+    _check_policy_mix,
+    action_statistics,
+    episode_policy,
+    generate_pusht_dataset,
+    parse_policy_mix,
+    random_goal_pose,
+    write_dataset_files,
 )
 from .geometry import (  # noqa: F401  (re-exported)
-    AGENT_RADIUS, DOMAIN, GOAL_POSE, RAW_ACTION_DIM, SIM_ENV_ID, SIM_FPS, SUCCESS_COVERAGE, TABLE_SIZE, TASK,
-    TEE_CENTER_OF_GRAVITY, TEE_OUTLINE, contact_candidates, distance_to_outline, rotation,
-    tee_center, tee_outline, wrap_angle,
+    AGENT_RADIUS,
+    DOMAIN,
+    GOAL_POSE,
+    RAW_ACTION_DIM,
+    SIM_ENV_ID,
+    SIM_FPS,
+    SUCCESS_COVERAGE,
+    TABLE_SIZE,
+    TASK,
+    TEE_CENTER_OF_GRAVITY,
+    TEE_OUTLINE,
+    contact_candidates,
+    distance_to_outline,
+    rotation,
+    tee_center,
+    tee_outline,
+    wrap_angle,
 )
 from .metrics import psnr  # noqa: F401  (re-exported)
 from .policies import (  # noqa: F401  (re-exported)
-    REPLAY_NOISE, SCRIPTED_NOISE_LEVELS, RandomWaypoints, Replay, ScriptedPusher,
+    REPLAY_NOISE,
+    SCRIPTED_NOISE_LEVELS,
+    RandomWaypoints,
+    Replay,
+    ScriptedPusher,
 )
 from .sim import (  # noqa: F401  (re-exported)
-    SIM_STATE_FIELDS, PushTSim, _check_image_size, has_gym_pusht, require_gym_pusht, rollout_episode,
+    SIM_STATE_FIELDS,
+    PushTSim,
+    _check_image_size,
+    has_gym_pusht,
+    require_gym_pusht,
+    rollout_episode,
 )
 
 __all__ = [
@@ -84,7 +117,11 @@ __all__ = [
 
 
 def side_by_side(
-    path: str | os.PathLike, *, seed: int = 0, num_chunks: int = 6, assets_dir: str | os.PathLike | None = None,
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    num_chunks: int = 6,
+    assets_dir: str | os.PathLike | None = None,
     **env_kwargs: Any,
 ) -> dict[str, Any]:
     """Write a video of the PushT world model; where gym-pusht is installed, next to the real simulator.
@@ -100,8 +137,8 @@ def side_by_side(
     Returns ``{"path", "mode": "side_by_side" | "world_model_only", "num_frames", "psnr_per_chunk" (dB, side by
     side only), "final_sim_coverage" (side by side only)}``.
     """
-    from .env import pusht_env_arguments
     from ...envs.world_model_env import WorldModelEnv
+    from .env import pusht_env_arguments
 
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise InputError(f"num_chunks: expected an integer >= 1, got {num_chunks!r}.")
@@ -123,8 +160,10 @@ def side_by_side(
 
 def _simulator_and_model(env, seed: int, num_chunks: int) -> tuple[dict[str, Any], np.ndarray]:
     if env.action_stats is None:
-        raise InputError("action_stats: the side-by-side video maps simulator actions into the model's space; the "
-                         "checkpoint has no action_stats.json and none was given.")
+        raise InputError(
+            "action_stats: the side-by-side video maps simulator actions into the model's space; the "
+            "checkpoint has no action_stats.json and none was given."
+        )
     chunk = env.action_space.shape[0]
     sim = PushTSim(env.image_size)
     try:
@@ -153,10 +192,12 @@ def _simulator_and_model(env, seed: int, num_chunks: int) -> tuple[dict[str, Any
         for k in range(num_chunks)
     ]
     result = {"mode": "side_by_side", "psnr_per_chunk": psnr_per_chunk, "final_sim_coverage": final_coverage}
-    return result, np.stack([
-        np.concatenate([_label(a, "simulator"), _gap(a), _label(b, "world model")], axis=1)
-        for a, b in zip(sim_frames, model_frames)
-    ])
+    return result, np.stack(
+        [
+            np.concatenate([_label(a, "simulator"), _gap(a), _label(b, "world model")], axis=1)
+            for a, b in zip(sim_frames, model_frames)
+        ]
+    )
 
 
 def _model_only(env, arguments: dict[str, Any], seed: int, num_chunks: int) -> tuple[dict[str, Any], np.ndarray]:
@@ -164,9 +205,16 @@ def _model_only(env, arguments: dict[str, Any], seed: int, num_chunks: int) -> t
 
     chunk, raw_action_dim = env.action_space.shape
     agent = PolicyAgent(
-        env.engine, task=arguments.get("task") or TASK, domain=arguments["domain"], raw_action_dim=raw_action_dim,
-        chunk=chunk, num_steps=arguments["num_steps"], guidance_scale=arguments["guidance_scale"],
-        resolution_tier=arguments["resolution_tier"], fps=arguments["fps"], seed=seed,
+        env.engine,
+        task=arguments.get("task") or TASK,
+        domain=arguments["domain"],
+        raw_action_dim=raw_action_dim,
+        chunk=chunk,
+        num_steps=arguments["num_steps"],
+        guidance_scale=arguments["guidance_scale"],
+        resolution_tier=arguments["resolution_tier"],
+        fps=arguments["fps"],
+        seed=seed,
     )
     env.reset(seed=seed)
     frames = [env.render()]

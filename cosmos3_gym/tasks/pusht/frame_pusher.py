@@ -76,8 +76,9 @@ class FrameScriptedPusher:
             raise InputError(f"frames: expected uint8 [N, H, W, 3], got {frames.dtype} {list(frames.shape)}")
         count = len(frames)
         if len(self._pushers) != count:  # a new batch of episodes
-            self._pushers = [ScriptedPusher(np.random.default_rng([self.seed, slot]), noise=self.noise)
-                             for slot in range(count)]
+            self._pushers = [
+                ScriptedPusher(np.random.default_rng([self.seed, slot]), noise=self.noise) for slot in range(count)
+            ]
             self._last_targets = np.full((count, 2), TABLE_SIZE / 2.0)
             self._velocities = np.zeros((count, 2))
         agents, poses, found = read_state(frames)
@@ -85,17 +86,25 @@ class FrameScriptedPusher:
         for slot in range(count):
             position = agents[slot] if np.isfinite(agents[slot]).all() else self._last_targets[slot]
             if found[slot] and self.planner == "physics":
-                velocity = self._plan_in_physics(self._pushers[slot], position, self._velocities[slot], poses[slot],
-                                                 targets[slot])
+                velocity = self._plan_in_physics(
+                    self._pushers[slot], position, self._velocities[slot], poses[slot], targets[slot]
+                )
             else:  # the controller plan; with no block found, the agent is held where it is
                 pusher = self._pushers[slot] if found[slot] else None
-                velocity = self._plan_with_controller(pusher, position, self._velocities[slot], poses[slot],
-                                                      targets[slot])
+                velocity = self._plan_with_controller(
+                    pusher, position, self._velocities[slot], poses[slot], targets[slot]
+                )
             self._last_targets[slot], self._velocities[slot] = targets[slot, -1], velocity
         return np.clip(np.asarray(self.action_stats.normalize(targets), np.float32), -1.0, 1.0)
 
-    def _plan_with_controller(self, pusher: ScriptedPusher | None, position: np.ndarray, velocity: np.ndarray,
-                              pose: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def _plan_with_controller(
+        self,
+        pusher: ScriptedPusher | None,
+        position: np.ndarray,
+        velocity: np.ndarray,
+        pose: np.ndarray,
+        out: np.ndarray,
+    ) -> np.ndarray:
         """Fill ``out [chunk, 2]`` with the pusher's targets along the agent's predicted path (the block held still;
         no pusher: the agent's own position, holding it); returns the agent's velocity at the chunk's end."""
         for step in range(self.chunk):
@@ -105,8 +114,9 @@ class FrameScriptedPusher:
                 position = position + velocity * self.PHYSICS_DT
         return velocity
 
-    def _plan_in_physics(self, pusher: ScriptedPusher, position: np.ndarray, velocity: np.ndarray,
-                         pose: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def _plan_in_physics(
+        self, pusher: ScriptedPusher, position: np.ndarray, velocity: np.ndarray, pose: np.ndarray, out: np.ndarray
+    ) -> np.ndarray:
         """The same, stepping gym-pusht from the read-off state (the block at rest); returns the agent's velocity."""
         if self._physics is None:
             from .sim import PushTSim
@@ -125,6 +135,8 @@ def make_frame_pusher(spec: Any, *, action_stats: Any, chunk: int | None, seed: 
     """The frame agent of ``scripted-frames:NOISE`` / ``scripted-physics:NOISE`` (``policy_specs.PolicyKind``): it
     needs the world model's ``action_stats`` and ``chunk``."""
     if action_stats is None or chunk is None:
-        raise InputError(f"policy: {spec.spec!r} needs action_stats and chunk (the world model's action "
-                         "normalisation and chunk length).")
+        raise InputError(
+            f"policy: {spec.spec!r} needs action_stats and chunk (the world model's action "
+            "normalisation and chunk length)."
+        )
     return FrameScriptedPusher(spec.noise, chunk, action_stats, seed=seed, planner=FRAME_PUSHER_PLANNERS[spec.kind])

@@ -5,14 +5,28 @@ the scripted pusher and the geometric reward need. A point of the T in its body 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 __all__ = [
-    "AGENT_RADIUS", "DOMAIN", "GOAL_POSE", "RAW_ACTION_DIM", "SIM_ENV_ID", "SIM_FPS", "SUCCESS_COVERAGE", "TABLE_SIZE",
-    "TASK", "TEE_CENTER_OF_GRAVITY", "TEE_OUTLINE", "contact_candidates", "distance_to_outline", "rotation",
-    "tee_center", "tee_outline", "wrap_angle",
+    "AGENT_RADIUS",
+    "DOMAIN",
+    "GOAL_POSE",
+    "RAW_ACTION_DIM",
+    "SIM_ENV_ID",
+    "SIM_FPS",
+    "SUCCESS_COVERAGE",
+    "TABLE_SIZE",
+    "TASK",
+    "TEE_CENTER_OF_GRAVITY",
+    "TEE_OUTLINE",
+    "contact_candidates",
+    "distance_to_outline",
+    "rotation",
+    "tee_center",
+    "tee_outline",
+    "wrap_angle",
 ]
 
 TASK = "push the T-shaped block onto the green target"
@@ -27,8 +41,7 @@ SUCCESS_COVERAGE = 0.95  # PushTEnv.success_threshold
 # The T in its body frame (PushTEnv.add_tee with scale 30): the outline of the union of the bar (x in [-60, 60],
 # y in [0, 30]) and the stem (x in [-15, 15], y in [30, 120]), counter-clockwise. World point = position + R(angle) v.
 TEE_OUTLINE = np.array(
-    [(-60.0, 0.0), (60.0, 0.0), (60.0, 30.0), (15.0, 30.0), (15.0, 120.0), (-15.0, 120.0), (-15.0, 30.0),
-     (-60.0, 30.0)]
+    [(-60.0, 0.0), (60.0, 0.0), (60.0, 30.0), (15.0, 30.0), (15.0, 120.0), (-15.0, 120.0), (-15.0, 30.0), (-60.0, 30.0)]
 )
 # PushTEnv sets the block's center of gravity to the mean of the two rectangles' centroids; it turns about it.
 TEE_CENTER_OF_GRAVITY = np.array([0.0, 45.0])
@@ -89,4 +102,3 @@ def distance_to_outline(points: np.ndarray, outline: np.ndarray) -> np.ndarray:
 def wrap_angle(angle: float) -> float:
     """``angle`` in [-pi, pi)."""
     return (angle + math.pi) % (2 * math.pi) - math.pi
-

@@ -12,11 +12,26 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .geometry import (
-    AGENT_RADIUS, GOAL_POSE, TABLE_SIZE, contact_candidates, distance_to_outline, tee_center, tee_outline, wrap_angle,
+    AGENT_RADIUS,
+    GOAL_POSE,
+    TABLE_SIZE,
+    contact_candidates,
+    distance_to_outline,
+    tee_center,
+    tee_outline,
+    wrap_angle,
 )
 
-__all__ = ["REPLAY_NOISE", "SCRIPTED_NOISE_LEVELS", "ChunkedFramePolicy", "RandomWaypoints", "Replay", "ScriptedPusher",
-           "UniformTargets", "plan_chunk_in_physics"]
+__all__ = [
+    "REPLAY_NOISE",
+    "SCRIPTED_NOISE_LEVELS",
+    "ChunkedFramePolicy",
+    "RandomWaypoints",
+    "Replay",
+    "ScriptedPusher",
+    "UniformTargets",
+    "plan_chunk_in_physics",
+]
 
 SCRIPTED_NOISE_LEVELS = (0.0, 4.0, 10.0, 20.0)  # px std of the Gaussian noise on a scripted pusher's targets
 REPLAY_NOISE = 8.0  # px std of the noise added to a replayed action
@@ -26,7 +41,6 @@ def _limit_step(agent: np.ndarray, target: np.ndarray, max_step: float) -> np.nd
     offset = target - agent
     distance = float(np.hypot(*offset))
     return target if distance <= max_step else agent + offset * (max_step / distance)
-
 
 
 @dataclass

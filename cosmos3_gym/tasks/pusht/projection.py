@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import InputError
-from .sim import SIM_STATE_FIELDS, PushTSim, has_gym_pusht
 from .readoff import read_state
+from .sim import SIM_STATE_FIELDS, PushTSim, has_gym_pusht
 
 __all__ = ["RigidBlockProjection", "check_rigid_block"]
 
@@ -33,8 +33,10 @@ def check_rigid_block(value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise InputError(f"rigid_block: expected True or False, got {value!r}.")
     if value and not has_gym_pusht():
-        raise ImportError("rigid_block=True re-draws the hand-over frame with gym-pusht's renderer: pip install "
-                          "'cosmos3_gym[sim]' (or pip install gym-pusht), or leave rigid_block=False.")
+        raise ImportError(
+            "rigid_block=True re-draws the hand-over frame with gym-pusht's renderer: pip install "
+            "'cosmos3_gym[sim]' (or pip install gym-pusht), or leave rigid_block=False."
+        )
     return bool(value)
 
 
@@ -44,8 +46,11 @@ class RigidBlockProjection:
     docstring). One simulator per frame size, made on first use."""
 
     def __init__(self, min_rigidity: float = 0.0) -> None:
-        if isinstance(min_rigidity, bool) or not isinstance(min_rigidity, (int, float)) or \
-                not 0.0 <= min_rigidity <= 1.0:
+        if (
+            isinstance(min_rigidity, bool)
+            or not isinstance(min_rigidity, (int, float))
+            or not 0.0 <= min_rigidity <= 1.0
+        ):
             raise InputError(f"min_rigidity: expected a number in [0, 1], got {min_rigidity!r}.")
         self.min_rigidity = float(min_rigidity)
         self._sims: dict[tuple[int, int], PushTSim] = {}

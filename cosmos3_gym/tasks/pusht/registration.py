@@ -14,8 +14,11 @@ PUSHT_ENV_ID = "cosmos3_gym/PushT-v0"
 ASSETS_ENV_VAR = "COSMOS3_GYM_PUSHT_ASSETS"  # another folder of the built-in model's layout (env.py)
 ENV_MODULE = "cosmos3_gym.tasks.pusht.env"
 PUSHT_MODEL = BuiltinModel(
-    name="pusht", package_dir=Path(__file__).resolve().parent / "assets", env_var=ASSETS_ENV_VAR,
-    env_entry_point=f"{ENV_MODULE}:make_pusht_env", vector_entry_point=f"{ENV_MODULE}:make_pusht_vector_env",
+    name="pusht",
+    package_dir=Path(__file__).resolve().parent / "assets",
+    env_var=ASSETS_ENV_VAR,
+    env_entry_point=f"{ENV_MODULE}:make_pusht_env",
+    vector_entry_point=f"{ENV_MODULE}:make_pusht_vector_env",
 )
 
 
@@ -25,8 +28,10 @@ def builtin_max_episode_steps() -> int | None:
 
 
 SIMULATOR_ONLY = "in gym-pusht only (`cosmos3-gym eval-real`): it reads the simulator's true state"
-FRAME_PUSHER = ("in `cosmos3-gym eval-real` and the simulator comparisons (tasks.pusht.compare), which give it the "
-                "checkpoint's action statistics")
+FRAME_PUSHER = (
+    "in `cosmos3-gym eval-real` and the simulator comparisons (tasks.pusht.compare), which give it the "
+    "checkpoint's action statistics"
+)
 POLICY_KINDS = (
     PolicyKind("scripted", "NOISE", frame_agent=None, runs_where=SIMULATOR_ONLY),
     PolicyKind("scripted-frames", "NOISE", f"{__package__}.frame_pusher:make_frame_pusher", FRAME_PUSHER),
@@ -46,6 +51,10 @@ def register() -> None:
     except ImportError:
         return
     if PUSHT_ENV_ID not in gymnasium.registry:
-        gymnasium.register(id=PUSHT_ENV_ID, entry_point=PUSHT_MODEL.env_entry_point,
-                           vector_entry_point=PUSHT_MODEL.vector_entry_point, order_enforce=False,
-                           max_episode_steps=builtin_max_episode_steps())
+        gymnasium.register(
+            id=PUSHT_ENV_ID,
+            entry_point=PUSHT_MODEL.env_entry_point,
+            vector_entry_point=PUSHT_MODEL.vector_entry_point,
+            order_enforce=False,
+            max_episode_steps=builtin_max_episode_steps(),
+        )

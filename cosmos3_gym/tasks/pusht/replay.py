@@ -28,13 +28,16 @@ __all__ = ["evaluate_in_simulator", "policy_rollout_starts", "replay_in_simulato
 
 def _check_env(env: Any, count: int) -> None:
     if not isinstance(env, PushTSimVectorEnv) or env.group_size != 1 or env.num_envs != count:
-        raise InputError(f"env: expected a PushTSimVectorEnv with group_size 1 and num_envs {count}, got "
-                         f"{type(env).__name__} ({getattr(env, 'num_envs', '?')} slots, group_size "
-                         f"{getattr(env, 'group_size', '?')}).")
+        raise InputError(
+            f"env: expected a PushTSimVectorEnv with group_size 1 and num_envs {count}, got "
+            f"{type(env).__name__} ({getattr(env, 'num_envs', '?')} slots, group_size "
+            f"{getattr(env, 'group_size', '?')})."
+        )
 
 
-def replay_in_simulator(env: PushTSimVectorEnv, start_indices: np.ndarray, action_chunks: np.ndarray,
-                        lengths: np.ndarray) -> dict[str, np.ndarray]:
+def replay_in_simulator(
+    env: PushTSimVectorEnv, start_indices: np.ndarray, action_chunks: np.ndarray, lengths: np.ndarray
+) -> dict[str, np.ndarray]:
     """Episode ``i`` (start ``start_indices[i]``, chunks ``action_chunks[i, :lengths[i]]``) in gym-pusht:
     ``{"success": bool [N], "final_coverage": [N]}`` (coverage after its last replayed step)."""
     start_indices = np.asarray(start_indices, np.int64)
@@ -53,8 +56,9 @@ def replay_in_simulator(env: PushTSimVectorEnv, start_indices: np.ndarray, actio
     return {"success": success, "final_coverage": final}
 
 
-def evaluate_in_simulator(policy: Any, env: PushTSimVectorEnv, start_indices: np.ndarray, num_chunks: int,
-                          deterministic: bool = True) -> dict[str, np.ndarray]:
+def evaluate_in_simulator(
+    policy: Any, env: PushTSimVectorEnv, start_indices: np.ndarray, num_chunks: int, deterministic: bool = True
+) -> dict[str, np.ndarray]:
     """Per episode (one per start): ``success`` bool, ``final_coverage`` (after its last step: at success, or
     after ``num_chunks`` chunks), ``max_coverage``, ``chunks`` (taken)."""
     start_indices = np.asarray(start_indices, np.int64)
@@ -87,8 +91,13 @@ def taken_mask(recorded_chunks: int, chunks: np.ndarray) -> np.ndarray:
     return np.arange(recorded_chunks)[:, None] < np.asarray(chunks)[None, :]
 
 
-def policy_rollout_starts(policy: Any, env: PushTSimVectorEnv, start_indices: np.ndarray, num_chunks: int,
-                          image_size: tuple[int, int] = (256, 256)) -> DemoStartStates:
+def policy_rollout_starts(
+    policy: Any,
+    env: PushTSimVectorEnv,
+    start_indices: np.ndarray,
+    num_chunks: int,
+    image_size: tuple[int, int] = (256, 256),
+) -> DemoStartStates:
     """The states a policy itself visits: one episode per slot of ``env`` (``len(start_indices)`` slots, group size
     1) from those of its starts, ``policy.act`` (its mean action) for up to ``num_chunks`` chunks, and the simulator
     state before every chunk an episode took (its reset included; none after it ends). ``episodes`` holds each
@@ -99,10 +108,14 @@ def policy_rollout_starts(policy: Any, env: PushTSimVectorEnv, start_indices: np
     episodes = evaluate_in_simulator(recorder, env, start_indices, num_chunks)
     chunk_index, slot = np.nonzero(taken_mask(len(recorder.states), episodes["chunks"]))
     states = np.stack(recorder.states)[chunk_index, slot]
-    return DemoStartStates(states, episodes=start_indices[slot], steps=chunk_index * int(env.chunk),
-                           image_size=image_size,
-                           description=f"{len(states)} states of {len(start_indices)} policy rollouts "
-                                       f"(success {episodes['success'].mean():.2f})")
+    return DemoStartStates(
+        states,
+        episodes=start_indices[slot],
+        steps=chunk_index * int(env.chunk),
+        image_size=image_size,
+        description=f"{len(states)} states of {len(start_indices)} policy rollouts "
+        f"(success {episodes['success'].mean():.2f})",
+    )
 
 
 class _StateRecorder:

@@ -83,8 +83,10 @@ def tee_coverage(poses: torch.Tensor | np.ndarray, goal=GOAL) -> torch.Tensor:
     samples = _GOAL_SAMPLES.to(poses.device)
     goal = torch.tensor(goal, dtype=torch.float64, device=poses.device)
     cos, sin = math.cos(goal[2]), math.sin(goal[2])
-    world = torch.stack([goal[0] + cos * samples[:, 0] - sin * samples[:, 1],
-                         goal[1] + sin * samples[:, 0] + cos * samples[:, 1]], dim=-1)  # [M, 2]
+    world = torch.stack(
+        [goal[0] + cos * samples[:, 0] - sin * samples[:, 1], goal[1] + sin * samples[:, 0] + cos * samples[:, 1]],
+        dim=-1,
+    )  # [M, 2]
     body = _to_body(world.expand(len(poses), -1, -1), poses)
     return (_signed_distance(body) <= 0).double().mean(dim=-1)
 
@@ -131,8 +133,15 @@ def fit_tee(frames: Any, grid: int = 96, rounds: int = 10) -> TeeFit:
     cx = (occupancy.sum(1) * centres).sum(-1) / mass
     cy = (occupancy.sum(2) * centres).sum(-1) / mass
     dx, dy = centres[None, None, :] - cx[:, None, None], centres[None, :, None] - cy[:, None, None]
-    cov = torch.stack([(occupancy * dx * dx).sum((1, 2)), (occupancy * dx * dy).sum((1, 2)),
-                       (occupancy * dx * dy).sum((1, 2)), (occupancy * dy * dy).sum((1, 2))], -1).view(-1, 2, 2)
+    cov = torch.stack(
+        [
+            (occupancy * dx * dx).sum((1, 2)),
+            (occupancy * dx * dy).sum((1, 2)),
+            (occupancy * dx * dy).sum((1, 2)),
+            (occupancy * dy * dy).sum((1, 2)),
+        ],
+        -1,
+    ).view(-1, 2, 2)
     _, vectors = torch.linalg.eigh(cov / mass[:, None, None])
     major = vectors[..., 1]  # the stem's direction (body +y or -y): the T's largest variance
     base = torch.atan2(-major[:, 0], major[:, 1])  # R(angle) (0, 1) = major
@@ -145,11 +154,16 @@ def fit_tee(frames: Any, grid: int = 96, rounds: int = 10) -> TeeFit:
     rws = centre_cell[:, 1:2] + offsets
     inside_grid = ((rws >= 0) & (rws < grid))[:, :, None] & ((cols >= 0) & (cols < grid))[:, None, :]
     flat = rws.clamp(0, grid - 1)[:, :, None] * grid + cols.clamp(0, grid - 1)[:, None, :]  # [N, W, W]
-    window_occupancy = (occupancy.flatten(1).gather(1, flat.flatten(1)) * inside_grid.flatten(1))  # [N, P]
+    window_occupancy = occupancy.flatten(1).gather(1, flat.flatten(1)) * inside_grid.flatten(1)  # [N, P]
     window_agent = agent_cells.flatten(1).gather(1, flat.flatten(1)) * inside_grid.flatten(1)
     weight = (window_agent < 0.05).float()  # cells the agent covers may hide block: left out of the fit
-    points = torch.stack([((cols[:, None, :] + 0.5) * cell).expand(-1, len(offsets), -1),
-                          ((rws[:, :, None] + 0.5) * cell).expand(-1, -1, len(offsets))], -1).flatten(1, 2)  # [N,P,2]
+    points = torch.stack(
+        [
+            ((cols[:, None, :] + 0.5) * cell).expand(-1, len(offsets), -1),
+            ((rws[:, :, None] + 0.5) * cell).expand(-1, -1, len(offsets)),
+        ],
+        -1,
+    ).flatten(1, 2)  # [N,P,2]
 
     def soft_tee(poses: torch.Tensor) -> torch.Tensor:  # poses [N, K, 3] -> occupancy of the T [N, K, P]
         body = _to_body(points[:, None], poses)
@@ -160,8 +174,9 @@ def fit_tee(frames: Any, grid: int = 96, rounds: int = 10) -> TeeFit:
 
     angles = base[:, None] + torch.tensor([0.0, math.pi, math.pi / 2, -math.pi / 2], device=device)
     # Origin = centroid - R(angle) (0, CENTROID_Y).
-    starts = torch.stack([cx[:, None] + torch.sin(angles) * CENTROID_Y,
-                          cy[:, None] - torch.cos(angles) * CENTROID_Y, angles], dim=-1)  # [N, 4, 3]
+    starts = torch.stack(
+        [cx[:, None] + torch.sin(angles) * CENTROID_Y, cy[:, None] - torch.cos(angles) * CENTROID_Y, angles], dim=-1
+    )  # [N, 4, 3]
     best = starts[rows, score(starts).argmin(-1)]  # [N, 3]
     steps = torch.tensor([8.0, 8.0, 0.1], device=device)
     moves = torch.cartesian_prod(*[torch.tensor([-1.0, 0.0, 1.0], device=device)] * 3)  # [27, 3]
@@ -191,8 +206,10 @@ def _as_float_nchw(frames: Any) -> torch.Tensor:
     if isinstance(frames, np.ndarray):
         frames = torch.from_numpy(np.ascontiguousarray(frames))
     if not isinstance(frames, torch.Tensor) or frames.ndim != 4:
-        raise InputError(f"frames: expected uint8 [N, H, W, 3] or float [N, 3, H, W], got "
-                         f"{getattr(frames, 'shape', type(frames).__name__)}")
+        raise InputError(
+            f"frames: expected uint8 [N, H, W, 3] or float [N, 3, H, W], got "
+            f"{getattr(frames, 'shape', type(frames).__name__)}"
+        )
     if frames.dtype == torch.uint8:
         if frames.shape[-1] != 3:
             raise InputError(f"frames: uint8 frames must be [N, H, W, 3], got {list(frames.shape)}")
@@ -207,8 +224,9 @@ class PushTGeometricReward:
     last frame (``reduce="last"``) or its best frame (``"max"``), 0 for frames whose rigidity is below
     ``min_iou``. ``last_fit`` keeps the fit of the last call (for logging hallucination flags)."""
 
-    def __init__(self, min_iou: float = DEFAULT_MIN_IOU, reduce: str = "last", grid: int = 96,
-                 name: str = "pusht_geometric"):
+    def __init__(
+        self, min_iou: float = DEFAULT_MIN_IOU, reduce: str = "last", grid: int = 96, name: str = "pusht_geometric"
+    ):
         if not 0.0 <= float(min_iou) <= 1.0:
             raise InputError(f"min_iou: expected a number in [0, 1], got {min_iou!r}")
         if reduce not in ("last", "max"):
@@ -217,7 +235,7 @@ class PushTGeometricReward:
         self.device = torch.device("cpu")
         self.last_fit: TeeFit | None = None
 
-    def to(self, device) -> "PushTGeometricReward":
+    def to(self, device) -> PushTGeometricReward:
         self.device = torch.device(device)
         return self
 
@@ -236,5 +254,6 @@ def make_pusht_geometric_reward(spec: Any) -> PushTGeometricReward:
     """The ``pusht_geometric`` reward-model spec (entry point of group ``cosmos3_gym.reward_models``):
     ``"pusht_geometric?min_iou=0.8&reduce=last"``."""
     spec.check_options({"min_iou", "reduce"})
-    return PushTGeometricReward(min_iou=spec.float_option("min_iou", 0.8), reduce=spec.options.get("reduce", "last"),
-                                name=spec.text).to(spec.device)
+    return PushTGeometricReward(
+        min_iou=spec.float_option("min_iou", 0.8), reduce=spec.options.get("reduce", "last"), name=spec.text
+    ).to(spec.device)

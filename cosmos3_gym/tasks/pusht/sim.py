@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -16,8 +17,18 @@ __all__ = ["SIM_STATE_FIELDS", "PushTSim", "has_gym_pusht", "require_gym_pusht",
 
 # What ``PushTSim.sim_state`` holds, in order: everything pymunk integrates, so a restored simulator continues as the
 # recorded one did (gym-pusht's own ``reset_to_state`` takes positions only and moves the block while setting them).
-SIM_STATE_FIELDS = ("agent_x", "agent_y", "agent_vx", "agent_vy", "block_x", "block_y", "block_angle", "block_vx",
-                    "block_vy", "block_angular_velocity")
+SIM_STATE_FIELDS = (
+    "agent_x",
+    "agent_y",
+    "agent_vx",
+    "agent_vy",
+    "block_x",
+    "block_y",
+    "block_angle",
+    "block_vx",
+    "block_vy",
+    "block_angular_velocity",
+)
 
 
 def require_gym_pusht():
@@ -56,8 +67,9 @@ class PushTSim:
         self.render_every_step = bool(render_every_step)
         # Always gym-pusht's state env: frames are drawn here (``_draw_frame``), the same pixels as its "pixels"
         # observation at a fraction of the cost.
-        self.env = require_gym_pusht()(obs_type="state", render_mode="rgb_array", observation_width=width,
-                                       observation_height=height)
+        self.env = require_gym_pusht()(
+            obs_type="state", render_mode="rgb_array", observation_width=width, observation_height=height
+        )
         self.fps = float(self.env.metadata["render_fps"])
         self.reward = 0.0
         self.coverage = 0.0
@@ -75,8 +87,10 @@ class PushTSim:
         """Put the simulator in ``state`` (a ``sim_state``): positions and velocities of the agent and the block."""
         state = np.asarray(state, dtype=np.float64)
         if state.shape != (len(SIM_STATE_FIELDS),) or not np.isfinite(state).all():
-            raise InputError(f"sim_state: expected {len(SIM_STATE_FIELDS)} finite numbers {SIM_STATE_FIELDS}, got "
-                             f"shape {state.shape}.")
+            raise InputError(
+                f"sim_state: expected {len(SIM_STATE_FIELDS)} finite numbers {SIM_STATE_FIELDS}, got "
+                f"shape {state.shape}."
+            )
         if self._info is None:
             self.env.reset(seed=0)  # builds the pymunk space
         env = self.env
@@ -102,8 +116,10 @@ class PushTSim:
         if self._info is None:
             raise InputError("PushTSim: call reset(seed) first.")
         agent, block = self.env.agent, self.env.block
-        return np.array([*agent.position, *agent.velocity, *block.position, block.angle, *block.velocity,
-                         block.angular_velocity], dtype=np.float64)
+        return np.array(
+            [*agent.position, *agent.velocity, *block.position, block.angle, *block.velocity, block.angular_velocity],
+            dtype=np.float64,
+        )
 
     def step(self, action: Sequence[float]) -> np.ndarray | None:
         if self._info is None:
@@ -141,8 +157,9 @@ class PushTSim:
         rows, columns = screen.get_height(), screen.get_width()
         xrgb = (32, (0xFF0000, 0xFF00, 0xFF), 4 * columns)
         if (screen.get_bitsize(), screen.get_masks()[:3], screen.get_pitch()) == xrgb and sys.byteorder == "little":
-            table = cv2.cvtColor(np.frombuffer(screen.get_buffer(), np.uint8).reshape(rows, columns, 4),
-                                 cv2.COLOR_BGRA2RGB)
+            table = cv2.cvtColor(
+                np.frombuffer(screen.get_buffer(), np.uint8).reshape(rows, columns, 4), cv2.COLOR_BGRA2RGB
+            )
         else:
             table = np.frombuffer(pygame.image.tobytes(screen, "RGB"), np.uint8).reshape(rows, columns, 3)
         height, width = self.image_size

@@ -22,7 +22,8 @@ worlds start from the same states. Needs gym-pusht.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -70,15 +71,14 @@ class PushTSimEnv(gym.Env):
         self.start_seeds = start_seeds
         self.chunk = int(chunk)
         self.image_size = pusht._check_image_size(tuple(image_size))
-        self.observation_size = self.image_size if observation_size is None else pusht._check_image_size(
-            tuple(observation_size))
+        self.observation_size = (
+            self.image_size if observation_size is None else pusht._check_image_size(tuple(observation_size))
+        )
         self.max_episode_steps = max_episode_steps
         self.success_threshold = success_threshold
         self.return_frames = return_frames
         self.render_mode = render_mode
-        self.observation_space = spaces.Dict(
-            {"image": spaces.Box(0, 255, (*self.observation_size, 3), dtype=np.uint8)}
-        )
+        self.observation_space = spaces.Dict({"image": spaces.Box(0, 255, (*self.observation_size, 3), dtype=np.uint8)})
         self.action_space = spaces.Box(-1.0, 1.0, (self.chunk, pusht.RAW_ACTION_DIM), dtype=np.float32)
         self._sim = pusht.PushTSim(self.image_size)
         self._frame: np.ndarray | None = None
@@ -170,8 +170,9 @@ def pusht_sim_env_arguments(assets_dir: str | os.PathLike | None = None, **overr
             raise InputError(f"start_seeds: {assets.initial_states} has no sim_seeds; pass start_seeds=.")
         start_seeds = [int(seed) for seed in archive["sim_seeds"]]
     arguments = {
-        "action_stats": ActionStats.from_json(defaults["action_stats"],
-                                              mode=assets.meta.get("action_normalization", "minmax")),
+        "action_stats": ActionStats.from_json(
+            defaults["action_stats"], mode=assets.meta.get("action_normalization", "minmax")
+        ),
         "start_seeds": start_seeds,
         "chunk": int(defaults["chunk"]),
         "image_size": tuple(assets.meta.get("image_size", (256, 256))),

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -60,8 +61,9 @@ RESET_OPTION_KEYS = ("initial_state_index", "reset_mask")
 class _SimBlock:
     """The simulators of a block of slots; the same calls run in this process or in a worker."""
 
-    def __init__(self, count: int, image_size: tuple[int, int], observation_size: tuple[int, int],
-                 success_threshold: float):
+    def __init__(
+        self, count: int, image_size: tuple[int, int], observation_size: tuple[int, int], success_threshold: float
+    ):
         self.sims = [PushTSim(image_size, render_every_step=False) for _ in range(count)]
         self.observation_size = observation_size
         self.success_threshold = success_threshold
@@ -150,8 +152,12 @@ class PushTSimVectorEnv(VectorEnv):
         autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
         workers: int = 0,
     ):
-        for name, value, minimum in (("num_envs", num_envs, 1), ("group_size", group_size, 1), ("chunk", chunk, 1),
-                                     ("workers", workers, 0)):
+        for name, value, minimum in (
+            ("num_envs", num_envs, 1),
+            ("group_size", group_size, 1),
+            ("chunk", chunk, 1),
+            ("workers", workers, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
                 raise InputError(f"{name}: expected an integer >= {minimum}, got {value!r}.")
         if num_envs % group_size:
@@ -167,22 +173,25 @@ class PushTSimVectorEnv(VectorEnv):
         try:
             self.autoreset_mode = AutoresetMode(autoreset_mode)
         except ValueError:
-            raise InputError(f"autoreset_mode: expected one of {[m.value for m in AutoresetMode]}, got "
-                             f"{autoreset_mode!r}.") from None
+            raise InputError(
+                f"autoreset_mode: expected one of {[m.value for m in AutoresetMode]}, got {autoreset_mode!r}."
+            ) from None
         self.num_envs = int(num_envs)
         self.group_size = int(group_size)
         self.starts = starts
         self.action_stats = action_stats
         self.chunk = int(chunk)
         self.image_size = _check_image_size(tuple(image_size))
-        self.observation_size = self.image_size if observation_size is None else _check_image_size(
-            tuple(observation_size))
+        self.observation_size = (
+            self.image_size if observation_size is None else _check_image_size(tuple(observation_size))
+        )
         self.max_episode_steps = max_episode_steps
         self.success_threshold = float(success_threshold)
         self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
         self.render_mode = None
         self.single_observation_space = gym.spaces.Dict(
-            {"image": gym.spaces.Box(0, 255, (*self.observation_size, 3), dtype=np.uint8)})
+            {"image": gym.spaces.Box(0, 255, (*self.observation_size, 3), dtype=np.uint8)}
+        )
         self.single_action_space = gym.spaces.Box(-1.0, 1.0, (self.chunk, RAW_ACTION_DIM), dtype=np.float32)
         self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
@@ -273,17 +282,23 @@ class PushTSimVectorEnv(VectorEnv):
             raise InputError("reset: call reset() before step().")
         actions = np.asarray(actions, dtype=np.float32)
         if actions.shape != self.action_space.shape or not np.isfinite(actions).all():
-            raise InputError(f"actions: expected finite values of shape {self.action_space.shape}, got "
-                             f"{actions.shape}.")
+            raise InputError(
+                f"actions: expected finite values of shape {self.action_space.shape}, got {actions.shape}."
+            )
         rewards = np.zeros(self.num_envs)
         terminated = np.zeros(self.num_envs, bool)
         truncated = np.zeros(self.num_envs, bool)
         group_done = self._group_all_done()
         if self.autoreset_mode == AutoresetMode.DISABLED and group_done.any():
-            raise InputError(f"reset_mask: groups {np.flatnonzero(group_done).tolist()} finished; with autoreset "
-                             "DISABLED reset them with reset(options={'reset_mask': mask}) before stepping.")
-        resetting = self._done & group_done[self.group] if self.autoreset_mode == AutoresetMode.NEXT_STEP else \
-            np.zeros(self.num_envs, bool)
+            raise InputError(
+                f"reset_mask: groups {np.flatnonzero(group_done).tolist()} finished; with autoreset "
+                "DISABLED reset them with reset(options={'reset_mask': mask}) before stepping."
+            )
+        resetting = (
+            self._done & group_done[self.group]
+            if self.autoreset_mode == AutoresetMode.NEXT_STEP
+            else np.zeros(self.num_envs, bool)
+        )
         stepping = np.flatnonzero(~self._done)
         waiting = self._done & ~resetting
 
@@ -298,8 +313,9 @@ class PushTSimVectorEnv(VectorEnv):
             self._elapsed[slot] += 1
             success[slot] = succeeded
             terminated[slot] = succeeded
-            truncated[slot] = (not succeeded and self.max_episode_steps is not None
-                               and self._elapsed[slot] >= self.max_episode_steps)
+            truncated[slot] = (
+                not succeeded and self.max_episode_steps is not None and self._elapsed[slot] >= self.max_episode_steps
+            )
             rewards[slot] = float(succeeded)
         finishing = terminated | truncated
         self._done |= finishing
@@ -323,8 +339,11 @@ class PushTSimVectorEnv(VectorEnv):
                 final_info = np.array([None] * self.num_envs, dtype=object)
                 for slot in slots[finishing[slots]]:
                     final_obs[slot] = {"image": self._observations[slot].copy()}
-                    final_info[slot] = {"is_success": bool(success[slot]), "coverage": float(self._coverage[slot]),
-                                        "elapsed_steps": int(self._elapsed[slot])}
+                    final_info[slot] = {
+                        "is_success": bool(success[slot]),
+                        "coverage": float(self._coverage[slot]),
+                        "elapsed_steps": int(self._elapsed[slot]),
+                    }
                 infos["final_obs"], infos["final_info"] = final_obs, final_info
                 infos["_final_obs"] = infos["_final_info"] = np.isin(np.arange(self.num_envs), slots) & finishing
                 self._reset_groups(finished_groups, None)
@@ -404,13 +423,16 @@ class PushTSimVectorEnv(VectorEnv):
         if indices.ndim == 0:
             indices = np.full(self.num_envs, indices)
         if indices.shape != (self.num_envs,) or indices.dtype.kind not in "iu":
-            raise InputError(f"options['initial_state_index']: expected an integer or {self.num_envs} integers, got "
-                             f"{value!r}.")
+            raise InputError(
+                f"options['initial_state_index']: expected an integer or {self.num_envs} integers, got {value!r}."
+            )
         if (indices < 0).any() or (indices >= len(self.starts)).any():
             raise InputError(f"options['initial_state_index']: expected indices in [0, {len(self.starts)}).")
         if not (indices.reshape(-1, self.group_size) == indices.reshape(-1, self.group_size)[:, :1]).all():
-            raise InputError("options['initial_state_index']: the slots of a group share one start; give equal "
-                             f"indices within each group of {self.group_size}.")
+            raise InputError(
+                "options['initial_state_index']: the slots of a group share one start; give equal "
+                f"indices within each group of {self.group_size}."
+            )
         return indices
 
     def _observation_batch(self) -> dict[str, np.ndarray]:

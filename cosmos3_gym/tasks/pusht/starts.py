@@ -15,9 +15,10 @@ frames keeps them instead and needs no simulator to read them.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -63,14 +64,24 @@ class DemoStartStates(InitialStateSource):
     ``save``). ``image_size``: the size frames are rendered at (the world model's, 256 x 256 for PushT).
     """
 
-    def __init__(self, sim_states: np.ndarray, *, episodes: Sequence[int] | None = None,
-                 steps: Sequence[int] | None = None, frames: np.ndarray | None = None, task: str = TASK,
-                 image_size: tuple[int, int] = (256, 256), description: str = "demonstration starts",
-                 seeds: Sequence[int] | None = None):
+    def __init__(
+        self,
+        sim_states: np.ndarray,
+        *,
+        episodes: Sequence[int] | None = None,
+        steps: Sequence[int] | None = None,
+        frames: np.ndarray | None = None,
+        task: str = TASK,
+        image_size: tuple[int, int] = (256, 256),
+        description: str = "demonstration starts",
+        seeds: Sequence[int] | None = None,
+    ):
         states = np.asarray(sim_states, dtype=np.float64)
         if states.ndim != 2 or states.shape[1] != len(SIM_STATE_FIELDS) or not np.isfinite(states).all():
-            raise InputError(f"sim_states: expected finite [N, {len(SIM_STATE_FIELDS)}] ({SIM_STATE_FIELDS}), got "
-                             f"shape {states.shape}.")
+            raise InputError(
+                f"sim_states: expected finite [N, {len(SIM_STATE_FIELDS)}] ({SIM_STATE_FIELDS}), got "
+                f"shape {states.shape}."
+            )
         count = len(states)
         self.sim_states = states
         self.episodes = np.full(count, -1, np.int64) if episodes is None else np.asarray(episodes, np.int64)
@@ -78,8 +89,10 @@ class DemoStartStates(InitialStateSource):
         # The gym-pusht reset seed of each start that is one (-1: a recorded or visited state); see put_in_start.
         self.seeds = np.full(count, -1, np.int64) if seeds is None else np.asarray(seeds, np.int64)
         if self.episodes.shape != (count,) or self.steps.shape != (count,) or self.seeds.shape != (count,):
-            raise InputError(f"episodes/steps/seeds: expected one entry per state ({count}), got "
-                             f"{self.episodes.shape}, {self.steps.shape} and {self.seeds.shape}.")
+            raise InputError(
+                f"episodes/steps/seeds: expected one entry per state ({count}), got "
+                f"{self.episodes.shape}, {self.steps.shape} and {self.seeds.shape}."
+            )
         if frames is not None:
             frames = np.asarray(frames)
             if frames.dtype != np.uint8 or frames.ndim != 4 or len(frames) != count or frames.shape[-1] != 3:
@@ -94,8 +107,15 @@ class DemoStartStates(InitialStateSource):
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_episodes(cls, episodes: Iterable[dict[str, Any]], *, stride: int = 1, max_step: int | None = None,
-                      keep_frames: bool = False, image_size: tuple[int, int] = (256, 256)) -> "DemoStartStates":
+    def from_episodes(
+        cls,
+        episodes: Iterable[dict[str, Any]],
+        *,
+        stride: int = 1,
+        max_step: int | None = None,
+        keep_frames: bool = False,
+        image_size: tuple[int, int] = (256, 256),
+    ) -> DemoStartStates:
         """Every ``stride``-th step (up to ``max_step``, excluding each episode's last frame: it has no action) of
         recorded episodes, each a dict with ``sim_states [T+1, 10]`` (``rollout_episode`` / dataset ``.npz``) and,
         with ``keep_frames``, ``frames [T+1, H, W, 3]``."""
@@ -117,12 +137,17 @@ class DemoStartStates(InitialStateSource):
                 frames.append(np.asarray(episode["frames"])[chosen])
         if not states:
             raise InputError("episodes: expected at least one episode.")
-        return cls(np.concatenate(states), episodes=np.concatenate(episode_ids), steps=np.concatenate(steps),
-                   frames=np.concatenate(frames) if keep_frames else None, image_size=image_size,
-                   description=f"{len(states)} demonstrations, every {stride} steps")
+        return cls(
+            np.concatenate(states),
+            episodes=np.concatenate(episode_ids),
+            steps=np.concatenate(steps),
+            frames=np.concatenate(frames) if keep_frames else None,
+            image_size=image_size,
+            description=f"{len(states)} demonstrations, every {stride} steps",
+        )
 
     @classmethod
-    def from_seeds(cls, seeds: Sequence[int], image_size: tuple[int, int] = (256, 256)) -> "DemoStartStates":
+    def from_seeds(cls, seeds: Sequence[int], image_size: tuple[int, int] = (256, 256)) -> DemoStartStates:
         """The first state of gym-pusht episodes reset with ``seeds`` (held-out evaluation starts, for example)."""
         seeds = [int(seed) for seed in seeds]
         if not seeds:
@@ -135,25 +160,36 @@ class DemoStartStates(InitialStateSource):
                 states.append(sim.sim_state)
         finally:
             sim.close()
-        return cls(np.stack(states), episodes=np.full(len(seeds), -1), steps=np.zeros(len(seeds), np.int64),
-                   image_size=image_size, description=f"{len(seeds)} gym-pusht resets (seeds {seeds[0]}..)",
-                   seeds=seeds)
+        return cls(
+            np.stack(states),
+            episodes=np.full(len(seeds), -1),
+            steps=np.zeros(len(seeds), np.int64),
+            image_size=image_size,
+            description=f"{len(seeds)} gym-pusht resets (seeds {seeds[0]}..)",
+            seeds=seeds,
+        )
 
     def save(self, path: str | os.PathLike) -> Path:
         """An ``.npz`` with ``sim_states``, ``episodes``, ``steps``, ``seeds``, ``task``, ``image_size``,
         ``description`` (and ``frames``)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = dict(sim_states=self.sim_states, episodes=self.episodes, steps=self.steps, seeds=self.seeds,
-                      task=np.asarray(self.task), image_size=np.asarray(self.image_size),
-                      description=np.asarray(self.description))
+        arrays = dict(
+            sim_states=self.sim_states,
+            episodes=self.episodes,
+            steps=self.steps,
+            seeds=self.seeds,
+            task=np.asarray(self.task),
+            image_size=np.asarray(self.image_size),
+            description=np.asarray(self.description),
+        )
         if self.frames is not None:
             arrays["frames"] = self.frames
         np.savez_compressed(path, **arrays)
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "DemoStartStates":
+    def load(cls, path: str | os.PathLike) -> DemoStartStates:
         try:
             with np.load(path, allow_pickle=False) as archive:
                 arrays = {key: archive[key] for key in archive.files}
@@ -161,10 +197,16 @@ class DemoStartStates(InitialStateSource):
             raise InputError(f"starts: cannot read {path} as an .npz of DemoStartStates.save ({error}).") from error
         if "sim_states" not in arrays:
             raise InputError(f"starts: {path} has no 'sim_states'.")
-        return cls(arrays["sim_states"], episodes=arrays.get("episodes"), steps=arrays.get("steps"),
-                   seeds=arrays.get("seeds"), frames=arrays.get("frames"), task=str(arrays.get("task", TASK)),
-                   image_size=tuple(int(n) for n in arrays.get("image_size", (256, 256))),
-                   description=str(arrays.get("description", path)))
+        return cls(
+            arrays["sim_states"],
+            episodes=arrays.get("episodes"),
+            steps=arrays.get("steps"),
+            seeds=arrays.get("seeds"),
+            frames=arrays.get("frames"),
+            task=str(arrays.get("task", TASK)),
+            image_size=tuple(int(n) for n in arrays.get("image_size", (256, 256))),
+            description=str(arrays.get("description", path)),
+        )
 
     # ------------------------------------------------------------------ InitialStateSource
 
@@ -172,9 +214,14 @@ class DemoStartStates(InitialStateSource):
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < len(self):
             raise InputError(f"initial_state_index: expected an integer in [0, {len(self)}), got {index!r}.")
         index = int(index)
-        return SimInitialState(self.frame(index), self.task, f"{self.description}[{index}]",
-                               sim_state=self.sim_states[index].copy(), episode=int(self.episodes[index]),
-                               step=int(self.steps[index]))
+        return SimInitialState(
+            self.frame(index),
+            self.task,
+            f"{self.description}[{index}]",
+            sim_state=self.sim_states[index].copy(),
+            episode=int(self.episodes[index]),
+            step=int(self.steps[index]),
+        )
 
     def frame(self, index: int) -> np.ndarray:
         """The frame of start ``index``, uint8 ``[H, W, 3]`` (recorded, or rendered from its simulator state)."""
@@ -185,12 +232,18 @@ class DemoStartStates(InitialStateSource):
         put_in_start(self._sim, self.sim_states[index], int(self.seeds[index]))
         return self._sim.render()
 
-    def subset(self, indices: Sequence[int]) -> "DemoStartStates":
+    def subset(self, indices: Sequence[int]) -> DemoStartStates:
         indices = np.asarray(indices, dtype=np.int64)
-        return DemoStartStates(self.sim_states[indices], episodes=self.episodes[indices], steps=self.steps[indices],
-                               seeds=self.seeds[indices],
-                               frames=None if self.frames is None else self.frames[indices], task=self.task,
-                               image_size=self.image_size, description=f"{self.description} (subset)")
+        return DemoStartStates(
+            self.sim_states[indices],
+            episodes=self.episodes[indices],
+            steps=self.steps[indices],
+            seeds=self.seeds[indices],
+            frames=None if self.frames is None else self.frames[indices],
+            task=self.task,
+            image_size=self.image_size,
+            description=f"{self.description} (subset)",
+        )
 
     def __getstate__(self):  # picklable for worker processes: the simulator is made again where it is needed
         state = dict(self.__dict__)
