@@ -1,7 +1,7 @@
 """All-reduce of one row-parallel output across the GPUs of one host: NCCL against PyTorch's symmetric-memory kernels.
 
 The tp=4 GEN forward spends ~15 of its 38 ms in 72 exposed all-reduces of one [tokens, hidden] bf16 activation
-(benchmarks/results/parallel_gpu_world4_overlap.json). This measures that one collective on its own, so the
+(benchmarks/results/parallel/parallel_gpu_world4_overlap.json). This measures that one collective on its own, so the
 forward's communication floor is known per implementation:
 
 - ``nccl_eager``: ``dist.all_reduce``, back to back (what the model runs today);

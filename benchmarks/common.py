@@ -4,9 +4,14 @@ shared/reference/performance.md §8).
 
 Every script uses the same three helpers: ``timed`` (``timed_ms`` for the distributed ones), ``init_distributed`` and
 ``write_results``. ``--out DIR`` (``add_output_arguments``) means one thing everywhere: the folder the results JSON
-(and any other output) goes to, default ``$OUT``, else benchmarks/results. A result already committed in
-benchmarks/results is never overwritten unless ``--overwrite`` is given; scripts check that before they start
-(``check_results_target``), so a long run does not end in a refusal.
+(and any other output) goes to, default ``$OUT``, else benchmarks/results/<topic> (``result_topic``: engine,
+parallel, pusht_env, fidelity, rl, training; benchmarks/results/INDEX.md says what each committed file backs). A
+result already committed anywhere under benchmarks/results is never overwritten unless ``--overwrite`` is given;
+scripts check that before they start (``check_results_target``), so a long run does not end in a refusal.
+
+``write_results`` records the provenance (``provenance``: commit, dirty tree, card, versions, command) in every JSON
+that lacks one, and the sha256 of the checkpoint and policy files the run read (``inputs=`` paths, or ``args=`` the
+script's argparse namespace: ``inputs_from_args``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -39,27 +45,160 @@ SCHEDULER = dict(
 )
 
 
-def provenance(command: list[str] | None = None) -> dict:
-    """Card, commit and command: every results JSON carries them."""
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Changes under these (tracked or not) make a run's tree dirty; benchmarks/results is what runs write.
+_CODE_PATHS = ("cosmos3_gym", "benchmarks", "pyproject.toml", ":(exclude)benchmarks/results")
+
+
+def _git(*arguments: str) -> str | None:
+    try:
+        return subprocess.run(["git", *arguments], capture_output=True, text=True, check=True,
+                              cwd=REPO_ROOT).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _commit_and_dirty() -> tuple[str, bool | None, list[str]]:
+    """The commit, whether the code differs from it (None: unknown), and up to 20 changed paths."""
     # COSMOS3_GYM_COMMIT names the commit of a source snapshot that has no .git of its own (a git repository around
-    # the snapshot would report its own, unrelated HEAD).
+    # the snapshot would report its own, unrelated HEAD); COSMOS3_GYM_DIRTY=1/0 says whether the snapshot had changes.
     commit = os.environ.get("COSMOS3_GYM_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                    cwd=Path(__file__).parent).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or 'x86'})"
-    return {
-        "card": card,
-        "num_gpus": torch.cuda.device_count(),
+    if commit:
+        flag = os.environ.get("COSMOS3_GYM_DIRTY")
+        return commit, (None if flag is None else flag not in ("", "0", "false")), []
+    head = _git("rev-parse", "HEAD")
+    if head is None:
+        return "unknown", None, []
+    status = _git("status", "--porcelain", "--untracked-files=normal", "--", *_CODE_PATHS)
+    if status is None:
+        return head.strip(), None, []
+    changed = [line[3:].split(" -> ")[-1] for line in status.splitlines() if line.strip()]
+    return head.strip(), bool(changed), changed[:20]
+
+
+def machine() -> dict:
+    """The card: GPU name(s) and count, or the CPU model and core count."""
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return {"card": names[0], "num_gpus": len(names), "gpus": names}
+    model = platform.processor() or "x86"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"card": f"cpu ({model})", "num_gpus": 0, "cpu": model, "cpu_cores": cores}
+
+
+_HASHES: dict[tuple, str] = {}  # (path, size, mtime) -> sha256: a script that writes its results often hashes once
+
+
+def _file_sha256(path: Path) -> str:
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _HASHES:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        _HASHES[key] = digest.hexdigest()
+    return _HASHES[key]
+
+
+def _display(path: Path) -> str:
+    resolved = path.resolve()
+    try:
+        return resolved.relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return str(resolved)
+
+
+def input_hashes(inputs) -> dict[str, str]:
+    """sha256 of each path in ``inputs`` (files or folders; missing ones are skipped), keyed by the path (relative
+    to the repository when inside it). A folder gets one digest over every file under it (sorted relative paths and
+    their digests), and each ``*.safetensors`` file in it its own entry as well."""
+    hashes: dict[str, str] = {}
+    for item in inputs or ():
+        path = Path(item).expanduser()
+        if path.is_file():
+            hashes[_display(path)] = _file_sha256(path)
+        elif path.is_dir():
+            folder = hashlib.sha256()
+            for file in sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+                rel = file.relative_to(path).as_posix()
+                digest = _file_sha256(file)
+                folder.update(f"{rel}\0{digest}\n".encode())
+                if file.suffix == ".safetensors":
+                    hashes[_display(file)] = digest
+            hashes[_display(path) + "/"] = folder.hexdigest()
+    return hashes
+
+
+def provenance(command: list[str] | None = None, inputs=None) -> dict:
+    """Card, commit (and whether the code differs from it), versions and command: every results JSON carries them;
+    ``hashes`` of ``inputs`` (checkpoint and policy files or folders, see ``input_hashes``) when given."""
+    commit, dirty, changed = _commit_and_dirty()
+    record = {
+        **machine(),
         "commit": commit,
+        "dirty": dirty,
         "command": " ".join(command or sys.argv),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if changed:
+        record["dirty_paths"] = changed
+    if inputs is not None:
+        record["hashes"] = input_hashes(inputs)
+    return record
+
+
+# Attributes of a script's argparse namespace that name the model or policy files a run reads.
+INPUT_ARGUMENTS = ("checkpoint", "assets", "light_decoder", "wm_init", "first_part", "policy", "policies",
+                   "policy_mix")
+
+
+def _paths_in(value) -> list[Path]:
+    """The existing paths in an argument's value: a path, or a policy spec list such as
+    ``random,file:DIR/p.safetensors=0.1,ppo:q.zip``."""
+    if value is None or isinstance(value, bool):
+        return []
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in _paths_in(v)]
+    found = []
+    for token in [str(value), *str(value).split(",")]:
+        token = token.strip()
+        for candidate in (token, token.split("=")[0], token.split(":", 1)[-1], token.split(":", 1)[-1].split("=")[0]):
+            if candidate and Path(candidate).expanduser().exists():
+                found.append(Path(candidate).expanduser())
+                break
+    return found
+
+
+def inputs_from_args(args: argparse.Namespace, builtin_assets: bool = True) -> list[Path]:
+    """The existing files and folders named by ``args``' ``INPUT_ARGUMENTS``. ``builtin_assets``: ``assets`` None
+    stands for the built-in PushT model, which the scripts then load (off for a script where it means none)."""
+    paths: list[Path] = []
+    for name in INPUT_ARGUMENTS:
+        if not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        if name == "assets" and value is None and builtin_assets:
+            try:
+                from cosmos3_gym.tasks.pusht.env import default_assets_dir
+
+                value = default_assets_dir()
+            except Exception:  # noqa: BLE001 - no built-in model installed: nothing to hash
+                continue
+        paths += _paths_in(value)
+    unique: dict[Path, Path] = {}
+    for path in paths:
+        unique.setdefault(path.resolve(), path)
+    return list(unique.values())
 
 
 def sync() -> None:
@@ -225,12 +364,34 @@ def gen_twin(master, policy: str | None, compile_blocks: bool):
 
 COMMITTED_RESULTS = Path(__file__).resolve().parent / "results"
 _WRITTEN: set[Path] = set()  # files this process wrote: a script may update its own results as it goes
+# Result name prefix -> its folder under benchmarks/results (first match wins; anything else goes to the top).
+RESULT_TOPICS = (
+    ("gpu_suite", "engine"), ("gpu_smoke", "engine"), ("profile_gpu", "engine"), ("fp8_gpu", "engine"),
+    ("vae_decode", "engine"), ("preprocess", "engine"),
+    ("parallel_", "parallel"), ("allreduce_", "parallel"), ("eight_rank", "parallel"),
+    ("pusht_env", "pusht_env"), ("profile_pusht_env", "pusht_env"), ("soak_", "pusht_env"),
+    ("env_host_stages", "pusht_env"), ("vector_env", "pusht_env"), ("pusht_cpu", "pusht_env"),
+    ("fidelity_", "fidelity"), ("pusht_fidelity", "fidelity"), ("wm_reward_audit", "fidelity"),
+    ("reward_model_calibration", "fidelity"), ("pusht_sampler_sweep", "fidelity"), ("pusht_side_by_side", "fidelity"),
+    ("policy_eval", "rl"), ("rl_", "rl"),
+    ("train_", "training"), ("training_", "training"), ("pusht_finetune", "training"), ("simulate_pusht", "training"),
+)
+
+
+def result_topic(name: str) -> str | None:
+    """The folder of benchmarks/results a result called ``name`` belongs in (``RESULT_TOPICS``), or None."""
+    return next((topic for prefix, topic in RESULT_TOPICS if Path(name).name.startswith(prefix)), None)
+
+
+def committed_result(name: str) -> Path | None:
+    """The committed result called ``name`` anywhere under benchmarks/results, or None."""
+    return next((p for p in sorted(COMMITTED_RESULTS.rglob(Path(name).name)) if p.is_file()), None)
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """``--out DIR`` and ``--overwrite``, the same in every benchmark."""
     parser.add_argument("--out", default=None,
-                        help="results folder (default: $OUT, else benchmarks/results)")
+                        help="results folder (default: $OUT, else benchmarks/results/<topic>)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a result of the same name already in benchmarks/results")
 
@@ -256,7 +417,7 @@ def use_decoder_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     import tempfile
 
     from cosmos3_gym.engine import LIGHT_DECODER_DIR
-    from cosmos3_gym.envs.pusht import load_pusht_assets
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets
 
     target = Path(tempfile.mkdtemp(prefix="pusht_light_")) / "pusht"
     shutil.copytree(load_pusht_assets(args.assets).root, target)
@@ -265,27 +426,57 @@ def use_decoder_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     args.assets = str(target)
 
 
-def results_dir(out_dir: str | os.PathLike | None = None) -> Path:
-    """The folder results are written to: ``out_dir``, else ``$OUT``, else benchmarks/results (created)."""
+def results_dir(out_dir: str | os.PathLike | None = None, topic: str | None = None) -> Path:
+    """The folder results are written to: ``out_dir``, else ``$OUT``, else benchmarks/results; in benchmarks/results
+    itself, its ``topic`` subfolder (created)."""
     out = Path(out_dir or os.environ.get("OUT") or COMMITTED_RESULTS)
+    if topic and out.resolve() == COMMITTED_RESULTS:
+        out = out / topic
     out.mkdir(parents=True, exist_ok=True)
     return out
 
 
-def check_results_target(name: str, out_dir: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
-    """The path ``write_results`` will write; ``SystemExit`` with a one-line reason if that is a committed result in
-    benchmarks/results and ``overwrite`` is off (call it before the measurement starts)."""
-    path = results_dir(out_dir) / name
-    committed = path.resolve().parent == COMMITTED_RESULTS and path.exists()
-    if committed and not overwrite and path.resolve() not in _WRITTEN:
-        raise SystemExit(f"refusing to overwrite the committed result {path}; pass --out DIR for another folder or "
-                         f"--overwrite to replace it")
-    return path
+def _in_committed_tree(path: Path) -> bool:
+    return path.resolve().is_relative_to(COMMITTED_RESULTS)
 
 
-def write_results(results: dict, name: str, out_dir: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
-    """Write ``results`` as ``name`` in ``results_dir(out_dir)`` (see ``check_results_target``)."""
-    path = check_results_target(name, out_dir, overwrite)
+def check_results_target(name: str, out_dir: str | os.PathLike | None = None, overwrite: bool = False,
+                         topic: str | None = None) -> Path:
+    """The path ``write_results`` will write: ``name`` in ``results_dir(out_dir, topic)``, ``topic`` by default
+    ``result_topic(name)``. ``SystemExit`` with a one-line reason if that is in benchmarks/results and a result of
+    that name is committed anywhere under it, and ``overwrite`` is off (call it before the measurement starts). With
+    ``overwrite``, the committed file is replaced where it lies."""
+    path = results_dir(out_dir, topic or result_topic(name)) / name
+    if not _in_committed_tree(path):
+        return path
+    committed = path if path.is_file() else committed_result(name)
+    if committed is None or committed.resolve() in _WRITTEN:  # new, or this process's own file: write on
+        return committed or path
+    if not overwrite:
+        raise SystemExit(f"refusing to overwrite the committed result {committed}; pass --out DIR for another folder "
+                         f"or --overwrite to replace it")
+    # Replaced where it lies, unless that is the archive: a new run of an archived result is a current one.
+    return path if "archive" in committed.relative_to(COMMITTED_RESULTS).parts[:1] else committed
+
+
+def write_results(results: dict, name: str, out_dir: str | os.PathLike | None = None, overwrite: bool = False, *,
+                  topic: str | None = None, inputs=None, args: argparse.Namespace | None = None) -> Path:
+    """Write ``results`` as ``name`` in ``results_dir(out_dir, topic)`` (see ``check_results_target``).
+
+    A ``provenance`` is added when ``results`` has none (neither a ``provenance`` nor a top-level ``commit``). The
+    sha256 of ``inputs`` (paths of checkpoints, policy files, folders) and of ``inputs_from_args(args)`` go to
+    ``results["provenance"]["hashes"]`` (top-level ``hashes`` for a flat provenance)."""
+    path = check_results_target(name, out_dir, overwrite, topic)
+    results = dict(results)
+    if "provenance" not in results and "commit" not in results:
+        results["provenance"] = provenance()
+    paths = [*(inputs or ()), *(inputs_from_args(args) if args is not None else ())]
+    if paths:
+        hashes = input_hashes(paths)
+        if isinstance(results.get("provenance"), dict):
+            results["provenance"] = {**results["provenance"], "hashes": hashes}
+        else:
+            results["hashes"] = hashes
     path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     _WRITTEN.add(path.resolve())
     print(f"wrote {path}")

@@ -326,10 +326,10 @@ def pusht_accuracy(results: dict, save, device: str, policies: list[str], rankin
     from fidelity_pusht import action_following
     from fidelity_pusht_chunks import load_episodes
 
-    from cosmos3_gym.envs.pusht import load_pusht_assets, pusht_env_defaults
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets, pusht_env_defaults
     from cosmos3_gym.processor import ActionStats
-    from cosmos3_gym.sim import pusht
-    from cosmos3_gym.sim.compare import compare_with_simulator
+    from cosmos3_gym.tasks.pusht import episodes as pusht
+    from cosmos3_gym.tasks.pusht.compare import compare_with_simulator
 
     assets = load_pusht_assets(None)
     defaults = pusht_env_defaults(assets)
@@ -422,9 +422,9 @@ def score_agreement(reference: dict, other: dict) -> dict:
 
 def pusht_rollout_psnr(results, runs, load, assets, defaults, episodes, chunks) -> dict:
     """Without gym-pusht: the PSNR between FP8 and bf16 rollouts from the shipped start frames."""
-    from cosmos3_gym.envs.pusht import make_pusht_vector_env
-    from cosmos3_gym.sim import pusht
-    from cosmos3_gym.sim.compare import replay_actions
+    from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env
+    from cosmos3_gym.tasks.pusht import episodes as pusht
+    from cosmos3_gym.tasks.pusht.compare import replay_actions
 
     with np.load(assets.initial_states) as archive:
         starts = archive["frames"][:episodes]

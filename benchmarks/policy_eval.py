@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
         "episodes_per_s": len(report.episodes) / report.settings["wall_s"],
         "report": report.to_dict(),
     }
-    write_results(results, args.results_name, args.out, args.overwrite)
+    write_results(results, args.results_name, args.out, args.overwrite, args=args)
     return results
 
 

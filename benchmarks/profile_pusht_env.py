@@ -41,7 +41,7 @@ from common import (  # noqa: E402
 )
 from profile_gpu import profile_call, summarise  # noqa: E402
 
-from cosmos3_gym.envs.pusht import make_pusht_vector_env  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env  # noqa: E402
 
 STAGES = ("request_prep", "encode", "text", "denoise", "decode", "reward", "env_rest")
 
@@ -212,7 +212,7 @@ def main(argv=None) -> dict:
                 stages = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in entry["stages_s"].items())
                 print(f"{path:8s} {num_envs:4d} envs: {entry['step_s'] * 1e3:8.1f} ms/step "
                       f"{entry['env_steps_per_s']:8.1f} env steps/s | ms: {stages}", flush=True)
-    write_results(results, name, args.out)
+    write_results(results, name, args.out, args.overwrite, args=args)
     return results
 
 

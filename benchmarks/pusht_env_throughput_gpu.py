@@ -54,7 +54,7 @@ from common import (  # noqa: E402
 )
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
-from cosmos3_gym.envs.pusht import fast_pusht_engine, load_pusht_assets, make_pusht_vector_env  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import fast_pusht_engine, load_pusht_assets, make_pusht_vector_env  # noqa: E402
 
 EAGER_STAGES = "_eager_stages"
 
@@ -138,7 +138,7 @@ def fidelity(args) -> dict:
         return {"skipped": "gym-pusht is not installed (the sim extra)"}
     from fidelity_pusht_chunks import forward_fidelity, load_episodes
 
-    from cosmos3_gym.sim import pusht
+    from cosmos3_gym.tasks.pusht import episodes as pusht
 
     assets = load_pusht_assets(args.assets)
     chunk = int(assets.meta["chunk"])
@@ -220,7 +220,7 @@ def main(argv=None) -> dict:
                 rollout = [round(c["mean"], 2) for c in entry["psnr_db"]["rollout"]]
                 one = [round(c["mean"], 2) for c in entry["psnr_db"]["one_chunk"]]
                 print(f"fidelity {path}: rollout PSNR per chunk {rollout}, one-chunk {one}")
-    write_results(results, name, args.out)
+    write_results(results, name, args.out, args.overwrite, args=args)
     return results
 
 

@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--episodes and --steps: expected integers >= 1")
     check_results_target(args.results_name, args.out, args.overwrite)
 
-    from cosmos3_gym.envs.pusht import META_FILE, REWARD_MODEL_DIR, load_pusht_assets
+    from cosmos3_gym.tasks.pusht.env import META_FILE, REWARD_MODEL_DIR, load_pusht_assets
     from cosmos3_gym.rewards import ClassifierRewardModel
-    from cosmos3_gym.sim import pusht, pusht_geometry
+    from cosmos3_gym.tasks.pusht import episodes as pusht, geometry as pusht_geometry
 
     assets = load_pusht_assets(args.assets)
     reward_model = ClassifierRewardModel.load(assets.root / REWARD_MODEL_DIR).eval()
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         meta = {**assets.meta, "success_threshold": fitted["threshold"]}
         (assets.checkpoint / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         print(f"success_threshold {checkpoint_threshold:g} -> {fitted['threshold']:g} in {assets.checkpoint / META_FILE}")
-    write_results(results, args.results_name, args.out, args.overwrite)
+    write_results(results, args.results_name, args.out, args.overwrite, args=args)
     return results
 
 

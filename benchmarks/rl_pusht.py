@@ -52,11 +52,12 @@ Stages (``--stages``, comma-separated, in this order):
 
 Writes ``rl_pusht.json`` (card, commit, command; ``policies``: ``bc``, ``bc_demos``, ``grpo_simulator``,
 ``grpo_world_model`` -> repo-relative policy files; every stage's numbers and wall clock; per-iteration histories)
-and ``rl_pusht.png`` (curves) to ``--out`` (default ``$OUT`` or benchmarks/results), and the policy files (under 1 MB
-each) to ``<out>/policies/`` (commit them as ``benchmarks/results/policies/``). Intermediate files (demonstrations, GRPO
-checkpoints) and a copy of the results and policies go to ``--work`` (default /tmp/cosmos3_gym_rl_pusht; a few MB),
-which stages run separately share (the results of earlier stages are read back from ``--out``, else from ``--work``);
-the demonstrations for BC (GBs) go to ``--scratch`` and are needed only by the ``bc`` stage.
+and ``rl_pusht.png`` (curves) to ``--out`` (default ``$OUT`` or benchmarks/results/rl), and the policy files (under
+1 MB each) to ``<out>/policies/`` (commit them as ``benchmarks/results/rl/policies/``). Intermediate files
+(demonstrations, GRPO checkpoints) and a copy of the results and policies go to ``--work`` (default
+/tmp/cosmos3_gym_rl_pusht; a few MB), which stages run separately share (the results of earlier stages are read
+back from ``--out``, else from ``--work``); the demonstrations for BC (GBs) go to ``--scratch`` and are needed only
+by the ``bc`` stage.
 Needs gym-pusht (the ``sim`` extra).
 """
 
@@ -92,7 +93,7 @@ STAGES = ("demos", "bc", "dagger", "eval_bc", "grpo_sim", "grpo_wm", "eval")
 WORLDS = {"grpo_sim": "grpo_simulator", "grpo_wm": "grpo_world_model"}
 RESULTS_NAME = "rl_pusht.json"
 RESET_STARTS = 2048  # gym-pusht resets GRPO draws its starts from with --rl-starts resets
-REPO_POLICY_DIR = "benchmarks/results/policies"
+REPO_POLICY_DIR = "benchmarks/results/rl/policies"
 FULL = dict(demo_episodes=1000, demo_max_steps=300, demo_stride=1, start_stride=8, bc_steps=40000, bc_batch_size=256,
             dagger_rounds=4, dagger_episodes=512, dagger_steps=3000, policy_start_episodes=512, eval_episodes=200,
             eval_chunks=38, num_envs=128, group_size=8, horizon=4, iterations=400, minibatch_size=256, workers=16)
@@ -111,7 +112,7 @@ class Run:
     def __init__(self, args):
         self.args = args
         check_results_target(RESULTS_NAME, args.out, args.overwrite)  # before any stage runs
-        self.out = results_dir(args.out)
+        self.out = results_dir(args.out, "rl")
         self.work = Path(args.work)
         self.work.mkdir(parents=True, exist_ok=True)
         self.scratch = Path(args.scratch)
@@ -126,7 +127,7 @@ class Run:
         # "provenance" and "settings" are this call's; every call's command stays listed here.
         self.results.setdefault("calls", []).append(
             {"command": " ".join(["benchmarks/rl_pusht.py", *args.argv]), "stages": args.stages})
-        from cosmos3_gym.envs.pusht import load_pusht_assets
+        from cosmos3_gym.tasks.pusht.env import load_pusht_assets
         from cosmos3_gym.processor import ActionStats
 
         self.assets = load_pusht_assets(args.assets)
@@ -151,14 +152,15 @@ class Run:
         self.results["provenance"] = provenance(["benchmarks/rl_pusht.py", *self.args.argv])
         self.results["settings"] = {key: value for key, value in vars(self.args).items() if key != "argv"}
         self.results_path.write_text(json.dumps(self.results, indent=2, default=str))
-        write_results(self.results, RESULTS_NAME, str(self.out))
+        write_results(self.results, RESULTS_NAME, str(self.out), self.args.overwrite, args=self.args,
+                      inputs=sorted(self.policy_dir.glob("*.safetensors")))
         if self.policy_dir.is_dir():
             (self.out / "policies").mkdir(exist_ok=True)
             for path in self.policy_dir.glob("*.safetensors"):
                 shutil.copy2(path, self.out / "policies" / path.name)
 
     def starts(self):
-        from cosmos3_gym.sim.starts import DemoStartStates
+        from cosmos3_gym.tasks.pusht.starts import DemoStartStates
 
         path = self.work / "starts.npz"
         if not path.is_file():
@@ -172,8 +174,8 @@ class Run:
         as long as an episode) or ``policy`` (the states the BC policy visits before each chunk in
         ``--policy-start-episodes`` episodes from the first of those resets: its own mid-task states, where it
         fails; rolled once per BC policy and kept in ``--work``)."""
-        from cosmos3_gym.sim.pusht_replay import policy_rollout_starts
-        from cosmos3_gym.sim.starts import DemoStartStates
+        from cosmos3_gym.tasks.pusht.replay import policy_rollout_starts
+        from cosmos3_gym.tasks.pusht.starts import DemoStartStates
 
         if self.args.rl_starts == "demos":
             return self.starts()
@@ -201,14 +203,14 @@ class Run:
         return starts
 
     def eval_starts(self, first_seed: int | None = None):
-        from cosmos3_gym.sim.starts import DemoStartStates
+        from cosmos3_gym.tasks.pusht.starts import DemoStartStates
 
         first_seed = self.args.eval_seed if first_seed is None else first_seed
         return DemoStartStates.from_seeds(range(first_seed, first_seed + self.args.eval_episodes),
                                           image_size=self.image_size)
 
     def sim_env(self, starts, num_envs: int, group_size: int, max_episode_steps: int):
-        from cosmos3_gym.sim.pusht_vector_env import PushTSimVectorEnv
+        from cosmos3_gym.tasks.pusht.sim_vector_env import PushTSimVectorEnv
 
         return PushTSimVectorEnv(num_envs, starts=starts, action_stats=self.action_stats, group_size=group_size,
                                  chunk=self.chunk, image_size=self.image_size, observation_size=(96, 96),
@@ -225,8 +227,8 @@ class Run:
 
 
 def stage_demos(run: Run) -> None:
-    from cosmos3_gym.sim.pusht_demos import generate_demonstrations
-    from cosmos3_gym.sim.starts import DemoStartStates
+    from cosmos3_gym.tasks.pusht.demos import generate_demonstrations
+    from cosmos3_gym.tasks.pusht.starts import DemoStartStates
 
     args = run.args
     demos = generate_demonstrations(
@@ -279,8 +281,8 @@ def stage_bc(run: Run) -> None:
 def stage_dagger(run: Run) -> None:
     """DAgger from the BC policy (``rl.dagger``): the result replaces ``bc`` (the policy GRPO starts from and is paired
     with); the demonstrations-only policy stays as ``bc_demos``."""
-    from cosmos3_gym.rl.dagger import DAggerConfig, train_dagger
-    from cosmos3_gym.sim.starts import DemoStartStates
+    from cosmos3_gym.tasks.pusht.dagger import DAggerConfig, train_dagger
+    from cosmos3_gym.tasks.pusht.starts import DemoStartStates
 
     args = run.args
     if args.dagger_rounds == 0:
@@ -329,7 +331,7 @@ def reset_starts_first_seed(args) -> int:
 def evaluate(run: Run, name: str, first_seed: int | None = None) -> dict[str, Any]:
     """The policy file ``name`` in gym-pusht from the held-out starts (``--eval-seed``.., or ``first_seed``..):
     success and final coverage with CIs."""
-    from cosmos3_gym.sim.pusht_replay import evaluate_in_simulator
+    from cosmos3_gym.tasks.pusht.replay import evaluate_in_simulator
 
     args = run.args
     first_seed = args.eval_seed if first_seed is None else first_seed
@@ -382,7 +384,7 @@ def stage_eval_bc(run: Run) -> None:
 def world_model_env(run: Run, starts, guard_horizon: int):
     """``cosmos3_gym/PushT-v0`` (or, with --tiny, the tiny random checkpoint) with the demonstration starts."""
     from cosmos3_gym.envs.vector_env import WorldModelVectorEnv
-    from cosmos3_gym.sim.starts import DemoStartStates
+    from cosmos3_gym.tasks.pusht.starts import DemoStartStates
 
     args = run.args
     common = dict(reward_model=f"pusht_geometric?min_iou={args.min_iou}", success_threshold=0.95,
@@ -399,13 +401,13 @@ def world_model_env(run: Run, starts, guard_horizon: int):
         return WorldModelVectorEnv(args.num_envs, checkpoint=cached_tiny_checkpoint(), domain="pusht",
                                    raw_action_dim=2, chunk=run.chunk, num_steps=1, guidance_scale=1.0,
                                    resolution_tier=256, fps=10.0, initial_states=wm_starts, **common)
-    from cosmos3_gym.envs.pusht import make_pusht_vector_env
+    from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env
 
     return make_pusht_vector_env(args.num_envs, assets_dir=args.assets, initial_states=starts, **common)
 
 
 def stage_grpo(run: Run, stage: str) -> None:
-    from cosmos3_gym.sim.pusht_replay import replay_in_simulator
+    from cosmos3_gym.tasks.pusht.replay import replay_in_simulator
 
     args = run.args
     key = WORLDS[stage]

@@ -1,4 +1,4 @@
-"""Simulating PushT training episodes (``cosmos3_gym.sim.pusht.generate_pusht_dataset``): episodes/s of this tree
+"""Simulating PushT training episodes (``cosmos3_gym.tasks.pusht.episodes.generate_pusht_dataset``): episodes/s of this tree
 against a baseline tree (an older commit), in one run, and whether both wrote the same data.
 
     python benchmarks/simulate_pusht.py                                    # CPU: 8 episodes x 128 steps, 1 worker
@@ -32,12 +32,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-POLICIES = "benchmarks/results/policies"
+POLICIES = "benchmarks/results/rl/policies"
 ISSUE_18_MIX = ("scripted=0.4,random=0.1,replay=0.1,uniform=0.1,"
                 f"file:{POLICIES}/rl_pusht_bc.safetensors=0.1,"
                 f"file:{POLICIES}/rl_pusht_grpo_simulator.safetensors=0.1,"
                 f"file:{POLICIES}/rl_pusht_grpo_world_model.safetensors=0.1")
-ACTION_STATS = "cosmos3_gym/assets/pusht/checkpoint/action_stats.json"
+ACTION_STATS = "cosmos3_gym/tasks/pusht/assets/checkpoint/action_stats.json"
 BASELINE = "7954013"  # the last commit before the simulator speed-ups
 CHILD = "COSMOS3_GYM_SIMULATE_CHILD"  # set in a timed tree's process, and so in its simulator workers
 
@@ -75,7 +75,7 @@ def dataset_digest(out: Path) -> dict:
 def child(settings: dict) -> None:
     """Time one ``generate_pusht_dataset`` call of the tree on ``PYTHONPATH``; print a JSON line."""
     import cosmos3_gym
-    from cosmos3_gym.sim import pusht
+    from cosmos3_gym.tasks.pusht import episodes as pusht
 
     out = Path(settings["data"])
     start = time.perf_counter()
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["digest"] = runs["current"]["digest"]["files"]
     results["provenance"] = provenance()
     name = args.name or f"simulate_pusht_cpu{args.workers}w.json"
-    write_results(results, name, args.out, args.overwrite)
+    write_results(results, name, args.out, args.overwrite, args=args)
     return results
 
 

@@ -48,7 +48,7 @@ from common import (  # noqa: E402
     add_decoder_arguments, add_output_arguments, check_results_target, provenance, use_decoder_arguments, write_results,
 )
 
-from cosmos3_gym.envs.pusht import make_pusht_vector_env  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env  # noqa: E402
 
 MEMORY_KEYS = ("host_rss_mb", "host_rss_held_mb", "heap_in_use_mb", "heap_free_mb", "python_objects", "tracemalloc_mb",
                "gpu_allocated_mb", "gpu_reserved_mb")
@@ -209,7 +209,7 @@ def main(argv=None) -> dict:
                 if args.trace and reference is None and env_steps >= args.from_step:
                     reference = (tracemalloc.take_snapshot(), _type_counts())
                 # written as it goes: a run stopped by a time limit keeps its samples
-                write_results(summary(args, run, samples, env_steps), name, args.out, args.overwrite)
+                write_results(summary(args, run, samples, env_steps), name, args.out, args.overwrite, args=args)
                 if args.max_seconds is not None and samples[-1]["seconds"] > args.max_seconds:
                     break
         traced = _trace_report(reference) if reference is not None else None
@@ -221,7 +221,7 @@ def main(argv=None) -> dict:
             print(f"{key}: {value['start']:.1f} -> {value['end']:.1f} from env step {value['from_env_step']} to "
                   f"{value['to_env_step']} ({value['growth']:+.1f}; floor {value['floor_growth']:+.1f}; "
                   f"{value['growth_per_500_steps']:+.2f} per 500 steps)")
-    write_results(results, name, args.out, args.overwrite)
+    write_results(results, name, args.out, args.overwrite, args=args)
     return results
 
 

@@ -137,7 +137,7 @@ def main() -> None:
               f"({entry['vector_env']['actions_per_s']:.1f} actions/s), one at a time "
               f"{entry['one_env_at_a_time']['env_steps_per_s']:.3f} env steps/s, speedup {entry['speedup']:.2f}x")
     name = args.name or f"vector_env_throughput_{engine.device.type}_{'nano' if args.full_nano else 'tiny'}.json"
-    write_results(results, name, args.out, args.overwrite)
+    write_results(results, name, args.out, args.overwrite, args=args)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def audit_metrics(imagined_coverage: np.ndarray, imagined_iou: np.ndarray, env_s
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_arguments(parser)
-    parser.add_argument("--policy", default="benchmarks/results/policies/rl_pusht_bc.safetensors")
+    parser.add_argument("--policy", default="benchmarks/results/rl/policies/rl_pusht_bc.safetensors")
     parser.add_argument("--starts", default=None, help="DemoStartStates .npz (rl_pusht.py's demos stage)")
     parser.add_argument("--first-seed", type=int, default=300_000, help="fresh gym-pusht resets when no --starts")
     parser.add_argument("--episodes", type=int, default=128)
@@ -114,12 +114,12 @@ def main(argv: list[str] | None = None) -> dict:
     if not horizons or min(horizons) < 1 or max(horizons) > args.chunks:
         parser.error(f"--horizons: expected chunk counts in 1..{args.chunks}, got {args.horizons!r}")
 
-    from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env
     from cosmos3_gym.processor import ActionStats
-    from cosmos3_gym.rewards.pusht_geometric import fit_tee
+    from cosmos3_gym.tasks.pusht.reward import fit_tee
     from cosmos3_gym.rl.policy import load_policy_file
-    from cosmos3_gym.sim.pusht_vector_env import PushTSimVectorEnv
-    from cosmos3_gym.sim.starts import DemoStartStates
+    from cosmos3_gym.tasks.pusht.sim_vector_env import PushTSimVectorEnv
+    from cosmos3_gym.tasks.pusht.starts import DemoStartStates
 
     assets = load_pusht_assets()
     chunk = int(assets.meta.get("chunk", 8))
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
             "pessimistic": audit_metrics(coverage.min(0), iou.min(0), coverage.min(0), real_coverage,
                                          real_success_by, horizons),
         }
-    write_results(report, "wm_reward_audit.json", args.out, args.overwrite)
+    write_results(report, "wm_reward_audit.json", args.out, args.overwrite, args=args)
     for rule in report["rules"]:
         if rule["persist"] == 1 and rule["min_iou"] == 0.8 or rule["threshold"] == 0.95:
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rule.items()})

@@ -26,7 +26,7 @@ from stable_baselines3.common.vec_env import VecMonitor
 
 from cosmos3_gym.agents import save_sb3_policy
 from cosmos3_gym.testing import cached_tiny_checkpoint
-from cosmos3_gym.envs import SB3VecEnv, WorldModelVectorEnv, make_pusht_vector_env
+from cosmos3_gym.envs import SB3VecEnv, WorldModelVectorEnv, make_world_model_vector_env
 from cosmos3_gym.evaluation import evaluate_policy
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
                   observation_size=(args.observation_size, args.observation_size),
                   autoreset_mode=AutoresetMode.SAME_STEP, device=args.device)
     if args.checkpoint in ("pusht", "builtin:pusht"):  # its reward model, threshold, start frames and settings
-        env = make_pusht_vector_env(args.num_envs, **common)
+        env = make_world_model_vector_env(args.num_envs, checkpoint=args.checkpoint, **common)
     else:
         env = WorldModelVectorEnv(
             args.num_envs, args.checkpoint or cached_tiny_checkpoint(), initial_states=args.initial_states,

@@ -96,7 +96,7 @@ def test_script_fits_a_threshold_the_built_in_reward_model_reaches_and_writes_it
 def test_built_in_checkpoint_uses_the_calibrated_threshold():
     from cosmos3_gym.tasks.pusht.env import load_pusht_assets, pusht_env_defaults
 
-    # benchmarks/results/reward_model_calibration_cpu.json fitted it; 0.95 would never end an episode.
+    # benchmarks/results/fidelity/reward_model_calibration_cpu.json fitted it; 0.95 would never end an episode.
     assert pusht_env_defaults(load_pusht_assets())["success_threshold"] == 0.92
 
 

@@ -223,7 +223,7 @@ def test_entry_point_lookup(tmp_path, monkeypatch):
             importlib.metadata.EntryPoint("other_group", "cosmos3_gym_test_plugin:make", "another.group"),
         ),
     )
-    assert available_reward_models() == ["broken", "classifier", "constant", "goal_image", "pusht_geometric"]
+    assert available_reward_models() == ["broken", "classifier", "constant", "goal_image"]  # the tasks' come from entry points
     model = resolve_reward_model("constant?value=2.5")
     assert model.name == "constant?value=2.5"
     assert model(torch.rand(2, 1, 3, 8, 8), ["a", "b"]).tolist() == [2.5, 2.5]
@@ -287,7 +287,7 @@ def _goal_path(tmp_path):
 BAD_RESOLVE_SPECS = [
     (42, "reward_model: expected None"),
     (ClassifierRewardModel, "reward_model: got the class ClassifierRewardModel"),
-    ("no_such_model", r"unknown reward model 'no_such_model'; known: \['classifier', 'goal_image', 'pusht_geometric', 'returns_text'\]"),
+    ("no_such_model", r"unknown reward model 'no_such_model'; known: \['classifier', 'goal_image', 'returns_text'\]"),
     ("bad name!", "reward_model: cannot parse 'bad name!'"),
     ("returns_text", r"reward_model 'returns_text': the factory of 'returns_text' returned str, not a reward model"),
     ("classifier", r"expected 'classifier:PATH"),

@@ -31,7 +31,7 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
 
     assert set(results["policies"]) == {"bc", "bc_demos", "grpo_simulator", "grpo_world_model"}
     for key, path in results["policies"].items():
-        assert path == f"benchmarks/results/policies/rl_pusht_{key}.safetensors"
+        assert path == f"benchmarks/results/rl/policies/rl_pusht_{key}.safetensors"
         assert load_policy_file(out / "policies" / Path(path).name).action_shape == (8, 2)
     saved = json.loads((out / "rl_pusht.json").read_text())
     assert saved["provenance"]["commit"] == "test" and "rl_pusht.py" in saved["provenance"]["command"]

@@ -1,6 +1,6 @@
 """How faithful is the PushT world model to the real simulator, and does its policy mode push the T?
 
-    python benchmarks/recipes/fidelity_pusht_chunks.py --assets cosmos3_gym/assets/pusht --out $OUT
+    python benchmarks/recipes/fidelity_pusht_chunks.py --assets cosmos3_gym/tasks/pusht/assets --out $OUT
 
 Needs gym-pusht (the ``sim`` extra). Three measurements, on start states held out from training:
 
@@ -41,10 +41,10 @@ from common import add_output_arguments, check_results_target, provenance, write
 
 from cosmos3_gym.agents import PolicyAgent  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
-from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults  # noqa: E402
 from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.rewards import ClassifierRewardModel  # noqa: E402
-from cosmos3_gym.sim import pusht  # noqa: E402
+from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
 from cosmos3_gym.statistics import mean_interval, wilson_interval  # noqa: E402
 
 
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     results = {"provenance": provenance(["benchmarks/recipes/fidelity_pusht_chunks.py", *(argv or sys.argv[1:])]),
                **results}
-    write_results(results, args.results_name, args.out, args.overwrite)
+    write_results(results, args.results_name, args.out, args.overwrite, args=args)
     return results
 
 

@@ -80,23 +80,23 @@ from common import (  # noqa: E402
 from fidelity_pusht_chunks import finite_mean_ci95, load_episodes, mean_ci95  # noqa: E402
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
-from cosmos3_gym.envs.pusht import load_pusht_assets, make_pusht_vector_env  # noqa: E402
-from cosmos3_gym.envs.pusht_projection import RigidBlockProjection  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env  # noqa: E402
+from cosmos3_gym.tasks.pusht.projection import RigidBlockProjection  # noqa: E402
 from cosmos3_gym.media import write_video  # noqa: E402
-from cosmos3_gym.policy_specs import SPEC_HELP, parse_policy_spec  # noqa: E402
+from cosmos3_gym.policy_specs import parse_policy_spec, policy_spec_help  # noqa: E402
 from cosmos3_gym.quantization import (  # noqa: E402
     DEFAULT_FP8_LAYERS, FP8_LAYER_POLICIES, PRECISIONS, apply_fp8, check_fp8_supported,
 )
-from cosmos3_gym.rewards.pusht_geometric import CENTROID_Y, DEFAULT_MIN_IOU, fit_tee  # noqa: E402
-from cosmos3_gym.sim import pusht  # noqa: E402
-from cosmos3_gym.sim.compare import compare_with_simulator, ranking_agreement, replay_actions  # noqa: E402
-from cosmos3_gym.sim.pusht_geometry import AGENT_RADIUS, distance_to_outline, tee_outline  # noqa: E402
-from cosmos3_gym.sim.readoff import read_positions  # noqa: E402
+from cosmos3_gym.tasks.pusht.reward import CENTROID_Y, DEFAULT_MIN_IOU, fit_tee  # noqa: E402
+from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
+from cosmos3_gym.tasks.pusht.compare import compare_with_simulator, ranking_agreement, replay_actions  # noqa: E402
+from cosmos3_gym.tasks.pusht.geometry import AGENT_RADIUS, distance_to_outline, tee_outline  # noqa: E402
+from cosmos3_gym.tasks.pusht.readoff import read_positions  # noqa: E402
 
-# The policy files committed in benchmarks/results: behaviour cloning, GRPO in the simulator and in the world model
+# The policy files committed in benchmarks/results/rl: behaviour cloning, GRPO in the simulator and in the world model
 # (benchmarks/rl_pusht.py), SB3 PPO trained in the world model (rl_imagination_pusht.py); relative to the working
 # folder, so the summary's names stay short.
-RESULTS = Path(os.path.relpath(RECIPES.parent / "results"))
+RESULTS = Path(os.path.relpath(RECIPES.parent / "results" / "rl"))
 POLICY_FILES = [*(RESULTS / "policies" / f"rl_pusht_{name}.safetensors" for name in
                   ("bc", "bc_dagger", "grpo_simulator", "grpo_world_model")),
                 RESULTS / "rl_imagination_pusht_h200_world_model_policy.safetensors"]
@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--episodes", type=int, default=32, help="held-out episodes (targets 1-3, and the starts of 4)")
     parser.add_argument("--chunks", type=int, default=8, help="chunks per held-out / random-action episode")
     parser.add_argument("--random-episodes", type=int, default=32, help="uniform random-action episodes (target 4)")
-    parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policy specs ({SPEC_HELP})")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policy specs ({policy_spec_help()})")
     parser.add_argument("--policy-starts", type=int, default=32,
                         help="starts per policy (target 5); 0 skips the policies (a sampling or decoder sweep of "
                              "targets 1-4)")
@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def write_so_far() -> None:  # a run cut short by a time limit keeps the stages it finished (replaced at the end)
         write_results({"provenance": command, "unfinished": True, **results, "timings": timings},
-                      args.results_name, args.out, args.overwrite)
+                      args.results_name, args.out, args.overwrite, args=args)
 
     try:
         started = time.perf_counter()
@@ -757,10 +757,10 @@ def main(argv: list[str] | None = None) -> dict:
     results["targets"] = target_checks(results)
     results = {"provenance": command, **results}
     print(format_summary(results))
-    write_results(results, args.results_name, args.out, args.overwrite)  # before the video: the numbers come first
+    write_results(results, args.results_name, args.out, args.overwrite, args=args)  # before the video: the numbers come first
     count = min(args.video_episodes, len(truth))
     if count:
-        target = results_dir(args.out) / "pusht_side_by_side.mp4"
+        target = results_dir(args.out, "fidelity") / "pusht_side_by_side.mp4"
         try:
             results["video"] = str(side_by_side_video(target, truth[:count], model[:count], pusht.SIM_FPS))
         except Exception as error:  # a host without any video writer: keep the frames to render elsewhere

@@ -26,8 +26,8 @@ with it (``initial_states.npz``), the simulator from those frames' gym-pusht see
 * **Imagination**: ``cosmos3_gym/PushT-v0`` as a vector env of ``--num-envs`` slots (one batched engine call per
   step) behind ``SB3VecEnv``; the reward is the shipped reward model's estimate of coverage on the chunk's last
   generated frame.
-* **Simulator**: ``cosmos3_gym.sim.pusht_env.PushTSimEnv`` (gym-pusht; actions de-normalised with the checkpoint's
-  action statistics exactly as ``cosmos3_gym.sim.compare`` runs a policy) in an SB3 ``DummyVecEnv`` (or
+* **Simulator**: ``cosmos3_gym.tasks.pusht.sim_env.PushTSimEnv`` (gym-pusht; actions de-normalised with the checkpoint's
+  action statistics exactly as ``cosmos3_gym.tasks.pusht.compare`` runs a policy) in an SB3 ``DummyVecEnv`` (or
   ``SubprocVecEnv``) of ``--num-envs`` envs; the reward is the true coverage after the chunk.
 
 PPO (SB3 ``MultiInputPolicy``: NatureCNN on the image) with the same hyper-parameters and seed in both worlds is
@@ -69,14 +69,14 @@ import torch
 RECIPES = Path(__file__).resolve().parent
 sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
-from common import add_output_arguments, provenance, results_dir, write_results  # noqa: E402
+from common import add_output_arguments, provenance, result_topic, results_dir, write_results  # noqa: E402
 from fidelity_pusht_chunks import coverage_summary  # noqa: E402
 
 from cosmos3_gym.agents import SB3PolicyAgent, save_sb3_policy  # noqa: E402
 from cosmos3_gym.statistics import wilson_interval  # noqa: E402
-from cosmos3_gym.sim import pusht  # noqa: E402
-from cosmos3_gym.sim.compare import PolicyRun, simulate_policy  # noqa: E402
-from cosmos3_gym.sim.pusht_env import make_pusht_sim_env, pusht_sim_env_arguments  # noqa: E402
+from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
+from cosmos3_gym.tasks.pusht.compare import PolicyRun, simulate_policy  # noqa: E402
+from cosmos3_gym.tasks.pusht.sim_env import make_pusht_sim_env, pusht_sim_env_arguments  # noqa: E402
 
 SMOKE = dict(timesteps=16, num_envs=2, n_steps=4, batch_size=8, n_epochs=1, eval_points=2, eval_episodes=2,
              chunks_per_episode=2, obs_size=48)
@@ -130,7 +130,7 @@ def make_world_model_vec_env(engine, assets_dir: Path, num_envs: int, chunks: in
     """``cosmos3_gym/PushT-v0`` with ``num_envs`` slots as an SB3 VecEnv (SAME_STEP autoreset)."""
     from gymnasium.vector import AutoresetMode
 
-    from cosmos3_gym.envs.pusht import make_pusht_vector_env
+    from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env
     from cosmos3_gym.envs.sb3 import SB3VecEnv
 
     vector_env = make_pusht_vector_env(num_envs, assets_dir=assets_dir, engine=engine, max_episode_steps=chunks,
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
     pusht.require_gym_pusht()
 
     from cosmos3_gym.engine import Cosmos3Engine
-    from cosmos3_gym.envs.pusht import load_pusht_assets
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets
 
     started_all = time.perf_counter()
     assets = load_pusht_assets(args.assets)
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     card = card_name(args.device)
     name = args.results_name or f"rl_imagination_pusht_{card}.json"
-    out = results_dir(args.out)
+    out = results_dir(args.out, result_topic(name))
 
     def policy_path(world: str) -> Path:
         return out / f"{Path(name).stem}_{world}_policy.safetensors"
@@ -414,9 +414,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     results = {"provenance": provenance(["benchmarks/recipes/rl_imagination_pusht.py",
                                          *(sys.argv[1:] if argv is None else argv)]), **results}
-    path = write_results(results, name, str(out), args.overwrite)
+    path = write_results(results, name, str(out), args.overwrite, args=args)
     results["plot"] = plot_curves(results, path.with_suffix(".png"))
-    write_results(results, name, str(out), args.overwrite)
+    write_results(results, name, str(out), args.overwrite, args=args)
     print_summary(results)
     return results
 

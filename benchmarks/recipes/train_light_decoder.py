@@ -3,7 +3,7 @@
     python benchmarks/recipes/train_light_decoder.py --out $OUT                  # one H100/H200, 16 cores: ~8 min
     python benchmarks/recipes/train_light_decoder.py --smoke --out /tmp/light    # the same pipeline on a CPU, ~1 min
 
-The shipped decoder (session 20, ``benchmarks/results/train_light_decoder_h200_v2.json``) took simulate 8 s, encode
+The shipped decoder (session 20, ``benchmarks/results/training/train_light_decoder_h200_v2.json``) took simulate 8 s, encode
 58 s, generate 102 s, train 240 s and evaluate 27 s on one H200 with ``--workers 15``. ``--deadline-s`` shortens the
 training so that a time-limited call ends in time. More data than fits one 10-minute call: two calls on one warm
 machine with the same ``--work``, the first ending after the encode stage::
@@ -14,7 +14,7 @@ machine with the same ``--work``, the first ending after the encode stage::
 Needs gym-pusht (the ``sim`` extra). Stages:
 
 1. ``simulate``: training episodes (``--episodes`` x ``--steps-per-episode``, seed ``--seed``, the default policy
-   mix of ``cosmos3_gym.sim.pusht.generate_pusht_dataset``) and held-out episodes (seed ``--seed + 1000``);
+   mix of ``cosmos3_gym.tasks.pusht.episodes.generate_pusht_dataset``) and held-out episodes (seed ``--seed + 1000``);
 2. ``encode``: their ``chunk + 1`` frame windows through the model's own VAE, as the world model's training windows
    (``training.light_decoder.build_decoder_windows``, fp32 VAE);
 3. ``train``: ``train_light_decoder`` for ``--seconds`` (or ``--max-steps``), into ``--out``/light_decoder;
@@ -53,7 +53,7 @@ sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # t
 from common import add_output_arguments, check_results_target, provenance, timed, write_results  # noqa: E402
 from fidelity_pusht_chunks import finite_mean_ci95  # noqa: E402
 
-from cosmos3_gym.envs.pusht import fast_pusht_engine, load_pusht_assets  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import fast_pusht_engine, load_pusht_assets  # noqa: E402
 from cosmos3_gym.models.light_decoder import LightDecoder, LightDecoderConfig  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.training.export import ACTION_STATS_FILE  # noqa: E402
@@ -119,7 +119,7 @@ def ints(text: str) -> tuple[int, ...]:
 def simulate(args, work: Path, image_size: tuple[int, int], assets) -> dict[str, Path]:
     """The training and held-out datasets in ``work`` (both with ``--policy-mix``); a complete one from an earlier
     run with the same settings is reused, so a run split over time-limited calls (``--stop-after``) simulates once."""
-    from cosmos3_gym.sim import pusht
+    from cosmos3_gym.tasks.pusht import episodes as pusht
 
     mix = pusht.parse_policy_mix(args.policy_mix)
     action_stats = assets.checkpoint / ACTION_STATS_FILE
@@ -188,9 +188,9 @@ def generate(args, datasets: dict[str, Path], assets, chunk: int, image_size: tu
     is 0."""
     if args.generated_starts_per_episode == 0:
         return [None, None]
-    from cosmos3_gym.envs.pusht import make_pusht_vector_env, pusht_env_defaults
+    from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env, pusht_env_defaults
     from cosmos3_gym.processor import ActionStats
-    from cosmos3_gym.sim.compare import replay_actions
+    from cosmos3_gym.tasks.pusht.compare import replay_actions
 
     stats = ActionStats.from_json(pusht_env_defaults(assets)["action_stats"],
                                   mode=assets.meta.get("action_normalization", "minmax"))
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"GFLOP per last frame: VAE {flops['vae']:.2f}, light {flops['light']:.2f} ({flops['ratio']:.1f}x)")
     finally:
         results["total_seconds"] = round(time.perf_counter() - started, 2)
-        write_results(results, args.results_name, args.out, args.overwrite)
+        write_results(results, args.results_name, args.out, args.overwrite, args=args)
     return results
 
 

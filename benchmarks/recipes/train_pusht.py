@@ -6,7 +6,7 @@ evaluate it against the real simulator.
 
 Needs gym-pusht (the ``sim`` extra). Stages:
 
-1. simulate training episodes and held-out episodes (``cosmos3_gym.sim.pusht.generate_pusht_dataset``, one process
+1. simulate training episodes and held-out episodes (``cosmos3_gym.tasks.pusht.episodes.generate_pusht_dataset``, one process
    per core) and the held-out start frames the env ships (``--episodes``, ``--steps-per-episode``, ...);
 2. train the VAE (``cosmos3_gym.training.train_vae``) for ``--vae-seconds``;
 3. train the world model (``train_world_model``) for ``--wm-seconds``, written straight into ``<assets>/checkpoint``
@@ -76,21 +76,21 @@ import torch
 RECIPES = Path(__file__).resolve().parent
 sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
-from common import provenance, write_results  # noqa: E402
+from common import inputs_from_args, provenance, write_results  # noqa: E402
 import fidelity_pusht_chunks  # noqa: E402
 
 from cosmos3_gym.checkpoint import checkpoint_decoder  # noqa: E402
 from cosmos3_gym.engine import LIGHT_DECODER_DIR, Cosmos3Engine  # noqa: E402
 from cosmos3_gym.errors import InputError  # noqa: E402
-from cosmos3_gym.envs.pusht import (  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import (  # noqa: E402
     CHECKPOINT_DIR, INITIAL_STATES_FILE, META_FILE, REWARD_MODEL_DIR, load_pusht_assets, make_pusht_vector_env,
     pusht_env_defaults,
 )
 from cosmos3_gym.processor import ActionStats  # noqa: E402
-from cosmos3_gym.sim.compare import replay_actions  # noqa: E402
+from cosmos3_gym.tasks.pusht.compare import replay_actions  # noqa: E402
 from cosmos3_gym.rewards import ClassifierRewardModel, train_classifier  # noqa: E402
 from cosmos3_gym.rewards.calibration import calibrate_success_threshold, score_episode_files  # noqa: E402
-from cosmos3_gym.sim import pusht  # noqa: E402
+from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
 from cosmos3_gym.training.export import ACTION_STATS_FILE, resolve_save_dtype  # noqa: E402
 from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig, train_vae, train_world_model  # noqa: E402
 
@@ -165,8 +165,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "the same function (cosmos3_gym.training.growth)")
     parser.add_argument("--policy-mix", default=None,
                         help="the training episodes' policies and shares, e.g. 'scripted=0.5,uniform=0.2,"
-                             "file:benchmarks/results/policies/rl_pusht_bc.safetensors=0.3' (policies of "
-                             "cosmos3_gym.sim.pusht.generate_pusht_dataset; default its DEFAULT_POLICY_MIX). Policy "
+                             "file:benchmarks/results/rl/policies/rl_pusht_bc.safetensors=0.3' (policies of "
+                             "cosmos3_gym.tasks.pusht.episodes.generate_pusht_dataset; default its DEFAULT_POLICY_MIX). Policy "
                              "files need --wm-init (its action statistics map their actions)")
     parser.add_argument("--rollout-reward-model", action=argparse.BooleanOptionalAction, default=True,
                         help="retrain the reward model on the new world model's rollouts (off: keep --first-part's, "
@@ -206,8 +206,8 @@ class Stages:
     """Times each stage and collects what it reports into one results dict, written to ``out`` after every stage
     (so a run cut off by a time limit still tells how far it got)."""
 
-    def __init__(self, out: Path, filename: str, overwrite: bool = False):
-        self.out, self.filename, self.overwrite = out, filename, overwrite
+    def __init__(self, out: Path, filename: str, overwrite: bool = False, inputs=()):
+        self.out, self.filename, self.overwrite, self.inputs = out, filename, overwrite, list(inputs)
         self.started = time.perf_counter()
         self.results: dict[str, Any] = {"stages": {}}
 
@@ -221,7 +221,7 @@ class Stages:
         self.results["stages"][name] = {"seconds": round(time.perf_counter() - start, 2), **(report or {})}
         self.results["total_seconds"] = round(self.elapsed(), 2)
         print(f"== {name}: {self.results['stages'][name]['seconds']} s", flush=True)
-        write_results(self.results, self.filename, str(self.out), self.overwrite)
+        write_results(self.results, self.filename, str(self.out), self.overwrite, inputs=self.inputs)
         return report
 
 
@@ -426,7 +426,7 @@ def training_dataset(args, work: Path) -> Path | str:
     replaces by the checkpoint's)."""
     if not args.lerobot:
         return work / "dataset"
-    from cosmos3_gym.training.lerobot import write_lerobot_dataset
+    from cosmos3_gym.data.lerobot import write_lerobot_dataset
 
     target = work / "lerobot"
     if not target.exists():
@@ -623,7 +623,8 @@ def main(argv: list[str] | None = None) -> dict:
     if assets.exists():
         shutil.rmtree(assets)
     assets.mkdir(parents=True)
-    stages = Stages(out, "train_pusht.json" if args.part == "all" else f"train_pusht_{args.part}.json", args.overwrite)
+    stages = Stages(out, "train_pusht.json" if args.part == "all" else f"train_pusht_{args.part}.json", args.overwrite,
+                    inputs_from_args(args, builtin_assets=False))  # the files it starts from: their sha256
     stages.results.update(provenance=provenance(), arguments=vars(args), work=str(work))
 
     try:
@@ -671,7 +672,7 @@ def main(argv: list[str] | None = None) -> dict:
             if source.is_file():
                 shutil.copyfile(source, out / name)
         stages.results["total_seconds"] = round(stages.elapsed(), 2)
-        write_results(stages.results, stages.filename, str(out), args.overwrite)
+        write_results(stages.results, stages.filename, str(out), args.overwrite, inputs=stages.inputs)
     return stages.results
 
 
