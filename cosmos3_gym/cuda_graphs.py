@@ -1,8 +1,9 @@
 """The GEN forward replayed as one CUDA graph per input signature.
 
 At batch 1 and tier 256 the Nano GEN forward keeps an H200 busy for 14 ms but took 15-19 ms: the host cannot launch
-its ~600 kernels (36 compiled blocks) as fast as the GPU runs them (benchmarks/results/profile_gpu_h200_compiled.json
-against profile_gpu_h200_cuda_graphs.json). A CUDA graph launches them all at once.
+its ~600 kernels (36 compiled blocks) as fast as the GPU runs them
+(benchmarks/results/engine/profile_gpu_h200_compiled.json against profile_gpu_h200_cuda_graphs.json). A CUDA graph
+launches them all at once.
 ``torch.compile(mode="reduce-overhead")`` cannot do it for us: it graphs each compiled *block*, and since all blocks
 share one compiled graph, every block's call overwrites the previous block's output buffer ("accessing tensor output
 of CUDAGraphs that has been overwritten"). So this module captures the whole forward - compiled blocks included -
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -75,7 +76,7 @@ def _capture_stream() -> torch.cuda.Stream:
     return _capture_streams[device]
 
 
-def capture(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, Any]:
     """``fn`` captured as a CUDA graph: (the graph, the captured call's outputs, which every replay overwrites).
 
     A warm-up call runs first, outside the capture and on a side stream as ``torch.cuda.graph`` expects: it compiles
@@ -112,13 +113,13 @@ class _GraphCache:
         self.max_graphs = max_graphs
         self.max_padding = check_max_padding(max_padding)  # how far graph_rows pads a batch to a kept graph
         self._graphs: OrderedDict[tuple, Any] = OrderedDict()
-        self._pool = None  # torch.cuda.graph_pool_handle(), made at the first capture
+        self._pool: tuple[int, int] | None = None  # torch.cuda.graph_pool_handle(), made at the first capture
 
     def reset(self) -> None:
         self._graphs.clear()
         self._pool = None
 
-    def _capture_into_pool(self, fn) -> tuple[torch.cuda.CUDAGraph, object]:
+    def _capture_into_pool(self, fn) -> tuple[torch.cuda.CUDAGraph, Any]:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return capture(fn, pool=self._pool)
@@ -184,8 +185,10 @@ class GraphedGenForward(_GraphCache):
     def _capture(self, text: TextKV, layout: GenLayout, flat: list) -> _Graph:
         static = [None if t is None else t.clone() for t in flat]
         num_layers = len(text.keys)
-        static_text = TextKV(static[:num_layers], static[num_layers : 2 * num_layers], list(text.lengths))
+        keys, values = static[:num_layers], static[num_layers : 2 * num_layers]  # text K/V: tensors, never None
+        static_text = TextKV(cast("list[torch.Tensor]", keys), cast("list[torch.Tensor]", values), list(text.lengths))
         cos, sin, *tensors = static[2 * num_layers :]
+        assert cos is not None and sin is not None  # a layout's rotary tables
         # length_groups' row indexes follow from text.lengths, which are part of the signature: kept as they are.
         static_layout = dataclasses.replace(layout, cos=cos, sin=sin)
 

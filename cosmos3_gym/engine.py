@@ -43,7 +43,14 @@ from transformers import AutoTokenizer
 
 from . import presets, processor
 from .checkpoint import resolve_checkpoint, validate_checkpoint
-from .cuda_graphs import DEFAULT_MAX_PADDING, GraphedFunction, check_max_padding, graph_rows, replay_padded
+from .cuda_graphs import (
+    DEFAULT_MAX_PADDING,
+    GraphedFunction,
+    GraphedGenForward,
+    check_max_padding,
+    graph_rows,
+    replay_padded,
+)
 from .errors import CheckpointError, InputError
 from .models.light_decoder import LightDecoder
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
@@ -148,7 +155,8 @@ def _deprecated_alias(old: str, new: str) -> property:
     return property(get, doc=f"Deprecated name of ``{new}``.")
 
 
-Cosmos3Request.__init__ = _accept_deprecated_names(Cosmos3Request.__init__)
+# setattr: mypy rejects assigning to a method (method-assign); this patch is deliberate
+setattr(Cosmos3Request, "__init__", _accept_deprecated_names(Cosmos3Request.__init__))  # noqa: B010
 for _old, _new in _REQUEST_ALIASES.items():
     setattr(Cosmos3Request, _old, _deprecated_alias(_old, _new))
 
@@ -229,17 +237,18 @@ class Cosmos3Engine:
         self._prompt_ids: dict[tuple, tuple[list[int], list[int]]] = {}  # see _prompt_token_ids
         self._closed = False
         self._home_device: torch.device | None = None  # set while offloaded
-        self._graphed_forward = None  # a cuda_graphs.GraphedGenForward once optimize() turns CUDA graphs on
-        # cuda_graphs.GraphedFunction of vae.encode and light_decoder.decode once optimize() turns stage graphs on
-        self._graphed_encode = None
-        self._graphed_light_decode = None
+        # once optimize() turns CUDA graphs on
+        self._graphed_forward: GraphedGenForward | None = None
+        # of vae.encode and light_decoder.decode once optimize() turns stage graphs on
+        self._graphed_encode: GraphedFunction | None = None
+        self._graphed_light_decode: GraphedFunction | None = None
         self.graph_padding: float | None = DEFAULT_MAX_PADDING  # set_graph_padding
         self._schedules: dict[tuple, Schedule] = {}  # read-only, shared by every request of one setting
 
     @classmethod
     def from_pretrained(
         cls,
-        path_or_id: str | Path,
+        path_or_id: str | os.PathLike,
         *,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
@@ -492,7 +501,7 @@ class Cosmos3Engine:
             raise RuntimeError("Cosmos3Engine is closed")
         self.onload()  # after offload(): back to the device first
         single = isinstance(requests, Cosmos3Request)
-        batch = [requests] if single else list(requests)
+        batch = [requests] if isinstance(requests, Cosmos3Request) else list(requests)
         if not batch:
             raise InputError("requests: expected at least one Cosmos3Request")
         decode = self.decode_video if decode is None else decode
@@ -519,7 +528,9 @@ class Cosmos3Engine:
     @property
     def action_dim(self) -> int:
         """The model's padded action width (64 for Cosmos3); raw action widths must not exceed it."""
-        return self.transformer.config.action_dim
+        action_dim = self.transformer.config.action_dim
+        assert action_dim is not None  # an action_gen checkpoint (from_pretrained checks; its config validates)
+        return action_dim
 
     @property
     def temporal_compression(self) -> int:
@@ -623,7 +634,7 @@ class Cosmos3Engine:
                 raise InputError(f"{name}: expected True or False, got {getattr(r, name)!r}")
         if r.mode == "forward_dynamics" and r.action is None:
             raise InputError("action: mode 'forward_dynamics' needs an action chunk [T, raw_action_dim]")
-        action_dim = self.transformer.config.action_dim
+        action_dim = self.action_dim
         domain_id, raw_dim = processor.resolve_domain(r.domain, r.raw_action_dim, action_dim=action_dim)
 
         num_frames = r.chunk + 1
@@ -633,7 +644,7 @@ class Cosmos3Engine:
         # The VAE is causal in time: latent frames 0..k depend only on pixel frames 0..4k, so encoding just the
         # pixel frames that feed clean latents gives the same latents as encoding the whole clip.
         encoded_pixel_frames = (max(clean_frames) * self.vae.temporal_compression + 1) if clean_frames else 1
-        layout = None
+        layout: processor.CanvasLayout | processor.Conditioning | None = None
         if defer_uint8_frames:
             layout = processor.uint8_layout(observation, r.resolution_tier, encoded_pixel_frames, r.canvas)
         if layout is None:
@@ -680,6 +691,7 @@ class Cosmos3Engine:
         """``processor.build_prompt_token_ids``, cached per prompt setting: the tokenizer's chat template (Jinja)
         costs milliseconds per call, which a vector env paid for every slot at every step. Bounded like the text
         cache; the cached lists are never mutated."""
+        assert r.prompt_format is not None  # a resolved request (presets.resolve_request fills it)
         prompt_format = processor.resolve_prompt_format(r.prompt_format, self.transformer.config.hidden_act)
         key = (
             r.task,
@@ -693,10 +705,11 @@ class Cosmos3Engine:
             r.use_system_prompt,
             r.additional_view_description,
         )
+        cache_key: tuple | None = key
         try:
             ids = self._prompt_ids.get(key)
         except TypeError:  # an unhashable (hence invalid) field: let the builder name it
-            key, ids = None, None
+            cache_key, ids = None, None
         if ids is None:
             ids = processor.build_prompt_token_ids(
                 self.tokenizer,
@@ -711,24 +724,25 @@ class Cosmos3Engine:
                 use_system_prompt=r.use_system_prompt,
                 additional_view_description=r.additional_view_description,
             )
-            if key is not None:
+            if cache_key is not None:
                 if len(self._prompt_ids) >= self._text_cache_size:
                     self._prompt_ids.clear()
-                self._prompt_ids[key] = ids
+                self._prompt_ids[cache_key] = ids
         return ids
 
     def _encode_conditions(self, prepared: list[_Prepared], max_batch: int = 64) -> None:
         """VAE-encode the clean conditioning pixels, batching requests whose pixel clips share a shape (one encoder
         pass for all the slots of a vector env instead of one per slot); crops to the content latent."""
-        by_shape: dict[tuple, list[_Prepared]] = {}
+        by_shape: dict[tuple, list[tuple[_Prepared, torch.Tensor]]] = {}
         for p in prepared:
             if p.x0_video is None:
-                by_shape.setdefault(tuple(p.pixels.shape), []).append(p)
+                assert p.pixels is not None  # a request's pixels wait here for their encode
+                by_shape.setdefault(tuple(p.pixels.shape), []).append((p, p.pixels))
         for group in by_shape.values():
             for start in range(0, len(group), max_batch):
                 part = group[start : start + max_batch]
-                latents = self._encode(torch.cat([p.pixels for p in part]).to(self.device))
-                for p, latent in zip(part, latents):
+                latents = self._encode(torch.cat([pixels for _, pixels in part]).to(self.device))
+                for (p, _), latent in zip(part, latents):
                     _, h, w = p.latent_thw
                     p.x0_video = latent[None, :, :, :h, :w]
                     p.pixels = None
@@ -776,9 +790,7 @@ class Cosmos3Engine:
         generator = torch.Generator("cpu").manual_seed(p.seed)
         c = self.transformer.config.latent_channel
         video_noise = torch.randn((1, c, *p.latent_thw), generator=generator, dtype=torch.float32)
-        action_noise = torch.randn(
-            (p.action_rows, self.transformer.config.action_dim), generator=generator, dtype=torch.float32
-        )
+        action_noise = torch.randn((p.action_rows, self.action_dim), generator=generator, dtype=torch.float32)
         return video_noise, action_noise
 
     def _prepare_batch(self, requests: list) -> list[_Prepared]:
@@ -787,7 +799,8 @@ class Cosmos3Engine:
         The same tensors as ``prepare`` one by one; what was the largest host cost of a vector env's step, putting
         every slot's frame on the canvas, is done for all slots with uint8 frames of one shape together, on the
         device (``processor.prepare_uint8_conditioning``)."""
-        prepared, by_shape = [], {}
+        prepared: list[_Prepared] = []
+        by_shape: dict[tuple, list[tuple[_Prepared, Any]]] = {}
         for request in requests:
             p, deferred = self._prepare(request, defer_uint8_frames=True)
             prepared.append(p)
@@ -829,7 +842,9 @@ class Cosmos3Engine:
         video, actions = _to_device(torch.cat(video_noise), device), _to_device(torch.stack(action_noise), device)
         x0_video = torch.zeros(batch, self.transformer.config.latent_channel, *group[0].latent_thw, device=device)
         for b, p in enumerate(group):
-            x0_video[b, :, : p.x0_video.shape[2]] = p.x0_video[0]
+            encoded = p.x0_video
+            assert encoded is not None  # _encode_conditions encoded every request's clean frames
+            x0_video[b, :, : encoded.shape[2]] = encoded[0]
         x0_actions = _to_device(torch.stack([p.x0_actions for p in group]), device)
         video_clean, action_clean = _to_device(video_clean, device), _to_device(action_clean, device)
         video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
@@ -907,6 +922,7 @@ class Cosmos3Engine:
         pixels = self._decode(video, frames) if frames is not None else None
         # The device -> host copies of every row are queued together and waited for once (not one wait per copy).
         host_actions, host_video, host_pixels = _rows_to_host([actions, video, None if pixels_on_device else pixels])
+        assert host_actions is not None and host_video is not None  # the rows of tensors, not of None
         if pixels_on_device and pixels is not None:
             host_pixels = list(pixels)
         results = []

@@ -64,8 +64,11 @@ class WorldModelEngine(Protocol):
     def step(self, requests, *, decode=None):
         """One request -> one result; a list -> a list of results in order. ``decode=None``: the engine's default."""
 
-    def optimize(self, **options: Any) -> WorldModelEngine:
-        """Turn on the fast path (compile, CUDA graphs, ...); returns self. The same math up to float rounding."""
+    def optimize(
+        self, *, cuda_graphs: bool | None = None, tp_overlap: bool | None = None, stage_graphs: bool | None = None
+    ) -> WorldModelEngine:
+        """Turn on the fast path (compile, CUDA graphs, ...; the options of ``Cosmos3Engine.optimize``, which the
+        other backends pass on to it); returns self. The same math up to float rounding."""
 
     def offload(self) -> None:
         """Free the accelerator between rollouts; the next ``step`` (or ``onload``) moves the model back."""

@@ -13,6 +13,7 @@ backend        what runs the model
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -89,7 +90,7 @@ def load_engine(
         get_preset(preset)  # an unknown name fails before any worker starts
     if resolved != "ray" and (num_replicas != 1 or replica_resources is not None):
         raise InputError(f"num_replicas / replica_resources: only for backend='ray', not {resolved!r}")
-    engine_kwargs = dict(
+    engine_kwargs: dict[str, Any] = dict(
         device=device,
         dtype=dtype,
         vae_dtype=vae_dtype,

@@ -238,28 +238,33 @@ def load_frame_agent(
     spec = parse_policy_spec(spec) if isinstance(spec, str) else spec
     registered = POLICY_KINDS.get(spec.kind)
     if registered is not None and registered.frame_agent is not None:
-        factory = _import_attribute(*registered.frame_agent.split(":"), spec.spec)
+        module_name, attribute = registered.frame_agent.split(":")  # "module:function"
+        factory = _import_attribute(module_name, attribute, spec.spec)
         return factory(spec, action_stats=action_stats, chunk=chunk, seed=seed)
     if spec.kind == "agent":
         if make_agent is None:
             raise InputError("make_agent: the 'agent' policy needs make_agent() -> the checkpoint's PolicyAgent.")
         return make_agent()
+    path = spec.path
     if spec.is_sb3_file:
         from .agents.sb3_policy import SB3PolicyAgent
 
-        return _wrap_load_error(spec, lambda: SB3PolicyAgent.from_file(spec.path, device=device))
+        assert path is not None  # an sb3 / file spec carries its file
+        return _wrap_load_error(spec, lambda: SB3PolicyAgent.from_file(path, device=device))
     if spec.kind == "file":
-        loader = POLICY_FILE_LOADERS[spec.file_kind]
+        file_kind = spec.file_kind
+        assert path is not None and file_kind is not None  # parse_policy_spec reads a file spec's kind
+        loader = POLICY_FILE_LOADERS[file_kind]
         if isinstance(loader, str):
             module_name, _, attribute = loader.partition(":")
             try:
                 loader = getattr(importlib.import_module(module_name), attribute)
             except (ImportError, AttributeError) as error:
                 raise InputError(
-                    f"policy: {spec.spec!r}: the loader {POLICY_FILE_LOADERS[spec.file_kind]!r} of "
-                    f"kind {spec.file_kind!r} is not available ({error})."
+                    f"policy: {spec.spec!r}: the loader {POLICY_FILE_LOADERS[file_kind]!r} of "
+                    f"kind {file_kind!r} is not available ({error})."
                 ) from None
-        agent = _wrap_load_error(spec, lambda: loader(spec.path))
+        agent = _wrap_load_error(spec, lambda: loader(path))
         if not callable(getattr(agent, "act", None)):
             raise InputError(f"policy: {spec.spec!r}: the loader returned a {type(agent).__name__} without act().")
         return agent
@@ -322,13 +327,16 @@ def load_policy(spec: str, env: Any, *, seed: int | None = 0) -> Any:
     if parsed.is_sb3_file:
         from .agents.sb3_policy import load_sb3_policy
 
-        policy = _wrap_load_error(parsed, lambda: load_sb3_policy(parsed.path))
+        sb3_path = parsed.path
+        assert sb3_path is not None  # an sb3 / file spec carries its file
+        policy = _wrap_load_error(parsed, lambda: load_sb3_policy(sb3_path))
         check_policy_fits_env(policy, env, spec)
         return policy
     if parsed.kind == "file":
         agent = load_frame_agent(parsed)
         check_policy_fits_env(agent, env, spec)
         return FramePolicy(agent, spec)
+    assert parsed.path is not None and parsed.attribute is not None  # what is left is a factory spec
     factory = _import_attribute(parsed.path, parsed.attribute, spec)
     if not callable(factory):
         raise InputError(f"policy: {spec!r} is a {type(factory).__name__}, not a callable factory(env) -> policy.")
@@ -354,6 +362,7 @@ def _import_attribute(module_name: str, attribute: str, spec: str) -> Any:
         if not path.is_file():
             raise InputError(f"policy: file not found: {path} (in {spec!r}).")
         module_spec = importlib.util.spec_from_file_location(f"cosmos3_gym_policy_{path.stem}", path)
+        assert module_spec is not None and module_spec.loader is not None  # a .py file has a source loader
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:

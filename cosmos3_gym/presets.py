@@ -197,7 +197,8 @@ def resolve_request(request: Any, default_preset: str | Preset | None = None) ->
     """``request`` with its preset (else ``default_preset``) applied, unset fields filled (``UNSET_DEFAULTS``) and
     ``preset`` cleared."""
     preset = request.preset if request.preset is not None else default_preset
-    names, defaults = _field_defaults(type(request))
+    # a class is hashable; mypy does not match type objects to the Hashable protocol of functools.cache's wrapper
+    names, defaults = _field_defaults(type(request))  # type: ignore[arg-type]
     resolved = resolve_settings(preset, {name: getattr(request, name) for name in names}, defaults)
     return dataclasses.replace(request, **{**resolved, "preset": None})
 

@@ -25,7 +25,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -191,10 +191,10 @@ def _tensor_to_channels_last(tensor: torch.Tensor) -> np.ndarray:
 
     Shapes that fit both layouts are read channels-first, the torch convention.
     """
-    array = tensor.detach().cpu()
-    if array.is_floating_point():
-        array = array.float()  # numpy has no bfloat16
-    array = array.numpy()
+    host = tensor.detach().cpu()
+    if host.is_floating_point():
+        host = host.float()  # numpy has no bfloat16
+    array = host.numpy()
     channel_counts = (1, 3, 4)
     if array.ndim in (3, 4) and array.shape[-3] in channel_counts:
         return np.moveaxis(array, -3, -1)
@@ -428,8 +428,8 @@ def prepare_uint8_conditioning(
         np.stack(clips, out=levels.numpy())  # [B, T, H, W, 3]
         pixels = _uint8_to_pixels(levels.to(device, non_blocking=True)).permute(0, 4, 1, 2, 3)  # [B, 3, T, H, W]
         return list(_frames_on_canvas(_keep_frames(pixels, num_frames), layout).split(1))
-    pixels = [_uint8_to_pixels(torch.from_numpy(clip))[None].permute(0, 4, 1, 2, 3) for clip in clips]
-    return [_frames_on_canvas(_keep_frames(clip, num_frames), layout) for clip in pixels]
+    per_clip = [_uint8_to_pixels(torch.from_numpy(clip))[None].permute(0, 4, 1, 2, 3) for clip in clips]
+    return [_frames_on_canvas(_keep_frames(clip, num_frames), layout) for clip in per_clip]
 
 
 def _uint8_to_pixels(levels: torch.Tensor) -> torch.Tensor:
@@ -653,17 +653,27 @@ def prepare_action_chunk(actions: Any, chunk: int, raw_action_dim: int, action_d
     if rows.shape[1] != raw_action_dim:
         raise InputError(f"actions: expected {raw_action_dim} values per row (raw_action_dim), got {rows.shape[1]}.")
 
-    rows = torch.from_numpy(rows)
-    if rows.shape[0] < chunk:
-        rows = torch.cat([rows, rows[-1:].expand(chunk - rows.shape[0], -1)], dim=0)
-    rows = rows[:chunk]
-    return F.pad(rows, (0, action_dim - raw_action_dim))
+    padded = torch.from_numpy(rows)
+    if padded.shape[0] < chunk:
+        padded = torch.cat([padded, padded[-1:].expand(chunk - padded.shape[0], -1)], dim=0)
+    padded = padded[:chunk]
+    return F.pad(padded, (0, action_dim - raw_action_dim))
 
 
+@overload
+def flip_gripper(actions: np.ndarray) -> np.ndarray: ...
+@overload
+def flip_gripper(actions: torch.Tensor) -> torch.Tensor: ...
+@overload
+def flip_gripper(actions: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor: ...
 def flip_gripper(actions: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
     """A copy with the last channel (the gripper) mapped g -> 1 - g, PR49's ``flip_gripper`` and the native RoboLab
     server's convention change (the model's gripper is 1 - the robot's). Its own inverse."""
-    flipped = actions.clone() if isinstance(actions, torch.Tensor) else np.array(actions, dtype=np.float32)
+    if isinstance(actions, torch.Tensor):
+        cloned = actions.clone()
+        cloned[..., -1] = 1.0 - cloned[..., -1]
+        return cloned
+    flipped = np.array(actions, dtype=np.float32)
     flipped[..., -1] = 1.0 - flipped[..., -1]
     return flipped
 
@@ -803,6 +813,12 @@ class ActionStats:
             offset, scale = first, np.maximum(second - first, 1e-6)
         return cls(mode=mode, offset=offset, scale=scale, source=source)
 
+    @overload
+    def denormalize(self, actions: np.ndarray) -> np.ndarray: ...
+    @overload
+    def denormalize(self, actions: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def denormalize(self, actions: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor: ...
     def denormalize(self, actions: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """Normalised actions ``[..., D]`` -> raw units (same type, dtype and device as the input)."""
         offset, scale = self._as_operands(actions)
@@ -810,6 +826,12 @@ class ActionStats:
             return actions * scale + offset
         return (actions + 1.0) / 2.0 * scale + offset
 
+    @overload
+    def normalize(self, actions: np.ndarray) -> np.ndarray: ...
+    @overload
+    def normalize(self, actions: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def normalize(self, actions: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor: ...
     def normalize(self, actions: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """Raw actions ``[..., D]`` -> the model's normalised space (the inverse of ``denormalize``)."""
         offset, scale = self._as_operands(actions)
@@ -831,8 +853,8 @@ class ActionStats:
                 torch.as_tensor(self.offset, dtype=dtype, device=actions.device),
                 torch.as_tensor(self.scale, dtype=dtype, device=actions.device),
             )
-        dtype = actions.dtype if np.issubdtype(actions.dtype, np.floating) else np.float32
-        return self.offset.astype(dtype), self.scale.astype(dtype)
+        np_dtype = actions.dtype if np.issubdtype(actions.dtype, np.floating) else np.float32
+        return self.offset.astype(np_dtype), self.scale.astype(np_dtype)
 
 
 def _select_stats_block(document: dict, mode: str, source: str, dataset: str | None) -> dict:

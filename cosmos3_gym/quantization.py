@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -88,7 +89,7 @@ def fp8_linear_names(transformer: Cosmos3Transformer, layers: str = DEFAULT_FP8_
             module = block.get_submodule(name)
             # Sharded, the local shapes count. torch._scaled_mm needs both dimensions multiples of 16; torchao would
             # silently keep others in bf16.
-            out_features, in_features = module.weight.shape
+            out_features, in_features = cast(torch.Tensor, module.weight).shape  # Module.__getattr__: Tensor | Module
             fits = type(module) in (nn.Linear, RowParallelLinear) and in_features % 16 == 0 and out_features % 16 == 0
             if fits and policy.selects(i, num_layers, name):
                 names.append(f"gen_layers.{i}.{name}")

@@ -195,14 +195,14 @@ def _unipc_tables(
         # diffusers' R (rows r^(k-1), with r = [ratios..., 1]) and b (phi-function recursion).
         r_all = np.array(ratios + [1.0])
         r_matrix = np.stack([r_all ** (k - 1) for k in range(1, order + 1)])
-        b_vector = []
+        b_terms = []
         h_phi_k = h_phi_1 / hh - 1
         factorial = 1
         for k in range(1, order + 1):
-            b_vector.append(h_phi_k * factorial / b_h)
+            b_terms.append(h_phi_k * factorial / b_h)
             factorial *= k + 1
             h_phi_k = h_phi_k / hh - 1 / factorial
-        b_vector = np.array(b_vector)
+        b_vector = np.array(b_terms)
         if corrector:
             # diffusers fixes rho = 0.5 for a first-order corrector instead of solving.
             rhos = [0.5] if order == 1 else list(np.linalg.solve(r_matrix, b_vector))
@@ -342,6 +342,7 @@ class FlowUniPCSampler:
         x0 = sample - self._per_item(self._x0_sigma[i], sample) * velocity.float()
 
         if self._corrector.order[i] > 0:
+            assert self._last_sample is not None  # no corrector at step 0; later steps follow a predictor
             sample = self._update(self._corrector, i, self._last_sample, new_x0=x0)
         self._x0_history = (self._x0_history + [x0])[-self._solver_order :]
         self._last_sample = sample

@@ -57,7 +57,7 @@ TINY_VAE_CONFIG: dict[str, Any] = {
 TINY_SCHEDULER_CONFIG: dict[str, Any] = POLICY_SCHEDULER_CONFIG
 
 
-def _check_override_keys(overrides: Mapping[str, Any], cls: type, field: str) -> None:
+def _check_override_keys(overrides: Mapping[str, Any], cls: type[Any], field: str) -> None:
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
     unknown = sorted(set(overrides) - accepted)
     if unknown:
@@ -101,7 +101,11 @@ def build_tiny_checkpoint(
     ``num_hidden_layers=3, hidden_act="relu2"``); ``vae_overrides`` / ``scheduler_overrides`` update the VAE and
     scheduler configs. ``path`` must not exist or be an empty directory.
     """
-    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
+    # From their modules: mypy reads the top-level names as diffusers' dummy (no-torch) placeholders.
+    from diffusers import UniPCMultistepScheduler
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import Cosmos3OmniPipeline
 
     path = Path(path).expanduser()
     if path.exists() and (not path.is_dir() or any(path.iterdir())):

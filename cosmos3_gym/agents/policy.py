@@ -70,17 +70,17 @@ class PolicyAgent(EngineAgent):
         items = list(observation) if isinstance(observation, (list, tuple)) else [observation]
         histories = []
         for item in items if len(items) == len(images) else [None] * len(images):
-            rows = None
+            found = None
             if isinstance(item, Mapping):
-                rows = item.get("state")
-                if rows is None:
-                    rows = presets.robolab_state(item, self.action_history_length)
-            if rows is None:
+                found = item.get("state")
+                if found is None:
+                    found = presets.robolab_state(item, self.action_history_length)
+            if found is None:
                 raise InputError(
                     f"state: the checkpoint conditions on {self.action_history_length} state row(s); pass "
                     "act(obs, state=...) or a dict observation with 'state' (or the RoboLab joint/gripper keys)"
                 )
-            histories.append(rows)
+            histories.append(found)
         return histories
 
     __call__ = act

@@ -17,10 +17,10 @@ Differences from diffusers' packed single-sample implementation, all numerically
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,9 @@ import torch.nn.functional as F
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
 from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ..parallel.tensor_parallel import RowParallelLinear
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ class MLP(nn.Module):
         self.gated = act == "silu"
         self.intermediate = intermediate
         self.gate_up = nn.Linear(hidden, intermediate * (2 if self.gated else 1), bias=bias)
-        self.down = nn.Linear(intermediate, hidden, bias=bias)
+        self.down: nn.Linear | RowParallelLinear = nn.Linear(intermediate, hidden, bias=bias)  # row-parallel under tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.activation(x))
@@ -165,7 +168,8 @@ class Attention(nn.Module):
         nemotron = cfg.hidden_act == "relu2"
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
-        self.out = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        # row-parallel under tensor parallelism (parallel.tensor_parallel)
+        self.out: nn.Linear | RowParallelLinear = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, nemotron) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, nemotron) if qk_norm else nn.Identity()
         # Only for checkpoints without text qk-norm: the UND keys get a separate norm before the GEN tower sees them.
@@ -323,6 +327,9 @@ class Cosmos3RotaryEmbedding(nn.Module):
     """Interleaved mRoPE: frequency slot j rotates with the t, h or w position id, in the pattern t,h,w,t,h,w,...
     for the first 3*h (h) / 3*w (w) slots, t elsewhere (Qwen3-VL layout, as diffusers' ``apply_interleaved_mrope``)."""
 
+    inv_freq: torch.Tensor  # buffers (register_buffer)
+    slot_axis: torch.Tensor
+
     def __init__(self, cfg: Cosmos3TransformerConfig):
         super().__init__()
         dim = cfg.head_dim
@@ -406,6 +413,7 @@ class Cosmos3Transformer(nn.Module):
         self.time_proj = Timesteps(num_channels=256, flip_sin_to_cos=True, downscale_freq_shift=0)
         self.time_embedder = TimestepEmbedding(in_channels=256, time_embed_dim=c.hidden_size)
         if c.action_gen:
+            assert c.action_dim is not None  # validate(): action_gen needs action_dim
             self.action_proj_in = DomainAwareLinear(c.action_dim, c.hidden_size, c.num_embodiment_domains)
             self.action_proj_out = DomainAwareLinear(c.hidden_size, c.action_dim, c.num_embodiment_domains)
             self.action_modality_embed = nn.Parameter(torch.zeros(c.hidden_size))
@@ -491,7 +499,7 @@ class Cosmos3Transformer(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         keys, values = [], []
         last = len(self.text_layers) - 1
-        for i, layer in enumerate(self.text_layers):
+        for i, layer in enumerate(cast("Sequence[DecoderBlock]", self.text_layers)):
             # The last layer's output feeds only the (unused) LM head: its K/V are all the GEN tower needs.
             x, k, v = layer.text_forward(x, cos, sin, kv_only=i == last)
             keys.append(k)
@@ -593,11 +601,12 @@ class Cosmos3Transformer(nn.Module):
         # Clean tokens get no timestep embedding at all (not a t=0 one), as in diffusers' scatter_add.
         tokens = [torch.where(video_token_noisy, video_tokens + temb, video_tokens)]
         if layout.chunk:
+            assert actions is not None and action_noisy is not None  # a layout with actions: they are given
             action_tokens = self.action_proj_in(actions.to(dtype), domain_ids) + self.action_modality_embed
             tokens.append(torch.where(action_noisy[..., None], action_tokens + temb, action_tokens))
         x = torch.cat(tokens, dim=1) if len(tokens) > 1 else tokens[0]
 
-        for layer, k, v in zip(self.gen_layers, text.keys, text.values):
+        for layer, k, v in zip(cast("Sequence[DecoderBlock]", self.gen_layers), text.keys, text.values):
             x = layer.gen_forward(x, layout.cos, layout.sin, k, v, layout.length_groups)
         x = self.gen_norm(x)
 
@@ -606,6 +615,7 @@ class Cosmos3Transformer(nn.Module):
         video_velocity = video_velocity * video_noisy[:, None, :, None, None]
         action_velocity = None
         if layout.chunk:
+            assert action_noisy is not None
             action_velocity = self.action_proj_out(x[:, n_video:], domain_ids).float()
             action_velocity = action_velocity * action_noisy[..., None]
         return video_velocity, action_velocity

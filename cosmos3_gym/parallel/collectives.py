@@ -54,7 +54,7 @@ def run_on_every_rank(fn, parallel: ParallelContext):
     failed = torch.tensor([int(error is not None)], device=parallel.device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
-        reports = [None] * dist.get_world_size()
+        reports: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, None if error is None else (isinstance(error, InputError), str(error)))
         if error is not None:
             raise error
@@ -74,6 +74,7 @@ def gather_dp_results(local_results: list, num_requests: int, parallel: Parallel
     dist.all_gather_object(shares, local_results, group=parallel.group("dp"))
     results: list = [None] * num_requests
     for replica, replica_results in enumerate(shares):
+        assert replica_results is not None  # all_gather_object filled every replica's share
         for i, result in zip(range(replica, num_requests, dp), replica_results):
             results[i] = result
     return results

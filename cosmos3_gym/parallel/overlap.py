@@ -2,11 +2,11 @@
 ``apply_tensor_parallel``.
 
 At tp=4 on the full Nano shape the GEN forward's 72 all-reduces of one [tokens, hidden] activation run alone for
-about a third of the forward (benchmarks/results/parallel_gpu_world4_graphs_symm.json). Each sharded GEN layer here
-runs the tokens after attention in ``chunks`` row blocks: the attention output projection of every block is issued
-back to back, each block's all-reduce starting as soon as its GEMM is done, and then block i's residual, norm and
-gate/up GEMM run while block i+1's sum is still travelling, and block i's MLP sum travels while block i+1's MLP
-computes. Attention needs every token and runs whole. Only the last block's MLP sum waits alone.
+about a third of the forward (benchmarks/results/parallel/parallel_gpu_world4_graphs_symm.json). Each sharded GEN
+layer here runs the tokens after attention in ``chunks`` row blocks: the attention output projection of every block
+is issued back to back, each block's all-reduce starting as soon as its GEMM is done, and then block i's residual,
+norm and gate/up GEMM run while block i+1's sum is still travelling, and block i's MLP sum travels while block i+1's
+MLP computes. Attention needs every token and runs whole. Only the last block's MLP sum waits alone.
 
 With ``all_reduce="symm_mem"`` the sums run on a second CUDA stream with PyTorch's two-shot kernel, which takes 24
 of the GPU's SMs and leaves the rest to the GEMMs; with NCCL (and gloo on CPU) they are async collectives. The math
@@ -18,6 +18,9 @@ block): torch.compile would have to trace the stream switches. It is meant to be
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -31,13 +34,15 @@ def overlap_communication(model: Cosmos3Transformer, chunks: int = 2) -> Cosmos3
     blocks (module docstring). Call after ``apply_tensor_parallel`` and before ``compile_blocks``.
 
     Keeping SMs out of the overlapped GEMMs (cuBLAS' SM count target) was measured and did not help (commit 8280af9,
-    benchmarks/results/parallel_gpu_world4_overlap_carveout.json)."""
+    benchmarks/results/parallel/parallel_gpu_world4_overlap_carveout.json)."""
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 2:
         raise InputError(f"overlap chunks: expected an integer >= 2, got {chunks!r}")
-    if not all(isinstance(layer.mlp.down, RowParallelLinear) for layer in model.gen_layers):
+    layers = cast("Sequence[DecoderBlock]", model.gen_layers)
+    if not all(isinstance(layer.mlp.down, RowParallelLinear) for layer in layers):
         raise InputError("overlap: the model is not tensor-parallel; call apply_tensor_parallel(model, group) first")
-    for layer in model.gen_layers:
-        layer.gen_forward = OverlappedGenForward(layer, chunks)
+    for layer in layers:
+        # An instance attribute shadows the method; setattr: mypy rejects assigning to a method (method-assign).
+        setattr(layer, "gen_forward", OverlappedGenForward(layer, chunks))  # noqa: B010
     return model
 
 

@@ -26,13 +26,18 @@ and gathers it over NVLink loads and stores (benchmarks/allreduce_gpu.py measure
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast, overload
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import InputError
-from ..models.transformer import MLP, Attention, Cosmos3Transformer, Cosmos3TransformerConfig
+from ..models.transformer import MLP, Attention, Cosmos3Transformer, Cosmos3TransformerConfig, DecoderBlock
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 ALL_REDUCES = ("nccl", "symm_mem")
 
@@ -51,7 +56,7 @@ def _symm_buffer(group_name: str, numel: int, dtype: torch.dtype, device: torch.
 
         capacity = max(numel, 2 * buffers[-1].numel() if buffers else 0)
         buffer = symm_mem.empty(capacity, dtype=dtype, device=device)
-        symm_mem.rendezvous(buffer, group_name)
+        symm_mem.rendezvous(buffer, cast("GroupName", group_name))  # a GroupName is a str (NewType)
         buffers.append(buffer)
     return buffers[-1][:numel]
 
@@ -124,7 +129,7 @@ class RowParallelLinear(nn.Module):
         check_all_reduce(all_reduce, self.weight.device)
         self.all_reduce = all_reduce
         # A plain string for the compiled graphs (dynamo treats it as a constant; the group object is opaque to it).
-        self.group_name = self.group.group_name if all_reduce == "symm_mem" else None
+        self.group_name: str | None = self.group.group_name if all_reduce == "symm_mem" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.all_reduce == "symm_mem":
@@ -143,6 +148,7 @@ class RowParallelLinear(nn.Module):
                 # High priority: the collective's blocks are scheduled ahead of the waiting GEMM blocks.
                 _COMM_STREAMS[x.device] = torch.cuda.Stream(x.device, priority=-1)
             comm = _COMM_STREAMS[x.device]
+            assert self.group_name is not None  # set with all_reduce="symm_mem"
             out = _linear_two_shot(x, self.weight, self.group_name, slot, stream=comm)
             done = torch.cuda.Event()
             done.record(comm)
@@ -199,7 +205,7 @@ def apply_tensor_parallel(
     check_tensor_parallel(model.config, tp)
     if tp == 1:
         return model
-    for layer in list(model.text_layers) + list(model.gen_layers):
+    for layer in cast("list[DecoderBlock]", list(model.text_layers) + list(model.gen_layers)):
         _shard_attention(layer.attn, tp, rank, tp_group, all_reduce)
         _shard_mlp(layer.mlp, tp, rank, tp_group, all_reduce)
     return model
@@ -212,6 +218,10 @@ def check_all_reduce(all_reduce: str, device: torch.device) -> None:
         raise InputError(f"all_reduce: 'symm_mem' needs the model on a CUDA device, it is on {device}")
 
 
+@overload
+def _rows(t: torch.Tensor, sizes: list[int], tp: int, rank: int) -> torch.Tensor: ...
+@overload
+def _rows(t: torch.Tensor | None, sizes: list[int], tp: int, rank: int) -> torch.Tensor | None: ...
 def _rows(t: torch.Tensor | None, sizes: list[int], tp: int, rank: int) -> torch.Tensor | None:
     """Split ``t`` along dim 0 into consecutive blocks of ``sizes`` (e.g. q, k, v), take this rank's 1/tp of each
     block and concatenate them: the rank-major layout of a fused column-parallel weight."""

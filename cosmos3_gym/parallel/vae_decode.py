@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -122,6 +123,26 @@ def plan_tiles(n: int, latent_h: int, latent_w: int) -> TilePlan:
 
 
 @torch.no_grad()
+@overload
+def decode_tile_parallel(
+    vae: Cosmos3VAE,
+    latents: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    halo: int = ...,
+    output: Literal["all"] = ...,
+    *,
+    exact: bool = ...,
+) -> torch.Tensor: ...
+@overload
+def decode_tile_parallel(
+    vae: Cosmos3VAE,
+    latents: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    halo: int = ...,
+    output: str = ...,
+    *,
+    exact: bool = ...,
+) -> torch.Tensor | None: ...
 def decode_tile_parallel(
     vae: Cosmos3VAE,
     latents: torch.Tensor,
@@ -165,8 +186,7 @@ def decode_tile_parallel(
         failure = error
         meta[0] = _STATUS_FAILED
 
-    metas = _all_gather(meta.to(latents.device), group)
-    metas = torch.stack(metas).cpu()
+    metas = torch.stack(_all_gather(meta.to(latents.device), group)).cpu()
     failed = [r for r in range(n) if metas[r, 0] == _STATUS_FAILED]
     if failure is not None:
         raise failure
@@ -186,10 +206,11 @@ def decode_tile_parallel(
 
     if output == "rank0":
         destination = dist.get_global_rank(group, 0)
-        gathered = [torch.empty_like(padded) for _ in range(n)] if rank == 0 else None
-        dist.gather(padded, gathered, dst=destination, group=group)
-        if rank != 0:
+        to_rank0 = [torch.empty_like(padded) for _ in range(n)] if rank == 0 else None
+        dist.gather(padded, to_rank0, dst=destination, group=group)
+        if to_rank0 is None:  # rank != 0
             return None
+        gathered = to_rank0
     else:
         gathered = _all_gather(padded, group)
 
@@ -318,26 +339,32 @@ class _HaloExchange:
         frame_h, frame_w = self.plan.row_bounds[-1][1] * s, self.plan.col_bounds[-1][1] * s
         frame = x.new_empty(*x.shape[:-2], frame_h, frame_w)
         for tile in range(self.plan.num_tiles):
-            y0, y1, x0, x1 = (bound * s for bound in self.plan.bounds(tile))
+            bounds = self.plan.bounds(tile)
+            assert bounds is not None  # every tile of the grid has bounds
+            y0, y1, x0, x1 = (bound * s for bound in bounds)
             frame[..., y0:y1, x0:x1] = tiles[tile][..., : y1 - y0, : x1 - x0]
         return frame
 
     def crop(self, frame: torch.Tensor, s: int) -> torch.Tensor:
         """This rank's tile of a whole frame at scale ``s``."""
+        assert self.core is not None  # only a rank with a tile crops
         y0, y1, x0, x1 = (bound * s for bound in self.core)
         return frame[..., y0:y1, x0:x1]
 
     @contextlib.contextmanager
     def installed(self, decoder: torch.nn.Module) -> Iterator[None]:
         """Route the decoder's spatially padded convolutions and its attention through this exchange."""
-        replacements = {}
+        replacements: dict[torch.nn.Module, Callable[..., torch.Tensor]] = {}
         for module in decoder.modules():
-            if isinstance(module, WanCausalConv3d) and module._padding[0] > 0:
+            # diffusers sets ``_padding`` to ints; nn.Conv3d's ``padding`` (str | tuple) types its items as str | int
+            if isinstance(module, WanCausalConv3d) and cast(int, module._padding[0]) > 0:
                 replacements[module] = self._causal_conv3d_forward(module)
             elif isinstance(module, WanAttentionBlock):
                 replacements[module] = self._attention_forward(module)
             elif isinstance(module, WanResample) and module.mode in ("upsample2d", "upsample3d"):
-                replacements[module.resample[-1]] = self._conv2d_forward(module.resample[-1])
+                conv = module.resample[-1]
+                assert isinstance(conv, torch.nn.Conv2d)  # diffusers' upsample: Sequential(WanUpsample, Conv2d)
+                replacements[conv] = self._conv2d_forward(conv)
         for module, forward in replacements.items():
             module.forward = forward  # an instance attribute shadows the class's forward
         try:

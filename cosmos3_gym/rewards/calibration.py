@@ -123,6 +123,7 @@ def calibrate_success_threshold(
             raise InputError(f"successes: {reason}")
         threshold = float(fallback)
     else:
+        assert fit is not None  # no reason: there were frames to fit on
         threshold = fit_success_threshold(*fit, thresholds)["threshold"]
     result: dict[str, Any] = {
         "success_threshold": threshold,

@@ -60,13 +60,13 @@ class GoalImageRewardModel:
         self.scale = float(scale)
         self.vae = vae if space == "latent" else None
         self.name = name or f"goal_image(space={space})"
+        height, width = goal_image.shape[-2:]
         if space == "latent":
             grid = vae.spatial_compression
-            height, width = goal_image.shape[-2:]
             self.size = (max(grid, height // grid * grid), max(grid, width // grid * grid))
             goal_target = self._encode(_resize(goal_image, self.size))
         else:
-            self.size = tuple(goal_image.shape[-2:])
+            self.size = (height, width)
             goal_target = goal_image
         self.goal = goal_target.to(device)  # [1, 3, H, W] pixels or [1, C * h * w] latents
 
@@ -90,8 +90,10 @@ class GoalImageRewardModel:
 
     def _encode(self, images: torch.Tensor) -> torch.Tensor:
         """Images ``[N, 3, H, W]`` in [0, 1] -> flattened VAE latents ``[N, C * h * w]`` (one latent frame each)."""
-        vae_device = self.vae.latents_mean.device
-        latents = self.vae.encode((images * 2.0 - 1.0)[:, :, None].to(vae_device))
+        vae = self.vae
+        assert vae is not None  # only the latent space encodes
+        vae_device = vae.latents_mean.device
+        latents = vae.encode((images * 2.0 - 1.0)[:, :, None].to(vae_device))
         return latents.flatten(1).float()
 
 

@@ -175,6 +175,7 @@ def resolve_reward_model(spec: Any, device: torch.device | str = "cpu", *, vae: 
 
 
 def _parse(text: str, device: torch.device, vae: Any) -> RewardModelSpec:
+    argument: str | None
     head, colon, argument = text.partition(":")
     query = None
     if not colon:

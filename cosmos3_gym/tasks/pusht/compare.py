@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from ...errors import InputError
 from ...policy_specs import PolicySpec, load_frame_agent, parse_policy_specs
 from ...statistics import check_confidence, mean_interval, wilson_interval
 from . import episodes as pusht
+from .sim import drawn
 
 __all__ = [
     "PolicyRun",
@@ -103,10 +104,10 @@ def ssim(reference: np.ndarray, estimate: np.ndarray) -> float:
     return float(index.mean())
 
 
-def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+def pearson(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
     """Pearson correlation; NaN when either side is constant (no correlation is defined)."""
-    x, y = _pair(x, y)
-    dx, dy = x - x.mean(), y - y.mean()
+    a, b = _pair(x, y)
+    dx, dy = a - a.mean(), b - b.mean()
     denominator = math.sqrt(float((dx * dx).sum() * (dy * dy).sum()))
     return float((dx * dy).sum() / denominator) if denominator > 0 else math.nan
 
@@ -122,27 +123,27 @@ def _ranks(values: np.ndarray) -> np.ndarray:
     return ranks
 
 
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+def spearman(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
     """Spearman rank correlation: Pearson of the (tie-averaged) ranks."""
-    x, y = _pair(x, y)
-    return pearson(_ranks(x), _ranks(y))
+    a, b = _pair(x, y)
+    return pearson(_ranks(a), _ranks(b))
 
 
-def mmrv(predicted: Sequence[float], real: Sequence[float]) -> float:
+def mmrv(predicted: Sequence[float] | np.ndarray, real: Sequence[float] | np.ndarray) -> float:
     """SIMPLER's mean maximum rank violation of the ``predicted`` scores against the ``real`` ones (0 is perfect)."""
-    predicted, real = _pair(predicted, real)
-    opposite = (predicted[:, None] < predicted[None, :]) != (real[:, None] < real[None, :])
-    violation = opposite * np.abs(real[:, None] - real[None, :])
+    guess, truth = _pair(predicted, real)
+    opposite = (guess[:, None] < guess[None, :]) != (truth[:, None] < truth[None, :])
+    violation = opposite * np.abs(truth[:, None] - truth[None, :])
     return float(violation.max(axis=1).mean())
 
 
-def _pair(x: Sequence[float], y: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if x.ndim != 1 or x.shape != y.shape or len(x) < 2:
+def _pair(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if a.ndim != 1 or a.shape != b.shape or len(a) < 2:
         raise InputError(
-            f"scores: expected two 1-D sequences of the same length >= 2, got {list(x.shape)} and {list(y.shape)}"
+            f"scores: expected two 1-D sequences of the same length >= 2, got {list(a.shape)} and {list(b.shape)}"
         )
-    return x, y
+    return a, b
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,7 +174,7 @@ def simulate_policy(
     if callable(getattr(agent, "start_episodes", None)):
         agent.start_episodes()  # a stateful frame agent (scripted-frames) starts new episodes
     try:
-        frames = np.stack([sim.reset(s) for sim, s in zip(sims, sim_seeds)])
+        frames = np.stack([drawn(sim.reset(s)) for sim, s in zip(sims, sim_seeds)])
         starts = frames.copy()
         coverage = [[sim.coverage] for sim in sims]
         rng = np.random.default_rng(seed)
@@ -248,7 +249,9 @@ def compare_policies(
         raise InputError(f"vector_env: expected {slots} slots (policies x starts), got {vector_env.num_envs}")
     chunk = vector_env.single_action_space.shape[0]
     image_size = tuple(vector_env.single_observation_space["image"].shape[:2])
-    agents = [_frame_policy_agent(run, make_agent, chunk, stats, seed) if run.acts_on_frames else None for run in runs]
+    agents: list[Any] = [
+        _frame_policy_agent(run, make_agent, chunk, stats, seed) if run.acts_on_frames else None for run in runs
+    ]
 
     simulated = [
         simulate_policy(run, sim_seeds, num_chunks, chunk, image_size, stats, agent, seed)
@@ -257,29 +260,30 @@ def compare_policies(
     starts = np.concatenate([frames for frames, _, _ in simulated])
     replayed = np.concatenate([actions for _, actions, _ in simulated])
 
-    scorers = {None: score_frames, **dict(extra_scores or {})}  # None: the first scorer's key (no name clash)
+    scorers: dict[str | None, Callable[[np.ndarray], np.ndarray]] = {None: score_frames}  # None: the first scorer's
+    scorers.update(extra_scores or {})  # key (no name clash)
     vector_env.reset(seed=seed, options={"frames": list(starts)})
     for agent in agents:
         if callable(getattr(agent, "start_episodes", None)):
             agent.start_episodes()  # the world model's episodes start afresh, as the simulator's did
     frames = starts
-    predicted = {name: [scorer(starts)] for name, scorer in scorers.items()}
+    history = {name: [scorer(starts)] for name, scorer in scorers.items()}
     for k in range(num_chunks):
         actions = replayed[:, k].copy()
         for index, agent in enumerate(agents):
             if agent is not None:  # closed loop: it acts on the world model's own frames of its slots
-                slots = slice(index * len(sim_seeds), (index + 1) * len(sim_seeds))
-                actions[slots] = np.clip(agent.act(frames[slots]), -1.0, 1.0)
+                rows = slice(index * len(sim_seeds), (index + 1) * len(sim_seeds))
+                actions[rows] = np.clip(agent.act(frames[rows]), -1.0, 1.0)
         generated = np.asarray(vector_env.step(actions)[-1]["frames"])
         frames = generated[:, -1]
         for name, scorer in scorers.items():
-            predicted[name].append(scorer(frames))
+            history[name].append(scorer(frames))
     predicted = {
         name: np.stack(scores, axis=1).reshape(len(runs), len(sim_seeds), num_chunks + 1)
-        for name, scores in predicted.items()
+        for name, scores in history.items()
     }
 
-    per_policy = {}
+    per_policy: dict[str, dict[str, Any]] = {}
     for index, (run, (_, _, coverage)) in enumerate(zip(runs, simulated)):
         per_policy[run.spec] = {
             "world_model": _scores(predicted[None][index], confidence, success_threshold),
@@ -294,7 +298,7 @@ def compare_policies(
             }
     real = np.array([entry["simulator"]["final_coverage"] for entry in per_policy.values()])
     guess = np.array([entry["world_model"]["final_coverage"] for entry in per_policy.values()])
-    result = {
+    result: dict[str, Any] = {
         "policies": per_policy,
         "num_starts": len(sim_seeds),
         "num_chunks": num_chunks,
@@ -479,7 +483,7 @@ def real_episode_scores(coverage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (gym-pusht's termination); its final coverage is the coverage where it ended."""
     coverage = np.asarray(coverage, dtype=np.float64)
     passed = coverage > pusht.SUCCESS_COVERAGE
-    success = passed.any(axis=1)
+    success = cast(np.ndarray, passed.any(axis=1))  # [N] (numpy's stubs: a bool or an array)
     end = np.where(success, passed.argmax(axis=1), coverage.shape[1] - 1)
     return success, coverage[np.arange(len(coverage)), end]
 

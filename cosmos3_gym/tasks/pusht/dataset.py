@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import sys
 import zipfile
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -258,6 +259,7 @@ def _simulate_and_write(job) -> dict[str, Any]:
     sim = _worker_sim(image_size, render_every_step=True)
     sim_seed = int(rng.integers(2**31))
     extra: dict[str, np.ndarray] = {}
+    policy: Callable[[np.ndarray, np.ndarray], np.ndarray]
     if family == "random":
         policy, name = RandomWaypoints(rng), "random"
     elif family == "uniform":

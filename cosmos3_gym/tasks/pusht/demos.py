@@ -32,7 +32,7 @@ from ...data.initial_states import resize_frame
 from ...errors import InputError
 from .geometry import SUCCESS_COVERAGE, TABLE_SIZE
 from .policies import ScriptedPusher
-from .sim import PushTSim, require_gym_pusht
+from .sim import PushTSim, drawn, require_gym_pusht
 
 __all__ = ["generate_demonstrations"]
 
@@ -43,15 +43,16 @@ def _demonstrate(job) -> dict[str, Any]:
     try:
         pusher = ScriptedPusher(np.random.default_rng([seed, 1]), noise=noise)
         perturbation = np.random.default_rng([seed, 2])
-        frame = sim.reset(seed)
-        frames, states, actions = [resize_frame(frame, observation_size)], [sim.sim_state], []
+        frame = drawn(sim.reset(seed))
+        frames, states = [resize_frame(frame, observation_size)], [sim.sim_state]
+        actions: list[np.ndarray] = []
         success = sim.coverage > SUCCESS_COVERAGE
         while not success and len(actions) < max_steps:
             actions.append(pusher(sim.agent_xy, sim.block_pose))
             executed = actions[-1]
             if execution_noise:
                 executed = np.clip(executed + perturbation.normal(0.0, execution_noise, 2), 0.0, TABLE_SIZE)
-            frame = sim.step(executed)
+            frame = drawn(sim.step(executed))
             frames.append(resize_frame(frame, observation_size))
             states.append(sim.sim_state)
             success = sim.coverage > SUCCESS_COVERAGE

@@ -89,6 +89,7 @@ from .sim import (  # noqa: F401  (re-exported)
     SIM_STATE_FIELDS,
     PushTSim,
     _check_image_size,
+    drawn,
     has_gym_pusht,
     require_gym_pusht,
     rollout_episode,
@@ -168,13 +169,13 @@ def _simulator_and_model(env, seed: int, num_chunks: int) -> tuple[dict[str, Any
     sim = PushTSim(env.image_size)
     try:
         pusher = ScriptedPusher(np.random.default_rng(seed))
-        sim_frames = [sim.reset(seed)]
+        sim_frames = [drawn(sim.reset(seed))]
         chunks = []
         for _ in range(num_chunks):
-            actions = []
+            actions: list[np.ndarray] = []
             for _ in range(chunk):
                 actions.append(pusher(sim.agent_xy, sim.block_pose))
-                sim_frames.append(sim.step(actions[-1]))
+                sim_frames.append(drawn(sim.step(actions[-1])))
             chunks.append(np.stack(actions))
         final_coverage = sim.coverage
     finally:
@@ -182,20 +183,20 @@ def _simulator_and_model(env, seed: int, num_chunks: int) -> tuple[dict[str, Any
 
     env.reset(seed=seed, options={"frames": sim_frames[0], "task": TASK})
     model_frames = [env.render()]
-    for actions in chunks:
-        normalised = np.clip(env.action_stats.normalize(actions.astype(np.float32)), -1.0, 1.0)
+    for chunk_actions in chunks:
+        normalised = np.clip(env.action_stats.normalize(chunk_actions.astype(np.float32)), -1.0, 1.0)
         info = env.step(normalised)[-1]
         model_frames.extend(info["frames"])
-    sim_frames, model_frames = np.stack(sim_frames), np.stack(model_frames)
+    sim_video, model_video = np.stack(sim_frames), np.stack(model_frames)
     psnr_per_chunk = [
-        psnr(sim_frames[1 + k * chunk : 1 + (k + 1) * chunk], model_frames[1 + k * chunk : 1 + (k + 1) * chunk])
+        psnr(sim_video[1 + k * chunk : 1 + (k + 1) * chunk], model_video[1 + k * chunk : 1 + (k + 1) * chunk])
         for k in range(num_chunks)
     ]
     result = {"mode": "side_by_side", "psnr_per_chunk": psnr_per_chunk, "final_sim_coverage": final_coverage}
     return result, np.stack(
         [
             np.concatenate([_label(a, "simulator"), _gap(a), _label(b, "world model")], axis=1)
-            for a, b in zip(sim_frames, model_frames)
+            for a, b in zip(sim_video, model_video)
         ]
     )
 

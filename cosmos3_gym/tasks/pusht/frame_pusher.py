@@ -21,7 +21,7 @@ it plans from the imagined state, and its plan goes wrong where the imagined sta
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from ...errors import InputError
 from .geometry import TABLE_SIZE
 from .policies import ScriptedPusher, plan_chunk_in_physics
 from .readoff import read_state
+
+if TYPE_CHECKING:
+    from .sim import PushTSim
 
 __all__ = ["FrameScriptedPusher"]
 
@@ -58,7 +61,7 @@ class FrameScriptedPusher:
             raise InputError(f"planner: expected one of {list(self.PLANNERS)}, got {planner!r}.")
         self.noise, self.chunk, self.action_stats, self.seed = float(noise), chunk, action_stats, seed
         self.planner = planner
-        self._physics = None  # planner="physics": the private gym-pusht simulator, made on first use
+        self._physics: PushTSim | None = None  # planner="physics": the private gym-pusht simulator, made on first use
         self._pushers: list[ScriptedPusher] = []
         self._last_targets: np.ndarray | None = None
         self._velocities: np.ndarray | None = None  # the agent's, as predicted at the end of the last chunk
@@ -84,17 +87,17 @@ class FrameScriptedPusher:
         agents, poses, found = read_state(frames)
         targets = np.empty((count, self.chunk, 2), np.float64)
         for slot in range(count):
-            position = agents[slot] if np.isfinite(agents[slot]).all() else self._last_targets[slot]
+            last_targets, velocities = self._last_targets, self._velocities
+            assert last_targets is not None and velocities is not None  # set with this batch's pushers
+            position = agents[slot] if np.isfinite(agents[slot]).all() else last_targets[slot]
             if found[slot] and self.planner == "physics":
                 velocity = self._plan_in_physics(
-                    self._pushers[slot], position, self._velocities[slot], poses[slot], targets[slot]
+                    self._pushers[slot], position, velocities[slot], poses[slot], targets[slot]
                 )
             else:  # the controller plan; with no block found, the agent is held where it is
                 pusher = self._pushers[slot] if found[slot] else None
-                velocity = self._plan_with_controller(
-                    pusher, position, self._velocities[slot], poses[slot], targets[slot]
-                )
-            self._last_targets[slot], self._velocities[slot] = targets[slot, -1], velocity
+                velocity = self._plan_with_controller(pusher, position, velocities[slot], poses[slot], targets[slot])
+            last_targets[slot], velocities[slot] = targets[slot, -1], velocity
         return np.clip(np.asarray(self.action_stats.normalize(targets), np.float32), -1.0, 1.0)
 
     def _plan_with_controller(

@@ -54,17 +54,17 @@ def rotation(angle: float) -> np.ndarray:
     return np.array([[cos, -sin], [sin, cos]])
 
 
-def tee_outline(pose: Sequence[float]) -> np.ndarray:
+def tee_outline(pose: Sequence[float] | np.ndarray) -> np.ndarray:
     """The T's outline ``[8, 2]`` in table pixels for a block pose ``(x, y, angle)`` (gym-pusht's ``block_pose``)."""
     return np.asarray(pose[:2], float) + TEE_OUTLINE @ rotation(pose[2]).T
 
 
-def tee_center(pose: Sequence[float]) -> np.ndarray:
+def tee_center(pose: Sequence[float] | np.ndarray) -> np.ndarray:
     """Where the T's center of gravity is for a block pose: the point it turns about."""
     return np.asarray(pose[:2], float) + rotation(pose[2]) @ TEE_CENTER_OF_GRAVITY
 
 
-def contact_candidates(pose: Sequence[float], spacing: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
+def contact_candidates(pose: Sequence[float] | np.ndarray, spacing: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
     """Points along the T's outline and their outward unit normals, ``([N, 2], [N, 2])``, in table pixels.
 
     Each edge is cut into pieces about ``spacing`` long and a point sits at the middle of each piece; the count and

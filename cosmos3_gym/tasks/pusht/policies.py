@@ -7,7 +7,9 @@ the data also holds the states such policies visit (DAgger-style)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -205,10 +207,10 @@ class ChunkedFramePolicy:
     frame (``render()``), samples a chunk (``deterministic=False``: the policy's own Gaussian exploration) and maps
     it to table pixels with ``denormalize``, clipped to the table, as the env does."""
 
-    policy: object
-    render: object  # () -> uint8 [H, W, 3], the simulator's current frame
-    denormalize: object  # normalised [chunk, 2] -> table pixels
-    generator: object  # torch.Generator of this episode's samples
+    policy: Any
+    render: Callable[[], np.ndarray]  # () -> uint8 [H, W, 3], the simulator's current frame
+    denormalize: Callable[[np.ndarray], np.ndarray]  # normalised [chunk, 2] -> table pixels
+    generator: Any  # torch.Generator of this episode's samples
     deterministic: bool = False
 
     def __post_init__(self):

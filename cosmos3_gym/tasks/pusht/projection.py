@@ -17,7 +17,7 @@ visible on one frame: the re-drawn frame, like every frame, carries none. Needs 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -64,9 +64,10 @@ class RigidBlockProjection:
 
     def render(self, states: np.ndarray, image_size: tuple[int, int]) -> np.ndarray:
         """gym-pusht's frames uint8 ``[N, H, W, 3]`` of ``states [N, 5]`` (as ``read_state``), at rest."""
-        sim = self._sims.get(tuple(image_size))
+        size = cast("tuple[int, int]", tuple(image_size))
+        sim = self._sims.get(size)
         if sim is None:
-            sim = self._sims[tuple(image_size)] = PushTSim(tuple(image_size), render_every_step=False)
+            sim = self._sims[size] = PushTSim(size, render_every_step=False)
         frames = []
         for agent_x, agent_y, block_x, block_y, angle in np.asarray(states, np.float64):
             state = dict.fromkeys(SIM_STATE_FIELDS, 0.0)

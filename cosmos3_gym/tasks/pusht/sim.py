@@ -83,7 +83,7 @@ class PushTSim:
         self.coverage = float(self.env._get_coverage())
         return self._moved()
 
-    def restore(self, state: Sequence[float]) -> np.ndarray | None:
+    def restore(self, state: Sequence[float] | np.ndarray) -> np.ndarray | None:
         """Put the simulator in ``state`` (a ``sim_state``): positions and velocities of the agent and the block."""
         state = np.asarray(state, dtype=np.float64)
         if state.shape != (len(SIM_STATE_FIELDS),) or not np.isfinite(state).all():
@@ -121,7 +121,7 @@ class PushTSim:
             dtype=np.float64,
         )
 
-    def step(self, action: Sequence[float]) -> np.ndarray | None:
+    def step(self, action: Sequence[float] | np.ndarray) -> np.ndarray | None:
         if self._info is None:
             raise InputError("PushTSim: call reset(seed) before step().")
         _, reward, _, _, self._info = self.env.step(np.asarray(action, dtype=np.float64))
@@ -184,22 +184,30 @@ class PushTSim:
         self.env.close()
 
 
+def drawn(frame: np.ndarray | None) -> np.ndarray:
+    """The frame a ``PushTSim`` with ``render_every_step`` (the default) returned from ``reset``, ``step`` or
+    ``restore``: never None there."""
+    assert frame is not None, "PushTSim(render_every_step=False) returns no frame; call render()"
+    return frame
+
+
 def rollout_episode(
     sim: PushTSim, policy: Callable[[np.ndarray, np.ndarray], np.ndarray], seed: int, steps: int
 ) -> dict[str, np.ndarray]:
     """Run ``policy`` for ``steps`` actions from ``sim.reset(seed)``; the arrays of one dataset episode."""
-    frames = [sim.reset(seed)]
-    coverage = [sim.coverage]
+    frames = [drawn(sim.reset(seed))]
+    coverages = [sim.coverage]
     states = [sim.sim_state]
-    actions, rewards = [], []
+    actions: list[np.ndarray] = []
+    rewards: list[float] = []
     for _ in range(steps):
         action = policy(sim.agent_xy, sim.block_pose)
-        frames.append(sim.step(action))
+        frames.append(drawn(sim.step(action)))
         states.append(sim.sim_state)
         actions.append(action)
         rewards.append(sim.reward)
-        coverage.append(sim.coverage)
-    coverage = np.asarray(coverage, np.float32)
+        coverages.append(sim.coverage)
+    coverage = np.asarray(coverages, np.float32)
     return {
         "frames": np.stack(frames).astype(np.uint8, copy=False),  # 25 MB at 256 x 256: no second copy
         "actions": np.asarray(actions, np.float32).reshape(steps, RAW_ACTION_DIM),

@@ -80,7 +80,7 @@ class PushTSimEnv(gym.Env):
         self.render_mode = render_mode
         self.observation_space = spaces.Dict({"image": spaces.Box(0, 255, (*self.observation_size, 3), dtype=np.uint8)})
         self.action_space = spaces.Box(-1.0, 1.0, (self.chunk, pusht.RAW_ACTION_DIM), dtype=np.float32)
-        self._sim = pusht.PushTSim(self.image_size)
+        self._sim: pusht.PushTSim | None = pusht.PushTSim(self.image_size)  # None once closed
         self._frame: np.ndarray | None = None
         self._elapsed = 0
         self.sim_seed: int | None = None
@@ -88,7 +88,7 @@ class PushTSimEnv(gym.Env):
     @property
     def coverage(self) -> float:
         """The true coverage of the target now."""
-        return self._sim.coverage
+        return self._open_sim().coverage
 
     def raw_actions(self, action: np.ndarray) -> np.ndarray:
         """Normalised actions ``[..., 2]`` -> table pixels, as ``compare.simulate_policy`` maps a policy's actions."""
@@ -105,7 +105,7 @@ class PushTSimEnv(gym.Env):
         if sim_seed is None:
             sim_seed = self.start_seeds[int(self.np_random.integers(len(self.start_seeds)))]
         self.sim_seed = int(sim_seed)
-        self._frame = self._sim.reset(self.sim_seed)
+        self._frame = self._open_sim().reset(self.sim_seed)
         self._elapsed = 0
         return self._observation(), {"sim_seed": self.sim_seed, "coverage": self.coverage}
 
@@ -118,7 +118,7 @@ class PushTSimEnv(gym.Env):
         raw = self.raw_actions(action)
         frames, coverage = [], []
         for target in raw:
-            self._frame = self._sim.step(target)
+            self._frame = self._open_sim().step(target)
             frames.append(self._frame)
             coverage.append(self.coverage)
         self._elapsed += 1
@@ -151,7 +151,12 @@ class PushTSimEnv(gym.Env):
             self._sim.close()
             self._sim = None
 
+    def _open_sim(self) -> pusht.PushTSim:
+        assert self._sim is not None, "PushTSimEnv: the env is closed"
+        return self._sim
+
     def _observation(self) -> dict[str, np.ndarray]:
+        assert self._frame is not None  # reset() and step() draw it (the simulator renders every step)
         return {"image": resize_frame(self._frame, self.observation_size).copy()}
 
 

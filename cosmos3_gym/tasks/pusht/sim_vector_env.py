@@ -36,7 +36,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import gymnasium as gym
 import numpy as np
@@ -52,6 +52,9 @@ from .geometry import RAW_ACTION_DIM, SUCCESS_COVERAGE, TABLE_SIZE
 from .policies import ScriptedPusher, plan_chunk_in_physics
 from .sim import PushTSim, _check_image_size
 from .starts import DemoStartStates, put_in_start
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 __all__ = ["PushTSimVectorEnv"]
 
@@ -104,9 +107,10 @@ class _SimBlock:
             self._planner = PushTSim((16, 16), render_every_step=False)  # only its physics is used
         out = []
         for local, chunk in items:
-            if self.experts[local] is None:
-                self.experts[local] = ScriptedPusher(np.random.default_rng(0))
-            out.append(plan_chunk_in_physics(self._planner, self.experts[local], self.sims[local].sim_state, chunk))
+            expert = self.experts[local]
+            if expert is None:
+                expert = self.experts[local] = ScriptedPusher(np.random.default_rng(0))
+            out.append(plan_chunk_in_physics(self._planner, expert, self.sims[local].sim_state, chunk))
         return out
 
     def close(self) -> None:
@@ -214,12 +218,16 @@ class PushTSimVectorEnv(VectorEnv):
         self._blocks = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         arguments = (self.image_size, self.observation_size, self.success_threshold)
         if workers == 0:
-            self._local = _SimBlock(self.num_envs, *arguments)
-            self._connections = None
+            self._local: _SimBlock | None = _SimBlock(self.num_envs, *arguments)
+            self._connections: list[Connection] | None = None
             return
         self._local = None
         # Workers run only numpy/pymunk/pygame, never torch or CUDA, so fork is safe (and spares re-importing torch).
-        context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        context = (
+            multiprocessing.get_context("fork")
+            if "fork" in multiprocessing.get_all_start_methods()
+            else multiprocessing.get_context("spawn")
+        )
         self._connections, self._processes = [], []
         for start, end in self._blocks:
             parent, child = context.Pipe()
@@ -400,9 +408,9 @@ class PushTSimVectorEnv(VectorEnv):
                 index = int(self._slot_rngs[slots[0]].integers(len(self.starts)))
             else:
                 index = int(indices[slots[0]])
-            for slot in slots:
-                items[int(slot)] = (self.starts.sim_states[index], int(self.starts.seeds[index]))
-                self._start_index[slot] = index
+            for member in slots:
+                items[int(member)] = (self.starts.sim_states[index], int(self.starts.seeds[index]))
+                self._start_index[member] = index
         for slot, (observation, coverage) in self._call("restore", items).items():
             self._observations[slot] = observation
             self._coverage[slot] = coverage
@@ -410,7 +418,7 @@ class PushTSimVectorEnv(VectorEnv):
             self._done[slot] = False
 
     def _group_all_done(self) -> np.ndarray:
-        return self._done.reshape(-1, self.group_size).all(axis=1)
+        return cast(np.ndarray, self._done.reshape(-1, self.group_size).all(axis=1))  # numpy's stubs: bool or array
 
     def _whole_groups(self, mask: np.ndarray) -> bool:
         per_group = mask.reshape(-1, self.group_size)

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -68,13 +68,13 @@ class DemoStartStates(InitialStateSource):
         self,
         sim_states: np.ndarray,
         *,
-        episodes: Sequence[int] | None = None,
-        steps: Sequence[int] | None = None,
+        episodes: Sequence[int] | np.ndarray | None = None,
+        steps: Sequence[int] | np.ndarray | None = None,
         frames: np.ndarray | None = None,
         task: str = TASK,
         image_size: tuple[int, int] = (256, 256),
         description: str = "demonstration starts",
-        seeds: Sequence[int] | None = None,
+        seeds: Sequence[int] | np.ndarray | None = None,
     ):
         states = np.asarray(sim_states, dtype=np.float64)
         if states.ndim != 2 or states.shape[1] != len(SIM_STATE_FIELDS) or not np.isfinite(states).all():
@@ -174,7 +174,7 @@ class DemoStartStates(InitialStateSource):
         ``description`` (and ``frames``)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = dict(
+        arrays: dict[str, Any] = dict(
             sim_states=self.sim_states,
             episodes=self.episodes,
             steps=self.steps,
@@ -204,7 +204,7 @@ class DemoStartStates(InitialStateSource):
             seeds=arrays.get("seeds"),
             frames=arrays.get("frames"),
             task=str(arrays.get("task", TASK)),
-            image_size=tuple(int(n) for n in arrays.get("image_size", (256, 256))),
+            image_size=cast("tuple[int, int]", tuple(int(n) for n in arrays.get("image_size", (256, 256)))),
             description=str(arrays.get("description", path)),
         )
 
@@ -233,13 +233,13 @@ class DemoStartStates(InitialStateSource):
         return self._sim.render()
 
     def subset(self, indices: Sequence[int]) -> DemoStartStates:
-        indices = np.asarray(indices, dtype=np.int64)
+        rows = np.asarray(indices, dtype=np.int64)
         return DemoStartStates(
-            self.sim_states[indices],
-            episodes=self.episodes[indices],
-            steps=self.steps[indices],
-            seeds=self.seeds[indices],
-            frames=None if self.frames is None else self.frames[indices],
+            self.sim_states[rows],
+            episodes=self.episodes[rows],
+            steps=self.steps[rows],
+            seeds=self.seeds[rows],
+            frames=None if self.frames is None else self.frames[rows],
             task=self.task,
             image_size=self.image_size,
             description=f"{self.description} (subset)",
