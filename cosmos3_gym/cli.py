@@ -9,11 +9,15 @@ input prints one line and exits 2.
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from .errors import InputError
+from .registration import builtin_model, builtin_models
 
 BUILTIN_CHECKPOINT = "pusht"
 
@@ -24,6 +28,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        config_field = getattr(action, "config_field", None)
+        if config_field is not None:  # a training flag left out keeps the config dataclass's default: show it
+            return f"{text} (default: {_show_default(config_defaults(config_field[0]).get(config_field[1]))})"
         if action.required or action.default is argparse.SUPPRESS or "default" in text or not action.option_strings:
             return text
         if action.default is False and action.nargs == 0:
@@ -31,6 +38,62 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None:
             return f"{text} (default: none)"
         return f"{text} (default: %(default)s)"
+
+
+# The training configs' modules (cosmos3_gym/training/), read for their defaults without importing them (torch).
+TRAIN_CONFIG_SOURCES = {"VAETrainConfig": "training/vae.py", "WorldModelTrainConfig": "training/world_model.py"}
+
+
+@functools.cache
+def config_defaults(class_name: str) -> dict[str, Any]:
+    """The literal defaults of a training config dataclass (``TRAIN_CONFIG_SOURCES``), read from its source: importing
+    it would import torch, and ``train --help`` should answer at once. Fields whose default is not a literal (or a
+    ``default_factory`` returning one) are left out. tests/test_cli.py compares these with the dataclasses."""
+    tree = ast.parse((Path(__file__).resolve().parent / TRAIN_CONFIG_SOURCES[class_name]).read_text())
+    (body,) = [node.body for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name]
+    defaults: dict[str, Any] = {}
+    for item in body:
+        if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None):
+            continue
+        value = item.value
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "field":
+            factory = next((k.value for k in value.keywords if k.arg == "default_factory"), None)
+            default = next((k.value for k in value.keywords if k.arg == "default"), None)
+            if isinstance(factory, ast.Lambda):
+                value = factory.body
+            elif isinstance(factory, ast.Name) and factory.id in ("dict", "list", "tuple"):
+                value = ast.parse(f"{factory.id}()", mode="eval").body
+            elif default is not None:
+                value = default
+            else:
+                continue
+        try:
+            defaults[item.target.id] = _literal(value)
+        except ValueError:
+            continue
+    return defaults
+
+
+def _literal(node: ast.expr) -> Any:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args and not node.keywords:
+        constructors: dict[str, Any] = {"dict": dict, "list": list, "tuple": tuple}
+        if node.func.id in constructors:
+            return constructors[node.func.id]()
+    return ast.literal_eval(node)
+
+
+def _show_default(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value).replace("%", "%%")
+    return str(value).replace("%", "%%")
+
+
+def _config_flag(parser, config: str, flag: str, kind, text: str) -> None:
+    """A training flag whose default (None: keep the config's) is shown as ``config``'s field default."""
+    action = parser.add_argument(flag, type=kind, default=None, help=text)
+    action.config_field = (config, action.dest)
 
 
 def _add_command(sub, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -289,9 +352,16 @@ def _state_rows(spec: str | None):
 
 
 def run_infer(args: argparse.Namespace) -> None:
-    for flag, path in (("--image", args.image), ("--video", args.video)):
+    # Every path first, before torch is imported (seconds): a wrong one is reported at once.
+    for flag, path in (
+        ("--image", args.image),
+        ("--video", args.video),
+        ("--action-file", args.action_file),
+        ("--action-stats", args.action_stats),
+    ):
         if path and not Path(path).is_file():
             raise InputError(f"{flag}: file not found: {path}")
+    check_checkpoint_argument(args.checkpoint)
     import numpy as np
 
     from . import processor
@@ -451,7 +521,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="an episode succeeds (and ends) when the reward model's score reaches this "
-        "(default: the checkpoint's, e.g. 0.95 for pusht)",
+        "(default: the checkpoint's meta.json success_threshold, for its own reward model; else none)",
     )
     parser.add_argument(
         "--success-return-threshold",
@@ -495,7 +565,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["vae", "light"],
         default=None,
         help="vae: the exact VAE decode; light: the checkpoint's light_decoder/ (default: the "
-        "checkpoint's meta.json, else vae; the built-in pusht model: light)",
+        "checkpoint's meta.json decoder, else vae)",
     )
     parser.add_argument("--seed", type=int, default=0, help="env and policy seed")
     parser.add_argument("--max-videos", type=int, default=8, help="write mp4s of the first N episodes")
@@ -548,14 +618,22 @@ def _check_eval_arguments(args: argparse.Namespace) -> None:
     )
     if args.initial_states is not None and not Path(args.initial_states).exists():
         raise InputError(f"--initial-states: not found: {args.initial_states}")
-    _check_local_checkpoint(args.checkpoint)
+    check_checkpoint_argument(args.checkpoint)
 
 
-def _check_local_checkpoint(checkpoint: str) -> None:
-    """A checkpoint written as a local path ('./x', '/x', '~/x', 'a/b/c') must exist; 'org/name' may be a hub id."""
-    local = checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1
-    if local and not Path(checkpoint).expanduser().exists():
-        raise InputError(f"--checkpoint: not found: {checkpoint}")
+def check_checkpoint_argument(checkpoint: str, flag: str = "--checkpoint") -> None:
+    """What can be told of a checkpoint argument without torch: a built-in model's name, an existing folder or a
+    hub id ('org/name') pass; a file, or a path or name that is none of these, is an ``InputError`` at once."""
+    if checkpoint.startswith("builtin:") or builtin_model(checkpoint) is not None:
+        return  # resolve_checkpoint says later whether it is installed
+    path = Path(checkpoint).expanduser()
+    if path.is_dir():
+        return
+    expected = f"a checkpoint directory, a hub id 'org/name' or a built-in model ({', '.join(builtin_models())})"
+    if path.exists():
+        raise InputError(f"{flag}: {checkpoint} is a file; expected {expected}")
+    if checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") != 1:
+        raise InputError(f"{flag}: not found: {checkpoint} (expected {expected})")
 
 
 def run_eval(args: argparse.Namespace) -> None:
@@ -674,11 +752,13 @@ def add_demo_command(sub) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> None:
+    _check_counts(("--episodes", args.episodes, 1), ("--steps-per-episode", args.steps_per_episode, 1))
+    if args.checkpoint is not None:
+        check_checkpoint_argument(args.checkpoint)
     from .tasks.pusht.demo import run_demo as demo
     from .tasks.pusht.env import builtin_checkpoint_dir
     from .testing import cached_tiny_checkpoint
 
-    _check_counts(("--episodes", args.episodes, 1), ("--steps-per-episode", args.steps_per_episode, 1))
     if args.checkpoint is None and builtin_checkpoint_dir() is not None:
         print(
             f"No --checkpoint given: using the built-in PushT world model ({builtin_checkpoint_dir()}), a small "
@@ -704,12 +784,7 @@ def run_demo(args: argparse.Namespace) -> None:
     print(f"wrote {Path(args.out) / 'report.json'} and {len(videos)} videos in {args.out}: {', '.join(videos)}")
     side_by_side = report.settings.get("side_by_side")
     if side_by_side:
-        what = (
-            "the real simulator next to the world model"
-            if side_by_side["mode"] == "side_by_side"
-            else "the world model driven by its own policy (pip install gym-pusht for the simulator next to it)"
-        )
-        print(f"and {side_by_side['path']}: {what}")
+        print(f"and {side_by_side['path']}: {side_by_side['description']}")  # as report.json records it
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -758,9 +833,7 @@ def add_training_commands(sub) -> None:
         ("--init-vae", str, "fine-tune this AutoencoderKLWan folder"),
         ("--camera", str, "LeRobot datasets: the video feature to train on"),
     ):
-        vae.add_argument(
-            flag, type=kind, default=None, help=text if "default" in text else f"{text} (default: VAETrainConfig's)"
-        )
+        _config_flag(vae, "VAETrainConfig", flag, kind, text)
     vae.add_argument(
         "--decoder-only",
         action="store_true",
@@ -798,7 +871,7 @@ def add_training_commands(sub) -> None:
         ("--chunk", int, "actions per window (chunk + 1 frames)"),
         ("--resolution-tier", int, "canvas tier"),
         ("--window-stride", int, "frames between window starts"),
-        ("--flow-shift", float, "default: tier rule"),
+        ("--flow-shift", float, "flow-matching shift (default: the tier's, as in native training: 256: 3, 480: 5)"),
         ("--uncond-prob", float, "prompt dropout for CFG"),
         ("--ema-decay", float, "0 disables the EMA"),
         ("--save-every", int, "steps between training-state saves"),
@@ -821,21 +894,14 @@ def add_training_commands(sub) -> None:
         ("--lora-rank", int, "train rank-r LoRA adapters on the GEN tower (0: full fine-tuning)"),
         ("--lora-alpha", float, "LoRA alpha (default: the rank)"),
     ):
-        train.add_argument(
-            flag,
-            type=kind,
-            default=None,
-            help=text if "default" in text else f"{text} (default: WorldModelTrainConfig's)",
-        )
+        if "default" in text:  # a default that depends on something else, said in the text
+            train.add_argument(flag, type=kind, default=None, help=text)
+        else:
+            _config_flag(train, "WorldModelTrainConfig", flag, kind, text)
     train.add_argument(
         "--model", type=_json_object, default=None, help="transformer config overrides (JSON; default: none)"
     )
-    train.add_argument(
-        "--mode-probs",
-        type=_json_object,
-        default=None,
-        help='mode sampling probabilities, e.g. {"policy": 0.4, ...} (default: WorldModelTrainConfig\'s)',
-    )
+    _config_flag(train, "WorldModelTrainConfig", "--mode-probs", _json_object, "mode sampling probabilities (JSON)")
     train.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     train.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
     train.add_argument(

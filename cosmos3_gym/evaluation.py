@@ -612,10 +612,13 @@ def evaluate_checkpoint(
     with a sigmoid; else unknown). ``extra_settings`` are added to the report's settings. ``decoder``: "vae" or
     "light" (default: the checkpoint's, ``checkpoint.checkpoint_decoder``).
     """
-    from .envs import WorldModelVectorEnv
+    from .envs import WorldModelSettings, WorldModelVectorEnv
+    from .envs.core import check_is_checkpoint
+    from .envs.settings import split_settings
 
     log = log if log is not None else (lambda message: print(message, file=sys.stderr))
     checkpoint = resolve_checkpoint(checkpoint)
+    check_is_checkpoint(checkpoint)  # a folder that is not one says so, not that it ships no start states
     recorded = checkpoint_defaults(checkpoint)
     decoder = decoder if decoder is not None else checkpoint_decoder(checkpoint)
     given = dict(
@@ -666,9 +669,13 @@ def evaluate_checkpoint(
         except InputError:
             pass
     out_dir = Path(out_dir)
+    # The checkpoint's own settings as the env's base (settings=): the overrides were reported above, once, so the
+    # env does not log them again in other words.
+    base = WorldModelSettings(**split_settings(dict(recorded)))
     env = WorldModelVectorEnv(
         num_envs,
         checkpoint,
+        settings=base,
         **{**settings, "initial_states": initial_states},
         observation_size=observation_size,
         return_frames=max_videos > 0,

@@ -11,16 +11,26 @@ so the generic layers reach a task only through this registry::
 A built-in model is a folder ``ROOT/checkpoint`` (a checkpoint with its ``meta.json``) that ``checkpoint="NAME"`` or
 ``"builtin:NAME"`` names wherever a checkpoint is accepted; ``WorldModel-v0`` with such a checkpoint builds the env with
 the task's own factory, so it is the same env as the task's id.
+
+Ids registered with ``register_env`` (``WorldModel-v0`` and the tasks' ids) build their batched vector env through
+``vector_entry_point``, and ``gym.make_vec(ID, num_envs=N, vector_kwargs={"autoreset_mode": ...})`` works as for
+Gymnasium's own vector envs: Gymnasium itself refuses ``vector_kwargs`` for any env with a ``vector_entry_point``
+("Custom vector environment can be passed arguments only through kwargs", its PR 952), so ``register_env`` wraps
+``gymnasium.make_vec`` once to hand them to the vector env as keywords, for these ids only (every other id, and
+``vectorization_mode="sync"`` / ``"async"``, goes to Gymnasium unchanged). ``gym.make_vec(ID, num_envs=N,
+autoreset_mode=...)`` is the same env.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "ENV_ID",
@@ -30,6 +40,7 @@ __all__ = [
     "builtin_models",
     "default_builtin_model",
     "register_builtin_model",
+    "register_env",
     "register_envs",
 ]
 
@@ -109,13 +120,8 @@ def register_envs() -> None:
         import gymnasium
     except ImportError:  # `cosmos3-gym infer` works without Gymnasium
         gymnasium = None
-    if gymnasium is not None and ENV_ID not in gymnasium.registry:
-        gymnasium.register(
-            id=ENV_ID,
-            entry_point="cosmos3_gym.envs:make_world_model_env",
-            vector_entry_point="cosmos3_gym.envs:make_world_model_vector_env",
-            order_enforce=False,
-        )
+    if gymnasium is not None:
+        register_env(ENV_ID, "cosmos3_gym.envs:make_world_model_env", "cosmos3_gym.envs:make_world_model_vector_env")
     if _TASKS_LOADED:
         return
     _TASKS_LOADED.append(True)
@@ -126,3 +132,66 @@ def register_envs() -> None:
             logger.warning(
                 "cosmos3_gym: task entry point %r (%s) failed: %s", entry_point.name, entry_point.value, error
             )
+
+
+# Ids whose vector env takes gym.make_vec's vector_kwargs as keywords (register_env).
+_VECTOR_KWARGS_IDS: set[str] = set()
+
+
+def register_env(env_id: str, entry_point: str, vector_entry_point: str, **kwargs: Any) -> None:
+    """Register ``env_id`` with Gymnasium (idempotent; ``order_enforce=False``: the envs check the order of calls
+    themselves; ``kwargs`` as ``gymnasium.register``, e.g. ``max_episode_steps``) with a batched
+    ``vector_entry_point`` that also takes ``gym.make_vec``'s ``vector_kwargs`` (module docstring). Needs Gymnasium."""
+    import gymnasium
+
+    if env_id not in gymnasium.registry:
+        gymnasium.register(
+            id=env_id, entry_point=entry_point, vector_entry_point=vector_entry_point, order_enforce=False, **kwargs
+        )
+    _VECTOR_KWARGS_IDS.add(env_id)
+    _accept_vector_kwargs()
+
+
+def _accept_vector_kwargs() -> None:
+    """Wrap ``gymnasium.make_vec`` (once) so that for the ids of ``register_env`` built through their
+    ``vector_entry_point`` (Gymnasium's default for them), ``vector_kwargs`` become keywords of the vector env."""
+    import gymnasium
+    from gymnasium.envs import registration
+
+    original = registration.make_vec
+    if getattr(original, "_cosmos3_gym_vector_kwargs", False):
+        return
+
+    @functools.wraps(original)
+    def make_vec(id, num_envs=1, vectorization_mode=None, vector_kwargs=None, wrappers=None, **kwargs):
+        if vector_kwargs and _vector_env_takes_vector_kwargs(id, vectorization_mode):
+            both = sorted(set(vector_kwargs) & set(kwargs))
+            if both:
+                raise gymnasium.error.Error(f"{both}: given both in vector_kwargs and as keywords; give them once")
+            kwargs, vector_kwargs = {**kwargs, **vector_kwargs}, None
+        return original(
+            id,
+            num_envs=num_envs,
+            vectorization_mode=vectorization_mode,
+            vector_kwargs=vector_kwargs,
+            wrappers=wrappers,
+            **kwargs,
+        )
+
+    make_vec._cosmos3_gym_vector_kwargs = True  # type: ignore[attr-defined]
+    for module in (gymnasium, gymnasium.envs, registration):
+        if getattr(module, "make_vec", None) is original:
+            module.make_vec = make_vec  # type: ignore[attr-defined]
+
+
+def _vector_env_takes_vector_kwargs(env_id: Any, vectorization_mode: Any) -> bool:
+    import gymnasium
+    from gymnasium.envs.registration import EnvSpec, VectorizeMode
+
+    try:
+        if vectorization_mode is not None and VectorizeMode(vectorization_mode) != VectorizeMode.VECTOR_ENTRY_POINT:
+            return False
+        spec = env_id if isinstance(env_id, EnvSpec) else gymnasium.spec(env_id)
+    except Exception:  # an unknown id or mode: Gymnasium's own error follows
+        return False
+    return spec.id in _VECTOR_KWARGS_IDS and spec.vector_entry_point is not None

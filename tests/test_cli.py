@@ -231,3 +231,80 @@ def test_count_flags_are_checked_first_and_named_as_flags(tmp_path, capsys):
         assert main(argv) == 2, argv
         errors = [line for line in capsys.readouterr().err.strip().splitlines() if "error:" in line]
         assert len(errors) == 1 and errors[0].split("error: ", 1)[1].startswith(flag + ":"), (argv, errors)
+
+
+def test_a_checkpoint_that_does_not_exist_is_reported_before_torch_loads(image_path, tmp_path):
+    """Issue 41: `infer --checkpoint /nonexistent` imported torch (4.8 s) before it said the path does not exist."""
+    missing = str(tmp_path / "nonexistent")
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"")
+    script = (
+        "import sys\n"
+        "from cosmos3_gym.cli import main\n"
+        f"codes = [main(['infer', '--checkpoint', {missing!r}, '--image', {str(image_path)!r}, '--out', 'x']),\n"
+        f"         main(['infer', '--checkpoint', 'no_such_model', '--image', {str(image_path)!r}, '--out', 'x']),\n"
+        f"         main(['infer', '--checkpoint', {str(a_file)!r}, '--image', {str(image_path)!r}, '--out', 'x']),\n"
+        f"         main(['infer', '--checkpoint', 'pusht', '--image', {str(image_path)!r}, '--mode',\n"
+        f"               'forward_dynamics', '--action-file', {missing + '.json'!r}, '--out', 'x']),\n"
+        f"         main(['demo', '--checkpoint', {missing!r}, '--out', 'x']),\n"
+        f"         main(['eval', '--checkpoint', {missing!r}, '--out', 'x'])]\n"
+        "print(codes, sorted(m for m in ('torch', 'diffusers') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[2, 2, 2, 2, 2, 2] []"
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 6, errors
+    assert errors[0] == f"cosmos3-gym infer: error: --checkpoint: not found: {missing} (expected a checkpoint " \
+        "directory, a hub id 'org/name' or a built-in model (pusht))"
+    assert "--checkpoint: not found: no_such_model" in errors[1]
+    assert "--checkpoint: " + str(a_file) + " is a file" in errors[2]
+    assert "--action-file: file not found" in errors[3]
+    assert errors[4].startswith("cosmos3-gym demo: error: --checkpoint: not found")
+    assert errors[5].startswith("cosmos3-gym eval: error: --checkpoint: not found")
+
+
+def test_train_help_shows_the_config_defaults():
+    """Issue 41: `train --help` said "(default: WorldModelTrainConfig's)" instead of the values. They are read from
+    the source (importing the configs imports torch) and must be the dataclasses' own."""
+    import dataclasses
+
+    from cosmos3_gym.cli import config_defaults
+    from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig
+
+    _, commands = _all_parsers()
+    for command, config in (("train", WorldModelTrainConfig), ("train-vae", VAETrainConfig)):
+        read = config_defaults(config.__name__)
+        actual = {f.name: getattr(config(), f.name) for f in dataclasses.fields(config)}
+        assert read == {name: actual[name] for name in read}, config.__name__
+        text = commands[command].format_help()
+        assert "TrainConfig's" not in text
+        shown = [a for a in commands[command]._actions if getattr(a, "config_field", None)]
+        assert shown and all(a.config_field[1] in read for a in shown), command  # every flag's default was found
+    help_text = " ".join(commands["train"].format_help().split())
+    assert "--steps STEPS total optimizer steps (default: 20000)" in help_text
+    assert '(default: {"policy": 0.4, "forward_dynamics": 0.4, "inverse_dynamics": 0.2})' in help_text
+    assert "--state-key STATE_KEY LeRobot datasets: the state feature (read and checked, not trained on) " \
+        "(default: none)" in help_text
+    assert "--kl-weight KL_WEIGHT weight of the KL term (default: 0.0001)" in " ".join(
+        commands["train-vae"].format_help().split())
+
+
+def test_eval_help_states_no_number_the_checkpoint_decides():
+    """Issue 41: --success-threshold's help said 0.95 for PushT while the checkpoint says 0.92. Defaults that come from
+    the checkpoint say so; the fallbacks it shows are evaluation's own."""
+    from cosmos3_gym.evaluation import FALLBACK_ENV_SETTINGS
+
+    _, commands = _all_parsers()
+    text = " ".join(commands["eval"].format_help().split())
+    assert "reaches this (default: the checkpoint's meta.json success_threshold, for its own reward model; else " \
+        "none)" in text
+    assert "0.95" not in text and "0.92" not in text
+    helps = {a.option_strings[0]: a.help for a in commands["eval"]._actions if a.option_strings}
+    for flag, key in (("--max-episode-steps", "max_episode_steps"), ("--chunk", "chunk"), ("--num-steps", "num_steps"),
+                      ("--guidance-scale", "guidance_scale"), ("--resolution-tier", "resolution_tier"),
+                      ("--fps", "fps"), ("--domain-name", "domain")):
+        assert "(default: the checkpoint's, else " in helps[flag], flag
+        fallback = helps[flag].rsplit("else ", 1)[1].rstrip(")")
+        assert fallback == FALLBACK_ENV_SETTINGS[key] if key == "domain" else float(fallback) == FALLBACK_ENV_SETTINGS[
+            key], (flag, helps[flag])

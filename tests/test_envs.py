@@ -15,7 +15,7 @@ from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 from cosmos3_gym.engine import Cosmos3Engine
 from cosmos3_gym.envs import ENV_ID, WorldModelEnv, load_initial_states, model_frame_size, register_envs
-from cosmos3_gym.errors import InputError
+from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.media import write_video
 from cosmos3_gym.processor import ActionStats
 
@@ -350,10 +350,25 @@ def test_bad_actions_never_reach_the_model(engine, monkeypatch, bad, message):
 
 
 def test_other_float_actions_are_accepted(engine):
+    """float64 (numpy's default) and bfloat16 (what a bf16 torch policy outputs) actions are cast to float32: the env
+    steps exactly as it does with the same float32 actions (issue 43: this test used to assert nothing)."""
     env = make_env(engine)
+    values = np.array([[-0.75, -0.5], [-0.25, 0.0], [0.25, 0.5], [0.75, 1.0]])  # exact in bfloat16
+    given = {"float32": values.astype(np.float32), "float64": values,
+             "bfloat16": torch.tensor(values, dtype=torch.bfloat16)}
+    steps = {}
+    for name, action in given.items():
+        env.reset(seed=0)
+        observation, reward, terminated, truncated, info = env.step(action)
+        assert observation["image"].dtype == np.uint8 and np.isfinite(reward), name
+        steps[name] = (observation["image"], reward, terminated, truncated)
+    reference = steps["float32"]
+    for name in ("float64", "bfloat16"):
+        np.testing.assert_array_equal(steps[name][0], reference[0], err_msg=name)
+        assert steps[name][1:] == reference[1:], name
     env.reset(seed=0)
-    env.step(np.zeros((4, 2)))  # numpy's default dtype; cast to float32
-    env.step(torch.zeros(4, 2, dtype=torch.bfloat16))  # what a bf16 torch policy outputs
+    other = env.step(values[::-1].astype(np.float32))[0]["image"]
+    assert not np.array_equal(other, reference[0])  # the actions reach the model: other actions, other frames
 
 
 def test_step_before_reset_and_bad_options(engine):
@@ -416,8 +431,9 @@ def test_bad_initial_state_sources(tmp_path, engine):
         make_env(engine, initial_states=empty)
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a png")
-    with pytest.raises(InputError, match="initial_states.*broken.png"):
+    with pytest.raises(InputError, match=r"initial_states.*broken.png\): not a readable image") as raised:
         make_env(engine, initial_states=broken)
+    assert "video" not in str(raised.value)  # issue 41: it said which endings videos must have
     pickled = tmp_path / "traj.npy"
     np.save(pickled, np.array([{"image": image(0)}], dtype=object), allow_pickle=True)
     with pytest.raises(InputError, match="pickled"):
@@ -434,6 +450,104 @@ def test_bad_initial_state_sources(tmp_path, engine):
         make_env(engine, initial_states=tmp_path / "missing.png")
     with pytest.raises(InputError, match="initial_states"):
         make_env(engine, initial_states=[])
+
+
+def test_a_folder_that_is_not_a_checkpoint_says_so(tmp_path, tiny_checkpoint):
+    """Issue 41: it used to fail on the missing initial_states; it names the part that is missing."""
+    from PIL import Image
+
+    from cosmos3_gym.envs.core import check_is_checkpoint
+
+    folder = tmp_path / "frames"  # e.g. a folder of start frames given as the checkpoint
+    folder.mkdir()
+    Image.fromarray(image(0)).save(folder / "start.png")
+    for kwargs in ({}, dict(initial_states=image(0), **FAST)):
+        with pytest.raises(CheckpointError, match=r"is not a usable Cosmos3 checkpoint .*missing directory .*transformer"):
+            WorldModelEnv(folder, **kwargs)
+    partial = tmp_path / "partial"
+    (partial / "transformer").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"not a usable Cosmos3 checkpoint .*missing directory .*vae"):
+        WorldModelEnv(partial)
+    check_is_checkpoint(tiny_checkpoint)  # a real one passes
+
+
+def test_num_threads_sets_torchs_threads_in_the_process(engine, tiny_checkpoint):
+    """Issue 41: two torch processes on 2 cores made a step 20x slower; the envs set the process's threads."""
+    from cosmos3_gym.envs import WorldModelVectorEnv
+
+    before = torch.get_num_threads()
+    try:
+        make_env(engine, num_threads=2)
+        assert torch.get_num_threads() == 2
+        WorldModelVectorEnv(2, engine=engine, initial_states=image(0), num_threads=1, **FAST)
+        assert torch.get_num_threads() == 1
+        register_envs()
+        env = gym.make(ENV_ID, checkpoint=tiny_checkpoint, initial_states=image(0), num_threads=2, device="cpu",
+                       dtype="fp32", **FAST)
+        assert torch.get_num_threads() == 2
+        env.close()
+        torch.set_num_threads(1)
+        pusht = gym.make("cosmos3_gym/PushT-v0", num_threads=2, device="cpu")  # a task's factory passes it on
+        assert torch.get_num_threads() == 2
+        pusht.close()
+        make_env(engine, num_threads=None)  # None: torch's setting as it is
+        assert torch.get_num_threads() == 2
+        for bad in (0, -1, 1.5, True, "2"):
+            with pytest.raises(InputError, match="num_threads: expected an integer >= 1"):
+                make_env(engine, num_threads=bad)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_checkpoint_meta_decoder_is_the_default_decoder(tiny_checkpoint, tmp_path, monkeypatch):
+    """Issue 41: a checkpoint's defaults apply everywhere: its meta.json ``decoder`` is WorldModelEnv's too, where
+    the user gives none and one rank decodes (the light decoder cannot decode tile-parallel)."""
+    import json
+    import shutil
+
+    from cosmos3_gym.envs import core
+
+    checkpoint = shutil.copytree(tiny_checkpoint, tmp_path / "checkpoint")
+    loaded = []
+    monkeypatch.setattr(core, "load_engine", lambda path, **options: loaded.append(options) or engine_stub())
+    arguments = dict(initial_states=image(0), **FAST)
+    WorldModelEnv(checkpoint, **arguments)
+    assert "decoder" not in loaded[-1]  # no meta.json: load_engine's own default, the VAE
+    (checkpoint / "meta.json").write_text(json.dumps({"decoder": "light"}))
+    WorldModelEnv(checkpoint, **arguments)
+    assert loaded[-1]["decoder"] == "light"
+    WorldModelEnv(checkpoint, decoder="vae", **arguments)
+    assert loaded[-1]["decoder"] == "vae"  # the user's choice wins
+    WorldModelEnv(checkpoint, tp=2, **arguments)
+    assert "decoder" not in loaded[-1]  # tile-parallel decode: the VAE, not an error
+
+
+def engine_stub():
+    """Enough of an engine for an env to be constructed (never stepped)."""
+    from cosmos3_gym.engine_protocol import WorldModelEngine
+
+    class Stub:
+        action_dim, temporal_compression, vae, is_output_rank, closed = 64, 4, None, True, False
+        device = torch.device("cpu")
+
+        def step(self, requests, **kwargs):
+            raise AssertionError("not stepped")
+
+        def close(self):
+            self.closed = True
+
+        def offload(self):
+            pass
+
+        def onload(self):
+            pass
+
+        def optimize(self, **kwargs):
+            return self
+
+    stub = Stub()
+    assert isinstance(stub, WorldModelEngine)
+    return stub
 
 
 def test_registration_is_idempotent():
@@ -497,13 +611,13 @@ def test_checkpoint_settings_are_defaults_and_overrides_are_logged(tiny_checkpoi
 
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(tiny_checkpoint, checkpoint)
-    np.savez(tmp_path / "starts.npz", frames=np.stack([image(0), image(1)]), task=np.asarray("push the T"))
+    np.savez(checkpoint / "starts.npz", frames=np.stack([image(0), image(1)]), task=np.asarray("push the T"))
     meta = {**FAST, "raw_action_dim": 2, "guidance_scale": 1.0, "fps": 10.0, "max_episode_steps": 3,
-            "initial_states": "../starts.npz", "score_name": "coverage", "action_normalization": "minmax"}
+            "initial_states": "starts.npz", "score_name": "coverage", "action_normalization": "minmax"}
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     (checkpoint / "action_stats.json").write_text(json.dumps({"min": [0.0, 0.0], "max": [512.0, 512.0]}))
     defaults = checkpoint_defaults(checkpoint)
-    assert defaults["chunk"] == 4 and defaults["fps"] == 10.0 and len(defaults["initial_states"]) == 2
+    assert defaults["chunk"] == 4 and defaults["fps"] == 10.0 and len(load_initial_states(defaults["initial_states"])) == 2
     assert defaults["action_stats"].dim == 2 and "action_normalization" not in defaults
 
     with caplog.at_level("WARNING", logger="cosmos3_gym.envs.settings"):
@@ -582,11 +696,20 @@ def test_record_video_plays_in_real_time(engine, tmp_path):
 
 
 def test_human_rendering_needs_a_display(engine, monkeypatch):
+    """Issue 41: the same messages with and without the window libraries installed (pygame comes with the sim
+    extra, OpenCV with gym-pusht); only the window itself needs pygame."""
+    from cosmos3_gym.envs import rendering
+
     for name in ("DISPLAY", "WAYLAND_DISPLAY", "SDL_VIDEODRIVER"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(InputError, match="render_mode: 'human' needs a display"):
-        make_env(engine, render_mode="human")
-    pytest.importorskip("pygame")
+    with monkeypatch.context() as patched:
+        patched.setattr(rendering, "_window_backend", lambda: "pygame")  # a window library, no display
+        with pytest.raises(InputError, match="render_mode: 'human' needs a display"):
+            make_env(engine, render_mode="human")
+        patched.setattr(rendering, "_window_backend", lambda: None)  # neither library
+        with pytest.raises(InputError, match="render_mode: 'human' needs pygame or opencv-python"):
+            make_env(engine, render_mode="human")
+    pytest.importorskip("pygame", reason="the window itself needs pygame (the sim extra brings it)")
     monkeypatch.setenv("SDL_VIDEODRIVER", "dummy")  # pygame's headless window
     env = make_env(engine, render_mode="human", fps=400.0)
     env.reset(seed=0)
@@ -638,6 +761,46 @@ def test_builtin_model_by_name(tiny_checkpoint):
         assert len(env.unwrapped.initial_states) > 1 and env.unwrapped._core.reward_model is not None
     finally:
         env.close()
+
+
+def test_world_model_v0_with_the_builtin_model_is_pusht_v0():
+    """Issue 41: WorldModel-v0 with checkpoint="pusht" is PushT-v0 (light decoder, the fast path, the reward model):
+    the same observations and rewards for the same seed and actions. A path to the same folder is a plain
+    WorldModelEnv that still takes the checkpoint's meta.json defaults, its decoder included."""
+    from cosmos3_gym.registration import builtin_model
+
+    register_envs()
+    chunks = actions_like((8, 2), seed=0, n=2)
+    results = []
+    for env_id, kwargs in ((ENV_ID, dict(checkpoint="pusht")), ("cosmos3_gym/PushT-v0", {})):
+        env = gym.make(env_id, device="cpu", num_steps=1, **kwargs)
+        try:
+            assert env.unwrapped.engine.decoder == "light" and env.unwrapped._core.owns_engine
+            observation, _ = env.reset(seed=5)
+            steps = [env.step(chunk)[:2] for chunk in chunks]
+            results.append((observation["image"], [(o["image"], r) for o, r in steps], env.unwrapped.settings))
+        finally:
+            env.close()
+    (first, first_steps, first_settings), (second, second_steps, second_settings) = results
+    assert first_settings == second_settings
+    np.testing.assert_array_equal(first, second)
+    for (image_a, reward_a), (image_b, reward_b) in zip(first_steps, second_steps):
+        np.testing.assert_array_equal(image_a, image_b)
+        assert reward_a == reward_b
+
+    by_path = gym.make(ENV_ID, checkpoint=str(builtin_model("pusht").checkpoint_dir), device="cpu", num_steps=1)
+    try:
+        assert type(by_path.unwrapped) is WorldModelEnv
+        assert by_path.unwrapped.engine.decoder == "light"  # meta.json's decoder
+        assert by_path.unwrapped.settings == first_settings.replace(action_stats=by_path.unwrapped.action_stats)
+        assert by_path.unwrapped._core.reward_model is not None
+    finally:
+        by_path.close()
+
+
+def actions_like(shape, seed: int, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.uniform(-1, 1, shape).astype(np.float32) for _ in range(n)]
 
 
 def blue_pixels(frames: np.ndarray) -> np.ndarray:

@@ -390,6 +390,59 @@ def test_eval_takes_env_settings_from_meta_json(tiny_checkpoint, image_path, tmp
     assert not list(out.glob("*.mp4"))
 
 
+def test_eval_reports_each_override_once(tiny_checkpoint, image_path, tmp_path, capsys, caplog):
+    """Issue 41: an override was printed twice, by eval and again by the env in other words."""
+    checkpoint = shutil.copytree(tiny_checkpoint, tmp_path / "trained")
+    (checkpoint / "meta.json").write_text(json.dumps({"domain": "pusht", "raw_action_dim": 2, "chunk": 4,
+                                                      "resolution_tier": 256, "guidance_scale": 1.0, "fps": 10.0,
+                                                      "score_name": "coverage"}))
+    out = tmp_path / "eval"
+    with caplog.at_level("WARNING"):
+        assert main(["eval", "--checkpoint", str(checkpoint), "--policy", "random", "--episodes", "1",
+                     "--initial-states", str(image_path), "--max-episode-steps", "1", "--num-steps", "2",
+                     "--guidance-scale", "2.0", "--max-videos", "0", "--out", str(out), "--device", "cpu"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "guidance_scale" in line]
+    said += [record.getMessage() for record in caplog.records if "guidance_scale" in record.getMessage()]
+    assert said == ["eval: using guidance_scale=2.0 instead of the checkpoint's 1.0"]
+    document = json.loads((out / "report.json").read_text())["settings"]
+    assert document["overrides"] == {"guidance_scale": {"checkpoint": 1.0, "used": 2.0}}
+    assert document["env"]["guidance_scale"] == 2.0 and document["env"]["fps"] == 10.0
+
+
+def test_eval_of_a_folder_that_is_not_a_checkpoint_says_so(image_path, tmp_path, capsys):
+    """Issue 41: it said the checkpoint ships no start states."""
+    folder = tmp_path / "not_a_checkpoint"
+    folder.mkdir()
+    assert main(["eval", "--checkpoint", str(folder), "--initial-states", str(image_path), "--out",
+                 str(tmp_path / "out")]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert "is not a usable Cosmos3 checkpoint" in error and "missing directory" in error and "transformer" in error
+    assert "initial_states" not in error
+
+
+def test_demo_report_and_message_agree_on_what_drives_the_side_by_side(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                        capsys):
+    """Issue 41: without gym-pusht the demo said the side-by-side was driven by the model's own policy while
+    report.json said random (the episodes' policy). report.json records the video's driver, the CLI prints it."""
+    from test_pusht import build_tiny_pusht_assets
+
+    from cosmos3_gym.tasks.pusht import episodes
+    from cosmos3_gym.tasks.pusht.demo import SIDE_BY_SIDE_DRIVERS
+
+    monkeypatch.setenv("COSMOS3_GYM_PUSHT_ASSETS", str(build_tiny_pusht_assets(tmp_path / "assets", tiny_checkpoint)))
+    monkeypatch.setattr(episodes, "has_gym_pusht", lambda: False)  # as without the sim extra
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--device", "cpu", "--episodes", "1", "--steps-per-episode", "1"]) == 0
+    printed = capsys.readouterr().out
+    settings = json.loads((out / "report.json").read_text())["settings"]
+    assert settings["policy"] == "random"  # the episodes'
+    video = settings["side_by_side"]
+    assert video["mode"] == "world_model_only" and video["policy"] == "agent"
+    assert video == {**video, **SIDE_BY_SIDE_DRIVERS["world_model_only"]}
+    assert f"{video['path']}: {video['description']}" in printed
+    assert "own policy (agent), not the episodes' policy" in video["description"]
+
+
 def test_demo_command_uses_the_builtin_pusht_model(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--device", "cpu", "--steps-per-episode", "2"]) == 0
@@ -548,7 +601,7 @@ def test_eval_command_on_the_builtin_model_uses_its_settings(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "using num_steps=1 instead of the checkpoint's 4" in captured.err
     settings = json.loads((out / "report.json").read_text())["settings"]
-    assert settings["checkpoint"].endswith("assets/pusht/checkpoint")
+    assert settings["checkpoint"].endswith("pusht/assets/checkpoint")
     assert (settings["env"]["guidance_scale"], settings["env"]["success_threshold"], settings["env"]["chunk"]) == (
         1.0, 0.92, 8)  # the checkpoint's calibrated success_threshold
     assert set(settings["overrides"]) == {"num_steps", "max_episode_steps"}

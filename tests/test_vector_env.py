@@ -79,6 +79,38 @@ def test_make_vec_builds_the_batched_env(engine):
     assert default.metadata["autoreset_mode"] == AutoresetMode.NEXT_STEP  # gymnasium's default
 
 
+def test_make_vec_takes_gymnasiums_vector_kwargs_and_sb3_wraps_the_result(engine):
+    """Issue 41: gymnasium's own spelling, vector_kwargs={"autoreset_mode": ...}, which Gymnasium refuses for any
+    env with a vector_entry_point, builds the batched env (the same as the keyword), and SB3VecEnv takes it."""
+    from cosmos3_gym.envs import SB3VecEnv
+
+    register_envs()
+    common = dict(engine=engine, initial_states=image(0), max_episode_steps=2, **FAST)
+    env = gym.make_vec(ENV_ID, num_envs=2, vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP}, **common)
+    assert isinstance(env, WorldModelVectorEnv) and env.autoreset_mode == AutoresetMode.SAME_STEP
+    assert env.spec.kwargs["autoreset_mode"] == AutoresetMode.SAME_STEP  # gym.make_vec(env.spec) builds it again
+    sb3 = SB3VecEnv(env)
+    observations = sb3.reset()
+    assert observations["image"].shape == (2, 96, 128, 3)
+    for seed in range(2):
+        sb3.step_async(random_actions(env, seed))
+        observations, rewards, dones, infos = sb3.step_wait()
+    assert dones.all() and all(info["TimeLimit.truncated"] for info in infos)  # max_episode_steps=2
+    assert all(info["terminal_observation"]["image"].shape == (96, 128, 3) for info in infos)
+    sb3.close()
+
+    with pytest.raises(gym.error.Error, match=r"\['autoreset_mode'\]: given both"):
+        gym.make_vec(ENV_ID, num_envs=2, vector_kwargs={"autoreset_mode": "SameStep"},
+                     autoreset_mode=AutoresetMode.SAME_STEP, **common)
+    # Other ids are Gymnasium's business: CartPole's vector env still refuses vector_kwargs as Gymnasium does.
+    with pytest.raises(gym.error.Error, match="Custom vector environment can be passed arguments only through kwargs"):
+        gym.make_vec("CartPole-v1", num_envs=2, vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP})
+    sync = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync",
+                        vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP})
+    assert isinstance(sync, gym.vector.SyncVectorEnv) and sync.autoreset_mode == AutoresetMode.SAME_STEP
+    sync.close()
+
+
 def test_all_slots_advance_in_one_engine_call(engine, batches):
     env = make_vec_env(engine, reward_model=None, success_threshold=None, return_frames=True,
                        render_mode="rgb_array")
@@ -397,3 +429,21 @@ def test_imagination_samples_score_the_chunk_by_several_samples(engine, batches)
         make_vec_env(engine, imagination_samples=0)
     with pytest.raises(InputError, match="imagination_reduce"):
         make_vec_env(engine, imagination_reduce="max")
+
+
+def test_sb3_over_the_pusht_vector_env_as_a_newcomer_writes_it():
+    """Issue 41: the newcomer's line, gym.make_vec("cosmos3_gym/PushT-v0", ..., vector_kwargs={"autoreset_mode":
+    SAME_STEP}), builds what SB3VecEnv needs (the docs' snippet; one step of the built-in model, num_steps=1)."""
+    from cosmos3_gym.envs import SB3VecEnv
+
+    same_step = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}  # SB3 resets finished envs within the step
+    vec_env = SB3VecEnv(gym.make_vec("cosmos3_gym/PushT-v0", num_envs=2, vector_kwargs=same_step, device="cpu",
+                                     num_steps=1))
+    try:
+        observations = vec_env.reset()
+        assert observations["image"].shape == (2, 256, 256, 3)
+        vec_env.step_async(np.zeros((2, *vec_env.action_space.shape), np.float32))
+        observations, rewards, dones, infos = vec_env.step_wait()
+        assert rewards.shape == (2,) and len(infos) == 2 and "coverage" in infos[0]
+    finally:
+        vec_env.close()

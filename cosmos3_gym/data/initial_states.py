@@ -188,8 +188,10 @@ def _read_file(path: Path, field: str) -> InitialState:
                 raise _numpy_error(field, error) from error
     elif suffix in processor.VIDEO_SUFFIXES:
         frames = _read_first_video_frame(path, field)
+    elif suffix in IMAGE_SUFFIXES:
+        frames = _read_image(path, field)
     else:
-        frames = path  # an image: processor.load_frames reads it
+        frames = path  # any other suffix: processor.load_frames tries it as an image
     sidecar = path.with_suffix(".txt")
     if task is None and sidecar.is_file():
         task = sidecar.read_text().strip()
@@ -210,6 +212,17 @@ def _numpy_error(field: str, error: Exception) -> InputError:
             "code); save the frames as a numeric array (.npy) or an .npz with 'frames' and 'task'."
         )
     return InputError(f"{field}: cannot read it as a numpy file ({error}).")
+
+
+def _read_image(path: Path, field: str) -> Image.Image:
+    """An image file, read in full here so that one that is not an image says so (``processor.load_frames`` converts
+    it: grayscale, RGBA and 16-bit images become RGB)."""
+    try:
+        image = Image.open(path)
+        image.load()
+    except (OSError, ValueError) as error:  # PIL.UnidentifiedImageError is an OSError; truncated data too
+        raise InputError(f"{field}: not a readable image ({error}).") from error
+    return image
 
 
 def _read_first_video_frame(path: Path, field: str) -> np.ndarray:

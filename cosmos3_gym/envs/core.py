@@ -35,15 +35,21 @@ import torch
 from gymnasium import spaces
 
 from .. import processor
-from ..checkpoint import checkpoint_defaults, resolve_checkpoint
+from ..checkpoint import checkpoint_decoder, checkpoint_defaults, resolve_checkpoint, validate_checkpoint
 from ..cuda_graphs import DEFAULT_MAX_PADDING
 from ..data.initial_states import InitialStateSource, check_task, first_frame, load_initial_states, resize_frame
 from ..engine import Cosmos3Engine, Cosmos3Request
 from ..engine_protocol import WorldModelEngine
-from ..errors import InputError
+from ..errors import CheckpointError, InputError
 from ..launcher import load_engine
 from ..rewards import resolve_reward_model, validate_reward
-from .settings import REWARD_MODES, WorldModelSettings, model_frame_size, split_settings  # noqa: F401 (re-exported)
+from .settings import (  # noqa: F401 (REWARD_MODES, model_frame_size: re-exported)
+    REWARD_MODES,
+    WorldModelSettings,
+    check_int,
+    model_frame_size,
+    split_settings,
+)
 
 # Seeds for the engine's noise generator are drawn below 2**63 (torch.Generator.manual_seed takes any uint64).
 _SEED_BOUND = 2**63 - 1
@@ -101,11 +107,12 @@ class WorldModelCore:
     fields; ``initial_states``, ``reward_model`` (not given: the checkpoint's; None: none); ``handover_projection``
     (None, or a callable uint8 frames ``[N, H, W, 3]`` -> ``(frames, projected bool [N])`` that cleans each chunk's
     last frame before it is scored, observed and conditions the next chunk, e.g. a task's rigid-body re-drawing); how to
-    load a checkpoint (``ENGINE_LOAD_KEYS``).
+    load a checkpoint (``ENGINE_LOAD_KEYS``); ``num_threads`` (``torch.set_num_threads`` for this process, first).
 
     Precedence, lowest first: ``WorldModelSettings``' defaults (or ``settings=``), the checkpoint's own settings
     (``checkpoint_defaults``; for settings fields only when ``settings=`` is not given: that object is complete),
-    the keywords. Keywords that change a checkpoint's value are logged.
+    the keywords. Keywords that change a checkpoint's value are logged. The checkpoint's meta.json ``decoder``
+    (``checkpoint_decoder``) is its default ``decoder`` where none is given and one rank decodes.
     """
 
     def __init__(
@@ -118,16 +125,21 @@ class WorldModelCore:
         initial_states: Any = _UNSET,
         reward_model: Any = _UNSET,
         handover_projection: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
+        num_threads: int | None = None,
         **kwargs: Any,
     ):
         # Everything that does not need the model is checked before a checkpoint is loaded.
+        if num_threads is not None:
+            # Process-wide, and first: the checkpoint then loads with it too. torch's default (one thread per core)
+            # oversubscribes the cores when several processes share them (issue 41: 15 s instead of 0.7 s a step).
+            torch.set_num_threads(check_int(num_threads, "num_threads", minimum=1))
         overrides = split_settings(kwargs)
         load_options = {key: kwargs.pop(key) for key in ENGINE_LOAD_KEYS if key in kwargs}
         if kwargs:
             raise InputError(
                 f"{sorted(kwargs)}: unknown arguments; expected settings {list(WorldModelSettings.field_names())}, "
                 f"engine options {list(ENGINE_LOAD_KEYS)}, checkpoint, engine, settings, initial_states, "
-                "reward_model or handover_projection."
+                "reward_model, handover_projection or num_threads."
             )
         if handover_projection is not None and not callable(handover_projection):
             raise InputError(
@@ -137,7 +149,9 @@ class WorldModelCore:
         carried: dict[str, Any] = {}
         if checkpoint is not None and engine is None:
             checkpoint = resolve_checkpoint(checkpoint)
+            check_is_checkpoint(checkpoint)  # a folder that is not one says so, not that it lacks initial_states
             carried = checkpoint_defaults(checkpoint)
+            _default_decoder(checkpoint, load_options)
         if initial_states is _UNSET:
             initial_states = carried.get("initial_states")
         if reward_model is _UNSET:
@@ -538,6 +552,30 @@ def _object_array(values: list[Any]) -> np.ndarray:
     array = np.empty(len(values), dtype=object)
     array[:] = values
     return array
+
+
+def check_is_checkpoint(directory: str | os.PathLike) -> None:
+    """``CheckpointError`` saying that ``directory`` is not a Cosmos3 checkpoint and what it lacks (the first missing
+    or broken part, ``checkpoint.validate_checkpoint``: configs and safetensors headers only, a few KB a file)."""
+    try:
+        validate_checkpoint(directory)
+    except CheckpointError as error:
+        fault = str(error).removeprefix("checkpoint: ")
+        raise CheckpointError(
+            f"checkpoint: {directory} is not a usable Cosmos3 checkpoint (diffusers layout: model_index.json, "
+            f"transformer/, vae/, scheduler/, text_tokenizer/): {fault}"
+        ) from error
+
+
+def _default_decoder(checkpoint: os.PathLike, load_options: dict[str, Any]) -> None:
+    """A checkpoint's meta.json ``decoder`` is its default, as for every other setting it carries, where the user
+    gives none and one rank decodes (a light decoder cannot decode tile-parallel over cfg_parallel * tp ranks)."""
+    if "decoder" in load_options:
+        return
+    decoder = checkpoint_decoder(checkpoint)
+    ranks = (load_options.get("cfg_parallel") or load_options.get("cfg") or 1) * (load_options.get("tp") or 1)
+    if decoder != "vae" and ranks == 1:  # "vae" is load_engine's own default
+        load_options["decoder"] = decoder
 
 
 def _resolve_engine(checkpoint, engine, **load_options: Any):

@@ -4,7 +4,9 @@ SB3 resets a finished env inside the step that finished it and hands over the la
 ``infos[i]["terminal_observation"]``, with ``infos[i]["TimeLimit.truncated"]`` telling a time-out from a real end
 (used to bootstrap the value). That is Gymnasium's ``SAME_STEP`` autoreset, so the vector env must use it:
 ``gym.make_vec("cosmos3_gym/WorldModel-v0", num_envs=N, autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP,
-...)``. Add ``stable_baselines3.common.vec_env.VecMonitor`` on top for episode returns in SB3's logs.
+...)``, or in Gymnasium's spelling ``vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP}`` (the same env,
+``cosmos3_gym.registration``). Add ``stable_baselines3.common.vec_env.VecMonitor`` on top for episode returns in
+SB3's logs.
 
 The slots of a batched vector env are not separate objects, so ``get_attr`` / ``set_attr`` / ``env_method`` act on
 the vector env itself: an attribute read is repeated for each requested index, and a method is called once.

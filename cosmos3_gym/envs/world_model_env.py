@@ -55,7 +55,11 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
         render_mode: None, "rgb_array", "rgb_array_list" or "human" (see ``rendering``).
         device, dtype, vae_dtype, precision, optimize, backend, decoder: how a checkpoint is loaded
             (``load_engine``; e.g. ``precision="fp8"``, ``optimize=True`` on a GPU, ``decoder="light"`` to decode
-            with the checkpoint's ``light_decoder/`` instead of the VAE: cheaper, approximate). Not with ``engine=``.
+            with the checkpoint's ``light_decoder/`` instead of the VAE: cheaper, approximate; default: the
+            checkpoint's meta.json ``decoder``, else the VAE). Not with ``engine=``.
+        num_threads: ``torch.set_num_threads(num_threads)`` in this process before anything loads (a positive int;
+            None leaves torch's default, one thread per core). Processes that share a machine's cores (two envs,
+            an env and a trainer) should split them: each one's threads otherwise contend for every core.
         tp, cfg_parallel, dp: tensor / CFG / data parallel degrees (``cfg`` is the deprecated name of
             ``cfg_parallel``); above 1 the engine runs in worker processes that the env starts (``load_engine``),
             the env process stays light.

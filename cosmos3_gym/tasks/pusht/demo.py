@@ -21,6 +21,20 @@ __all__ = ["DEMO_IMAGE", "DEMO_TASK", "run_demo"]
 # runs from an installed wheel.
 DEMO_IMAGE = Path(__file__).resolve().parents[2] / "assets" / "tabletop.png"
 DEMO_TASK = "push the T-shaped block onto the target"
+# What acts in side_by_side.mp4 (``episodes.side_by_side``), by its mode: not the episodes' ``policy``, which
+# report.json's ``settings.policy`` names. Recorded in ``settings.side_by_side`` ("policy", "description").
+SIDE_BY_SIDE_DRIVERS = {
+    "side_by_side": {
+        "policy": "scripted:0",
+        "description": "the real simulator next to the world model, both driven by the simulator's scripted pusher "
+        "(scripted:0), not the episodes' policy",
+    },
+    "world_model_only": {
+        "policy": "agent",
+        "description": "the world model alone, driven by the checkpoint's own policy (agent), not the episodes' "
+        "policy (pip install gym-pusht for the simulator next to it)",
+    },
+}
 
 
 def run_demo(
@@ -116,6 +130,7 @@ def _pusht_demo(out_dir: Path, policy, episodes, steps_per_episode, num_steps, s
         )
     finally:
         env.close()
+    video.update(SIDE_BY_SIDE_DRIVERS[video["mode"]])  # what acts in it: the CLI prints this, report.json holds it
     report.settings.update(
         policy=policy, checkpoint=str(builtin_checkpoint_dir()), random_weights=False, side_by_side=video
     )

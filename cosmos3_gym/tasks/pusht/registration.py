@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...policy_specs import PolicyKind, register_policy_kind
-from ...registration import BuiltinModel, builtin_model, register_builtin_model
+from ...registration import BuiltinModel, builtin_model, register_builtin_model, register_env
 
 __all__ = ["ASSETS_ENV_VAR", "PUSHT_ENV_ID", "builtin_max_episode_steps", "register"]
 
@@ -47,14 +47,12 @@ def register() -> None:
     for kind in POLICY_KINDS:
         register_policy_kind(kind)
     try:
-        import gymnasium
+        import gymnasium  # noqa: F401
     except ImportError:
         return
-    if PUSHT_ENV_ID not in gymnasium.registry:
-        gymnasium.register(
-            id=PUSHT_ENV_ID,
-            entry_point=PUSHT_MODEL.env_entry_point,
-            vector_entry_point=PUSHT_MODEL.vector_entry_point,
-            order_enforce=False,
-            max_episode_steps=builtin_max_episode_steps(),
-        )
+    register_env(
+        PUSHT_ENV_ID,
+        PUSHT_MODEL.env_entry_point,
+        PUSHT_MODEL.vector_entry_point,
+        max_episode_steps=builtin_max_episode_steps(),
+    )
