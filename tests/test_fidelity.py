@@ -109,6 +109,7 @@ class StandInAgent:
         return np.full((len(frames), self.chunk, 2), 0.25, np.float32)
 
 
+@pytest.mark.sim
 def test_compare_policies_end_to_end_with_a_stand_in_world_model():
     pytest.importorskip("gym_pusht")
     from cosmos3_gym.tasks.pusht import episodes as pusht
@@ -152,6 +153,7 @@ def test_compare_policies_end_to_end_with_a_stand_in_world_model():
     json.dumps(result)  # serialisable as it is
 
 
+@pytest.mark.sim
 def test_compare_policies_runs_a_saved_ppo_policy_closed_loop_in_both_worlds(tiny_ppo_model, tmp_path):
     pytest.importorskip("gym_pusht")
     from cosmos3_gym.agents import SB3PolicyAgent, save_sb3_policy
@@ -184,6 +186,7 @@ def test_compare_policies_runs_a_saved_ppo_policy_closed_loop_in_both_worlds(tin
                          num_chunks=1)
 
 
+@pytest.mark.sim
 def test_compare_policies_scores_the_world_model_with_extra_scorers_too():
     pytest.importorskip("gym_pusht")
     seeds = [3, 4]
@@ -224,6 +227,7 @@ def test_cli_eval_real_rejects_a_bad_policy_spec(capsys):
     assert "'ppo:/missing.safetensors'" in capsys.readouterr().err
 
 
+@pytest.mark.sim
 def test_cli_eval_real_runs_the_builtin_model(tmp_path, capsys, tiny_ppo_model):
     pytest.importorskip("gym_pusht")
     from cosmos3_gym.agents import save_sb3_policy
@@ -250,6 +254,7 @@ def test_real_episode_scores_end_at_the_first_success():
     assert success.tolist() == [True, False] and final.tolist() == [0.96, 0.4]
 
 
+@pytest.mark.sim
 def test_cli_eval_real_real_only_in_gym_pusht_alone(tmp_path, capsys, tiny_ppo_model):
     """Issue 17: eval-real --real-only evaluates in gym-pusht alone (success rate with a Wilson CI, final coverage
     with a CI in [0, 1]), takes file:PATH policies and reproduces its numbers for the same seeds."""

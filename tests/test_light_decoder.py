@@ -360,6 +360,7 @@ def test_soak_benchmark_runs_the_decoder_it_is_told_and_records_the_one_it_ran(t
         assert results["settings"]["decoder_used"] == used and results["samples"][-1]["env_steps"] == 4
 
 
+@pytest.mark.sim
 def test_recipe_smoke_run(tmp_path):
     pytest.importorskip("gym_pusht")
     recipe = import_benchmark("train_light_decoder", "benchmarks/recipes")

@@ -78,6 +78,7 @@ def test_agent_following_reads_visibility_and_error_off_the_frames():
     assert math.isnan(targets.episode_means(np.full((1, 2), np.nan))[0])
 
 
+@pytest.mark.sim
 def test_block_pose_and_geometric_coverage_on_simulator_frames():
     """On gym-pusht's own frames the fit finds the true pose, a T on the goal scores full coverage, and the same T
     cut in two scores nothing (it is not rigid), nor does a frame turned by 90 deg find the true angle."""

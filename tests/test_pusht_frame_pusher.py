@@ -29,6 +29,7 @@ def test_spec_parses_acts_on_frames_and_needs_the_action_statistics():
         agent.act(np.zeros((1, 32, 32), np.uint8))
 
 
+@pytest.mark.sim
 def test_plans_from_the_frame_like_the_true_state_pusher_and_is_reproducible():
     pytest.importorskip("gym_pusht")
     from cosmos3_gym.tasks.pusht import episodes as pusht
@@ -60,6 +61,7 @@ def test_plans_from_the_frame_like_the_true_state_pusher_and_is_reproducible():
     assert not np.array_equal(noisy.act(frames), actions)
 
 
+@pytest.mark.sim
 def test_pushes_the_block_closed_loop_in_gym_pusht():
     pytest.importorskip("gym_pusht")
     from cosmos3_gym.tasks.pusht.compare import evaluate_in_simulator
@@ -71,6 +73,7 @@ def test_pushes_the_block_closed_loop_in_gym_pusht():
     assert result["policies"]["random"]["final_coverage"] < 0.1
 
 
+@pytest.mark.sim
 def test_compare_policies_runs_it_closed_loop_in_the_world_model():
     pytest.importorskip("gym_pusht")
     from cosmos3_gym.tasks.pusht.compare import compare_policies
@@ -98,6 +101,7 @@ def test_compare_policies_runs_it_closed_loop_in_the_world_model():
     np.testing.assert_array_equal(env.actions[1][2:], expected.act(starts))
 
 
+@pytest.mark.sim
 def test_physics_planner_reads_the_frame_and_pushes_like_the_true_state_pusher():
     """``scripted-physics:NOISE`` plans each chunk in gym-pusht's physics from the state read off the frame: its
     first target is the true-state pusher's, and closed loop on simulator frames it covers the target as that pusher

@@ -25,6 +25,7 @@ def test_block_centroid_turns_with_the_block():
     np.testing.assert_allclose(turned, -offset, atol=1e-9)
 
 
+@pytest.mark.sim
 def test_read_off_agrees_with_the_simulator_state():
     pytest.importorskip("gym_pusht")
     from cosmos3_gym.tasks.pusht import episodes as pusht

@@ -70,6 +70,7 @@ def test_bad_input_names_the_field(scores, successes, field):
         fit_success_threshold(scores, successes)
 
 
+@pytest.mark.sim
 @pytest.mark.skipif(not has_gym_pusht(), reason="needs gym-pusht")
 def test_script_fits_a_threshold_the_built_in_reward_model_reaches_and_writes_it(tmp_path):
     from cosmos3_gym.tasks.pusht.env import default_assets_dir

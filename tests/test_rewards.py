@@ -463,6 +463,7 @@ def pusht_frames():
     return np.concatenate(frames), np.concatenate(coverage), np.concatenate(poses)
 
 
+@pytest.mark.sim
 def test_geometric_coverage_agrees_with_the_simulator(pusht_frames):
     from cosmos3_gym.tasks.pusht.reward import fit_tee
 
@@ -477,6 +478,7 @@ def test_geometric_coverage_agrees_with_the_simulator(pusht_frames):
     assert fit.rigidity.min() > 0.85  # real blocks are rigid Ts
 
 
+@pytest.mark.sim
 def test_deformed_blocks_are_flagged_and_pay_nothing(pusht_frames):
     from cosmos3_gym.rewards import resolve_reward_model
     from cosmos3_gym.tasks.pusht.reward import fit_tee, rigidity

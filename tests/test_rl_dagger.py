@@ -20,6 +20,8 @@ from cosmos3_gym.tasks.pusht.sim import PushTSim  # noqa: E402
 from cosmos3_gym.tasks.pusht.sim_vector_env import PushTSimVectorEnv  # noqa: E402
 from cosmos3_gym.tasks.pusht.starts import DemoStartStates  # noqa: E402
 
+pytestmark = pytest.mark.sim  # needs gym-pusht (the sim extra)
+
 STATS = ActionStats.from_json({"action": {"min": [0.0, 0.0], "max": [512.0, 512.0]}}, mode="minmax")
 SMALL = dict(channels=(8, 8, 8, 8), hidden=16, image_size=32)
 

@@ -151,6 +151,7 @@ def _stats():
     return ActionStats.from_json({"action": {"min": [0.0, 0.0], "max": [512.0, 512.0]}}, mode="minmax")
 
 
+@pytest.mark.sim
 def test_grpo_runs_in_the_gym_pusht_vector_env():
     from cosmos3_gym.tasks.pusht.sim_vector_env import PushTSimVectorEnv
 
@@ -174,6 +175,7 @@ def test_grpo_runs_in_the_gym_pusht_vector_env():
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
 
+@pytest.mark.sim
 def test_grpo_in_the_tiny_world_model_with_the_replay_guard(tiny_checkpoint):
     from cosmos3_gym.envs.vector_env import WorldModelVectorEnv
     from cosmos3_gym.tasks.pusht.replay import replay_in_simulator

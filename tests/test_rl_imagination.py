@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.sim  # needs gym-pusht (the sim extra)
+
 pytest.importorskip("gym_pusht")
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.sim  # needs gym-pusht (the sim extra)
+
 pytest.importorskip("gym_pusht")
 
 RECIPE = Path(__file__).resolve().parent.parent / "benchmarks" / "rl_pusht.py"

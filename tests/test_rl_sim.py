@@ -17,6 +17,8 @@ from cosmos3_gym.tasks.pusht.replay import evaluate_in_simulator, replay_in_simu
 from cosmos3_gym.tasks.pusht.sim_vector_env import PushTSimVectorEnv  # noqa: E402
 from cosmos3_gym.tasks.pusht.starts import DemoStartStates, SimInitialState  # noqa: E402
 
+pytestmark = pytest.mark.sim  # needs gym-pusht (the sim extra)
+
 STATS = ActionStats.from_json({"action": {"min": [0.0, 0.0], "max": [512.0, 512.0]}}, mode="minmax")
 
 
