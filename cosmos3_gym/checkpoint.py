@@ -32,6 +32,7 @@ import torch
 
 from cosmos3_gym.errors import CheckpointError
 from cosmos3_gym.registration import builtin_model, builtin_models
+from cosmos3_gym.storage import check_no_interrupted_save, is_weights_file, verify_manifest
 
 TRANSFORMER_DIR = "transformer"
 VAE_DIR = "vae"
@@ -72,6 +73,9 @@ _HUB_ALLOW_PATTERNS = [
     f"{TEXT_TOKENIZER_DIR}/*",
     f"{SCHEDULER_CONFIG.parent.as_posix()}/*",
 ]
+# Pickled weights are never loaded (torch.load runs code), so they are never fetched either.
+PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_HUB_IGNORE_PATTERNS = [f"*{suffix}" for suffix in PICKLE_WEIGHT_SUFFIXES]
 # Seconds to wait for the hub before concluding it is unreachable.
 HUB_TIMEOUT_S = 10.0
 _OFFLINE_ENV_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -147,7 +151,11 @@ def _download_from_hub(repo_id: str) -> Path:
     not_local = f"checkpoint: {repo_id!r} is not a local directory"
     pass_local = "pass the path of a local checkpoint directory instead"
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_ALLOW_PATTERNS, local_files_only=True))
+        return Path(
+            snapshot_download(
+                repo_id, allow_patterns=_HUB_ALLOW_PATTERNS, ignore_patterns=_HUB_IGNORE_PATTERNS, local_files_only=True
+            )
+        )
     except Exception:  # not (completely) in the local cache: fetch it below
         pass
     if _hub_is_offline():
@@ -158,7 +166,14 @@ def _download_from_hub(repo_id: str) -> Path:
     try:
         # The default HTTP client waits forever on a silent network; one bounded request fails fast instead.
         HfApi().repo_info(repo_id, timeout=HUB_TIMEOUT_S)
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_ALLOW_PATTERNS, etag_timeout=HUB_TIMEOUT_S))
+        return Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=_HUB_ALLOW_PATTERNS,
+                ignore_patterns=_HUB_IGNORE_PATTERNS,
+                etag_timeout=HUB_TIMEOUT_S,
+            )
+        )
     # The HTTP client (requests, httpx) and so its exception types differ between huggingface_hub versions; any
     # failure here means the checkpoint could not be fetched, and the cause stays chained.
     except Exception as error:
@@ -193,11 +208,18 @@ class CheckpointLayout:
 def validate_checkpoint(path: str | os.PathLike) -> CheckpointLayout:
     """Check a local checkpoint directory and return its layout; ``CheckpointError`` names the first bad path.
 
-    Reads only configs and safetensors headers (a few KB per file), so it is cheap even for the full model.
+    Reads only configs and safetensors headers (a few KB per file), so it is cheap even for the full model. A
+    checkpoint written by this package (``training.export``) carries a MANIFEST.json: every weights file it lists must
+    exist with its size (``storage.verify_manifest(root)`` checks every file's sha256; configs such as meta.json may be
+    edited, and are checked field by field), and a checkpoint left mid-save by a
+    crash is refused (``storage.finish_interrupted_save`` completes it). Pickled weights (``.bin``, ``.pt``, ...) in a
+    weights folder are refused: only safetensors are loaded.
     """
     root = Path(path).expanduser().resolve()
     if not root.is_dir():
         raise CheckpointError(f"checkpoint: {root} is not a directory")
+    check_no_interrupted_save(root)
+    verify_manifest(root, checksums=False, required=False, only=is_weights_file)
     transformer_dir = _require_dir(root / TRANSFORMER_DIR)
     vae_dir = _require_dir(root / VAE_DIR)
     text_tokenizer_dir = _require_dir(root / TEXT_TOKENIZER_DIR)
@@ -271,9 +293,9 @@ def checkpoint_defaults(path_or_id: str | os.PathLike) -> dict[str, Any]:
     """The settings a checkpoint carries, as keyword arguments of the envs and agents (``WorldModelSettings``
     fields plus ``initial_states`` and ``reward_model``). Empty for a checkpoint without ``meta.json``.
 
-    From ``meta.json``: the ``META_SETTING_KEYS`` it has; ``initial_states`` (a path relative to the checkpoint; an
-    ``.npz`` is a ``StartFramesArchive``, N start states); ``reward_model`` (a reward spec ``NAME:PATH``, PATH
-    relative to the checkpoint). From
+    From ``meta.json``: the ``META_SETTING_KEYS`` it has; ``initial_states`` (a path relative to the checkpoint, inside
+    it; an ``.npz`` is a ``StartFramesArchive``, N start states); ``reward_model`` (a reward spec ``NAME:PATH``, PATH
+    relative to the checkpoint, inside it). Paths that lead outside the checkpoint folder are refused. From
     ``action_stats.json``: ``action_stats`` (a ``processor.ActionStats`` in meta's ``action_normalization`` mode,
     default minmax). Entry points use these unless the user overrides them (and log what was overridden).
     """
@@ -301,9 +323,17 @@ def checkpoint_defaults(path_or_id: str | os.PathLike) -> dict[str, Any]:
 
 
 def _relative_file(root: Path, value: Any, key: str) -> Path:
+    """A meta.json path: relative to the checkpoint and inside it (a checkpoint names only its own files). The check
+    is on the path as written, not through symbolic links: a hub snapshot's files are links into the hub cache."""
     if not isinstance(value, str) or not value:
         raise CheckpointError(f"checkpoint: {root / META_FILE} field {key!r} must be a path, got {value!r}")
-    path = (root / value).resolve()
+    relative = os.path.normpath(value)
+    if os.path.isabs(value) or relative == os.pardir or relative.startswith(os.pardir + os.sep) or "\0" in value:
+        raise CheckpointError(
+            f"checkpoint: {root / META_FILE} field {key!r} is {value!r}, which leads outside the checkpoint folder "
+            f"{root}; expected a path inside it"
+        )
+    path = root.resolve() / relative
     if not path.exists():
         raise CheckpointError(f"checkpoint: {root / META_FILE} field {key!r} names {path}, which does not exist")
     return path
@@ -369,8 +399,12 @@ def _check_tokenizer_files(tokenizer_dir: Path) -> None:
 
 
 def safetensors_files(component_dir: str | os.PathLike) -> tuple[Path, ...]:
-    """The weight files of a component directory: the shards its index names, or else its ``*.safetensors``."""
+    """The weight files of a component directory: the shards its index names, or else its ``*.safetensors``.
+
+    Pickled weights in the folder (``.bin``, ``.pt``, ...: diffusers and transformers would load them, running
+    whatever code they hold) are refused with ``CheckpointError`` naming them."""
     component_dir = Path(component_dir)
+    check_no_pickle_weights(component_dir)
     for index_name in WEIGHT_INDEX_NAMES:
         index_path = component_dir / index_name
         if index_path.exists():
@@ -384,10 +418,18 @@ def safetensors_files(component_dir: str | os.PathLike) -> tuple[Path, ...]:
             return shards
     files = tuple(sorted(component_dir.glob("*.safetensors")))
     if not files:
-        other = sorted(p.name for p in component_dir.glob("*") if p.suffix in {".bin", ".pt", ".pth", ".ckpt"})
-        hint = f" (found {other}; only safetensors weights are loaded)" if other else ""
-        raise CheckpointError(f"checkpoint: no *.safetensors weights in {component_dir}{hint}")
+        raise CheckpointError(f"checkpoint: no *.safetensors weights in {component_dir}")
     return files
+
+
+def check_no_pickle_weights(component_dir: str | os.PathLike) -> None:
+    """``CheckpointError`` when a weights folder holds pickled weights (module docstring of ``safetensors_files``)."""
+    component_dir = Path(component_dir)
+    pickles = sorted(p.name for p in component_dir.glob("*") if p.suffix in PICKLE_WEIGHT_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"checkpoint: {component_dir} holds pickled weights {pickles}; only safetensors are loaded, remove them"
+        )
 
 
 def check_safetensors_file(path: str | os.PathLike) -> None:

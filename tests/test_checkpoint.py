@@ -389,7 +389,7 @@ def test_checkpoint_defaults_are_empty_without_meta_and_name_bad_fields(checkpoi
     from cosmos3_gym.checkpoint import checkpoint_defaults
 
     assert checkpoint_defaults(checkpoint_copy) == {}
-    (checkpoint_copy / "meta.json").write_text(json.dumps({"chunk": 8, "reward_model": "classifier:../missing"}))
+    (checkpoint_copy / "meta.json").write_text(json.dumps({"chunk": 8, "reward_model": "classifier:missing"}))
     with pytest.raises(CheckpointError, match="field 'reward_model' names .*missing, which does not exist"):
         checkpoint_defaults(checkpoint_copy)
     (checkpoint_copy / "meta.json").write_text(json.dumps({"chunk": 8, "reward_model": 3}))
@@ -426,3 +426,78 @@ def test_the_tiny_checkpoint_factory_lives_in_testing_only():
     assert "build_tiny_checkpoint" not in vars(checkpoint_module)
     with pytest.warns(DeprecationWarning, match="moved to cosmos3_gym.testing.build_tiny_checkpoint"):
         assert checkpoint_module.build_tiny_checkpoint is testing.build_tiny_checkpoint
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Hostile checkpoints (issue 43): paths that leave the folder, pickled weights, damaged or half-written saves
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("initial_states", "../starts.npz"),
+    ("initial_states", "/etc/hostname"),
+    ("initial_states", "states/../../starts.npz"),
+    ("reward_model", "classifier:../reward_model"),
+    ("reward_model", "classifier:/tmp"),
+])
+def test_meta_paths_must_stay_inside_the_checkpoint(checkpoint_copy, field, value):
+    from cosmos3_gym.checkpoint import checkpoint_defaults
+
+    np.savez(checkpoint_copy.parent / "starts.npz", frames=np.zeros((1, 8, 8, 3), np.uint8))
+    (checkpoint_copy.parent / "reward_model").mkdir()
+    (checkpoint_copy / "meta.json").write_text(json.dumps({field: value}))
+    with pytest.raises(CheckpointError, match=f"field '{field}' is .*which leads outside the checkpoint folder") as e:
+        checkpoint_defaults(checkpoint_copy)
+    assert "\n" not in _message(e)
+
+
+def test_meta_paths_inside_the_checkpoint_resolve_through_links(checkpoint_copy, tmp_path):
+    """Inside is judged on the path as written: a hub snapshot's files are links into the hub cache's blobs."""
+    from cosmos3_gym.checkpoint import checkpoint_defaults
+
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    np.savez(blob.with_suffix(".npz"), frames=np.zeros((2, 8, 8, 3), np.uint8))
+    (checkpoint_copy / "initial_states.npz").symlink_to(blob.with_suffix(".npz"))
+    (checkpoint_copy / "meta.json").write_text(json.dumps({"initial_states": "./initial_states.npz"}))
+    defaults = checkpoint_defaults(checkpoint_copy)
+    assert defaults["initial_states"].path == checkpoint_copy.resolve() / "initial_states.npz"
+
+
+def test_pickled_weights_beside_the_safetensors_are_refused(checkpoint_copy):
+    """Issue 43: AutoencoderKLWan.from_pretrained without use_safetensors=True; a checkpoint could ship a .bin."""
+    from cosmos3_gym.models.vae import Cosmos3VAE
+
+    pickled = checkpoint_copy / "vae" / "diffusion_pytorch_model.bin"
+    torch.save({}, pickled)
+    with pytest.raises(CheckpointError, match=r"vae holds pickled weights \['diffusion_pytorch_model.bin'\]") as e:
+        validate_checkpoint(checkpoint_copy)
+    assert "\n" not in _message(e)
+    with pytest.raises(CheckpointError, match="pickled weights"):
+        Cosmos3VAE.from_pretrained(checkpoint_copy / "vae")
+    pickled.unlink()
+    (checkpoint_copy / "vae" / "diffusion_pytorch_model.safetensors").rename(pickled.with_suffix(".safetensors.x"))
+    torch.save({}, pickled)  # only a .bin: never loaded in its place
+    with pytest.raises(CheckpointError):
+        Cosmos3VAE.from_pretrained(checkpoint_copy / "vae")
+
+
+def test_a_manifest_names_a_truncated_file_and_a_half_written_save_is_refused(checkpoint_copy):
+    from cosmos3_gym import storage
+
+    storage.write_manifest(checkpoint_copy)
+    validate_checkpoint(checkpoint_copy)
+    weights = checkpoint_copy / "transformer" / "diffusion_pytorch_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size: only the sha256 sees it
+    validate_checkpoint(checkpoint_copy)  # cheap: sizes only
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        storage.verify_manifest(checkpoint_copy)
+    weights.write_bytes(data[:-8])
+    with pytest.raises(CheckpointError, match=f"{weights} is .* bytes but MANIFEST.json says .*: truncated") as e:
+        validate_checkpoint(checkpoint_copy)
+    assert "\n" not in _message(e)
+    weights.write_bytes(data)
+    (checkpoint_copy / storage.STAGING_DIR / "ready").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="holds an interrupted save"):
+        validate_checkpoint(checkpoint_copy)

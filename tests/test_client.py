@@ -255,3 +255,63 @@ def test_gym_make_with_cfg_2_runs_the_env_on_worker_processes(tiny_checkpoint):
         finally:
             env.close()
     assert np.abs(frames[0] - frames[1]).max() <= 1  # uint8 frames; fp32 differences below one level
+
+
+def _listening_tcp_sockets() -> list[tuple[str, int, int]]:
+    """(address, port, socket inode) of every TCP socket in LISTEN state, from /proc/net/tcp and /proc/net/tcp6."""
+    import ipaddress
+
+    found = []
+    for name in ("tcp", "tcp6"):
+        path = Path("/proc/net") / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], int(fields[9])
+            if state != "0A":  # TCP_LISTEN
+                continue
+            address, port = local.split(":")
+            raw = bytes.fromhex(address)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word in host order
+            found.append((str(ipaddress.ip_address(raw)), int(port, 16), inode))
+    return found
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:["):-1]))
+    return inodes
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net")
+def test_workers_listen_on_loopback_only(tiny_checkpoint):
+    """Issue 43: with MASTER_ADDR=127.0.0.1, torch's TCPStore still listened on [::]:PORT, an unauthenticated store
+    any host could reach. While a tp=2 engine runs, no socket of ours listens outside loopback."""
+    client = start_engine_client(tiny_checkpoint, ParallelConfig(tp=2), **ENGINE_KWARGS)
+    try:
+        rendezvous = Path(client._rendezvous_dir)
+        assert rendezvous.is_dir() and rendezvous.stat().st_mode & 0o077 == 0  # only this user can open it
+        client.step(requests()[0])  # the ranks talk to each other
+        ours = {inode: pid for pid in (os.getpid(), *client.worker_pids) for inode in _socket_inodes(pid)}
+        listening = [(address, port, ours[inode]) for address, port, inode in _listening_tcp_sockets()
+                     if inode in ours]
+        assert listening, "the gloo ranks listen on loopback; finding none means the sockets were not read"
+        exposed = [entry for entry in listening if not _is_loopback(entry[0])]
+        assert not exposed, f"listening outside loopback (address, port, pid): {exposed}"
+    finally:
+        client.close()
+    assert not rendezvous.exists()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cosmos3_gym import storage
 from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.engine import Cosmos3Engine
 from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig
@@ -131,9 +132,12 @@ def test_fsdp_trainer_resumes_exactly_and_exports_a_diffusers_checkpoint(data):
     run_distributed(_train, 2, dataset, vae_dir, work / "resumed", cache, 2, False, timeout=60)
     assert run_distributed(_train, 2, dataset, vae_dir, work / "resumed", cache, 3, True, timeout=60) == [3, 3]
 
-    state = json.loads((work / "resumed" / "training" / "state" / "state.json").read_text())
+    snapshot = work / "resumed" / "training" / "state" / "step-000000003"  # cosmos3_gym.storage's snapshots
+    state = json.loads((snapshot / "state.json").read_text())
     assert state["step"] == 3 and state["format"] == "torch.distributed.checkpoint"
-    assert sorted(p.suffix for p in (work / "resumed" / "training" / "state").iterdir()).count(".distcp") == 2
+    assert sorted(p.suffix for p in snapshot.iterdir()).count(".distcp") == 2
+    storage.verify_manifest(snapshot)  # every rank's shards are in the manifest rank 0 wrote
+    assert [step for step, _ in storage.snapshots(snapshot.parent)] == [3, 2]
     straight, resumed = (load_file(next((work / run / "transformer").glob("*.safetensors")))
                          for run in ("straight", "resumed"))
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -215,3 +215,127 @@ def test_v21_statistics_pool_the_episodes_exactly():
     del lines[1]["stats"]["action"]["count"]
     with pytest.raises(InputError, match="episodes_stats.jsonl has an episode without stats"):
         _aggregate_episode_stats(lines, "action", Path("episodes_stats.jsonl"))
+
+
+# --------------------------------------------------------------------------------------------------- hostile datasets
+
+
+def _with_info(root: Path, tmp_path: Path, name: str, **changes) -> Path:
+    broken = Path(shutil.copytree(root, tmp_path / name))
+    info = json.loads((broken / "meta/info.json").read_text())
+    (broken / "meta/info.json").write_text(json.dumps({**info, **changes}))
+    return broken
+
+
+def _one_line(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("key, template, expected", [
+    ("data_path", "/etc/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet", "leads outside the dataset folder"),
+    ("video_path", "../../videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4",
+     "leads outside the dataset folder"),
+    ("data_path", "data/{chunk_index.__class__}/file-{file_index:03d}.parquet", "placeholder {chunk_index.__class__}"),
+    ("data_path", "data/{x.__class__}/file.parquet", r"placeholder \{x.__class__\}"),
+    ("video_path", "videos/{video_key[0]}/file-{file_index:03d}.mp4", r"placeholder \{video_key\[0\]\}"),
+    ("data_path", "data/chunk-{chunk_index!r}/file-{file_index:03d}.parquet", r"placeholder \{chunk_index!r\}"),
+    ("data_path", "data/chunk-{chunk_index:{file_index}}/x.parquet", "placeholder"),
+])
+def test_path_templates_stay_in_the_dataset_and_fill_only_the_documented_fields(v3, tmp_path, key, template,
+                                                                                 expected):
+    """Issue 43: the templates were joined to the root unconfined and filled with str.format (attribute access on its
+    arguments worked)."""
+    broken = _with_info(v3, tmp_path, "hostile", **{key: template})
+    with pytest.raises(InputError, match=f"dataset: .*info.json field '{key}'.*{expected}") as excinfo:
+        LeRobotDataset(broken)
+    _one_line(excinfo)
+
+
+def test_a_camera_name_cannot_lead_out_of_the_dataset(v21, tmp_path):
+    broken = Path(shutil.copytree(v21, tmp_path / "camera"))
+    info = json.loads((broken / "meta/info.json").read_text())
+    info["features"]["../../../outside"] = info["features"][CAMERA]
+    (broken / "meta/info.json").write_text(json.dumps(info))
+    with pytest.raises(InputError, match="'video_path' .*leads outside the dataset folder") as excinfo:
+        LeRobotDataset(broken, camera="../../../outside")
+    _one_line(excinfo)
+
+
+def test_a_duplicated_episode_line_is_refused(v21, tmp_path):
+    broken = Path(shutil.copytree(v21, tmp_path / "duplicated"))
+    lines = (broken / "meta/episodes.jsonl").read_text().splitlines()
+    (broken / "meta/episodes.jsonl").write_text("\n".join([*lines, lines[0]]) + "\n")
+    with pytest.raises(InputError, match="episodes.jsonl lists episode 0 more than once") as excinfo:
+        LeRobotDataset(broken)
+    _one_line(excinfo)
+
+
+@pytest.mark.parametrize("which", ["data", "video"])
+def test_a_missing_episode_file_fails_the_construction(v21, tmp_path, which):
+    broken = Path(shutil.copytree(v21, tmp_path / "missing"))
+    path = (broken / "data/chunk-000/episode_000002.parquet" if which == "data"
+            else broken / f"videos/chunk-000/{CAMERA}/episode_000002.mp4")
+    path.unlink()
+    with pytest.raises(InputError, match=f"missing .*{path.name}, the {which}.* file of episode 2") as excinfo:
+        LeRobotDataset(broken)
+    _one_line(excinfo)
+
+
+def test_a_corrupt_parquet_page_gives_one_line_naming_the_file(v3, tmp_path):
+    broken = Path(shutil.copytree(v3, tmp_path / "page"))
+    path = broken / "data/chunk-000/file-000.parquet"
+    data = bytearray(path.read_bytes())
+    data[4:64] = b"\xff" * 60  # the first column chunk's page header, behind the magic bytes
+    path.write_bytes(bytes(data))
+    dataset = LeRobotDataset(broken)  # the footer is intact
+    with pytest.raises(InputError, match=r"dataset: cannot read .*file-000.parquet as parquet") as excinfo:
+        dataset.read_rows(0)
+    _one_line(excinfo)
+    # A damaged footer fails the construction itself.
+    path.write_bytes(bytes(data[:-20]))
+    with pytest.raises(InputError, match=r"cannot read .*file-000.parquet as parquet") as excinfo:
+        LeRobotDataset(broken)
+    _one_line(excinfo)
+
+
+def test_ffmpeg_reads_only_local_mp4_files(v3, tmp_path, monkeypatch):
+    """Issue 43: untrusted mp4 files went to ffmpeg without a protocol whitelist or a fixed demuxer: a "video" that is
+    an HLS playlist makes ffmpeg open whatever it lists (other files, URLs)."""
+    import imageio_ffmpeg
+
+    calls = []
+    read_frames = imageio_ffmpeg.read_frames
+
+    def spy(path, *args, **kwargs):
+        calls.append((path, kwargs["input_params"]))
+        return read_frames(path, *args, **kwargs)
+
+    monkeypatch.setattr(imageio_ffmpeg, "read_frames", spy)
+    dataset = LeRobotDataset(v3)
+    assert dataset.read_frames(0, 0, 2).shape[0] == 2
+    path, params = calls[-1]
+    assert Path(path).is_absolute()
+    assert params[params.index("-protocol_whitelist") + 1] == "file" and params[params.index("-f") + 1] == "mp4"
+    assert params.index("-f") < params.index("-ss")  # input options, before -i
+
+    broken = Path(shutil.copytree(v3, tmp_path / "playlist"))
+    secret = tmp_path / "secret.mp4"
+    shutil.copyfile(v3 / f"videos/{CAMERA}/chunk-000/file-000.mp4", secret)
+    playlist = f"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10.0,\nfile://{secret}\n#EXT-X-ENDLIST\n"
+    (broken / f"videos/{CAMERA}/chunk-000/file-000.mp4").write_text(playlist)
+    with pytest.raises(InputError, match="cannot decode the video .*file-000.mp4") as excinfo:
+        LeRobotDataset(broken).read_frames(0, 0, 2)
+    _one_line(excinfo)
+
+
+def test_a_truncated_episode_file_of_our_layout_gives_one_line(source, tmp_path):
+    from cosmos3_gym.data.episodes import load_episode
+
+    broken = tmp_path / "episode_000000.npz"
+    data = (source / "episodes" / "episode_000000.npz").read_bytes()
+    broken.write_bytes(data[: len(data) // 2])  # a raw zipfile.BadZipFile before issue 43
+    with pytest.raises(InputError, match="cannot read .*episode_000000.npz as an .npz file") as excinfo:
+        load_episode(broken, 2)
+    _one_line(excinfo)

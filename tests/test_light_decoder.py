@@ -276,7 +276,7 @@ def test_pusht_env_and_vector_env_take_the_option(light_assets):
     finally:
         envs.close()
     env = gym.make("cosmos3_gym/WorldModel-v0", checkpoint=light_assets / "checkpoint", decoder="light",
-                   initial_states=light_assets / "initial_states.npz", success_threshold=None)
+                   initial_states=light_assets / "checkpoint" / "initial_states.npz", success_threshold=None)
     try:
         assert env.unwrapped.engine.decoder == "light"
     finally:

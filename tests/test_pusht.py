@@ -15,6 +15,7 @@ import torch
 
 import cosmos3_gym  # noqa: F401  (registers the env ids)
 from cosmos3_gym.tasks.pusht import env as pusht_env
+from cosmos3_gym.data import load_initial_states
 from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.media import write_video
 from cosmos3_gym.processor import ActionStats
@@ -155,9 +156,10 @@ def build_tiny_pusht_assets(root: Path, tiny_checkpoint: Path) -> Path:
     stats = {"action": {"min": [10.0, 20.0], "max": [500.0, 490.0]}}
     (root / "checkpoint" / "action_stats.json").write_text(json.dumps(stats))
     torch.manual_seed(0)
-    ClassifierRewardModel(input_size=16, channels=(4, 8)).save(root / "reward_model")
+    # The reward model and the start frames live inside the checkpoint (issue 43: meta.json paths stay inside it).
+    ClassifierRewardModel(input_size=16, channels=(4, 8)).save(root / pusht_env.REWARD_MODEL_DIR)
     frames = np.random.default_rng(0).integers(0, 256, size=(3, FRAME, FRAME, 3), dtype=np.uint8)
-    np.savez(root / "initial_states.npz", frames=frames, task=np.asarray(pusht.TASK), sim_seeds=np.arange(3))
+    np.savez(root / pusht_env.INITIAL_STATES_FILE, frames=frames, task=np.asarray(pusht.TASK), sim_seeds=np.arange(3))
     return root
 
 
@@ -213,7 +215,7 @@ def test_env_var_arguments_and_vector_env(tiny_assets, monkeypatch):
 def test_broken_initial_states_file_is_a_checkpoint_error(tiny_assets, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_assets, broken)
-    np.savez(broken / "initial_states.npz", frames=np.zeros((2, 8, 8), np.uint8))
+    np.savez(broken / pusht_env.INITIAL_STATES_FILE, frames=np.zeros((2, 8, 8), np.uint8))
     with pytest.raises(CheckpointError, match="initial_states.npz 'frames' must be uint8"):
         pusht_env.make_pusht_env(assets_dir=broken)
 
@@ -223,6 +225,7 @@ def test_broken_initial_states_file_is_a_checkpoint_error(tiny_assets, tmp_path)
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.sim
 def test_geometry_matches_the_simulator():
     pytest.importorskip("gym_pusht")
     sim = pusht.PushTSim((64, 64))
@@ -240,6 +243,7 @@ def test_geometry_matches_the_simulator():
         sim.close()
 
 
+@pytest.mark.sim
 def test_scripted_pusher_solves_some_episodes_in_the_simulator():
     pytest.importorskip("gym_pusht")
     sim = pusht.PushTSim((32, 32))
@@ -255,6 +259,7 @@ def test_scripted_pusher_solves_some_episodes_in_the_simulator():
     assert all(c[-1] > c[0] for c in coverage)
 
 
+@pytest.mark.sim
 def test_generate_dataset_writes_the_documented_layout(tmp_path):
     pytest.importorskip("gym_pusht")
     import cv2
@@ -296,6 +301,7 @@ def test_generate_dataset_writes_the_documented_layout(tmp_path):
         pusht.generate_pusht_dataset(out, 1, steps_per_episode=2, workers=0, progress=False)
 
 
+@pytest.mark.sim
 def test_side_by_side_runs_the_simulator_and_the_model_from_the_same_start(tiny_assets, tmp_path):
     pytest.importorskip("gym_pusht")
     result = pusht.side_by_side(tmp_path / "demo.mp4", seed=3, num_chunks=2, assets_dir=tiny_assets)
@@ -310,6 +316,7 @@ def test_side_by_side_without_the_simulator_shows_the_model_alone(tiny_assets, t
     assert Path(result["path"]).stat().st_size > 0
 
 
+@pytest.mark.sim
 def test_write_video_falls_back_to_opencv_without_imageio_ffmpeg(tmp_path, monkeypatch):
     cv2 = pytest.importorskip("cv2")
     import importlib.util
@@ -373,7 +380,7 @@ def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_asse
 
     vae_files = sorted(p.name for p in (work / "vae").iterdir())
     assert vae_files == sorted(p.name for p in (tiny_assets / "checkpoint" / "vae").iterdir())
-    assert not (work / "assets" / "pusht" / "checkpoint").exists()  # the world model stage writes its own
+    assert not (work / "assets" / "pusht" / "checkpoint" / "transformer").exists()  # the world model stage writes its own
     for name in (pusht_env.INITIAL_STATES_FILE, f"{pusht_env.REWARD_MODEL_DIR}/config.json"):
         assert (work / "assets" / "pusht" / name).read_bytes() == (tiny_assets / name).read_bytes()
 
@@ -381,7 +388,7 @@ def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_asse
     from cosmos3_gym.checkpoint import checkpoint_defaults
 
     assets = work / "assets" / "pusht"
-    shutil.copytree(tiny_assets / "checkpoint", assets / "checkpoint")
+    shutil.copytree(tiny_assets / "checkpoint", assets / "checkpoint", dirs_exist_ok=True)
     meta_path = assets / "checkpoint" / "meta.json"
     trained = {key: value for key, value in json.loads(meta_path.read_text()).items()
                if key not in ("score_name", "initial_states", "reward_model", "success_threshold")}
@@ -391,9 +398,10 @@ def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_asse
     settings = (defaults["score_name"], defaults["success_threshold"], defaults["max_episode_steps"])
     assert settings == ("coverage", 0.95, 38)  # 300 gym-pusht steps in chunks of 8
     assert defaults["reward_model"] == f"classifier:{(assets / pusht_env.REWARD_MODEL_DIR).resolve()}"
-    assert len(defaults["initial_states"]) > 0 and "dataset" not in json.loads(meta_path.read_text())
+    assert len(load_initial_states(defaults["initial_states"])) > 0 and "dataset" not in json.loads(meta_path.read_text())
 
 
+@pytest.mark.sim
 def test_uniform_and_policy_file_episodes(tmp_path):
     """``uniform`` draws a fresh target every step over the table; a ``file:`` policy acts on the rendered frames
     one chunk at a time, its normalised actions mapped through the given action statistics, reproducibly."""
@@ -429,6 +437,7 @@ def test_uniform_and_policy_file_episodes(tmp_path):
             np.testing.assert_array_equal(first["actions"], second["actions"])
 
 
+@pytest.mark.sim
 def test_scripted_random_goal_episodes_push_the_t_towards_their_own_goal(tmp_path):
     """``scripted_random_goal`` is the scripted pusher aiming at a goal pose drawn per episode (recorded in the
     episode): its pushes take the block towards that goal, not towards the green target."""
@@ -458,6 +467,7 @@ def _gym_pusht_pixel_env(size):
                                      observation_height=size[0])
 
 
+@pytest.mark.sim
 def test_sim_frames_are_gym_pushts_pixel_observations():
     pytest.importorskip("gym_pusht")
     for size in ((32, 48), (96, 96)):
@@ -523,6 +533,7 @@ def _reference_episode(seed, index, mix, steps, size, stats):
         env.close()
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dataset_episodes_are_what_the_plain_gym_pusht_loop_gives(tmp_path, workers):
     """Every family of the policy mix, in this process and in worker processes (a fork server then, with a policy

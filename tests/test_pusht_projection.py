@@ -15,7 +15,9 @@ from cosmos3_gym.errors import InputError
 from cosmos3_gym.tasks.pusht.reward import rigidity
 
 SIZE = (256, 256)  # the built-in model's frames
-needs_gym_pusht = pytest.mark.skipif(not pusht_projection.has_gym_pusht(), reason="needs gym-pusht")
+def needs_gym_pusht(test):
+    """The test runs gym-pusht: skipped without it, and selected by ``pytest -m sim`` (CI, after the sim extra)."""
+    return pytest.mark.sim(pytest.mark.skipif(not pusht_projection.has_gym_pusht(), reason="needs gym-pusht")(test))
 
 
 def _state(agent=(100.0, 400.0), block=(250.0, 220.0, 0.6)) -> np.ndarray:
@@ -125,9 +127,14 @@ def test_rigid_block_takes_only_a_bool_and_names_gym_pusht_when_missing(monkeypa
         check_rigid_block(True)
 
 
+def test_the_built_in_model_this_file_needs_is_installed():
+    """The built-in model ships with the package: its absence fails (issue 43: it used to skip the test below)."""
+    assert pusht_env.load_pusht_assets().checkpoint == pusht_env.builtin_checkpoint_dir()
+
+
 @needs_gym_pusht
-@pytest.mark.skipif(pusht_env.builtin_checkpoint_dir() is None, reason="needs the built-in PushT model")
 def test_pusht_env_rigid_block_projects_only_the_hand_over_frame(projection):
+    pusht_env.load_pusht_assets()  # a model that fails to load fails here, with its CheckpointError
     with pytest.raises(InputError, match="rigid_block"):
         gym.make("cosmos3_gym/PushT-v0", rigid_block="on")
     steps = {}

@@ -146,3 +146,19 @@ def test_torchrun_c10d_rendezvous_on_one_node(tiny_checkpoint, tmp_path):
     parallel = json.loads((tmp_path / "parallel_action.json").read_text())
     assert parallel["shape"] == single["shape"] == [4, 2]
     assert relative_error(parallel["data"], single["data"]) < 1e-5
+
+
+def test_ray_before_2_52_is_refused_and_the_extras_require_2_52():
+    """Issue 43: ``ray>=2.40`` admitted versions with the unauthenticated job-submission remote-code-execution bug."""
+    from cosmos3_gym.executors.ray_replicas import check_ray_version
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    for old in ("2.40.0", "2.51.2", "1.13.1"):
+        with pytest.raises(InputError, match=f"ray: version {old} .*ray>=2.52"):
+            check_ray_version(old)
+    for new in ("2.52.0", "2.60.0", "3.0.0rc1", "2.52.0.dev0"):
+        check_ray_version(new)
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert "ray>=2.52" in extras["ray"] and "ray>=2.52" in extras["dev"]

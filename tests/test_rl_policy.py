@@ -143,6 +143,7 @@ def test_ieee_convolutions_apply_on_cuda_only_and_restore_the_setting():
         conv.fp32_precision = before
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_training_forward_gives_the_cpu_log_probabilities_at_grpo_sigma():
     """GRPO divides the update's probability of a sampled chunk by the rollout's, at sigma = exp(-3.5): on a GPU the

@@ -1,5 +1,6 @@
 """``SB3VecEnv``: Stable-Baselines3's VecEnv API over the batched world-model env, and PPO training on it."""
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -76,15 +77,66 @@ def test_needs_same_step_autoreset(engine):
         SB3VecEnv(object())
 
 
-def test_ppo_trains_on_the_world_model(engine):
-    """PPO with a MultiInputPolicy (NatureCNN on the image) runs a few hundred steps inside the world model."""
-    env = VecMonitor(make_sb3_env(engine, max_episode_steps=8, observation_size=(48, 48),
-                                  reward_model=lambda frames, tasks: frames[:, -1].mean(dim=(1, 2, 3))))
+def test_ppo_runs_on_the_world_model_with_the_rewards_it_computes(engine):
+    """What this checks, precisely: PPO (MultiInputPolicy, NatureCNN on the image) runs a few hundred steps inside the
+    world model, every episode ends at max_episode_steps, the returns SB3 logs are the sums of exactly the rewards the
+    reward model computed (not dropped, scaled or sign-flipped on the way), and the weights change. Whether PPO
+    learns (improves the return) is checked on a task where it must, below: a random tiny world model offers
+    nothing to learn in 256 steps."""
+    computed = []
+
+    def reward_model(frames, tasks):
+        values = frames[:, -1].mean(dim=(1, 2, 3))
+        computed.append(values.detach().double().cpu().numpy())
+        return values
+
+    env = VecMonitor(make_sb3_env(engine, max_episode_steps=8, observation_size=(48, 48), reward_model=reward_model))
     model = PPO("MultiInputPolicy", env, n_steps=32, batch_size=32, n_epochs=1, seed=0, device="cpu",
                 policy_kwargs=dict(net_arch=[16], features_extractor_kwargs=dict(cnn_output_dim=16)))
     before = [p.detach().clone() for p in model.policy.parameters()]
     model.learn(total_timesteps=256)
-    assert model.num_timesteps >= 256
-    assert len(model.ep_info_buffer) >= 256 // 8 - 2  # episodes ended by max_episode_steps, logged by VecMonitor
+    assert model.num_timesteps == 256
+    returns = [info["r"] for info in model.ep_info_buffer]
+    assert len(returns) == 256 // 8 and all(info["l"] == 8 for info in model.ep_info_buffer)
+    assert sum(returns) == pytest.approx(float(np.concatenate(computed).sum()), rel=1e-4)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.policy.parameters()))
     env.close()
+
+
+class ActionRewardEnv(gym.Env):
+    """A task where PPO must learn: the reward is ``sign`` times the mean of the action chunk (the world model's
+    action shape); the observation carries no information, so only the policy's mean action matters."""
+
+    observation_space = gym.spaces.Dict({"state": gym.spaces.Box(-1.0, 1.0, (2,), np.float32)})
+    action_space = gym.spaces.Box(-1.0, 1.0, (4, 2), np.float32)
+
+    def __init__(self, sign: float):
+        self.sign, self.t = sign, 0
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return {"state": self.np_random.uniform(-1, 1, 2).astype(np.float32)}, {}
+
+    def step(self, action):
+        self.t += 1
+        reward = self.sign * float(np.clip(action, -1, 1).mean())
+        return {"state": self.np_random.uniform(-1, 1, 2).astype(np.float32)}, reward, False, self.t >= 4, {}
+
+
+def test_ppo_learns_through_sb3_vec_env_where_the_reward_demands_it():
+    """The same SB3VecEnv plumbing on a task whose reward depends on the action: PPO's mean action moves towards the
+    rewarded side, and with the reward's sign flipped (same seed) the other way."""
+    from gymnasium.vector import SyncVectorEnv
+
+    learned = {}
+    for sign in (1.0, -1.0):
+        env = SB3VecEnv(SyncVectorEnv([lambda: ActionRewardEnv(sign)] * 4, autoreset_mode=AutoresetMode.SAME_STEP))
+        model = PPO("MultiInputPolicy", env, n_steps=64, batch_size=64, n_epochs=4, learning_rate=3e-3, seed=0,
+                    device="cpu", policy_kwargs=dict(net_arch=[16]))
+        probe = {"state": np.zeros((16, 2), np.float32)}
+        initial = float(model.predict(probe, deterministic=True)[0].mean())
+        model.learn(total_timesteps=2048)
+        learned[sign] = float(model.predict(probe, deterministic=True)[0].mean()) - initial
+        env.close()
+    assert learned[1.0] > 0.3 and learned[-1.0] < -0.3, learned

@@ -357,10 +357,11 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(work, dataset, vae_d
     train_world_model(dataset, resumed, interrupted, vae_dir)
     train_world_model(dataset, resumed, world_model_config(work, **settings, resume=True), vae_dir)
 
-    assert json.loads((resumed / "training" / "state" / "state.json").read_text())["step"] == 6
+    state = resumed / "training" / "state" / "step-000000006"
+    assert json.loads((state / "state.json").read_text())["step"] == 6
     for name in ("model", "ema", "optimizer"):
-        a = load_file(straight / "training" / "state" / f"{name}.safetensors")
-        b = load_file(resumed / "training" / "state" / f"{name}.safetensors")
+        a = load_file(straight / "training" / "state" / "step-000000006" / f"{name}.safetensors")
+        b = load_file(state / f"{name}.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     losses = [r["loss"] for r in read_log(straight / "training" / "log.jsonl")]
     assert losses == [r["loss"] for r in read_log(resumed / "training" / "log.jsonl")]
@@ -374,7 +375,7 @@ def test_max_seconds_stops_at_a_log_step_and_still_saves_and_exports(work, datas
     out = work / "timed"
     config = world_model_config(work, steps=40, log_every=3, max_seconds=1e-9)
     checkpoint = train_world_model(dataset, out, config, vae_dir)
-    assert json.loads((out / "training" / "state" / "state.json").read_text())["step"] == 3
+    assert json.loads((out / "training" / "state" / "step-000000003" / "state.json").read_text())["step"] == 3
     assert [r["step"] for r in read_log(out / "training" / "log.jsonl")] == [3]
     assert (checkpoint / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
     with pytest.raises(InputError, match="max_seconds"):

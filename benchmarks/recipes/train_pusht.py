@@ -90,6 +90,7 @@ from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.tasks.pusht.compare import replay_actions  # noqa: E402
 from cosmos3_gym.rewards import ClassifierRewardModel, train_classifier  # noqa: E402
 from cosmos3_gym.rewards.calibration import calibrate_success_threshold, score_episode_files  # noqa: E402
+from cosmos3_gym.storage import replace_entries  # noqa: E402
 from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
 from cosmos3_gym.training.export import ACTION_STATS_FILE, resolve_save_dtype  # noqa: E402
 from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig, train_vae, train_world_model  # noqa: E402
@@ -273,6 +274,7 @@ def start_frames(args, assets: Path) -> dict:
         frames = np.stack([sim.reset(int(s)) for s in sim_seeds])
     finally:
         sim.close()
+    (assets / INITIAL_STATES_FILE).parent.mkdir(parents=True, exist_ok=True)  # inside the checkpoint folder
     np.savez_compressed(assets / INITIAL_STATES_FILE, frames=frames, task=np.asarray(pusht.TASK),
                         sim_seeds=sim_seeds.astype(np.int64))
     return {"count": len(frames)}
@@ -307,9 +309,10 @@ def decoder_stage(args, work: Path, assets: Path) -> dict:
 
     shipped = assets / CHECKPOINT_DIR / "vae"
     report = vae_stage(args, work, init_vae=shipped)
-    vae = AutoencoderKLWan.from_pretrained(str(work / "vae"), torch_dtype=resolve_save_dtype(args.save_dtype))
-    shutil.rmtree(shipped)
-    vae.save_pretrained(shipped, safe_serialization=True)
+    vae = AutoencoderKLWan.from_pretrained(str(work / "vae"), torch_dtype=resolve_save_dtype(args.save_dtype),
+                                           use_safetensors=True)
+    # The shipped VAE stays whole until the new one is complete (cosmos3_gym.storage: crash-safe replacement).
+    replace_entries(shipped, lambda staging: vae.save_pretrained(staging, safe_serialization=True))
     return report
 
 
@@ -365,8 +368,9 @@ def write_env_defaults(checkpoint: Path, *, num_steps: int, guidance_scale: floa
         task=pusht.TASK, num_steps=num_steps, guidance_scale=guidance_scale,
         success_threshold=pusht.SUCCESS_COVERAGE,  # gym-pusht's line until success_threshold_stage calibrates it
         max_episode_steps=-(-SIM_EPISODE_STEPS // chunk),
-        score_name="coverage", initial_states=f"../{INITIAL_STATES_FILE}",
-        reward_model=f"classifier:../{REWARD_MODEL_DIR}",
+        # Relative to the checkpoint, inside it (checkpoint_defaults refuses paths that lead out of it).
+        score_name="coverage", initial_states=Path(INITIAL_STATES_FILE).relative_to(CHECKPOINT_DIR).as_posix(),
+        reward_model=f"classifier:{Path(REWARD_MODEL_DIR).relative_to(CHECKPOINT_DIR).as_posix()}",
     )
 
 
@@ -400,8 +404,12 @@ def unpack_first_part(source: Path, work: Path) -> None:
         return
     shutil.rmtree(work / "vae", ignore_errors=True)
     shutil.copytree(source / CHECKPOINT_DIR / "vae", work / "vae")
-    shutil.copytree(source, work / "assets" / "pusht", ignore=shutil.ignore_patterns(CHECKPOINT_DIR),
-                    dirs_exist_ok=True)
+    target = work / "assets" / "pusht"
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns(CHECKPOINT_DIR), dirs_exist_ok=True)
+    # The start frames and the reward model live in the checkpoint folder; the rest of it the world model stage writes.
+    (target / REWARD_MODEL_DIR).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source / REWARD_MODEL_DIR, target / REWARD_MODEL_DIR, dirs_exist_ok=True)
+    shutil.copyfile(source / INITIAL_STATES_FILE, target / INITIAL_STATES_FILE)
 
 
 def match_first_part_image_size(args, assets: Path) -> None:

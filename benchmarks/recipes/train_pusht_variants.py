@@ -31,7 +31,7 @@ sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent)]
 from common import add_output_arguments, provenance, write_results  # noqa: E402
 
 PART_BYTES = 15 * 2**20
-KEPT = ("checkpoint/transformer", "checkpoint/meta.json", "checkpoint/model_index.json", "reward_model")
+KEPT = ("checkpoint/transformer", "checkpoint/meta.json", "checkpoint/model_index.json", "checkpoint/reward_model")
 
 
 def parse_args(argv):

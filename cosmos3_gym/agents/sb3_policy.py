@@ -32,6 +32,7 @@ from stable_baselines3.common.torch_layers import CombinedExtractor
 
 from ..data.initial_states import resize_frame
 from ..errors import CheckpointError, InputError
+from ..storage import save_safetensors
 
 __all__ = ["SB3PolicyAgent", "load_sb3_policy", "read_sb3_policy_metadata", "save_sb3_policy"]
 
@@ -100,14 +101,12 @@ def save_sb3_policy(model_or_policy: Any, path: str | os.PathLike, **metadata: A
         encoded = {key: json.dumps(value) for key, value in {**architecture, **metadata}.items()}
     except TypeError as error:
         raise InputError(f"metadata: values must be JSON-serialisable ({error})") from error
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = policy.state_dict()
     tensors = {
         name: state[name].detach().cpu().contiguous() for name, first in _first_names(policy).items() if name == first
     }
-    safetensors.torch.save_file(tensors, str(path), metadata=encoded)
-    return path
+    # Crash-safe: a temporary file, fsynced and renamed over ``path``, with the tensors' sha256 (cosmos3_gym.storage).
+    return save_safetensors(path, tensors, encoded)
 
 
 def read_sb3_policy_metadata(path: str | os.PathLike) -> dict[str, Any]:

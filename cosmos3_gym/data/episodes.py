@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,8 +165,9 @@ def load_episode(path: Path, raw_action_dim: int, *, with_frames: bool = True) -
             success = bool(data["success"]) if "success" in data.files else None
     except KeyError as error:
         raise InputError(f"dataset: {path} lacks the array {error.args[0]!r}") from error
-    except (OSError, ValueError) as error:
-        raise InputError(f"dataset: cannot read {path} as an .npz file ({error})") from error
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:  # a truncated or damaged archive
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise InputError(f"dataset: cannot read {path} as an .npz file ({first_line})") from error
     if actions.ndim != 2 or actions.shape[1] != raw_action_dim:
         raise InputError(f"dataset: {path} 'actions' must be [T, {raw_action_dim}], got shape {actions.shape}")
     if frames is not None and (frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3):

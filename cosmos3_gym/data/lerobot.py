@@ -21,6 +21,14 @@ through ``clips`` (training windows: frames on the model's tier canvas, raw acti
 
 An episode's ``success`` (our layout's optional flag) is LeRobot's per-frame ``next.success`` (any frame set).
 
+Untrusted datasets. info.json's ``data_path`` / ``video_path`` templates are filled by a formatter that knows only
+LeRobot's placeholders (``TEMPLATE_FIELDS``: ``{name}`` or ``{name:03d}``; no attribute access, indexing or
+conversion), and every path they give must stay inside the dataset folder (no absolute path, no ``..`` leading out;
+checked on the path as written, since hub snapshots are links into the hub cache). The construction checks every
+episode's files exist, refuses an episode listed twice and reads each data file's parquet footer, so that a bad
+dataset fails at once with one line naming the file. Videos are decoded by ffmpeg as local mp4 files only
+(``-protocol_whitelist file -f mp4``: no network or other protocol, no other demuxer).
+
 Conventions. LeRobot stores one action per frame (the action taken at that frame); ``data.py`` has ``T + 1`` frames
 and the ``T`` actions between them. An episode of ``L`` rows therefore becomes ``L`` frames and its first ``L - 1``
 actions (the last row's action leads out of the recording). ``write_lerobot_dataset`` writes the inverse (the last
@@ -32,6 +40,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import string
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +61,67 @@ V21_DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parq
 V21_VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
 CHUNKS_SIZE = 1000
 STATS_KEYS = ("min", "max", "mean", "std", "q01", "q99")
+# The placeholders info.json's path templates may hold, per codebase version (LeRobot's own); nothing else is filled.
+TEMPLATE_FIELDS = {
+    "v3.0": ("chunk_index", "file_index", "video_key"),
+    "v2.1": ("episode_chunk", "episode_index", "video_key"),
+}
+_INTEGER_SPEC = re.compile(r"^0?\d{0,2}d?$")  # "", "d", "03d", "06d", ...
+# What ffmpeg may open: local files, read by the mp4 demuxer only (module docstring).
+FFMPEG_INPUT_PARAMS = ("-protocol_whitelist", "file", "-f", "mp4")
+
+
+def parse_path_template(template, allowed: tuple[str, ...], where: str) -> list[tuple[str, str | None, str]]:
+    """A path template's parts ``(literal, field, format_spec)``, refused with ``InputError`` unless every placeholder
+    is ``{name}`` or ``{name:0Nd}`` with a name in ``allowed`` (no attribute access, indexing or conversion)."""
+    if not isinstance(template, str) or not template:
+        raise InputError(f"dataset: {where} must be a path template string, got {template!r}")
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as error:
+        raise InputError(f"dataset: {where} is not a valid path template ({error})") from error
+    out = []
+    for literal, field, spec, conversion in parts:
+        if field is not None:
+            shown = "{" + field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            if field not in allowed or conversion is not None or not _INTEGER_SPEC.match(spec or ""):
+                raise InputError(
+                    f"dataset: {where} has the placeholder {shown}; only {{name}} or {{name:0Nd}} with a name from "
+                    f"{list(allowed)} may appear"
+                )
+        out.append((literal, field, spec or ""))
+    return out
+
+
+def fill_path_template(parts: list[tuple[str, str | None, str]], values: dict, where: str) -> str:
+    """The template's parts with the placeholders replaced by ``values`` (integers, and strings without a spec)."""
+    text = []
+    for literal, field, spec in parts:
+        text.append(literal)
+        if field is not None:
+            value = values[field]
+            if spec and (isinstance(value, bool) or not isinstance(value, int)):
+                raise InputError(f"dataset: {where} formats {field!r} as a number ({spec}), but it is {value!r}")
+            text.append(format(value, spec) if spec else str(value))
+    return "".join(text)
+
+
+def path_inside(root: Path, relative: str, where: str) -> Path:
+    """``root / relative``, refused with ``InputError`` when ``relative`` is absolute or leads out of ``root`` (checked
+    as written, not through links: a hub snapshot's files are links into the hub cache)."""
+    normal = os.path.normpath(relative) if relative else ""
+    if (
+        not normal
+        or "\0" in relative
+        or os.path.isabs(relative)
+        or normal == os.pardir
+        or normal.startswith(os.pardir + os.sep)
+    ):
+        raise InputError(
+            f"dataset: {where} gives the path {relative!r}, which leads outside the dataset folder {root}; expected a "
+            f"path inside it"
+        )
+    return root / normal
 
 
 def is_lerobot_spec(spec) -> bool:
@@ -80,11 +151,19 @@ def _read_parquet(path: Path, columns: list[str] | None = None, filters=None):
     try:
         schema_names = pq.read_schema(path).names
     except Exception as error:  # pyarrow raises ArrowInvalid, OSError, ...
-        raise InputError(f"dataset: cannot read {path} as parquet ({error})") from error
+        raise InputError(f"dataset: cannot read {path} as parquet ({_first_line(error)})") from error
     missing = [c for c in columns or [] if c not in schema_names]
     if missing:
         raise InputError(f"dataset: {path} lacks the column(s) {missing} (has {schema_names})")
-    return pq.read_table(path, columns=columns, filters=filters)
+    try:
+        return pq.read_table(path, columns=columns, filters=filters)
+    except Exception as error:  # a damaged page: pyarrow raises OSError, ArrowInvalid, ...
+        raise InputError(f"dataset: cannot read {path} as parquet ({_first_line(error)})") from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _matrix(table, column: str, path: Path) -> np.ndarray:
@@ -105,8 +184,9 @@ def _matrix(table, column: str, path: Path) -> np.ndarray:
 def decode_video(path: Path, start_time: float, count: int, fps: float, field: str) -> np.ndarray:
     """``count`` RGB frames [count, H, W, 3] uint8 from ``start_time`` seconds, checking the stream's fps.
 
-    ffmpeg seeks before decoding (``-ss`` as an input option is frame-accurate); the seek aims a quarter frame early so
-    rounding of the stored timestamps never skips the first frame, and ``-frames:v`` stops the decoder after the span.
+    ffmpeg reads the file as a local mp4 and nothing else (``FFMPEG_INPUT_PARAMS``). It seeks before decoding
+    (``-ss`` as an input option is frame-accurate); the seek aims a quarter frame early so rounding of the stored
+    timestamps never skips the first frame, and ``-frames:v`` stops the decoder after the span.
     """
     import imageio_ffmpeg
 
@@ -115,7 +195,9 @@ def decode_video(path: Path, start_time: float, count: int, fps: float, field: s
     seek = max(start_time - 0.25 / fps, 0.0)
     try:
         reader = imageio_ffmpeg.read_frames(
-            str(path), input_params=["-ss", f"{seek:.6f}"], output_params=["-frames:v", str(count)]
+            str(path.absolute()),
+            input_params=[*FFMPEG_INPUT_PARAMS, "-ss", f"{seek:.6f}"],
+            output_params=["-frames:v", str(count)],
         )
         meta = next(reader)
         width, height = meta["size"]
@@ -124,7 +206,8 @@ def decode_video(path: Path, start_time: float, count: int, fps: float, field: s
     except InputError:
         raise
     except Exception as error:  # imageio-ffmpeg raises OSError / RuntimeError / StopIteration for broken files
-        raise InputError(f"dataset: cannot decode the video {path} ({field}): {error}") from error
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise InputError(f"dataset: cannot decode the video {path} ({field}): {first_line}") from error
     if video_fps and abs(video_fps - fps) > 1e-3 * fps:
         raise InputError(f"dataset: {path} ({field}) is a {video_fps:g} fps video but meta/info.json says fps={fps:g}")
     if len(frames) < count:
@@ -268,6 +351,22 @@ class LeRobotDataset:
 
     def _read_episodes(self) -> list[LeRobotEpisode]:
         info, camera = self.info, self.camera
+        allowed = TEMPLATE_FIELDS[str(self.version)]
+        templates = {
+            key: parse_path_template(info[key], allowed, f"{self.info_path} field {key!r}")
+            for key in ("data_path", "video_path")
+        }
+
+        def locate(key: str, values: dict, where: str) -> Path:
+            field = f"{self.info_path} field {key!r} ({where})"
+            return path_inside(self.root, fill_path_template(templates[key], values, field), field)
+
+        def integer(row: dict, key: str, path: Path) -> int:
+            value = row.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise InputError(f"dataset: {path} field {key!r} must be an integer >= 0, got {value!r}")
+            return int(value)
+
         episodes = []
         if self.version == "v2.1":
             path = self.root / "meta" / "episodes.jsonl"
@@ -276,19 +375,19 @@ class LeRobotDataset:
                 for key in ("episode_index", "length"):
                     if key not in row:
                         raise InputError(f"dataset: {path} has an episode line without the field {key!r}")
-                index = int(row["episode_index"])
+                index = integer(row, "episode_index", path)
                 fields = dict(episode_chunk=index // chunks_size, episode_index=index, video_key=camera)
                 episodes.append(
                     LeRobotEpisode(
                         index=index,
-                        length=int(row["length"]),
+                        length=integer(row, "length", path),
                         tasks=self._task_list(row.get("tasks", []), path),
-                        data_file=self.root / info["data_path"].format(**fields),
-                        video_file=self.root / info["video_path"].format(**fields),
+                        data_file=locate("data_path", fields, f"episode {index}"),
+                        video_file=locate("video_path", fields, f"episode {index}"),
                         video_from_timestamp=0.0,
                     )
                 )
-            return sorted(episodes, key=lambda e: e.index)
+            return self._checked(episodes, path)
         files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
         if not files:
             raise InputError(f"dataset: no meta/episodes/chunk-*/file-*.parquet in {self.root}")
@@ -306,24 +405,51 @@ class LeRobotDataset:
         for path in files:
             table = _read_parquet(path, columns)
             for row in table.to_pylist():
+                index = integer(row, "episode_index", path)
+                data_fields = dict(
+                    chunk_index=integer(row, "data/chunk_index", path),
+                    file_index=integer(row, "data/file_index", path),
+                    video_key=camera,
+                )
+                video_fields = dict(
+                    chunk_index=integer(row, prefix + "chunk_index", path),
+                    file_index=integer(row, prefix + "file_index", path),
+                    video_key=camera,
+                )
                 episodes.append(
                     LeRobotEpisode(
-                        index=int(row["episode_index"]),
-                        length=int(row["length"]),
+                        index=index,
+                        length=integer(row, "length", path),
                         tasks=self._task_list(row["tasks"], path),
-                        data_file=self.root
-                        / info["data_path"].format(
-                            chunk_index=row["data/chunk_index"], file_index=row["data/file_index"]
-                        ),
-                        video_file=self.root
-                        / info["video_path"].format(
-                            video_key=camera,
-                            chunk_index=row[prefix + "chunk_index"],
-                            file_index=row[prefix + "file_index"],
-                        ),
+                        data_file=locate("data_path", data_fields, f"episode {index}"),
+                        video_file=locate("video_path", video_fields, f"episode {index}"),
                         video_from_timestamp=float(row[prefix + "from_timestamp"]),
                     )
                 )
+        return self._checked(episodes, self.root / "meta" / "episodes")
+
+    def _checked(self, episodes: list[LeRobotEpisode], listed_in: Path) -> list[LeRobotEpisode]:
+        """The episodes in index order, after checking that none is listed twice, that every episode's data and video
+        files exist, and that every data file's parquet footer reads (a damaged file fails here, not hours into
+        training)."""
+        import pyarrow.parquet as pq
+
+        seen: set[int] = set()
+        for episode in episodes:
+            if episode.index in seen:
+                raise InputError(f"dataset: {listed_in} lists episode {episode.index} more than once")
+            seen.add(episode.index)
+        checked: set[Path] = set()
+        for episode in episodes:
+            for path, what in ((episode.data_file, "data"), (episode.video_file, f"video ({self.camera})")):
+                if path not in checked and not path.is_file():
+                    raise InputError(f"dataset: missing {path}, the {what} file of episode {episode.index}")
+                checked.add(path)
+        for path in sorted({episode.data_file for episode in episodes}):
+            try:
+                pq.read_metadata(path)
+            except Exception as error:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged footer
+                raise InputError(f"dataset: cannot read {path} as parquet ({_first_line(error)})") from error
         return sorted(episodes, key=lambda e: e.index)
 
     def action_stats_document(self) -> dict:

@@ -2,13 +2,20 @@
 
 ``load_engine(path, tp=2, cfg_parallel=2)`` outside torchrun lands here (vLLM's executor/worker split). The caller's
 process stays light: no model, no process group. Each rank is a fresh ``python -m cosmos3_gym.executors.worker``
-process (``executors/worker.py``) with torchrun's environment (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK,
-WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; OMP_NUM_THREADS=1, NCCL_NVLS_ENABLE=0 and
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless already set). Workers never import the caller's ``__main__``, so this works
-from unguarded scripts, ``python -``, ``python -c`` and notebooks. Each worker connects back to a
-``multiprocessing.connection.Listener`` (a random authentication key, handed over on the worker's stdin) and builds
-its rank with ``Cosmos3Engine.from_pretrained(path, parallel=config, ...)``. Every command (step, optimize, offload,
-onload, close) goes to every rank; rank 0's reply carries the results (every rank computes the same ones).
+process (``executors/worker.py``) with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE;
+OMP_NUM_THREADS=1, NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless already set). Workers never
+import the caller's ``__main__``, so this works from unguarded scripts, ``python -``, ``python -c`` and notebooks.
+Each worker connects back to a ``multiprocessing.connection.Listener`` (a Unix socket; a random authentication key,
+handed over on the worker's stdin) and builds its rank with ``Cosmos3Engine.from_pretrained(path, parallel=config,
+...)``. Every command (step, optimize, offload, onload, close) goes to every rank; rank 0's reply carries the results
+(every rank computes the same ones).
+
+Security model: the workers are reachable only from this machine, and only by their user. They rendezvous through
+a ``torch.distributed`` file store in a private temporary folder (mode 0700, removed when the engine closes), never
+through torch's TCP store, which listens on every interface without authentication, and gloo / NCCL open their
+sockets on the loopback interface only (GLOO_SOCKET_IFNAME=lo, NCCL_SOCKET_IFNAME=lo on Linux); the client's
+command channel is an authenticated Unix socket. Engines that span machines are started explicitly by torchrun (or
+Ray, ``executors/ray_replicas.py``), whose rendezvous must run on a network that only the cluster's hosts can reach.
 
 Failure handling, so that a caller never hangs on a dead engine: the client waits on the workers' connections with a
 short timeout and checks their exit codes in between. A worker that exits (killed, crashed) or raises anything but
@@ -29,9 +36,11 @@ import multiprocessing.connection
 import os
 import queue
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -40,7 +49,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..parallel.mesh import ParallelConfig
-from .messages import USER_ERRORS, receive, send
+from .messages import RENDEZVOUS_ENV_VAR, USER_ERRORS, receive, send
 from .remote import RemoteEngine
 
 # After one rank reports a bad request, how long the others may take to report theirs before the ranks are declared
@@ -138,10 +147,12 @@ class Cosmos3EngineClient(RemoteEngine):
         authkey = secrets.token_bytes(32)
         self._listener = multiprocessing.connection.Listener(authkey=authkey)
         self._workers: list[_Worker] = []
+        # The ranks' rendezvous: a file store in a folder only this user can open (module docstring).
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="cosmos3-gym-rendezvous-")
         # Stops the workers on close(), on garbage collection and at interpreter exit (it must not refer to self).
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, True, self._rendezvous_dir)
         try:
-            env = _worker_environment(config.world_size)
+            env = _worker_environment(config.world_size, os.path.join(self._rendezvous_dir, "store"))
             for rank in range(config.world_size):
                 self._workers.append(
                     _Worker(rank, self._listener.address, authkey, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
@@ -328,7 +339,7 @@ class Cosmos3EngineClient(RemoteEngine):
         """Stop the workers without asking (they failed, or are at an unknown point); keeps the first reason."""
         if self._finalizer.detach() is not None:
             self._failure = reason
-            _shutdown(self._workers, graceful=False)
+            _shutdown(self._workers, graceful=False, rendezvous_dir=self._rendezvous_dir)
 
     def _send_failed(self, worker: _Worker, what: str, error: Exception):
         """A send fails once the worker's end of the connection is gone, which can be before its exit is reaped:
@@ -346,15 +357,18 @@ class Cosmos3EngineClient(RemoteEngine):
         )
 
 
-def _worker_environment(world_size: int) -> dict[str, str]:
-    """torchrun's environment for the ranks of one host (RANK and LOCAL_RANK are added per worker)."""
-    env = dict(os.environ)
+def _worker_environment(world_size: int, rendezvous_file: str) -> dict[str, str]:
+    """torchrun's environment for the ranks of one host (RANK and LOCAL_RANK are added per worker), with the
+    rendezvous through ``rendezvous_file`` (a file store) instead of torch's TCP store, and the collectives' sockets
+    on the loopback interface (module docstring: security model)."""
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    env[RENDEZVOUS_ENV_VAR] = rendezvous_file
+    if sys.platform.startswith("linux"):
+        env.update(GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
     if world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks on one host would oversubscribe the cores
     # NVLink SHARP / symmetric-memory multicast stay off unless the user's environment says otherwise.
@@ -366,8 +380,9 @@ def _worker_environment(world_size: int) -> dict[str, str]:
     return env
 
 
-def _shutdown(workers: list[_Worker], graceful: bool = True) -> None:
-    """Ask every live worker to exit (``graceful``) and wait a little, then terminate and finally kill the rest."""
+def _shutdown(workers: list[_Worker], graceful: bool = True, rendezvous_dir: str | None = None) -> None:
+    """Ask every live worker to exit (``graceful``) and wait a little, then terminate and finally kill the rest;
+    then remove the rendezvous folder."""
     if graceful:
         for worker in workers:
             if worker.exitcode is None and worker.connection is not None:
@@ -393,11 +408,5 @@ def _shutdown(workers: list[_Worker], graceful: bool = True) -> None:
     for worker in workers:
         if worker.connection is not None:
             worker.connection.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if rendezvous_dir is not None:
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)

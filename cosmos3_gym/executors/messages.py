@@ -14,6 +14,9 @@ from multiprocessing.connection import Connection
 
 from ..errors import CheckpointError, InputError
 
+# The file store through which the workers of one client join their process group (client.py: security model).
+RENDEZVOUS_ENV_VAR = "COSMOS3_GYM_RENDEZVOUS_FILE"
+
 # The error types a worker reports by name and the client raises again as themselves.
 USER_ERRORS = {"CheckpointError": CheckpointError, "InputError": InputError}
 

@@ -1,7 +1,14 @@
 """Engine replicas on a Ray cluster: many independent engines, possibly on many machines, behind one ``step``.
 
 Install the extra: ``pip install "cosmos3_gym[ray]"`` (plain ``ray`` is enough for this module; ``ray[default]``
-adds the dashboard and cluster launcher).
+adds the dashboard and cluster launcher). It requires ``ray>=2.52``: earlier versions accept unauthenticated job
+submissions, a remote-code-execution hole.
+
+Security model: anyone who can reach a Ray cluster's ports can run code on every node of it. A cluster started with
+``ray start --head`` must therefore use token authentication (``RAY_AUTH_MODE=token`` and the same secret
+``RAY_AUTH_TOKEN`` on every node and driver, Ray >= 2.52) and sit on a network that only its own hosts can reach (a
+private subnet or firewall rules; never a public address). This module adds no access control of its own: it trusts
+the cluster it is given (``ray.init()`` without an address starts a local, single-machine one).
 
 ``load_engine(path, backend="ray", num_replicas=R)`` or ``RayEngineReplicas(path, num_replicas,
 replica_resources={"num_gpus": 1})`` starts one Ray actor per replica; each actor builds one engine with
@@ -48,6 +55,22 @@ try:
     import ray
 except ImportError:  # optional extra
     ray = None
+
+# Ray before 2.52 runs unauthenticated job submissions (remote code execution) and has no token authentication.
+MIN_RAY_VERSION = (2, 52)
+
+
+def check_ray_version(version: str) -> None:
+    """``InputError`` for a Ray older than ``MIN_RAY_VERSION`` (module docstring: security model)."""
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) < MIN_RAY_VERSION:
+        raise InputError(
+            f"ray: version {version} accepts unauthenticated job submissions (remote code execution); install "
+            f"ray>=2.52 (pip install 'cosmos3_gym[ray]')"
+        )
 
 
 class _EngineReplica:
@@ -106,6 +129,7 @@ class RayEngineReplicas(RemoteEngine):
     ):
         if ray is None:
             raise ImportError('RayEngineReplicas needs Ray: pip install "cosmos3_gym[ray]"')
+        check_ray_version(ray.__version__)
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise InputError(f"num_replicas: expected an integer >= 1, got {num_replicas!r}")
         config = resolve_parallel_config(

@@ -4,8 +4,10 @@
 A fresh interpreter that imports only this package, never the caller's ``__main__``, so an engine can be started from
 an unguarded script, ``python -``, ``python -c`` or a notebook (multiprocessing's spawn re-imports the main module,
 which re-runs such a script in every worker). The environment is torchrun's (RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), set by the client; the process group is joined by
-``Cosmos3Engine.from_pretrained`` as under torchrun.
+LOCAL_WORLD_SIZE), set by the client, but the process group is joined through the file store the client names in
+``COSMOS3_GYM_RENDEZVOUS_FILE`` (a private folder), not torch's TCP store on MASTER_ADDR:MASTER_PORT, which would
+listen on every network interface (client.py: security model); ``Cosmos3Engine.from_pretrained`` then finds the
+group initialised.
 
 The worker reads the connection's authentication key from its stdin, connects to the client's
 ``multiprocessing.connection.Listener`` at ADDRESS, says which rank it is, receives what to load, and then serves
@@ -21,7 +23,27 @@ import sys
 from multiprocessing.connection import Client, Connection
 
 from ..errors import InputError
-from .messages import error_reply, receive, send
+from .messages import RENDEZVOUS_ENV_VAR, error_reply, receive, send
+
+
+def join_process_group(config, engine_kwargs: dict) -> bool:
+    """Join the ranks' process group through the client's file store (NCCL for a CUDA engine, else gloo, as
+    ``parallel.mesh.init_parallel`` picks); True when this call created it. A single-rank config needs none."""
+    import torch
+    import torch.distributed as dist
+
+    rendezvous_file = os.environ.get(RENDEZVOUS_ENV_VAR)
+    if not rendezvous_file or config.world_size == 1 or dist.is_initialized():
+        return False
+    device = engine_kwargs.get("device")
+    use_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        init_method=f"file://{os.path.abspath(rendezvous_file)}",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+    return True
 
 
 def _reply(connection: Connection, message) -> None:
@@ -40,6 +62,7 @@ def serve(connection: Connection, rank: int) -> None:
     from ..engine import Cosmos3Engine
 
     try:
+        joined = join_process_group(config, engine_kwargs)
         engine = Cosmos3Engine.from_pretrained(path_or_id, parallel=config, **engine_kwargs)
     except BaseException as error:  # noqa: BLE001 - reported to the client, which raises it
         _reply(connection, error_reply(error))
@@ -76,6 +99,11 @@ def serve(connection: Connection, rank: int) -> None:
             _reply(connection, ("ok", value))
     finally:
         engine.close()
+        if joined:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from cosmos3_gym.errors import CheckpointError, InputError
+from cosmos3_gym.storage import check_no_interrupted_save, is_weights_file, replace_entries, verify_manifest
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -255,16 +256,25 @@ class LightDecoder(torch.nn.Module):
 
     # ------------------------------------------------------------------ files
 
-    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-        """Write ``path/config.json`` and ``path/model.safetensors`` (in ``dtype``, default the module's)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+    def save_pretrained(
+        self, path: str | os.PathLike, dtype: torch.dtype | None = None, extra_files: dict[str, str] | None = None
+    ) -> Path:
+        """Write ``path/config.json`` and ``path/model.safetensors`` (in ``dtype``, default the module's), and the text
+        files ``extra_files`` (name -> content), with the crash-safe protocol of ``cosmos3_gym.storage.replace_entries``
+        (a previous decoder stays whole until the new one is complete; a MANIFEST.json of sizes and sha256s, which
+        ``from_pretrained`` checks)."""
+        config = json.dumps(self.config.to_dict(), indent=2) + "\n"
         state = {
             key: value.detach().to("cpu", dtype or value.dtype).contiguous() for key, value in self.state_dict().items()
         }
-        safetensors.torch.save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-        return path
+
+        def fill(staging: Path) -> None:
+            (staging / CONFIG_NAME).write_text(config)
+            safetensors.torch.save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+            for name, text in (extra_files or {}).items():
+                (staging / name).write_text(text)
+
+        return replace_entries(path, fill)
 
     @classmethod
     def from_pretrained(
@@ -278,6 +288,7 @@ class LightDecoder(torch.nn.Module):
                 f"light decoder: expected a folder with {CONFIG_NAME} and {WEIGHTS_NAME} "
                 f"(LightDecoder.save_pretrained), got {str(path)!r}"
             )
+        check_no_interrupted_save(path, "light decoder")
         try:
             values = json.loads(config_path.read_text())
             if not isinstance(values, dict) or values.get("_class_name") != _CLASS_NAME:
@@ -286,6 +297,7 @@ class LightDecoder(torch.nn.Module):
         except (OSError, json.JSONDecodeError, InputError, TypeError) as error:
             raise CheckpointError(f"light decoder: bad {config_path}: {error}") from error
         model = cls(config)
+        verify_manifest(path, what="light decoder", required=False, only=is_weights_file)  # damaged weights are named
         try:
             model.load_state_dict(safetensors.torch.load_file(str(weights_path)), strict=True)
         except Exception as error:  # safetensors raises its own error types; load_state_dict a RuntimeError

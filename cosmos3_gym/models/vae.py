@@ -44,6 +44,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
     unpatchify,
 )
 
+from cosmos3_gym.checkpoint import check_no_pickle_weights
 from cosmos3_gym.errors import CheckpointError, InputError
 
 # The parts of the Wan2.2 VAE layout that Cosmos3 fixes (16x spatial / 4x temporal compression, the residual
@@ -115,11 +116,13 @@ class Cosmos3VAE(torch.nn.Module):
     def from_pretrained(
         cls, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> Cosmos3VAE:
-        """Load the ``vae/`` folder of a diffusers checkpoint (``config.json`` plus weights)."""
+        """Load the ``vae/`` folder of a diffusers checkpoint (``config.json`` plus safetensors weights; pickled
+        weights in the folder are refused, never loaded)."""
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise CheckpointError(f"vae: expected a folder with config.json and the VAE weights, got {str(path)!r}")
+        check_no_pickle_weights(path)
         try:
-            vae = AutoencoderKLWan.from_pretrained(path, torch_dtype=dtype)
+            vae = AutoencoderKLWan.from_pretrained(path, torch_dtype=dtype, use_safetensors=True)
         except Exception as error:  # diffusers raises OSError/ValueError/RuntimeError/... depending on the damage
             raise CheckpointError(f"vae: could not load AutoencoderKLWan from {str(path)!r}: {error}") from error
         return cls(vae.eval()).to(device)

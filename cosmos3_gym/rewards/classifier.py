@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..cuda_graphs import DEFAULT_MAX_PADDING, GraphedFunction, check_max_padding, replay_padded
 from ..errors import CheckpointError, InputError
+from ..storage import check_no_interrupted_save, is_weights_file, replace_entries, verify_manifest
 from .base import check_frames
 
 __all__ = ["ClassifierRewardModel", "train_classifier", "REDUCTIONS"]
@@ -168,13 +169,17 @@ class ClassifierRewardModel(nn.Module):
     # ------------------------------------------------------------------ files
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write ``path/config.json`` and ``path/model.safetensors`` (the directory is created). Returns ``path``."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_NAME).write_text(json.dumps(self.config, indent=2) + "\n")
+        """Write ``path/config.json`` and ``path/model.safetensors`` (the directory is created) with the crash-safe
+        protocol of ``cosmos3_gym.storage.replace_entries`` (a previous model stays whole until the new one is complete;
+        a MANIFEST.json of sizes and sha256s, which ``load`` checks). Returns ``path``."""
+        config = json.dumps(self.config, indent=2) + "\n"
         state = {key: value.detach().cpu().contiguous() for key, value in self.state_dict().items()}
-        safetensors.torch.save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-        return path
+
+        def fill(staging: Path) -> None:
+            (staging / CONFIG_NAME).write_text(config)
+            safetensors.torch.save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+
+        return replace_entries(path, fill)
 
     @classmethod
     def load(
@@ -194,6 +199,7 @@ class ClassifierRewardModel(nn.Module):
                 f"classifier: expected a directory with {CONFIG_NAME} and {WEIGHTS_NAME} "
                 f"(written by ClassifierRewardModel.save), got {str(path)!r}"
             )
+        check_no_interrupted_save(path, "classifier")
         try:
             config = json.loads(config_path.read_text())
         except (OSError, json.JSONDecodeError) as error:
@@ -211,6 +217,7 @@ class ClassifierRewardModel(nn.Module):
             raise CheckpointError(f"classifier: {config_path}: {error}") from error
         if reduce is not None:
             model.reduce = _check_reduce(reduce)
+        verify_manifest(path, what="classifier", required=False, only=is_weights_file)  # damaged weights are named
         try:
             state = safetensors.torch.load_file(str(weights_path))
             model.load_state_dict(state, strict=True)

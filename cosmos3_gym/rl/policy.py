@@ -34,6 +34,7 @@ from torch import nn
 
 from ..data.initial_states import resize_frame
 from ..errors import CheckpointError, InputError
+from ..storage import CHECKSUM_KEY, load_safetensors, save_safetensors
 
 __all__ = [
     "FORMAT",
@@ -199,11 +200,9 @@ def save_policy_file(policy: PixelGaussianPolicy, path: str | os.PathLike, **met
         encoded = {key: json.dumps(value) for key, value in header.items()}
     except TypeError as error:
         raise InputError(f"metadata: values must be JSON-serialisable ({error})") from error
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().float().cpu().contiguous() for name, tensor in policy.state_dict().items()}
-    safetensors.torch.save_file(tensors, str(path), metadata=encoded)
-    return path
+    # Crash-safe: a temporary file, fsynced and renamed over ``path``, with the tensors' sha256 (cosmos3_gym.storage).
+    return save_safetensors(path, tensors, encoded)
 
 
 def read_policy_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -221,6 +220,7 @@ def read_policy_metadata(path: str | os.PathLike) -> dict[str, Any]:
         metadata = {key: json.loads(value) for key, value in raw.items()}
     except json.JSONDecodeError as error:
         raise CheckpointError(f"policy file: {path} has metadata that is not JSON ({error}).") from error
+    metadata.pop(CHECKSUM_KEY, None)
     if metadata.get("format") == "cosmos3_gym.sb3_policy.v1":
         metadata.setdefault("kind", "sb3_ppo")
     if "kind" not in metadata:
@@ -248,8 +248,9 @@ def load_policy_file(path: str | os.PathLike, device: torch.device | str = "cpu"
         policy = PixelGaussianPolicy(PolicyConfig(**metadata["config"]))
     except (TypeError, InputError) as error:
         raise CheckpointError(f"policy file: {path} has a config that does not describe a policy ({error}).") from error
+    tensors, _ = load_safetensors(path, what="policy file")  # the checksum it was saved with is verified
     try:
-        policy.load_state_dict(safetensors.torch.load_file(str(path)), strict=True)
+        policy.load_state_dict(tensors, strict=True)
     except RuntimeError as error:
         raise CheckpointError(f"policy file: the weights in {path} do not fit its config ({error}).") from error
     policy.metadata = metadata

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,14 +31,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from .. import processor
 from ..checkpoint import safetensors_files
 from ..data.episodes import DatasetInfo, read_episode_dataset, window_starts
 from ..data.lerobot import is_lerobot_spec, read_lerobot_dataset
-from ..errors import InputError
+from ..errors import CheckpointError, InputError
+from ..storage import load_safetensors, save_safetensors
+
+logger = logging.getLogger(__name__)
 
 
 def read_dataset(
@@ -120,6 +122,14 @@ def latent_cache_key(info: DatasetInfo, vae_dir: Path, *, chunk: int, stride: in
 
 
 PREPARE_THREADS = 4  # host threads reading and preparing episodes ahead of the encoder
+
+
+def save_cache_entry(cache: Path, name: str, cond: processor.Conditioning, latents: torch.Tensor) -> Path:
+    """One episode's latents, written crash-safe with their checksum (``storage.save_safetensors``: a temporary file,
+    fsynced, renamed into place; a damaged entry is found when read and encoded again)."""
+    return save_safetensors(
+        cache / f"{name}.safetensors", {"latents": latents}, {"canvas_hw": json.dumps(list(cond.canvas_hw))}
+    )
 
 
 @torch.no_grad()
@@ -206,13 +216,9 @@ def build_training_windows(
             cond = pending.popleft().result()
             if position + len(pending) + 1 < len(todo):
                 pending.append(pool.submit(prepare, todo[position + len(pending) + 1]))
-            latents = encode_windows(vae, cond, starts_per_episode[i], chunk, encode_batch_size)
-            target = cache / f"{store.name(i)}.safetensors"
-            temporary = target.with_suffix(f".tmp{rank}")
-            save_file(
-                {"latents": latents.contiguous()}, temporary, metadata={"canvas_hw": json.dumps(list(cond.canvas_hw))}
+            save_cache_entry(
+                cache, store.name(i), cond, encode_windows(vae, cond, starts_per_episode[i], chunk, encode_batch_size)
             )
-            os.replace(temporary, target)  # atomic: a crash never leaves a half-written cache file behind
     if world_size > 1:
         dist.barrier()
 
@@ -224,9 +230,16 @@ def build_training_windows(
         if not starts:
             continue
         path = cache / f"{store.name(i)}.safetensors"
-        with safe_open(path, framework="pt") as handle:
-            episode_canvas = tuple(json.loads(handle.metadata()["canvas_hw"]))
-        episode_latents = load_file(path)["latents"]
+        try:
+            tensors, metadata = load_safetensors(path, what="latent cache")
+            episode_canvas, episode_latents = tuple(json.loads(metadata["canvas_hw"])), tensors["latents"]
+        except (CheckpointError, KeyError, ValueError) as error:
+            # A damaged entry (its checksum says so) is only a cache miss: encode the episode again.
+            logger.warning("%s; encoding episode %s again", error, store.name(i))
+            cond = prepare(i)
+            episode_canvas = cond.canvas_hw
+            episode_latents = encode_windows(vae, cond, starts, chunk, encode_batch_size)
+            save_cache_entry(cache, store.name(i), cond, episode_latents)
         if canvas_hw is None:
             canvas_hw, latent_shape = episode_canvas, tuple(episode_latents.shape[1:])
         elif episode_canvas != canvas_hw or tuple(episode_latents.shape[1:]) != latent_shape:

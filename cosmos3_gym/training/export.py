@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checkpoint import POLICY_SCHEDULER_CONFIG, validate_checkpoint
+from ..checkpoint import POLICY_SCHEDULER_CONFIG, check_no_pickle_weights, validate_checkpoint
 from ..errors import InputError
 from ..models.transformer import Cosmos3TransformerConfig, module_name_map
+from ..storage import fault_point, replace_entries
 
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ACTION_STATS_FILE = "action_stats.json"
@@ -131,29 +131,37 @@ def export_checkpoint(
     trained ``AutoencoderKLWan`` folder (``train_vae`` output, copied with its latent statistics), ``action_stats`` the
     dataset's ``stats.json`` (path or parsed dict) written as ``action_stats.json``, ``meta`` written as ``meta.json``.
     ``save_dtype`` / ``vae_save_dtype`` are the stored weight dtypes (the engine computes in the dtype it is asked
-    for whatever is stored). Existing files of an earlier export in ``out_dir`` are overwritten; other files there
-    are left alone.
+    for whatever is stored). The checkpoint is written with ``storage.replace_entries``: staged complete (with a
+    MANIFEST.json of sizes and sha256s) and fsynced before it replaces an earlier export's entries in ``out_dir``
+    (``transformer/``, ``vae/``, ...; a crash in between is completed by the next export); other files there are left
+    alone.
     """
     from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, UniPCMultistepScheduler
 
     out_dir = Path(out_dir)
     transformer = build_diffusers_transformer(native_state_dict, transformer_config, save_dtype)
-    vae = AutoencoderKLWan.from_pretrained(str(vae_dir), torch_dtype=resolve_save_dtype(vae_save_dtype))
+    check_no_pickle_weights(vae_dir)
+    vae = AutoencoderKLWan.from_pretrained(
+        str(vae_dir), torch_dtype=resolve_save_dtype(vae_save_dtype), use_safetensors=True
+    )
     scheduler = UniPCMultistepScheduler(**scheduler_config(flow_shift))
     pipeline = Cosmos3OmniPipeline(
         transformer=transformer, text_tokenizer=tokenizer, vae=vae, scheduler=scheduler, enable_safety_checker=False
     )
-    # save_pretrained would keep stale shards of an earlier, differently sharded export next to the new ones.
-    for component in ("transformer", "vae"):
-        if (out_dir / component).is_dir():
-            shutil.rmtree(out_dir / component)
-    pipeline.save_pretrained(out_dir, safe_serialization=True)
-
     if isinstance(action_stats, Mapping):
         stats_document = dict(action_stats)
     else:
         stats_document = json.loads(Path(action_stats).read_text())
-    (out_dir / ACTION_STATS_FILE).write_text(json.dumps(stats_document, indent=2))
-    (out_dir / META_FILE).write_text(json.dumps(dict(meta), indent=2))
+
+    def fill(staging: Path) -> None:
+        pipeline.save_pretrained(staging, safe_serialization=True)
+        fault_point("pipeline written")
+        (staging / ACTION_STATS_FILE).write_text(json.dumps(stats_document, indent=2))
+        (staging / META_FILE).write_text(json.dumps(dict(meta), indent=2))
+        validate_checkpoint(staging)  # complete before it replaces anything
+
+    # The previous export's transformer/, vae/, ... stay in place until the new ones are complete and fsynced; each
+    # then replaces its namesake as a whole (no stale shards of a differently sharded export survive).
+    replace_entries(out_dir, fill)
     validate_checkpoint(out_dir)
     return out_dir

@@ -14,21 +14,23 @@ everything stays float32. ``cpu_offload`` keeps the sharded weights, gradients a
 (``CPUOffloadPolicy``; the AdamW step then runs on the CPU).
 
 Training state is saved sharded with ``torch.distributed.checkpoint`` (each rank writes its shards: model, optimizer
-and EMA, plus state.json) and resumed onto the same or another number of ranks; the export gathers full weights on
+and EMA, plus state.json) as a snapshot of ``cosmos3_gym.storage``'s crash-safe protocol (``state/step-N/``, with a
+manifest; committed by one rename on rank 0 once every rank's shards are written) and resumed onto the same or
+another number of ranks; the export gathers full weights on
 rank 0 and writes the diffusers layout as the single-process trainer does.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import InputError
+from ..errors import CheckpointError, InputError
+from ..storage import begin_snapshot, commit_snapshot, fault_point, snapshot_path
 
 STATE_FORMAT = "torch.distributed.checkpoint"
 
@@ -113,31 +115,50 @@ def full_ema_state_dict(ema, is_main: bool) -> dict[str, torch.Tensor]:
 
 def save_sharded_state(
     state_dir: Path, *, step: int, objective: nn.Module, ema, optimizer, document: dict, is_main: bool
-) -> None:
-    """Every rank writes its shards of the model, the optimizer and the EMA (``torch.distributed.checkpoint``);
-    rank 0 adds state.json (``document`` plus the step). A new folder is renamed over the old one when complete."""
+) -> Path:
+    """Every rank writes its shards of the model, the optimizer and the EMA (``torch.distributed.checkpoint``) into
+    the staging folder of snapshot ``state_dir/step-N``; rank 0 adds state.json (``document`` plus the step), the
+    manifest (sizes and sha256s of every rank's files, all fsynced) and commits the snapshot by one rename
+    (``storage.save_snapshot``'s protocol; the previous snapshot is kept). Returns the snapshot's folder."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    temporary = state_dir.with_name(state_dir.name + ".tmp")
-    if is_main and temporary.exists():
-        shutil.rmtree(temporary)
-    dist.barrier()
+    staging = begin_snapshot(state_dir, step) if is_main else None
+    staging = _broadcast(staging)
     model_state, optimizer_state = get_state_dict(objective, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     if ema is not None:
         state["ema"] = ema.state_dict()
-    dcp.save(state, checkpoint_id=str(temporary))
+    dcp.save(state, checkpoint_id=str(staging))
     dist.barrier()
     if is_main:
-        (temporary / "state.json").write_text(json.dumps({**document, "step": step, "format": STATE_FORMAT}, indent=2))
-        previous = state_dir.with_name(state_dir.name + ".old")
-        if state_dir.exists():
-            state_dir.replace(previous)
-        temporary.replace(state_dir)
-        if previous.exists():
-            shutil.rmtree(previous)
+        fault_point("shards written")
+        (staging / "state.json").write_text(json.dumps({**document, "step": step, "format": STATE_FORMAT}, indent=2))
+        commit_snapshot(state_dir, step, staging)
     dist.barrier()
+    return snapshot_path(state_dir, step)
+
+
+def _broadcast(value):
+    """Rank 0's ``value`` on every rank."""
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def find_sharded_state(state_dir: Path, find) -> tuple[int, Path] | None:
+    """``find(state_dir)`` (``world_model.find_training_state``) run on rank 0, so that the manifests are read and
+    checked once, and its answer, or its ``CheckpointError``, given to every rank."""
+    answer = None
+    if dist.get_rank() == 0:
+        try:
+            answer = ("ok", find(state_dir))
+        except CheckpointError as error:
+            answer = ("error", str(error))
+    kind, value = _broadcast(answer)
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
 
 
 def load_sharded_state(state_dir: Path, *, objective: nn.Module, ema, optimizer) -> None:
@@ -145,7 +166,11 @@ def load_sharded_state(state_dir: Path, *, objective: nn.Module, ema, optimizer)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    document = json.loads((state_dir / "state.json").read_text())
+    path = state_dir / "state.json"
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"resume: {path} is not a readable training state ({error})") from error
     if document.get("format") != STATE_FORMAT:
         raise InputError(
             f"resume: {state_dir} was not saved by an FSDP run (data_parallel='fsdp'); resume it with the "
@@ -155,5 +180,8 @@ def load_sharded_state(state_dir: Path, *, objective: nn.Module, ema, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     if ema is not None:
         state["ema"] = ema.state_dict()  # the EMA's own tensors: loaded in place
-    dcp.load(state, checkpoint_id=str(state_dir))
+    try:
+        dcp.load(state, checkpoint_id=str(state_dir))
+    except Exception as error:  # a shard damaged after its manifest was checked, or not a DCP folder
+        raise CheckpointError(f"resume: cannot read the sharded state {state_dir} ({error})") from error
     set_state_dict(objective, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

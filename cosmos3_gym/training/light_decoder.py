@@ -279,19 +279,18 @@ def train_light_decoder(
     bar.close()
     decoder = decoder.eval().requires_grad_(False)
     if out_dir is not None:
-        decoder.save_pretrained(out_dir)
-        (out_dir / "train_config.json").write_text(
-            json.dumps(
-                {
-                    "config": dataclasses.asdict(config),
-                    "steps": step,
-                    "windows": len(windows),
-                    "seconds": round(time.perf_counter() - started, 2),
-                },
-                indent=2,
-                default=str,
-            )
+        train_config = json.dumps(
+            {
+                "config": dataclasses.asdict(config),
+                "steps": step,
+                "windows": len(windows),
+                "seconds": round(time.perf_counter() - started, 2),
+            },
+            indent=2,
+            default=str,
         )
+        # One crash-safe save of the decoder and its train_config.json (cosmos3_gym.storage.replace_entries).
+        decoder.save_pretrained(out_dir, extra_files={"train_config.json": train_config})
     return decoder
 
 

@@ -29,9 +29,11 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import processor
+from ..checkpoint import check_no_pickle_weights
 from ..data.episodes import load_episode
 from ..errors import InputError
 from ..models.vae import WAN22_FIXED_CONFIG
+from ..storage import replace_entries
 from .data import read_dataset
 from .distributed import init_distributed
 from .schedule import check_optimizer_settings, learning_rate
@@ -242,7 +244,8 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
     clips = _ClipBatches(episodes, config)
 
     if config.init_vae is not None:
-        vae = AutoencoderKLWan.from_pretrained(config.init_vae, torch_dtype=torch.float32)
+        check_no_pickle_weights(config.init_vae)
+        vae = AutoencoderKLWan.from_pretrained(config.init_vae, torch_dtype=torch.float32, use_safetensors=True)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
@@ -310,9 +313,15 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
             vae, _ClipBatches(episodes, config, salt="latent_statistics"), config.stats_clips, device
         )
         vae.register_to_config(latents_mean=latents_mean, latents_std=latents_std)
-    vae.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "train_config.json").write_text(
-        json.dumps({"config": dataclasses.asdict(config), "dataset": str(info.root), "steps": config.steps}, indent=2)
+    train_config = json.dumps(
+        {"config": dataclasses.asdict(config), "dataset": str(info.root), "steps": config.steps}, indent=2
     )
+
+    def fill(staging: Path) -> None:
+        vae.save_pretrained(staging, safe_serialization=True)
+        (staging / "train_config.json").write_text(train_config)
+
+    # The VAE and its train_config.json replace an earlier one only once complete (cosmos3_gym.storage).
+    replace_entries(out_dir, fill)
     ctx.close()
     return out_dir

@@ -8,9 +8,13 @@ clip length and the fps the engine reports, actions normalised with the dataset'
 model's action width. The task prompt is replaced by the unconditional one ("", the engine's default negative
 prompt) with probability ``uncond_prob`` so that classifier-free guidance works.
 
-Training state lives in ``work_dir`` (default ``<out_dir>/training``): ``state/`` (model, EMA and optimizer tensors as
-safetensors, step and optimizer hyperparameters as JSON), ``log.jsonl`` (one line per ``log_every`` steps, with
-per-mode losses) and ``latent_cache/``. Randomness is stateless: step ``k`` on rank ``r`` draws its windows, modes,
+Training state lives in ``work_dir`` (default ``<out_dir>/training``): ``state/step-N/`` (model, EMA and optimizer
+tensors as safetensors, step and optimizer hyperparameters as JSON, a MANIFEST.json of sizes and sha256s), written by
+the crash-safe protocol of ``cosmos3_gym.storage`` (a new folder committed by one rename; the previous snapshot is kept
+until the next one is complete), ``log.jsonl`` (one line per ``log_every`` steps, with per-mode losses) and
+``latent_cache/``. ``resume`` continues from the newest snapshot whose files match their manifest (says which; a
+damaged one is refused with an error naming the file, and the previous one used when there is one) and drops the log
+lines written after it. Randomness is stateless: step ``k`` on rank ``r`` draws its windows, modes,
 sigmas, prompt dropout and noise from a generator seeded with ``(seed, k, r)``, so a resumed run continues the
 exact sample stream of an uninterrupted one with no RNG state to save (the model has no dropout).
 
@@ -28,9 +32,9 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import logging
 import math
 import os
-import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -46,11 +50,12 @@ from tqdm.auto import tqdm
 from .. import processor
 from ..checkpoint import validate_checkpoint
 from ..engine import MODES, find_light_decoder
-from ..errors import InputError
+from ..errors import CheckpointError, InputError
 from ..models.light_decoder import LightDecoder
 from ..models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, DomainAwareLinear
 from ..models.vae import Cosmos3VAE
 from ..sampling import make_schedule
+from ..storage import atomic_write_text, fault_point, latest_snapshot, save_snapshot
 from ..tokenizer import build_tiny_tokenizer
 from .data import TrainingWindows, build_training_windows, read_dataset
 from .distributed import DistributedContext, init_distributed
@@ -65,6 +70,7 @@ from .flow_matching import (
 )
 from .fsdp import (
     apply_fsdp,
+    find_sharded_state,
     full_ema_state_dict,
     full_model_state_dict,
     full_tensor,
@@ -99,6 +105,8 @@ PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 POLICY_EPISODES = ("all", "successful")
 DATA_PARALLEL = ("ddp", "fsdp")
 STATE_FORMAT_VERSION = 1
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -575,7 +583,7 @@ def state_document(config: WorldModelTrainConfig, transformer_config: dict) -> d
 
 def check_resumable(state_dir: Path, config: WorldModelTrainConfig, transformer_config: dict) -> dict:
     """state.json of ``state_dir`` after checking that the run may continue with ``config``; returns it."""
-    document = json.loads((state_dir / "state.json").read_text())
+    document = read_state_document(state_dir)
     if document.get("format_version") != STATE_FORMAT_VERSION:
         raise InputError(
             f"resume: {state_dir} has state format {document.get('format_version')}, expected {STATE_FORMAT_VERSION}"
@@ -604,17 +612,12 @@ def save_training_state(
     optimizer: torch.optim.Optimizer,
     config: WorldModelTrainConfig,
     transformer_config: dict,
-) -> None:
-    """Write ``state_dir`` atomically (a new folder renamed over the old one): model.safetensors, ema.safetensors,
-    optimizer.safetensors and state.json (step, configs, optimizer hyperparameters and scalar state)."""
-    temporary = state_dir.with_name(state_dir.name + ".tmp")
-    if temporary.exists():
-        shutil.rmtree(temporary)
-    temporary.mkdir(parents=True)
+) -> Path:
+    """Write snapshot ``state_dir/step-N`` with the crash-safe protocol (``storage.save_snapshot``: a new folder,
+    fsynced, with a manifest of sizes and sha256s, committed by one rename; the previous snapshot is kept):
+    model.safetensors, ema.safetensors, optimizer.safetensors and state.json (step, configs, optimizer hyperparameters
+    and scalar state). Returns the snapshot's folder."""
     cpu = lambda tensors: {k: v.detach().cpu().contiguous() for k, v in tensors.items()}  # noqa: E731
-    save_file(cpu(model.state_dict()), temporary / "model.safetensors")
-    if ema is not None:
-        save_file(cpu(ema.state_dict()), temporary / "ema.safetensors")
     optimizer_state = optimizer.state_dict()
     tensors, scalars = {}, {}
     for index, param_state in optimizer_state["state"].items():
@@ -623,19 +626,58 @@ def save_training_state(
                 tensors[f"{index}.{key}"] = value
             else:
                 scalars[f"{index}.{key}"] = value
-    save_file(cpu(tensors), temporary / "optimizer.safetensors")
     document = {
         **state_document(config, transformer_config),
         "step": step,
         "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars},
     }
-    (temporary / "state.json").write_text(json.dumps(document, indent=2))
-    previous = state_dir.with_name(state_dir.name + ".old")
-    if state_dir.exists():
-        os.replace(state_dir, previous)
-    os.replace(temporary, state_dir)
-    if previous.exists():
-        shutil.rmtree(previous)
+
+    def fill(staging: Path) -> None:
+        save_file(cpu(model.state_dict()), staging / "model.safetensors")
+        fault_point("model.safetensors written")
+        if ema is not None:
+            save_file(cpu(ema.state_dict()), staging / "ema.safetensors")
+            fault_point("ema.safetensors written")
+        save_file(cpu(tensors), staging / "optimizer.safetensors")
+        fault_point("optimizer.safetensors written")
+        (staging / "state.json").write_text(json.dumps(document, indent=2))
+
+    return save_snapshot(state_dir, step, fill)
+
+
+def find_training_state(state_dir: Path, *, what: str = "resume") -> tuple[int, Path] | None:
+    """The state to resume from: the newest snapshot of ``state_dir`` whose files match its manifest (falling back to
+    the previous one, with a warning naming the damaged file), else a state saved flat in ``state_dir`` (or
+    ``state.old``) by versions before the snapshots (state.json beside the tensors), else None. ``CheckpointError``
+    when all are damaged."""
+    found = latest_snapshot(state_dir, what=what)
+    if found is not None:
+        return found
+    # The old protocol renamed state -> state.old, then state.tmp -> state: a crash between them left the previous
+    # complete state in state.old (state.tmp may be half-written).
+    for legacy in (state_dir, state_dir.with_name(state_dir.name + ".old")):
+        if (legacy / "state.json").is_file():
+            return int(read_state_document(legacy, what)["step"]), legacy
+    return None
+
+
+def read_state_document(state_dir: Path, what: str = "resume") -> dict:
+    """state.json of a training state; ``CheckpointError`` naming it when it is not a JSON object."""
+    path = state_dir / "state.json"
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{what}: {path} is not a readable training state ({error})") from error
+    if not isinstance(document, dict) or not isinstance(document.get("step"), int):
+        raise CheckpointError(f"{what}: {path} is not a training state (no integer 'step')")
+    return document
+
+
+def _load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path, device=str(device))
+    except Exception as error:  # SafetensorError, OSError, ...: a file damaged after its manifest was written
+        raise CheckpointError(f"resume: {path} is not a readable safetensors file ({error})") from error
 
 
 def load_training_state(
@@ -647,16 +689,17 @@ def load_training_state(
     config: WorldModelTrainConfig,
     transformer_config: dict,
 ) -> int:
-    """Restore what ``save_training_state`` wrote; returns the step to continue from."""
+    """Restore what ``save_training_state`` wrote into ``state_dir`` (a snapshot); returns the step to continue
+    from."""
     document = check_resumable(state_dir, config, transformer_config)
     device = next(model.parameters()).device
-    model.load_state_dict(load_file(state_dir / "model.safetensors", device=str(device)))
+    model.load_state_dict(_load_tensors(state_dir / "model.safetensors", device))
     if ema is not None:
         ema_path = state_dir / "ema.safetensors"
         if not ema_path.exists():
             raise InputError(f"resume: {state_dir} has no EMA but ema_decay={config.ema_decay} > 0")
-        ema.load_state_dict(load_file(ema_path, device=str(device)))
-    tensors = load_file(state_dir / "optimizer.safetensors")
+        ema.load_state_dict(_load_tensors(ema_path, device))
+    tensors = _load_tensors(state_dir / "optimizer.safetensors")
     optimizer_document = document["optimizer"]
     state: dict[int, dict[str, Any]] = {}
     for key, value in [*tensors.items(), *optimizer_document["scalars"].items()]:
@@ -664,6 +707,24 @@ def load_training_state(
         state.setdefault(int(index), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": optimizer_document["param_groups"]})
     return int(document["step"])
+
+
+def truncate_log(log_path: Path, step: int) -> None:
+    """Drop the lines of ``log_path`` logged after ``step`` (by a run that was killed before saving them), so that a
+    resumed run's log reads as an uninterrupted run's."""
+    if not log_path.is_file():
+        return
+    lines = log_path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            logged = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            logged = None  # a line cut short by the kill
+        if isinstance(logged, int) and logged <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        atomic_write_text(log_path, "".join(kept))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -861,26 +922,56 @@ class WorldModelTrainer:
         del vae
         self.optimizer = build_optimizer(self.transformer, config)
         self.ema = EMA(self.transformer, trainable, config.ema_decay) if config.ema_decay > 0 else None
-        self.step = 0
-        if config.resume and (self.state_dir / "state.json").exists() and self.sharded:
-            self.step = int(check_resumable(self.state_dir, config, self.transformer_config)["step"])
-            load_sharded_state(self.state_dir, objective=self.objective, ema=self.ema, optimizer=self.optimizer)
-        elif config.resume and (self.state_dir / "state.json").exists():
-            self.step = load_training_state(
-                self.state_dir,
-                model=self.transformer,
-                ema=self.ema,
-                optimizer=self.optimizer,
-                config=config,
-                transformer_config=self.transformer_config,
-            )
+        self.saved_step: int | None = None  # the step of the state loaded or last saved
+        self.step = self.resume() if config.resume else 0
         self.model = self.objective
         if ctx.world_size > 1 and not self.sharded:
             self.model = nn.parallel.DistributedDataParallel(
                 self.objective, device_ids=[device.index] if device.type == "cuda" else None
             )
 
+    def resume(self) -> int:
+        """Load the newest complete training state of ``state_dir`` (a damaged newest one is skipped for the previous
+        one, with a warning naming the bad file) and say which; returns its step (0, said too, when there is none)."""
+        config = self.config
+        if self.sharded:
+            found = find_sharded_state(self.state_dir, find_training_state)
+        else:
+            found = find_training_state(self.state_dir)
+        if found is None:
+            self.announce(f"resume: no training state in {self.state_dir}; starting at step 0")
+            return 0
+        step, path = found
+        if self.sharded:
+            check_resumable(path, config, self.transformer_config)
+            load_sharded_state(path, objective=self.objective, ema=self.ema, optimizer=self.optimizer)
+        else:
+            load_training_state(
+                path,
+                model=self.transformer,
+                ema=self.ema,
+                optimizer=self.optimizer,
+                config=config,
+                transformer_config=self.transformer_config,
+            )
+        self.announce(f"resume: continuing from step {step} ({path})")
+        self.saved_step = step
+        if self.ctx.is_main:
+            truncate_log(self.log_path, step)
+        self.ctx.barrier()
+        return step
+
+    def announce(self, message: str) -> None:
+        logger.info(message)
+        if self.config.progress and self.ctx.is_main:
+            tqdm.write(message)
+
     def save_state(self) -> None:
+        """Save the training state of the current step (``save_training_state`` / ``save_sharded_state``); the state
+        this run resumed from (a resumed run with nothing left to train) is not written again."""
+        if self.step == self.saved_step:
+            return
+        self.saved_step = self.step
         if self.sharded:
             save_sharded_state(
                 self.state_dir,
@@ -934,6 +1025,7 @@ class WorldModelTrainer:
             self.step += 1
             if self.ema is not None:
                 self.ema.update(self.step)
+            fault_point("training step")  # (a test may kill the process here: cosmos3_gym.storage)
             tracker.add(out, batch.modes, grad_norm)
             bar.update(1)
 

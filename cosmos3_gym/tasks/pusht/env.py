@@ -1,26 +1,28 @@
 """``cosmos3_gym/PushT-v0``: the built-in world model of the PushT task, ready to use offline.
 
-The package ships (in ``cosmos3_gym/assets/pusht/``) a small Cosmos3 model trained by this project on the PushT
-simulator (gym-pusht), a reward model and a few dozen start frames held out from training::
+The package ships (in ``cosmos3_gym/tasks/pusht/assets/``) a small Cosmos3 model trained by this project on the
+PushT simulator (gym-pusht), a reward model and a few dozen start frames held out from training, all inside the
+checkpoint folder (a checkpoint's meta.json may only name files inside it)::
 
-    assets/pusht/
+    assets/
       checkpoint/           diffusers layout written by cosmos3_gym.training.train_world_model, plus
         meta.json           domain, raw_action_dim, fps, chunk, resolution_tier, image_size and the env defaults
-                            task, num_steps, guidance_scale, success_threshold, max_episode_steps; optionally
-                            decoder ("vae" or "light"), what the env decodes with unless told otherwise
+                            task, num_steps, guidance_scale, success_threshold, max_episode_steps,
+                            initial_states ("initial_states.npz"), reward_model ("classifier:reward_model");
+                            optionally decoder ("vae" or "light"), what the env decodes with unless told otherwise
         action_stats.json   the dataset's action statistics (raw actions are table pixels in [0, 512])
         light_decoder/      optional: a LightDecoder for ``decoder="light"`` (5x fewer FLOPs than the VAE's exact
                             decode; benchmarks/recipes/train_light_decoder.py distils one from it)
-      reward_model/         a ClassifierRewardModel trained on the simulator's coverage of the target (soft labels),
+        reward_model/       a ClassifierRewardModel trained on the simulator's coverage of the target (soft labels),
                             so its score estimates coverage
-      initial_states.npz    frames uint8 [N, H, W, 3], task (0-d str), sim_seeds int64 [N] (gym-pusht reset seeds
+        initial_states.npz  frames uint8 [N, H, W, 3], task (0-d str), sim_seeds int64 [N] (gym-pusht reset seeds
                             that give each frame)
 
 The built-in model's meta.json says ``"decoder": "light"``: its light decoder, distilled on the world model's own
 latents, matches the VAE's exact decode on every fidelity metric of issue 18 within their CIs (H200, one run:
-benchmarks/results/pusht_fidelity_targets_h200_round9_light_v2.json against ..._vae_same_run_as_light_v2.json) at
-a fifth of its FLOPs (6.7 instead of 27 ms per step at one env on an H200). ``decoder="vae"`` decodes exactly.
-``optimize=False`` (the baseline path) keeps the VAE.
+benchmarks/results/fidelity/pusht_fidelity_targets_h200_round9_light_v2.json against
+..._vae_same_run_as_light_v2.json) at a fifth of its FLOPs (6.7 instead of 27 ms per step at one env on an H200).
+``decoder="vae"`` decodes exactly. ``optimize=False`` (the baseline path) keeps the VAE.
 
 ``gym.make("cosmos3_gym/PushT-v0")`` needs nothing else: no gym-pusht, no GPU, no network. Every argument of
 ``WorldModelEnv`` can still be given and wins over the shipped defaults (a changed checkpoint setting is logged).
@@ -67,8 +69,10 @@ __all__ = [
 ]
 
 CHECKPOINT_DIR = "checkpoint"
-REWARD_MODEL_DIR = "reward_model"
-INITIAL_STATES_FILE = "initial_states.npz"
+# Paths from the assets folder: both live inside the checkpoint folder (module docstring), whose meta.json names them
+# relative to itself.
+REWARD_MODEL_DIR = f"{CHECKPOINT_DIR}/reward_model"
+INITIAL_STATES_FILE = f"{CHECKPOINT_DIR}/initial_states.npz"
 META_FILE = "meta.json"
 ACTION_STATS_FILE = "action_stats.json"
 
@@ -235,6 +239,8 @@ def _make_with_builtin_engine(factory, args: tuple, arguments: dict[str, Any], o
     # Any engine option but the device, dtype and decoder (several ranks, a backend, a precision, a VAE dtype) is
     # the user's own choice of engine: load_engine handles it, as for WorldModel-v0.
     own_choice = any(name in arguments for name in ENGINE_LOAD_KEYS if name not in ("device", "dtype", "decoder"))
+    if not optimize and arguments.get("engine") is None:
+        arguments.setdefault("decoder", "vae")  # the baseline path: the exact decode, not the checkpoint's default
     if not optimize or arguments.get("engine") is not None or own_choice:
         return factory(*args, **arguments)
     checkpoint = arguments.pop("checkpoint")
