@@ -194,7 +194,7 @@ def test_train_pusht_calibrates_the_threshold_on_episodes_its_reward_model_never
         f"episode_{i:06d}.npz" for i in (0, 2, 4, 6)]
     report = train_pusht.success_threshold_stage(args, work, assets)
 
-    assert loaded == [assets / "reward_model"]
+    assert loaded == [assets / "checkpoint" / "reward_model"]
     meta = json.loads((assets / "checkpoint" / "meta.json").read_text())
     # 0.95 would never mark a success of this reward model; the calibrated threshold marks exactly them
     assert meta == {"task": "push", "success_threshold": 0.925} and report["success_threshold"] == 0.925
