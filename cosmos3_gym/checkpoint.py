@@ -462,13 +462,12 @@ def check_safetensors_file(path: str | os.PathLike) -> None:
         if name == "__metadata__":
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        well_formed = (
+        if not (  # well formed
             isinstance(offsets, list)
             and len(offsets) == 2
             and all(isinstance(offset, int) for offset in offsets)
             and 0 <= offsets[0] <= offsets[1]
-        )
-        if not well_formed:
+        ):
             raise CheckpointError(f"checkpoint: {path} has a malformed safetensors entry for tensor {name!r}")
         data_length = max(data_length, offsets[1])
     available = file_size - 8 - header_length

@@ -40,11 +40,13 @@ def _write_without_ffmpeg(path: Path, frames: np.ndarray, fps: float) -> Path:
     try:
         import cv2
     except ImportError:
-        cv2 = None
-    if not hasattr(cv2, "VideoWriter"):  # no OpenCV, or a stand-in without a video writer (bare GPU hosts)
+        has_video_writer = False
+    else:
+        has_video_writer = hasattr(cv2, "VideoWriter")
+    if not has_video_writer:  # no OpenCV, or a stand-in without a video writer (bare GPU hosts)
         return write_video(path.with_suffix(".gif"), frames, fps)
     height, width = frames.shape[1:3]
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), float(fps), (width, height))
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter.fourcc(*"mp4v"), float(fps), (width, height))
     if not writer.isOpened():
         return write_video(path.with_suffix(".gif"), frames, fps)
     for frame in frames:

@@ -117,10 +117,12 @@ def register_envs() -> None:
     a ``WorldModelVectorEnv`` (through ``vector_entry_point``; ``autoreset_mode=`` and ``group_size=`` go to it);
     ``gym.make(max_episode_steps=...)`` adds a ``TimeLimit``, ``make_vec`` hands it to the vector env (per slot)."""
     try:
-        import gymnasium
+        import gymnasium  # noqa: F401 (only whether it imports)
     except ImportError:  # `cosmos3-gym infer` works without Gymnasium
-        gymnasium = None
-    if gymnasium is not None:
+        has_gymnasium = False
+    else:
+        has_gymnasium = True
+    if has_gymnasium:
         register_env(ENV_ID, "cosmos3_gym.envs:make_world_model_env", "cosmos3_gym.envs:make_world_model_vector_env")
     if _TASKS_LOADED:
         return

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import safetensors
@@ -81,13 +81,14 @@ def save_sb3_policy(model_or_policy: Any, path: str | os.PathLike, **metadata: A
     clashing = sorted(set(metadata) & {*ARCHITECTURE_KEYS, "kind"})
     if clashing:
         raise InputError(f"metadata: {clashing} are written by save_sb3_policy itself; use other names")
+    observation_space = policy.observation_space
+    assert isinstance(observation_space, spaces.Dict)  # MultiInputActorCriticPolicy observes a spaces.Dict
     architecture = {
         "format": FORMAT,
         "kind": KIND,
         "policy_class": type(policy).__name__,
         "observation_space": {
-            key: _box_to_json(space, f"observation_space[{key!r}]")
-            for key, space in policy.observation_space.spaces.items()
+            key: _box_to_json(space, f"observation_space[{key!r}]") for key, space in observation_space.spaces.items()
         },
         "action_space": _box_to_json(policy.action_space, "action_space"),
         "net_arch": policy.net_arch,
@@ -227,13 +228,16 @@ class SB3PolicyAgent:
     def __init__(self, model_or_policy: Any, deterministic: bool = True):
         self.policy = getattr(model_or_policy, "policy", model_or_policy)
         observation_space = getattr(self.policy, "observation_space", None)
-        if not isinstance(observation_space, spaces.Dict) or set(observation_space.spaces) != {"image"}:
+        if (
+            not isinstance(observation_space, spaces.Dict)
+            or set(observation_space.spaces) != {"image"}
+            or not isinstance(observation_space["image"], spaces.Box)
+        ):
             raise InputError(f"policy: expected an SB3 policy observing {{'image': Box}}, got {observation_space}")
         image_space = observation_space["image"]
         # SB3 stores image spaces channels first (it transposes the envs' HWC images) and transposes back in predict.
-        self.image_size = tuple(
-            image_space.shape[1:] if is_image_space_channels_first(image_space) else image_space.shape[:2]
-        )
+        height_width = image_space.shape[1:] if is_image_space_channels_first(image_space) else image_space.shape[:2]
+        self.image_size = cast("tuple[int, int]", tuple(height_width))  # an image Box: [3, H, W] or [H, W, 3]
         self.deterministic = deterministic
 
     @property

@@ -88,7 +88,9 @@ class NpzEpisodes:
         return self._lengths
 
     def read_frames(self, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        return self.load(i).frames[start:stop]
+        frames = self.load(i).frames
+        assert frames is not None  # loaded with its frames
+        return frames[start:stop]
 
     def fingerprint(self) -> list:
         return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.paths]

@@ -42,7 +42,7 @@ import json
 import os
 import re
 import string
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,10 +301,14 @@ class LeRobotDataset:
             )
         if "video_path" not in info or not info["video_path"]:
             raise InputError(f"dataset: {self.info_path} lacks the field 'video_path'")
-        for name, key in (("action_key", action_key), ("state_key", state_key)):
-            if key is not None and key not in features:
-                raise InputError(f"{name}: {key!r} is not a feature of {self.info_path} (features: {sorted(features)})")
-        self.action_key, self.state_key = action_key, state_key
+        feature: str | None
+        for name, feature in (("action_key", action_key), ("state_key", state_key)):
+            if feature is not None and feature not in features:
+                raise InputError(
+                    f"{name}: {feature!r} is not a feature of {self.info_path} (features: {sorted(features)})"
+                )
+        self.action_key: str = action_key
+        self.state_key: str | None = state_key
         shape = features[action_key].get("shape") or []
         if len(shape) != 1 or not isinstance(shape[0], int) or shape[0] < 1:
             raise InputError(
@@ -691,7 +695,8 @@ class _VideoWriter:
     """One H.264 mp4 fed episode by episode (one episode's frames in memory at a time); opened on the first frames."""
 
     def __init__(self, path: Path, fps: float, crf: int):
-        self.path, self.fps, self.crf, self.writer = path, fps, crf, None
+        self.path, self.fps, self.crf = path, fps, crf
+        self.writer: Generator[None, np.ndarray | None, None] | None = None
 
     def write(self, frames: np.ndarray) -> None:
         import imageio_ffmpeg
@@ -841,6 +846,7 @@ def write_lerobot_dataset(
         pq.write_table(pa.concat_tables(tables), out / data_path)
     bar.close()
 
+    assert image_hw is not None  # read_episode_dataset refuses a dataset without episodes
     height, width = (int(v) for v in image_hw)
     features = {
         camera: {

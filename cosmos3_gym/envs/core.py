@@ -184,9 +184,9 @@ class WorldModelCore:
         self.single_observation_space = (
             image_space if self.settings.obs_type == "pixels" else spaces.Dict({"image": image_space})
         )
-        self.single_action_space = spaces.Box(
-            -1.0, 1.0, (self.settings.chunk, self.settings.raw_action_dim), dtype=np.float32
-        )
+        raw_action_dim = self.settings.raw_action_dim
+        assert raw_action_dim is not None  # WorldModelSettings resolves it from the domain
+        self.single_action_space = spaces.Box(-1.0, 1.0, (self.settings.chunk, raw_action_dim), dtype=np.float32)
 
         # The current frame of every slot, uint8 [num_slots, H, W, 3], in one array: a step writes the new frames of
         # all its slots with one assignment and the vector env's observations are one copy of it.
@@ -376,6 +376,7 @@ class WorldModelCore:
         """``handover_projection`` applied to the last frame of every generated chunk ``[B, T, 3, H, W]``: the
         frames with their last one replaced (a new tensor; the other frames stay as generated) and ``projected [B]``.
         Before scoring, so the reward, the observation and the next chunk's conditioning frame are one frame."""
+        assert self.handover_projection is not None  # called only with a projection
         last = _to_uint8_frames(generated[:, -1:])[:, 0]  # [B, H, W, 3]
         frames, projected = self.handover_projection(last)
         projected = np.asarray(projected, dtype=np.bool_)

@@ -21,11 +21,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InputError
+
+if TYPE_CHECKING:
+    import pygame
 
 
 def check_render_mode(render_mode: str | None, render_modes: Sequence[str]) -> str | None:
@@ -87,7 +91,7 @@ class Renderer:
         self.fps = fps
         self.title = title
         self._collected: list[np.ndarray] = []
-        self._window = None
+        self._window: _PygameWindow | _OpenCVWindow | None = None
 
     def on_reset(self, frame: np.ndarray) -> None:
         if self.render_mode == "rgb_array_list":
@@ -112,7 +116,7 @@ class Renderer:
             self._window.close()
             self._window = None
 
-    def _show(self, frames: Sequence[np.ndarray]) -> None:
+    def _show(self, frames: Iterable[np.ndarray]) -> None:
         if self._window is None:
             self._window = _PygameWindow(self.title) if _window_backend() == "pygame" else _OpenCVWindow(self.title)
         for frame in frames:
@@ -128,7 +132,7 @@ class _PygameWindow:
         self._pygame = pygame
         pygame.display.init()
         pygame.display.set_caption(title)
-        self._surface = None
+        self._surface: pygame.Surface | None = None
 
     def show(self, frame: np.ndarray) -> None:
         pygame = self._pygame

@@ -178,6 +178,7 @@ class WorldModelSettings:
     def _apply_preset(self, set_) -> None:
         """Each setting the preset names takes its value where it still holds the class default (an explicit value
         equal to the default cannot be told from it, as in ``presets.resolve_request``)."""
+        assert self.preset is not None  # __post_init__ applies a preset only when one is named
         preset = presets.get_preset(self.preset)
         set_("preset", preset.name)
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
@@ -280,7 +281,8 @@ def model_frame_size(height: int, width: int, resolution_tier: int) -> tuple[int
     size = (int(height), int(width))
     while True:
         conditioning = processor.prepare_conditioning(np.zeros((*size, 3), np.uint8), resolution_tier, 1)
-        generated = tuple(processor.VAE_SPATIAL_FACTOR * n for n in conditioning.latent_hw)
+        latent_h, latent_w = conditioning.latent_hw
+        generated = (processor.VAE_SPATIAL_FACTOR * latent_h, processor.VAE_SPATIAL_FACTOR * latent_w)
         if generated == size:
             return size
         size = generated

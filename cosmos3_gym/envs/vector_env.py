@@ -185,6 +185,12 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
     def _group_slots(self, group: int) -> range:
         return range(group * self.group_size, (group + 1) * self.group_size)
 
+    def _slot_rng(self, slot: int) -> np.random.Generator:
+        """The slot's generator; ``reset`` gives one to every slot before it resets the slot's group."""
+        rng = self._slot_rngs[slot]
+        assert rng is not None
+        return rng
+
     def _finished_groups(self) -> list[int]:
         """Groups all of whose slots have ended."""
         return np.flatnonzero(self._ended.reshape(self.num_groups, self.group_size).all(axis=1)).tolist()
@@ -202,10 +208,10 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
         slots = self._group_slots(group)
         if frames is None and initial_state_index is None and self._core.initial_states is not None:
             # The group's first slot draws the start (with one slot per group, exactly as WorldModelEnv does).
-            initial_state_index = int(self._slot_rngs[slots[0]].integers(len(self._core.initial_states)))
+            initial_state_index = int(self._slot_rng(slots[0]).integers(len(self._core.initial_states)))
         for slot in slots:
             info = self._core.reset_slot(
-                slot, self._slot_rngs[slot], frames=frames, task=task, initial_state_index=initial_state_index
+                slot, self._slot_rng(slot), frames=frames, task=task, initial_state_index=initial_state_index
             )
             infos = self._add_info(infos, info, slot)
         self._ended[slots.start : slots.stop] = False

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import gymnasium as gym
 import numpy as np
@@ -26,6 +26,9 @@ import numpy as np
 from ..errors import InputError
 from .core import WorldModelCore, WorldModelExtras
 from .rendering import RENDER_MODES, Renderer, check_render_mode, step_rate
+
+if TYPE_CHECKING:
+    from gymnasium.core import RenderFrame
 
 RESET_OPTION_KEYS = ("frames", "task", "initial_state_index")
 
@@ -110,7 +113,7 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
             result.info(0),
         )
 
-    def render(self) -> np.ndarray | list[np.ndarray] | None:
+    def render(self) -> np.ndarray | list[RenderFrame] | None:
         """``rgb_array``: the current frame; ``rgb_array_list``: the frames since the last reset or render;
         ``human``: None (the window shows every frame as it is generated)."""
         if self.render_mode is None:
@@ -118,7 +121,8 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
             return None
         if self.render_mode == "rgb_array_list":
             self._core.check_started([0])
-            return self._renderer.collected()
+            # a list of uint8 frames [H, W, 3] (gymnasium's return type has the invariant list[RenderFrame])
+            return cast("list[RenderFrame]", self._renderer.collected())
         if self.render_mode == "human":
             return None
         return self._core.frame(0)

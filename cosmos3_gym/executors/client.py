@@ -84,6 +84,7 @@ class _Worker:
             stdin=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
+        assert self.process.stdin is not None  # stdin=PIPE
         try:
             self.process.stdin.write(authkey.hex().encode() + b"\n")
             self.process.stdin.close()
@@ -95,7 +96,9 @@ class _Worker:
     def _pump_stderr(self) -> None:
         # Raw chunks, not lines: a progress bar's carriage returns pass through as they are.
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        while chunk := os.read(self.process.stderr.fileno(), 65536):
+        stderr = self.process.stderr
+        assert stderr is not None  # stderr=PIPE
+        while chunk := os.read(stderr.fileno(), 65536):
             self.stderr_tail += chunk
             del self.stderr_tail[:-_STDERR_TAIL_BYTES]
             try:
@@ -103,7 +106,13 @@ class _Worker:
                 sys.stderr.flush()
             except (OSError, ValueError):
                 pass  # this process's stderr is closed (interpreter exit): keep only the tail
-        self.process.stderr.close()
+        stderr.close()
+
+    @property
+    def conn(self) -> multiprocessing.connection.Connection:
+        """The connection of a connected worker (``_accept_all`` connects every worker before any command)."""
+        assert self.connection is not None
+        return self.connection
 
     @property
     def pid(self) -> int:
@@ -222,7 +231,7 @@ class Cosmos3EngineClient(RemoteEngine):
 
     def _send(self, worker: _Worker, message, what: str) -> None:
         try:
-            send(worker.connection, message)
+            send(worker.conn, message)
         except (OSError, ValueError) as error:
             self._send_failed(worker, what, error)
 
@@ -275,12 +284,12 @@ class Cosmos3EngineClient(RemoteEngine):
         try:
             while len(replies) < len(self._workers):
                 pending = [worker for worker in self._workers if worker.rank not in replies]
-                ready = multiprocessing.connection.wait([worker.connection for worker in pending], timeout=_POLL_S)
+                ready = multiprocessing.connection.wait([worker.conn for worker in pending], timeout=_POLL_S)
                 # Replies first: a worker that reports its error and then exits should be reported by its error.
                 for worker in pending:
-                    if worker.connection in ready or worker.connection.poll():
+                    if worker.conn in ready or worker.conn.poll():
                         try:
-                            replies[worker.rank] = receive(worker.connection)
+                            replies[worker.rank] = receive(worker.conn)
                         except (EOFError, OSError):
                             pass  # it died; its exit code is reported below
                 crashes = [

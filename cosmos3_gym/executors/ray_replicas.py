@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import Cosmos3Request
+from ..engine_protocol import WorldModelEngine
 from ..errors import InputError
 from ..parallel.mesh import resolve_parallel_config
 from .remote import RemoteEngine
@@ -54,7 +55,9 @@ from .remote import RemoteEngine
 try:
     import ray
 except ImportError:  # optional extra
-    ray = None
+    _HAS_RAY = False
+else:
+    _HAS_RAY = True
 
 # Ray before 2.52 runs unauthenticated job submissions (remote code execution) and has no token authentication.
 MIN_RAY_VERSION = (2, 52)
@@ -79,7 +82,7 @@ class _EngineReplica:
 
     def __init__(self, path_or_id: str, engine_kwargs: dict[str, Any]):
         self._path_or_id, self._engine_kwargs = path_or_id, engine_kwargs
-        self._engine = None
+        self._engine: WorldModelEngine | None = None
 
     def load(self) -> dict[str, int]:
         kwargs = dict(self._engine_kwargs)
@@ -127,7 +130,7 @@ class RayEngineReplicas(RemoteEngine):
         replica_resources: dict[str, float] | None = None,  # default: {"num_gpus": dp*cfg*tp} or {"num_cpus": 1}
         **engine_kwargs,
     ):
-        if ray is None:
+        if not _HAS_RAY:
             raise ImportError('RayEngineReplicas needs Ray: pip install "cosmos3_gym[ray]"')
         check_ray_version(ray.__version__)
         if not isinstance(num_replicas, int) or num_replicas < 1:
@@ -148,7 +151,8 @@ class RayEngineReplicas(RemoteEngine):
         self.num_replicas = num_replicas
         self.preset = engine_kwargs.get("preset")  # as Cosmos3Engine.preset: the envs and agents on it take it
         actor_class = ray.remote(_EngineReplica).options(**replica_resources)
-        self._replicas = [actor_class.remote(str(path_or_id), engine_kwargs) for _ in range(num_replicas)]
+        # Actor handles: Ray's types do not give their methods' ``.remote``.
+        self._replicas: list[Any] = [actor_class.remote(str(path_or_id), engine_kwargs) for _ in range(num_replicas)]
         self._closed = False
         try:
             facts = self._get([replica.load.remote() for replica in self._replicas], "loading the engine")[0]

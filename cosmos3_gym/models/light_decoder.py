@@ -192,6 +192,7 @@ class LightDecoder(torch.nn.Module):
         """The head's frame ``groups`` only (a slice of the output convolution's weights): ``[N, 3, G, H, W]``."""
         width = self.group_channels
         weight = self.conv_out.weight[groups.start * width : groups.stop * width]
+        assert self.conv_out.bias is not None  # built with a bias
         bias = self.conv_out.bias[groups.start * width : groups.stop * width]
         x = F.conv2d(features, weight, bias, padding=1)
         count = groups.stop - groups.start

@@ -29,13 +29,14 @@ import functools
 import math
 import os
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKLWan
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.autoencoders.autoencoder_kl_wan import (
     CACHE_T,
+    AutoencoderKLWan,
     WanAttentionBlock,
     WanCausalConv3d,
     WanDecoder3d,
@@ -100,17 +101,26 @@ class Cosmos3VAE(torch.nn.Module):
     diffusers' frame-by-frame loop), None (all at once) or "auto" (``DECODE_FRAMES_PER_PASS`` over the batch).
     """
 
+    latents_mean: torch.Tensor
+    latents_inv_std: torch.Tensor
+
     def __init__(self, vae: AutoencoderKLWan, decode_chunk_frames: int | str | None = "auto") -> None:
         super().__init__()
         self.vae = vae
         self.decode_chunk_frames = decode_chunk_frames
-        _check_latent_stats(vae.config)
+        config = self._vae_config
+        _check_latent_stats(config)
         # Built in the VAE dtype straight from the config's Python floats, as the pipeline does: building them in
         # float32 and casting later can round differently in bf16 (and 1/std would be computed in float32).
-        self.register_buffer("latents_mean", torch.tensor(vae.config.latents_mean, dtype=vae.dtype), persistent=False)
+        self.register_buffer("latents_mean", torch.tensor(config.latents_mean, dtype=vae.dtype), persistent=False)
         self.register_buffer(
-            "latents_inv_std", 1.0 / torch.tensor(vae.config.latents_std, dtype=vae.dtype), persistent=False
+            "latents_inv_std", 1.0 / torch.tensor(config.latents_std, dtype=vae.dtype), persistent=False
         )
+
+    @property
+    def _vae_config(self) -> Any:
+        # diffusers' FrozenDict, which also reads its keys as attributes (typed as a plain dict).
+        return self.vae.config
 
     @classmethod
     def from_pretrained(
@@ -172,7 +182,8 @@ class Cosmos3VAE(torch.nn.Module):
             if type(module) is WanCausalConv3d:
                 module.__class__ = _DirectCausalConv3d
             elif isinstance(module, WanRMS_norm) and module.channel_first and "forward" not in vars(module):
-                module.forward = functools.partial(_eager_norm_forward, module, silu=False)
+                # An instance-level forward on purpose (diffusers' class stays untouched), as _fuse_decoder_norms.
+                module.forward = functools.partial(_eager_norm_forward, module, silu=False)  # type: ignore[method-assign]
             if on_cpu and isinstance(module, torch.nn.Conv3d):
                 module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last_3d)
             elif on_cpu and isinstance(module, torch.nn.Conv2d):
@@ -207,15 +218,15 @@ class Cosmos3VAE(torch.nn.Module):
 
     @property
     def latent_channels(self) -> int:
-        return int(self.vae.config.z_dim)
+        return int(self._vae_config.z_dim)
 
     @property
     def spatial_compression(self) -> int:
-        return int(self.vae.config.scale_factor_spatial)
+        return int(self._vae_config.scale_factor_spatial)
 
     @property
     def temporal_compression(self) -> int:
-        return int(self.vae.config.scale_factor_temporal)
+        return int(self._vae_config.scale_factor_temporal)
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
         """The latent ``(t, h, w)`` that ``encode`` gives for ``num_frames`` pixel frames of ``height x width``."""
@@ -238,7 +249,8 @@ class Cosmos3VAE(torch.nn.Module):
             raise InputError(f"pixels: expected a tensor [B, 3, T, H, W], got {_describe(pixels)}")
         if not pixels.is_floating_point():
             raise InputError(f"pixels: expected a floating-point tensor in [-1, 1], got dtype {pixels.dtype}")
-        self._check_pixel_shape(*pixels.shape[2:], field="pixels")
+        num_frames, height, width = pixels.shape[2:]
+        self._check_pixel_shape(num_frames, height, width, field="pixels")
         vae_dtype = self.vae.dtype
         raw_mu = self.vae.encode(pixels.to(vae_dtype)).latent_dist.mode()
         mean = self.latents_mean.to(device=raw_mu.device, dtype=vae_dtype).view(1, -1, 1, 1, 1)
@@ -305,11 +317,13 @@ class Cosmos3VAE(torch.nn.Module):
         vae = self.vae
         x = vae.post_quant_conv(raw_latents)
         num_frames = x.shape[2]
-        step = self.decode_chunk_frames
-        if step == "auto":
-            step = max(1, DECODE_FRAMES_PER_PASS // x.shape[0])
-        elif step is None:
+        chunk_frames = self.decode_chunk_frames
+        if isinstance(chunk_frames, int):
+            step = chunk_frames
+        elif chunk_frames is None:
             step = max(1, num_frames - 1)
+        else:  # "auto", the only string the setter accepts
+            step = max(1, DECODE_FRAMES_PER_PASS // x.shape[0])
         starts = [0, *range(1, num_frames, step)]
         ends = [*starts[1:], num_frames]
         vae.clear_cache()
@@ -335,8 +349,9 @@ class Cosmos3VAE(torch.nn.Module):
         decoded = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
         if last_frame_only:
             decoded = decoded[:, :, -1:]
-        if vae.config.patch_size is not None:
-            decoded = unpatchify(decoded, patch_size=vae.config.patch_size)
+        patch_size = self._vae_config.patch_size
+        if patch_size is not None:
+            decoded = unpatchify(decoded, patch_size=patch_size)
         return torch.clamp(decoded, min=-1.0, max=1.0)
 
     def _check_pixel_shape(self, num_frames: int, height: int, width: int, field: str) -> None:
@@ -389,7 +404,8 @@ class _DirectCausalConv3d(WanCausalConv3d):
     ``Cosmos3VAE.use_direct_convolutions``. The causal (front) time padding and the cache are diffusers'."""
 
     def forward(self, x, cache_x=None) -> torch.Tensor:
-        pad_w, _, pad_h, _, time_pad, _ = self._padding
+        # ints (diffusers builds them from the int padding of its convolutions; nn.Conv3d types padding as str too)
+        pad_w, _, pad_h, _, time_pad, _ = cast("tuple[int, int, int, int, int, int]", self._padding)
         if cache_x is not None and time_pad > 0:
             cache_x = cache_x.to(x.device)
             x = torch.cat([cache_x, x], dim=2)
@@ -452,7 +468,8 @@ def _compiled(fn):
 def _as_outer_channels_inner(x: torch.Tensor):
     """``x`` (channels at dim 1) as a contiguous ``[outer, C, inner]`` view, and the function that puts a result of
     that shape back in x's shape and strides; None when x's memory is not dense in any dim order."""
-    order = sorted(range(x.ndim), key=lambda dim: (-x.stride(dim), dim))  # outermost in memory first
+    strides = x.stride()
+    order = sorted(range(x.ndim), key=lambda dim: (-strides[dim], dim))  # outermost in memory first
     permuted = x.permute(order)
     if not permuted.is_contiguous():
         return None
@@ -526,7 +543,8 @@ def _fuse_decoder_norms(decoder: WanDecoder3d, compiled: bool = True) -> None:
             norm.forward = functools.partial(forward, norm, silu=silu)
     for owner in silu_owners:
         owner.nonlinearity = torch.nn.Identity()  # its SiLU is now inside the fused norm(s) before it
-    decoder._cosmos3_fused_norms = True
+    # nn.Module.__setattr__ is typed for tensors and modules only; any other value is stored as a plain attribute.
+    decoder._cosmos3_fused_norms = True  # type: ignore[assignment]
 
 
 def _check_latent_stats(config) -> None:

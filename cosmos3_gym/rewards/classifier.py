@@ -206,11 +206,14 @@ class ClassifierRewardModel(nn.Module):
             raise CheckpointError(f"classifier: cannot read {config_path}: {error}") from error
         if not isinstance(config, dict) or config.get("format") != _FORMAT:
             raise CheckpointError(f"classifier: {config_path} is not a {_FORMAT} config (its 'format' differs)")
+        # The saved JSON values as they are: the constructor checks them (an InputError becomes a CheckpointError).
+        saved_input_size: Any = config.get("input_size")
+        saved_reduce: Any = config.get("reduce")
         try:
             model = cls(
-                input_size=config.get("input_size"),
+                input_size=saved_input_size,
                 channels=config.get("channels") or [],
-                reduce=config.get("reduce"),
+                reduce=saved_reduce,
                 name=name,
             )
         except InputError as error:
@@ -286,7 +289,7 @@ def train_classifier(
             loss.backward()
             optimizer.step()
             total_loss += loss.item() * len(index)
-            correct += ((logits > 0) == (target >= 0.5)).sum().item()
+            correct += int(((logits > 0) == (target >= 0.5)).sum().item())
         bar.set_postfix(loss=f"{total_loss / count:.4f}", accuracy=f"{correct / count:.3f}")
     return model.eval()
 

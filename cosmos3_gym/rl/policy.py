@@ -84,7 +84,8 @@ def ieee_fp32_convolutions(device: torch.device):
     if device.type != "cuda":
         yield
         return
-    conv = torch.backends.cudnn.conv
+    # torch's annotations of the replaced torch.backends.cudnn module leave out ``conv`` (an _FP32Precision).
+    conv = torch.backends.cudnn.conv  # type: ignore[attr-defined]
     previous = conv.fp32_precision
     conv.fp32_precision = "ieee"
     try:
@@ -108,6 +109,8 @@ class SpatialSoftArgmax(nn.Module):
 
 class PixelGaussianPolicy(nn.Module):
     """Frame -> Gaussian over action chunks; see the module docstring."""
+
+    metadata: dict[str, Any]  # set by load_policy_file: the file's decoded metadata
 
     def __init__(self, config: PolicyConfig | None = None):
         super().__init__()

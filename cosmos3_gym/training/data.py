@@ -27,6 +27,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -96,7 +97,7 @@ class TrainingWindows:
 
     @property
     def latent_thw(self) -> tuple[int, int, int]:
-        return tuple(self.latents.shape[2:])
+        return cast("tuple[int, int, int]", tuple(self.latents.shape[2:]))  # latents [N, C, t, h, w]
 
 
 def _sha256_of_files(paths) -> str:
@@ -225,7 +226,8 @@ def build_training_windows(
     prompts: list[tuple[list[int], list[int]]] = []
     prompt_of_key: dict[tuple, int] = {}
     latents, actions, prompt_index, episode_index, window_start, successful = [], [], [], [], [], []
-    canvas_hw = latent_shape = None
+    canvas_hw: tuple[int, int] | None = None
+    latent_shape: tuple[int, ...] | None = None
     for i, (episode, starts) in enumerate(zip(episodes, starts_per_episode)):
         if not starts:
             continue
@@ -270,6 +272,7 @@ def build_training_windows(
         episode_index += [i] * len(starts)
         window_start += starts
         successful += [bool(episode.success)] * len(starts)
+    assert canvas_hw is not None  # some episode has a window (checked above)
     return TrainingWindows(
         latents=torch.cat(latents),
         actions=torch.cat(actions),

@@ -89,7 +89,7 @@ def build_diffusers_transformer(
     """A ``Cosmos3OmniTransformer`` holding the native weights (cast to ``save_dtype``; the time embedder stays
     float32, diffusers' ``_keep_in_fp32_modules``). The unused text ``norm`` is set to ones and ``lm_head`` to zeros.
     Built on the meta device and filled by assignment, so no random init runs (seconds even for Nano)."""
-    from diffusers import Cosmos3OmniTransformer
+    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 
     dtype = resolve_save_dtype(save_dtype)
     cfg = Cosmos3TransformerConfig.from_dict(dict(transformer_config))
@@ -136,7 +136,9 @@ def export_checkpoint(
     (``transformer/``, ``vae/``, ...; a crash in between is completed by the next export); other files there are left
     alone.
     """
-    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, UniPCMultistepScheduler
+    from diffusers import UniPCMultistepScheduler
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import Cosmos3OmniPipeline
 
     out_dir = Path(out_dir)
     transformer = build_diffusers_transformer(native_state_dict, transformer_config, save_dtype)

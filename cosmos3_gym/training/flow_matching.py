@@ -28,6 +28,7 @@ zeroes them in the noise and after every step) and carry no loss.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -103,7 +104,7 @@ class FlowMatchingBatch:
     window_index: torch.Tensor | None = None  # [B] long: the training windows drawn (the objective ignores it)
 
     def to(self, device: torch.device | str) -> FlowMatchingBatch:
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             values[f.name] = value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value

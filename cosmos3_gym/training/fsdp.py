@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,9 @@ import torch.nn as nn
 
 from ..errors import CheckpointError, InputError
 from ..storage import begin_snapshot, commit_snapshot, fault_point, snapshot_path
+
+if TYPE_CHECKING:
+    from .flow_matching import FlowMatchingObjective
 
 STATE_FORMAT = "torch.distributed.checkpoint"
 
@@ -45,7 +49,7 @@ def mixed_precision_policy(device: torch.device, bf16: bool, param_dtype: torch.
 
 
 def apply_fsdp(
-    objective: nn.Module,
+    objective: FlowMatchingObjective,
     *,
     device: torch.device,
     bf16: bool = True,
@@ -99,7 +103,8 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full (unsharded) state dict on the CPU of rank 0; empty on the other ranks (all ranks must call it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast("dict[str, torch.Tensor]", state)  # a model's state dict: tensors only
 
 
 def full_ema_state_dict(ema, is_main: bool) -> dict[str, torch.Tensor]:
@@ -177,7 +182,7 @@ def load_sharded_state(state_dir: Path, *, objective: nn.Module, ema, optimizer)
             f"data_parallel it was trained with"
         )
     model_state, optimizer_state = get_state_dict(objective, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     if ema is not None:
         state["ema"] = ema.state_dict()  # the EMA's own tensors: loaded in place
     try:

@@ -24,6 +24,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -215,9 +216,8 @@ def train_light_decoder(
     if device.type == "cuda":
         decoder.use_channels_last()  # bf16 tensor-core convolutions read NHWC natively
     data = windows.to(device)
-    optimizer = torch.optim.AdamW(
-        decoder.parameters(), lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay
-    )
+    betas = cast("tuple[float, float]", tuple(config.betas))
+    optimizer = torch.optim.AdamW(decoder.parameters(), lr=config.lr, betas=betas, weight_decay=config.weight_decay)
     autocast = device.type == "cuda" and config.bf16
     generator = torch.Generator().manual_seed(config.seed)
     log_path = None

@@ -31,7 +31,14 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0) -> list
 
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise InputError(f"lora_rank: expected an integer >= 1, got {rank!r}")
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=GEN_LINEAR_PATTERN, lora_dropout=0.0, bias="none")
+    # peft annotates lora_alpha as an int, but any number works: it only computes the scaling alpha / r.
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,  # type: ignore[arg-type]
+        target_modules=GEN_LINEAR_PATTERN,
+        lora_dropout=0.0,
+        bias="none",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # PEFT initialises A (Kaiming uniform) from the global RNG
         inject_adapter_in_model(config, model)

@@ -63,6 +63,8 @@ def build_random_nano(device: torch.device) -> Cosmos3Transformer:
 
 def synthetic_batch(model: Cosmos3Transformer, args, device: torch.device) -> FlowMatchingBatch:
     c = model.config
+    action_dim = c.action_dim
+    assert action_dim is not None  # a policy model (action_gen)
     generator = torch.Generator().manual_seed(0)
     latent_t = args.chunk // c.temporal_compression + 1
     shape = (args.batch_size, c.latent_channel, latent_t, args.latent_h, args.latent_w)
@@ -72,13 +74,13 @@ def synthetic_batch(model: Cosmos3Transformer, args, device: torch.device) -> Fl
         prompt_ids=[prompt] * b,
         fps=[15.0] * b,
         video=torch.randn(shape, generator=generator),
-        actions=torch.rand(b, args.chunk, c.action_dim) * 2 - 1,
+        actions=torch.rand(b, args.chunk, action_dim) * 2 - 1,
         raw_action_dims=torch.full((b,), 8),
         domain_ids=torch.full((b,), 8),
         modes=torch.full((b,), POLICY),
         sigmas=sample_sigmas(b, generator, shift=5.0),
         video_noise=torch.randn(shape, generator=generator),
-        action_noise=torch.randn(b, args.chunk, c.action_dim, generator=generator),
+        action_noise=torch.randn(b, args.chunk, action_dim, generator=generator),
     ).to(device)
 
 
@@ -93,7 +95,7 @@ def run_plan(model: Cosmos3Transformer, plan: str, batch: FlowMatchingBatch, ste
         "trainable_parameters": sum(p.numel() for p in params),
         "optimizer": "SGD (no momentum)" if plan == "sgd" else "AdamW (fused, bf16 states)",
     }
-    optimizer = None
+    optimizer: torch.optim.Optimizer | None = None
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:

@@ -13,6 +13,7 @@ so the model learns to steer back towards the truth from its own drifted frames.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -54,7 +55,8 @@ def generate_forward_dynamics(
     device = first_latents.device
     video_noisy = (torch.arange(latent_t, device=device) >= 1)[None].expand(batch, -1)
     action_noisy = torch.zeros(batch, chunk, dtype=torch.bool, device=device)
-    layout = transformer.gen_layout(text.lengths, tuple(video_noise.shape[2:]), chunk, [fps] * batch)
+    latent_thw = cast("tuple[int, int, int]", tuple(video_noise.shape[2:]))  # video_noise [B, C, t, h, w]
+    layout = transformer.gen_layout(text.lengths, latent_thw, chunk, [fps] * batch)
     sampler = FlowUniPCSampler([schedule] * batch, device)
     video = torch.cat([first_latents, video_noise[:, :, 1:]], dim=2)
     for i in range(schedule.num_steps):

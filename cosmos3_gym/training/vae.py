@@ -23,6 +23,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -206,7 +207,8 @@ def vae_loss(vae, pixels: torch.Tensor, latent_hw: tuple[int, int], config: VAET
 @torch.no_grad()
 def fit_latent_statistics(vae, clips: _ClipBatches, num_clips: int, device: torch.device) -> tuple[list, list]:
     """Per-channel mean and std of the posterior means of ``num_clips`` clips (content crop), in float64."""
-    total = total_sq = 0.0
+    total: torch.Tensor | float = 0.0
+    total_sq: torch.Tensor | float = 0.0
     clips_seen = values_per_channel = step = 0
     while clips_seen < num_clips:
         pixels, (h, w), _ = clips[step]
@@ -217,6 +219,7 @@ def fit_latent_statistics(vae, clips: _ClipBatches, num_clips: int, device: torc
         total_sq = total_sq + per_channel.square().sum(1)
         values_per_channel += per_channel.shape[1]
         clips_seen += pixels.shape[0]
+    assert isinstance(total, torch.Tensor) and isinstance(total_sq, torch.Tensor)  # num_clips >= 1: the loop ran
     mean = total / values_per_channel
     std = (total_sq / values_per_channel - mean.square()).clamp_min(1e-12).sqrt().clamp_min(1e-4)
     return [round(v, 6) for v in mean.tolist()], [round(v, 6) for v in std.tolist()]
@@ -224,7 +227,7 @@ def fit_latent_statistics(vae, clips: _ClipBatches, num_clips: int, device: torc
 
 def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config: VAETrainConfig | None = None) -> Path:
     """Train the VAE on the dataset's frames, fit its latent statistics and save it to ``out_dir`` (returned)."""
-    from diffusers import AutoencoderKLWan
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 
     config = config or VAETrainConfig()
     config.validate()
@@ -255,7 +258,8 @@ def train_vae(dataset_dir: str | os.PathLike, out_dir: str | os.PathLike, config
         for module in (vae.encoder, vae.quant_conv):
             module.requires_grad_(False)
     trainable = [p for p in vae.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    betas = cast("tuple[float, float]", tuple(config.betas))
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=betas, weight_decay=config.weight_decay)
     autocast = device.type == "cuda" and config.bf16
     loader = torch.utils.data.DataLoader(
         clips,

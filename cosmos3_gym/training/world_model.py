@@ -39,11 +39,11 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
-from diffusers import Cosmos3OmniTransformer
+from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -427,14 +427,19 @@ def enable_gradient_checkpointing(model: Cosmos3Transformer, text_tower: bool = 
 
 def build_optimizer(model: nn.Module, config: WorldModelTrainConfig) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; weight decay on matrices only. States follow the parameter dtype."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 and name != "action_modality_embed" else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups: list[dict[str, Any]] = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     # The fused CUDA kernel updates in place without the foreach path's full-size temporaries (GBs for big models).
     fused = all(p.is_cuda for group in groups for p in group["params"])
-    return torch.optim.AdamW(groups, lr=config.lr, betas=tuple(config.betas), fused=fused or None)
+    betas = cast("tuple[float, float]", tuple(config.betas))  # validate(): two numbers
+    return torch.optim.AdamW(groups, lr=config.lr, betas=betas, fused=fused or None)
 
 
 def training_step(
@@ -869,8 +874,11 @@ class WorldModelTrainer:
         self.transformer_config = resolve_transformer_config(config, len(self.tokenizer), latent_channels)
         self.transformer = build_transformer(self.transformer_config, config, device)
         model_config = self.transformer.config
+        # resolve_transformer_config: a policy model (action_gen with action_dim=processor.ACTION_DIM)
+        assert model_config.action_dim is not None
+        self.action_dim: int = model_config.action_dim
         self.domain_id, self.raw_action_dim = processor.resolve_domain(
-            self.info.domain, self.info.raw_action_dim, action_dim=model_config.action_dim
+            self.info.domain, self.info.raw_action_dim, action_dim=self.action_dim
         )
         if self.domain_id >= model_config.num_embodiment_domains:
             raise InputError(
@@ -904,6 +912,10 @@ class WorldModelTrainer:
         self.rollout = None
         if config.rollout_prob > 0:
             schedule = make_schedule(config.rollout_num_steps, scheduler_config(config.resolved_flow_shift))
+            light_decoder = None
+            if config.rollout_decoder != "vae":
+                assert config.init_checkpoint is not None  # validate(): 'light' rollouts read its light_decoder/
+                light_decoder = LightDecoder.from_pretrained(find_light_decoder(config.init_checkpoint), device=device)
             self.rollout = RolloutConditioner(
                 self.windows,
                 vae,
@@ -914,17 +926,15 @@ class WorldModelTrainer:
                 resolution_tier=config.resolution_tier,
                 fps=self.fps,
                 domain_id=self.domain_id,
-                action_dim=model_config.action_dim,
-                light_decoder=None
-                if config.rollout_decoder == "vae"
-                else LightDecoder.from_pretrained(find_light_decoder(config.init_checkpoint), device=device),
+                action_dim=self.action_dim,
+                light_decoder=light_decoder,
             )
         del vae
         self.optimizer = build_optimizer(self.transformer, config)
         self.ema = EMA(self.transformer, trainable, config.ema_decay) if config.ema_decay > 0 else None
         self.saved_step: int | None = None  # the step of the state loaded or last saved
         self.step = self.resume() if config.resume else 0
-        self.model = self.objective
+        self.model: nn.Module = self.objective
         if ctx.world_size > 1 and not self.sharded:
             self.model = nn.parallel.DistributedDataParallel(
                 self.objective, device_ids=[device.index] if device.type == "cuda" else None
@@ -1014,7 +1024,7 @@ class WorldModelTrainer:
                 config,
                 domain_id=self.domain_id,
                 raw_action_dim=self.raw_action_dim,
-                action_dim=self.transformer.config.action_dim,
+                action_dim=self.action_dim,
                 fps=self.fps,
             ).to(device)
             if self.rollout is not None:
@@ -1070,6 +1080,8 @@ class WorldModelTrainer:
 
     def condition_on_rollouts(self, batch: FlowMatchingBatch, autocast: bool) -> FlowMatchingBatch:
         """``batch`` with frame 0 of the samples that draw a rollout replaced by the model's own (rollout.py)."""
+        assert self.rollout is not None  # called only when rollout_prob > 0
+        assert batch.window_index is not None  # sample_batch records the windows drawn
         generator = step_generator(self.config.seed, self.step, self.ctx.rank, stream="rollout")
         window_index = batch.window_index.cpu()
         depth = self.rollout.draw(window_index, (batch.modes != INVERSE_DYNAMICS).cpu(), generator)
@@ -1085,13 +1097,14 @@ class WorldModelTrainer:
     def export(self) -> Path:
         """Write the checkpoint (EMA weights unless ``export_ema`` is False or there is no EMA) on the main rank."""
         config = self.config
-        use_ema = self.ema is not None and config.export_ema
+        ema = self.ema if config.export_ema else None
+        use_ema = ema is not None
         if self.sharded:  # every rank takes part in gathering the full weights onto rank 0
             weights = full_model_state_dict(self.transformer)
-            ema_weights = full_ema_state_dict(self.ema, self.ctx.is_main) if use_ema else {}
+            ema_weights = full_ema_state_dict(ema, self.ctx.is_main) if ema is not None else {}
         elif self.ctx.is_main:
             weights = self.transformer.state_dict()
-            ema_weights = self.ema.state_dict() if use_ema else {}
+            ema_weights = ema.state_dict() if ema is not None else {}
         if self.ctx.is_main:
             weights.update(ema_weights)
             if config.lora_rank:

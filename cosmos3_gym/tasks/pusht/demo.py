@@ -67,7 +67,7 @@ def run_demo(
             )
         return _pusht_demo(Path(out_dir), policy, episodes, steps_per_episode, num_steps, seed, device, dtype, progress)
     random_weights = checkpoint is None
-    if random_weights:
+    if checkpoint is None:
         from ...testing import cached_tiny_checkpoint  # only on request: production code does not need the factory
 
         checkpoint = cached_tiny_checkpoint()
