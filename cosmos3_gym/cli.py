@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_commands(sub)
     add_eval_command(sub)
     add_eval_real_command(sub)
+    add_serve_policy_command(sub)
+    add_dream_command(sub)
     add_demo_command(sub)
     return parser
 
@@ -491,8 +493,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         default="agent",
         help="'agent' (the checkpoint's policy), 'random', 'file:PATH' (a policy file of this "
-        "package), 'sb3:PATH' (save_sb3_policy), or 'module:factory' / 'file.py:factory' "
-        "(factory(env) returns a callable obs -> action or a Stable-Baselines3 model)",
+        "package), 'sb3:PATH' (save_sb3_policy), 'ws://HOST:PORT' (a policy server speaking openpi's protocol, "
+        "e.g. cosmos3-gym serve-policy; API key from $COSMOS3_GYM_POLICY_API_KEY), or 'module:factory' / "
+        "'file.py:factory' (factory(env) returns a callable obs -> action or a Stable-Baselines3 model)",
     )
     parser.add_argument("--episodes", type=int, default=10, help="episodes to evaluate")
     parser.add_argument("--num-envs", type=int, default=1, help="env slots run in one batched model call")
@@ -636,11 +639,23 @@ def check_checkpoint_argument(checkpoint: str, flag: str = "--checkpoint") -> No
         raise InputError(f"{flag}: not found: {checkpoint} (expected {expected})")
 
 
+def _check_policy_server(spec: Any) -> None:
+    """A bad spec or policy file fails when parsed; a policy server (``ws://``) that cannot be reached fails here,
+    before any model loads."""
+    if spec.kind == "remote":
+        from .agents.remote import DEFAULT_TIMEOUT, RemotePolicyAgent, parse_remote_spec
+
+        url, options = parse_remote_spec(spec.spec)
+        timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
+        with RemotePolicyAgent(url, timeout=timeout, name=spec.spec) as agent:
+            agent.connect()
+
+
 def run_eval(args: argparse.Namespace) -> None:
     _check_eval_arguments(args)
     from .policy_specs import parse_policy_spec
 
-    parse_policy_spec(args.policy, allow_factory=True)  # a bad spec or policy file fails before the model loads
+    _check_policy_server(parse_policy_spec(args.policy, allow_factory=True))  # before the model loads
     from .evaluation import evaluate_checkpoint
 
     report = evaluate_checkpoint(**eval_options(args))
@@ -666,7 +681,7 @@ def add_eval_real_command(sub) -> None:
         default="random,scripted:0,scripted:25,agent",
         help="comma-separated: random, agent (the checkpoint's policy), scripted:NOISE (px), "
         "file:PATH (a policy file of this package: BC / GRPO / SB3), sb3:PATH or ppo:PATH "
-        "(a save_sb3_policy file)",
+        "(a save_sb3_policy file), ws://HOST:PORT (a policy server speaking openpi's protocol)",
     )
     real.add_argument(
         "--real-only",
@@ -724,6 +739,213 @@ def run_eval_real(args: argparse.Namespace) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# serve-policy
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def add_serve_policy_command(sub) -> None:
+    serve = _add_command(
+        sub,
+        "serve-policy",
+        "serve a policy over openpi's websocket protocol (for openpi clients, eval --policy ws://...)",
+        "Serve a policy this package can load over openpi's websocket protocol (msgpack-numpy messages, the "
+        "metadata handshake, an optional API key), so that an unmodified openpi client, evaluation harness or "
+        "cosmos3-gym eval --policy ws://HOST:PORT can call it. Requests: the image under 'observation/image', "
+        "an optional state under 'observation/state', the task under 'prompt'; replies: 'actions' [chunk, dim] in "
+        "the world model's normalised action space.",
+    )
+    serve.add_argument(
+        "--policy",
+        required=True,
+        help="'file:PATH' (a BC / GRPO policy file), 'sb3:PATH' (save_sb3_policy), 'agent' (the checkpoint's own "
+        "policy mode), 'random', or a task's frame policy such as 'scripted-frames:NOISE'",
+    )
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (0: a free one, printed)")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind; 0.0.0.0 serves every interface (then give --api-key)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="refuse clients without the header 'Authorization: Api-Key KEY' (openpi's; default: none)",
+    )
+    serve.add_argument(
+        "--checkpoint",
+        default=None,
+        help="for 'agent', 'random' and task frame policies: the checkpoint whose policy, action shape and "
+        f"action statistics to use (default: '{BUILTIN_CHECKPOINT}', the built-in model)",
+    )
+    serve.add_argument(
+        "--num-steps", type=int, default=None, help="'agent': denoising steps (default: the checkpoint's)"
+    )
+    serve.add_argument("--max-batch", type=int, default=16, help="answer up to N waiting requests in one policy call")
+    serve.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    serve.add_argument("--dtype", default=None, help="'agent': fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
+    serve.add_argument("--seed", type=int, default=0, help="seed of a sampling policy ('agent', 'random', noise)")
+    serve.set_defaults(func=run_serve_policy)
+
+
+def run_serve_policy(args: argparse.Namespace) -> None:
+    from .policy_specs import POLICY_KINDS, parse_policy_spec
+
+    spec = parse_policy_spec(args.policy)
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port: expected 0 .. 65535, got {args.port}")
+    _check_counts(("--max-batch", args.max_batch, 1), ("--num-steps", args.num_steps, 1))
+    registered = POLICY_KINDS.get(spec.kind)
+    if registered is not None and registered.frame_agent is None:
+        raise InputError(f"--policy: {args.policy!r} runs {registered.runs_where}; it cannot be served")
+    needs_checkpoint = spec.kind in ("agent", "random") or registered is not None
+    checkpoint = args.checkpoint or BUILTIN_CHECKPOINT
+    if args.checkpoint is not None:
+        check_checkpoint_argument(args.checkpoint)
+    from .agents import PolicyServer
+
+    agent, make_agent, metadata = _served_agent(spec, args, checkpoint) if needs_checkpoint else (None, None, {})
+    if agent is None and make_agent is None:
+        from .policy_specs import load_frame_agent
+
+        agent = load_frame_agent(spec, device=args.device or "cpu", seed=args.seed)
+    server = PolicyServer(
+        agent,
+        make_agent=make_agent,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        name=args.policy,
+        metadata=metadata,
+        max_batch=args.max_batch,
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key: anyone who reaches it can call the policy")
+    shape = server.metadata.get("action_shape")
+
+    def listening(server: Any) -> None:
+        chunks = f" (action chunks {shape})" if shape else ""
+        print(f"serving {args.policy}{chunks} on {server.url} - Ctrl-C stops", flush=True)
+
+    server.serve_forever(on_listening=listening)
+
+
+def _served_agent(spec: Any, args: argparse.Namespace, checkpoint: str) -> tuple[Any, Any, dict[str, Any]]:
+    """``(agent, make_agent, metadata)`` of the policies that need the checkpoint: its own policy mode, random actions
+    of its shape, or a task's frame policy (one per connection: it keeps per-episode state)."""
+    from .checkpoint import checkpoint_defaults, resolve_checkpoint
+    from .policy_specs import POLICY_KINDS, load_frame_agent
+
+    root = resolve_checkpoint(checkpoint)
+    recorded = checkpoint_defaults(root)
+    chunk = int(recorded.get("chunk") or 32)
+    if spec.kind in POLICY_KINDS:
+
+        def make_agent(index: int) -> Any:
+            return load_frame_agent(
+                spec, action_stats=recorded.get("action_stats"), chunk=chunk, seed=args.seed + index
+            )
+
+        stats = recorded.get("action_stats")
+        return None, make_agent, {"action_shape": [chunk, stats.dim]} if stats is not None else {}
+    if spec.kind == "random":
+        from .processor import resolve_domain
+
+        _, dim = resolve_domain(recorded.get("domain", "droid_lerobot"), recorded.get("raw_action_dim"))
+        return _RandomFrameAgent((chunk, int(dim)), args.seed), None, {}
+    from .agents import PolicyAgent
+    from .engine import Cosmos3Engine
+    from .envs.settings import WorldModelSettings, split_settings
+
+    settings = WorldModelSettings(**split_settings(dict(recorded)))
+    engine = Cosmos3Engine.from_pretrained(root, device=args.device, dtype=args.dtype, progress=False)
+    task = recorded.get("task") if isinstance(recorded.get("task"), str) else ""
+    overrides = {"num_steps": args.num_steps} if args.num_steps else {}
+    return PolicyAgent(engine, task, settings=settings, seed=args.seed, **overrides), None, {}
+
+
+class _RandomFrameAgent:
+    """Uniform random action chunks in [-1, 1] (seeded), whatever the frames."""
+
+    def __init__(self, shape: tuple[int, int], seed: int):
+        import numpy as np
+
+        self.action_shape, self.rng = shape, np.random.default_rng(seed)
+
+    def act(self, frames: Any) -> Any:
+        return self.rng.uniform(-1.0, 1.0, (len(frames), *self.action_shape)).astype("float32")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dream
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def add_dream_command(sub) -> None:
+    dream = sub.add_parser(
+        "dream",
+        help="roll a policy in the world model and write the imagined episodes as a LeRobot v3.0 dataset",
+        description="Roll a policy in the world model and write the imagined episodes as a LeRobot v3.0 dataset: "
+        "frames as H.264 video, actions (raw units), next.reward, next.done, next.success and the task. With "
+        "--label-actions inverse-dynamics the actions are inferred from the imagined frames by the checkpoint's "
+        "inverse-dynamics mode instead (DreamGen-style); --keep successes writes only the successful episodes.",
+        formatter_class=HelpFormatter,
+        conflict_handler="resolve",
+    )
+    add_eval_arguments(dream)  # the same env settings as eval; the options below replace eval's
+    dream.add_argument(
+        "--policy",
+        required=True,
+        help="the policy that acts in the dreams: any eval policy spec ('agent', 'file:PATH', 'sb3:PATH', "
+        "'ws://HOST:PORT', 'random', 'module:factory')",
+    )
+    dream.add_argument("--episodes", type=int, default=10, help="episodes to dream")
+    dream.add_argument(
+        "--out",
+        required=True,
+        help="the LeRobot dataset to write: 'lerobot:PATH' (or PATH), a new or empty folder",
+    )
+    dream.add_argument(
+        "--label-actions",
+        choices=["policy", "inverse-dynamics"],
+        default="policy",
+        help="policy: the actions the policy took; inverse-dynamics: the checkpoint's inverse-dynamics labels of "
+        "the imagined frames",
+    )
+    dream.add_argument(
+        "--keep",
+        choices=["all", "successes"],
+        default="all",
+        help="write every episode, or only the successful ones (needs a success definition)",
+    )
+    dream.add_argument("--crf", type=int, default=18, help="H.264 quality of the videos (0: lossless)")
+    dream.add_argument("--max-videos", type=int, default=0, help=argparse.SUPPRESS)
+    dream.set_defaults(func=run_dream)
+
+
+def run_dream(args: argparse.Namespace) -> None:
+    _check_eval_arguments(args)
+    _check_counts(("--crf", args.crf, 0))
+    from .policy_specs import parse_policy_spec
+
+    _check_policy_server(parse_policy_spec(args.policy, allow_factory=True))  # before the model loads
+    from .rl.dream import dream_checkpoint
+
+    options = eval_options(args)
+    for key in ("out_dir", "max_videos"):
+        options.pop(key)
+    result = dream_checkpoint(
+        options.pop("checkpoint"),
+        args.out,
+        label_actions=args.label_actions,
+        keep=args.keep,
+        crf=args.crf,
+        **options,
+    )
+    print(result.report.table())
+    print(result.summary())
 
 
 # ---------------------------------------------------------------------------------------------------------------

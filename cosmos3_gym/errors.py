@@ -11,3 +11,8 @@ class InputError(ValueError):
 
 class CheckpointError(InputError):
     """A checkpoint (or a part of it) is missing, malformed or unreachable."""
+
+
+class UnknownArgumentsError(InputError, TypeError):
+    """Keyword arguments nobody takes. Also a ``TypeError``, as Python's own "unexpected keyword argument", so that
+    wrappers that probe optional keywords (TorchRL's ``GymEnv`` offers ``frameskip=``) can tell it apart."""

@@ -25,6 +25,18 @@ Progress is counted in env steps (chunks) of the counted episodes, out of ``epis
 episode that ends early adds its unused steps, so the bar ends exactly at 100 % and its ETA stays right when episodes
 run batched and end at different times.
 
+Remote policies (``ws://`` specs, ``agents.RemotePolicyAgent``). A policy server that times out, drops the connection
+or answers with something malformed for some slots raises ``RemotePolicyError``: the episodes in flight in those
+slots are failed (``success`` False, the one-line reason in ``error``; their slots step on with zero actions until
+the episodes end, so the episode count and the other slots' results stay as they are) and the evaluation goes on,
+calling the server again (it reconnects). When ``max_failed_calls`` calls in a row fail for every slot, the server is
+taken to be gone: the evaluation stops, the episodes in flight are reported as failed, and ``EvaluationAborted`` (an
+``InputError`` naming the server) carries the report of the episodes so far (``evaluate_checkpoint`` writes it).
+
+``recorder`` (optional) sees every counted episode as it runs: ``start(episode, slot, observation, info)``,
+``step(episode, slot, action, reward, info)`` per env step and ``finish(result)`` (an ``EpisodeResult``), e.g. to
+write the episodes as a dataset (``rl.dream``).
+
 The policy-spec registry lives in ``cosmos3_gym.policy_specs`` and the intervals in ``cosmos3_gym.statistics``; their
 public names are re-exported here. Task demos build on this module.
 """
@@ -47,6 +59,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
 from tqdm.auto import tqdm
 
 from .agents import PolicyAgent
+from .agents.remote import RemotePolicyError
 from .checkpoint import checkpoint_decoder, checkpoint_defaults, resolve_checkpoint
 from .data.initial_states import read_initial_states_archive
 from .errors import InputError
@@ -55,13 +68,16 @@ from .policy_specs import RandomPolicy, load_policy
 from .statistics import check_confidence, describe_mean_interval, mean_interval, student_t_quantile, wilson_interval
 
 __all__ = [
+    "CheckpointEnv",
     "EpisodeResult",
     "EvalReport",
+    "EvaluationAborted",
     "RandomPolicy",
     "Summary",
     "evaluate_checkpoint",
     "evaluate_policy",
     "load_policy",
+    "make_checkpoint_env",
     "mean_interval",
     "student_t_quantile",
     "wilson_interval",
@@ -90,6 +106,16 @@ class EpisodeResult:
     truncated: bool
     initial_state_index: int | None
     video: str | None  # file name inside the video folder, None when not recorded
+    error: str | None = None  # why the policy failed this episode (a remote policy's one-line error), else None
+
+
+class EvaluationAborted(InputError):
+    """The policy failed for every slot too many calls in a row; ``report`` holds the episodes so far (those in
+    flight failed)."""
+
+    def __init__(self, message: str, report: EvalReport):
+        super().__init__(message)
+        self.report = report
 
 
 @dataclass
@@ -144,7 +170,9 @@ class EvalReport:
             "settings": self.settings,
             "overall": asdict(self.overall),
             "per_task": {task: asdict(summary) for task, summary in self.per_task.items()},
-            "episodes": [asdict(result) for result in self.episodes],
+            # An episode's "error" appears only when the policy failed it, so reports of runs without one keep
+            # their schema.
+            "episodes": [_episode_dict(result) for result in self.episodes],
         }
 
     def to_json(self, path: str | os.PathLike) -> Path:
@@ -182,7 +210,17 @@ class EvalReport:
             )
         if approximate:
             lines.append("~: the reward's bounds are unknown, so the mean-return interval is approximate")
+        failed = [result for result in self.episodes if result.error is not None]
+        if failed:
+            lines.append(f"{len(failed)} episode(s) failed on a policy error, first: {failed[0].error}")
         return "\n".join(lines)
+
+
+def _episode_dict(result: EpisodeResult) -> dict[str, Any]:
+    entry = asdict(result)
+    if entry["error"] is None:
+        del entry["error"]
+    return entry
 
 
 def _json_default(value: Any) -> Any:
@@ -226,6 +264,10 @@ def _act_function(policy: Any, batched: bool, deterministic: bool) -> ActFunctio
 
         def act_one(observation, tasks, starts):  # the agent takes each slot's instruction as its prompt
             return policy.act(observation, task=tasks if batched else tasks[0])
+    elif getattr(policy, "takes_tasks", False):  # e.g. a remote policy, which sends each slot's task as its prompt
+
+        def act_one(observation, tasks, starts):
+            return policy(observation, tasks=tasks if batched else tasks[0])
     elif callable(getattr(policy, "predict", None)):  # Stable-Baselines3 model or policy (recurrent state kept)
         state = None
 
@@ -272,6 +314,7 @@ class _RunningEpisode:
     clips: list[np.ndarray] | None  # recorded frames, [T, H, W, 3] each; None when this episode is not recorded
     episode_return: float = 0.0
     length: int = 0
+    error: str | None = None  # the first policy error of this episode (it then counts as failed)
 
 
 class _EpisodeBook:
@@ -287,10 +330,12 @@ class _EpisodeBook:
         fps: float,
         bar,
         max_episode_steps: int | None,
+        recorder: Any = None,
     ):
         self.num_envs, self.episodes, self.success_return_threshold = num_envs, episodes, success_return_threshold
         self.max_videos, self.video_dir, self.fps, self.bar = max_videos, video_dir, fps, bar
         self.max_episode_steps = max_episode_steps
+        self.recorder = recorder
         self.started = [0] * num_envs
         self.running: list[_RunningEpisode | None] = [None] * num_envs
         self.finished: list[EpisodeResult] = []
@@ -308,6 +353,14 @@ class _EpisodeBook:
         self.running[slot] = _RunningEpisode(
             episode, str(_slot_value(info, "task", slot, "")), None if index is None else int(index), clips
         )
+        if self.recorder is not None and episode < self.episodes:
+            self.recorder.start(episode, slot, _slot_observation(observations, slot), _slot_info(info, slot))
+
+    def fail(self, slot: int, error: str) -> None:
+        """The policy failed the episode running in ``slot`` (it ends as it would, and counts as failed)."""
+        current = self.running[slot]
+        if current is not None and current.error is None:
+            current.error = error
 
     def counts(self, slot: int) -> bool:
         """Whether the episode running in ``slot`` is one of the evaluated ones (within the slot's quota)."""
@@ -315,6 +368,7 @@ class _EpisodeBook:
 
     def finish(self, slot: int, step_info: dict, terminated: bool, truncated: bool) -> None:
         current = self.running[slot]
+        assert current is not None  # every slot runs an episode from the first reset on
         if current.episode >= self.episodes:  # beyond this slot's quota: not part of the evaluation
             return
         success = step_info.get("success")
@@ -322,6 +376,8 @@ class _EpisodeBook:
             success = bool(success)
         elif self.success_return_threshold is not None:
             success = current.episode_return > self.success_return_threshold
+        if current.error is not None:
+            success = False
         video = None
         if current.clips:
             video = write_video(
@@ -339,8 +395,11 @@ class _EpisodeBook:
                 truncated,
                 current.initial_state_index,
                 video,
+                current.error,
             )
         )
+        if self.recorder is not None:
+            self.recorder.finish(self.finished[-1])
         if self.max_episode_steps is not None and current.length < self.max_episode_steps:
             self.bar.update(self.max_episode_steps - current.length)  # the steps this episode will not take
         self.bar.set_postfix(episodes=f"{len(self.finished)}/{self.episodes}", refresh=False)
@@ -360,6 +419,9 @@ def evaluate_policy(
     progress: bool = True,
     max_episode_steps: int | None = None,
     reward_bounds: tuple[float, float] | None = None,
+    max_failed_calls: int = 3,
+    recorder: Any = None,
+    description: str = "evaluating (env steps)",
 ) -> EvalReport:
     """Run ``episodes`` episodes of ``policy`` in ``env`` and report success and return per task.
 
@@ -374,12 +436,21 @@ def evaluate_policy(
     exceeds this; with neither, success (and the success rate) is None. ``max_episode_steps``: the episodes' step
     limit for the progress bar and the return's bounds (default: the env's spec or settings). ``reward_bounds``:
     the per-step reward's ``(low, high)``, to clip the mean-return interval to the return's bounds.
-    See the module docstring for which episodes count, success and the intervals.
+    ``max_failed_calls``: stop (``EvaluationAborted``) after this many calls in a row in which a remote policy
+    failed for every slot. ``recorder``: sees every counted episode (module docstring). ``description``: the
+    progress bar's.
+    See the module docstring for which episodes count, success, remote policies' errors and the intervals.
     """
     if isinstance(episodes, bool) or not isinstance(episodes, (int, np.integer)) or episodes < 1:
         raise InputError(f"episodes: expected an integer >= 1, got {episodes!r}.")
     if isinstance(max_videos, bool) or not isinstance(max_videos, (int, np.integer)) or max_videos < 0:
         raise InputError(f"max_videos: expected an integer >= 0, got {max_videos!r}.")
+    if (
+        isinstance(max_failed_calls, bool)
+        or not isinstance(max_failed_calls, (int, np.integer))
+        or max_failed_calls <= 0
+    ):
+        raise InputError(f"max_failed_calls: expected an integer >= 1, got {max_failed_calls!r}.")
     confidence = check_confidence(confidence)
     episodes = int(episodes)
     if video_dir is not None:
@@ -406,7 +477,10 @@ def evaluate_policy(
     wall_start = time.perf_counter()
     vector_steps = 0
     total = None if max_episode_steps is None else episodes * int(max_episode_steps)
-    with tqdm(total=total, unit="step", desc="evaluating (env steps)", disable=not progress, file=sys.stderr) as bar:
+    failed_calls = 0  # calls in a row in which the policy failed for every slot
+    policy_errors = 0  # slots failed by the policy, over the run
+    aborted: str | None = None
+    with tqdm(total=total, unit="step", desc=description, disable=not progress, file=sys.stderr) as bar:
         book = _EpisodeBook(
             num_envs,
             episodes,
@@ -416,6 +490,7 @@ def evaluate_policy(
             fps,
             bar,
             max_episode_steps,
+            recorder,
         )
         observations, info = vector_env.reset(seed=seed)
         for slot in range(num_envs):
@@ -425,7 +500,27 @@ def evaluate_policy(
         actions = None
         while len(book.finished) < episodes:
             if not reset_now.all():  # when every slot resets, the env ignores the actions: keep the last ones
-                actions = act(observations, [episode.task for episode in book.running], episode_starts)
+                try:
+                    actions = act(observations, [episode.task for episode in book.running], episode_starts)
+                    failed_calls = 0
+                except RemotePolicyError as error:
+                    failed = np.zeros(num_envs, bool)
+                    failed[: len(error.failed)] = np.asarray(error.failed, bool)[:num_envs]
+                    stepping = failed & ~reset_now  # a slot reset in this step has no episode to fail
+                    for failed_slot in np.flatnonzero(stepping):
+                        book.fail(int(failed_slot), str(error))
+                    policy_errors += int(stepping.sum())
+                    failed_calls = failed_calls + 1 if failed.all() else 0
+                    if failed_calls >= max_failed_calls:
+                        aborted = (
+                            f"{error} ({failed_calls} calls in a row failed for every slot: stopped after "
+                            f"{len(book.finished)} of {episodes} episodes, the episodes in flight reported as failed)"
+                        )
+                        for slot in range(num_envs):
+                            if book.counts(slot) and not reset_now[slot]:
+                                book.finish(slot, {}, False, True)
+                        break
+                    actions = _fallback_actions(error.actions, actions, vector_env.action_space)
             observations, rewards, terminated, truncated, info = vector_env.step(actions)
             vector_steps += 1
             rendered = None  # render() frames, fetched only if a recorded slot's info has no frames
@@ -442,6 +537,8 @@ def evaluate_policy(
                 current.length += 1
                 if book.counts(slot):
                     bar.update(1)
+                    if recorder is not None:
+                        recorder.step(current.episode, slot, np.asarray(actions)[slot], float(rewards[slot]), step_info)
                 if current.clips is not None:
                     if "frames" in step_info:
                         current.clips.append(np.asarray(step_info["frames"]))
@@ -462,6 +559,8 @@ def evaluate_policy(
                     episode_starts[slot] = True
 
     finished = sorted(book.finished, key=lambda result: result.episode)
+    if not finished:  # stopped before any counted episode ran (cannot happen with num_envs >= 1)
+        raise InputError(aborted or "episodes: no episode finished.")
     tasks = sorted({result.task for result in finished})
     longest = max(result.length for result in finished)
     bounds = return_bounds(reward_bounds, max(int(max_episode_steps or 0), longest))
@@ -490,13 +589,42 @@ def evaluate_policy(
         "video_dir": None if video_dir is None else str(video_dir),
         "env_steps": vector_steps,
         "wall_s": time.perf_counter() - wall_start,
+        "policy_errors": policy_errors,
     }
-    return EvalReport(
+    if aborted is not None:
+        settings["aborted"] = aborted
+    report = EvalReport(
         episodes=finished,
         overall=Summary.of(finished, confidence, bounds),
         per_task={task: Summary.of([r for r in finished if r.task == task], confidence, bounds) for task in tasks},
         settings=settings,
     )
+    if aborted is not None:
+        raise EvaluationAborted(aborted, report)
+    return report
+
+
+def _fallback_actions(partial: np.ndarray | None, previous: Any, action_space: Any) -> Any:
+    """Actions for a step in which the policy failed some slots: the rows that answered (``partial``, zeros in the
+    failed rows), else the last actions, else zeros; inside the action space's bounds."""
+    shape = getattr(action_space, "shape", None)
+    if partial is not None and shape is not None and tuple(np.shape(partial)) == tuple(shape):
+        actions = np.asarray(partial, dtype=action_space.dtype)
+    elif previous is not None:
+        return previous
+    elif isinstance(action_space, gym.spaces.Box):
+        actions = np.zeros(action_space.shape, dtype=action_space.dtype)
+    else:
+        return action_space.sample()
+    if isinstance(action_space, gym.spaces.Box):
+        actions = np.clip(actions, action_space.low, action_space.high).astype(action_space.dtype)
+    return actions
+
+
+def _slot_observation(observations: Any, slot: int) -> Any:
+    if isinstance(observations, dict):
+        return {key: _slot_observation(value, slot) for key, value in observations.items()}
+    return observations[slot]
 
 
 def _slot_value(info: dict, key: str, slot: int, default: Any = None) -> Any:
@@ -569,6 +697,125 @@ FALLBACK_ENV_SETTINGS = dict(
 )
 
 
+@dataclass
+class CheckpointEnv:
+    """What ``make_checkpoint_env`` built: the vector env and the settings it was made with."""
+
+    env: Any  # a WorldModelVectorEnv
+    checkpoint: Path
+    settings: dict[str, Any]  # every env setting used (the user's, else the checkpoint's, else the fallbacks)
+    overrides: dict[str, Any]  # the settings given that differ from the checkpoint's: {key: {checkpoint, used}}
+    reward_bounds: tuple[float, float] | None
+    decoder: str
+    observation_size: tuple[int, int] | None
+
+
+def make_checkpoint_env(
+    checkpoint: str | os.PathLike,
+    *,
+    num_envs: int = 1,
+    initial_states: Any = None,
+    task: str | None = None,
+    reward_model: Any = None,
+    reward_bounds: tuple[float, float] | None = None,
+    success_threshold: float | None = None,
+    max_episode_steps: int | None = None,
+    domain: str | int | None = None,
+    raw_action_dim: int | None = None,
+    chunk: int | None = None,
+    num_steps: int | None = None,
+    guidance_scale: float | None = None,
+    resolution_tier: int | None = None,
+    fps: float | None = None,
+    observation_size: int | tuple[int, int] | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    return_frames: bool = False,
+    decoder: str | None = None,
+    log: Callable[[str], None] | None = None,
+    command: str = "eval",
+) -> CheckpointEnv:
+    """A ``WorldModelVectorEnv`` of ``num_envs`` slots on ``checkpoint`` (a folder, hub id, or a built-in model's
+    name) with its own settings where none are given (``evaluate_checkpoint``'s rules; ``command`` names the caller
+    in the override messages sent to ``log``)."""
+    from .envs import WorldModelSettings, WorldModelVectorEnv
+    from .envs.core import check_is_checkpoint
+    from .envs.settings import split_settings
+
+    log = log if log is not None else (lambda message: print(message, file=sys.stderr))
+    checkpoint = resolve_checkpoint(checkpoint)
+    check_is_checkpoint(checkpoint)  # a folder that is not one says so, not that it ships no start states
+    recorded = checkpoint_defaults(checkpoint)
+    decoder = decoder if decoder is not None else checkpoint_decoder(checkpoint)
+    given = dict(
+        domain=domain,
+        raw_action_dim=raw_action_dim,
+        chunk=chunk,
+        resolution_tier=resolution_tier,
+        fps=fps,
+        num_steps=num_steps,
+        guidance_scale=guidance_scale,
+        task=task,
+        reward_model=reward_model,
+        success_threshold=success_threshold,
+        max_episode_steps=max_episode_steps,
+        initial_states=initial_states,
+    )
+    settings, overrides = {}, {}
+    for key, value in given.items():
+        if value is not None:
+            settings[key] = value
+            if key in recorded and key != "initial_states" and recorded[key] != value:
+                overrides[key] = {"checkpoint": recorded[key], "used": value}
+                log(f"{command}: using {key}={value!r} instead of the checkpoint's {recorded[key]!r}")
+        elif key in recorded:
+            settings[key] = recorded[key]
+        elif key in FALLBACK_ENV_SETTINGS:
+            settings[key] = FALLBACK_ENV_SETTINGS[key]
+        else:
+            settings[key] = None
+    if settings["initial_states"] is None:
+        raise InputError(
+            "initial_states: this checkpoint ships no start states; give an image, video or folder (--initial-states)."
+        )
+    if settings["reward_model"] is None and settings["success_threshold"] is not None and success_threshold is None:
+        settings["success_threshold"] = None  # the checkpoint's threshold applies to its reward model only
+    if reward_bounds is None and str(settings["reward_model"] or "").startswith("classifier:"):
+        reward_bounds = (0.0, 1.0)
+    if recorded.get("action_stats") is not None:
+        settings["action_stats"] = recorded["action_stats"]
+    size: tuple[int, int] | None = None
+    if isinstance(observation_size, (int, np.integer)) and not isinstance(observation_size, bool):
+        size = (int(observation_size), int(observation_size))
+    elif isinstance(observation_size, (tuple, list)) and len(observation_size) == 2:
+        size = (int(observation_size[0]), int(observation_size[1]))
+    elif observation_size is not None:
+        raise InputError(f"observation_size: expected N or (H, W), got {observation_size!r}.")
+    initial_states = settings["initial_states"]
+    if isinstance(initial_states, (str, os.PathLike)) and Path(initial_states).suffix == ".npz":
+        # A start-frames archive (frames [N, H, W, 3], as checkpoints carry) is N states, read as checkpoint_defaults
+        # reads them; the env itself takes any other .npz as one state.
+        try:
+            initial_states = read_initial_states_archive(Path(initial_states).expanduser())
+        except InputError:
+            pass
+    # The checkpoint's own settings as the env's base (settings=): the overrides were reported above, once, so the
+    # env does not log them again in other words.
+    base = WorldModelSettings(**split_settings(dict(recorded)))
+    env = WorldModelVectorEnv(
+        num_envs,
+        checkpoint,
+        settings=base,
+        **{**settings, "initial_states": initial_states},
+        observation_size=size,
+        return_frames=return_frames,
+        device=device,
+        dtype=dtype,
+        decoder=decoder,
+    )
+    return CheckpointEnv(env, Path(checkpoint), settings, overrides, reward_bounds, decoder, size)
+
+
 def evaluate_checkpoint(
     checkpoint: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -607,107 +854,66 @@ def evaluate_checkpoint(
     Settings left at None come from the checkpoint (``checkpoint.checkpoint_defaults``: its meta.json, with its
     reward model, start frames and action statistics), else ``FALLBACK_ENV_SETTINGS``; each setting given that differs
     from the checkpoint's is reported through ``log`` (default: stderr) and in the report's ``overrides``.
-    ``observation_size``: the policy's image size (an int for square images), as ``WorldModelEnv``'s.
+    ``observation_size``: the policy's image size (an int for square images), as ``WorldModelEnv``'s. When a remote
+    policy's server stops answering (``EvaluationAborted``), the report of the episodes so far is written, then the
+    error raised.
     ``reward_bounds``: the per-step reward's range (default: [0, 1] for a classifier reward model, which scores
     with a sigmoid; else unknown). ``extra_settings`` are added to the report's settings. ``decoder``: "vae" or
     "light" (default: the checkpoint's, ``checkpoint.checkpoint_decoder``).
     """
-    from .envs import WorldModelSettings, WorldModelVectorEnv
-    from .envs.core import check_is_checkpoint
-    from .envs.settings import split_settings
-
-    log = log if log is not None else (lambda message: print(message, file=sys.stderr))
-    checkpoint = resolve_checkpoint(checkpoint)
-    check_is_checkpoint(checkpoint)  # a folder that is not one says so, not that it ships no start states
-    recorded = checkpoint_defaults(checkpoint)
-    decoder = decoder if decoder is not None else checkpoint_decoder(checkpoint)
-    given = dict(
+    built = make_checkpoint_env(
+        checkpoint,
+        num_envs=num_envs,
+        initial_states=initial_states,
+        task=task,
+        reward_model=reward_model,
+        reward_bounds=reward_bounds,
+        success_threshold=success_threshold,
+        max_episode_steps=max_episode_steps,
         domain=domain,
         raw_action_dim=raw_action_dim,
         chunk=chunk,
-        resolution_tier=resolution_tier,
-        fps=fps,
         num_steps=num_steps,
         guidance_scale=guidance_scale,
-        task=task,
-        reward_model=reward_model,
-        success_threshold=success_threshold,
-        max_episode_steps=max_episode_steps,
-        initial_states=initial_states,
-    )
-    settings, overrides = {}, {}
-    for key, value in given.items():
-        if value is not None:
-            settings[key] = value
-            if key in recorded and key != "initial_states" and recorded[key] != value:
-                overrides[key] = {"checkpoint": recorded[key], "used": value}
-                log(f"eval: using {key}={value!r} instead of the checkpoint's {recorded[key]!r}")
-        elif key in recorded:
-            settings[key] = recorded[key]
-        elif key in FALLBACK_ENV_SETTINGS:
-            settings[key] = FALLBACK_ENV_SETTINGS[key]
-        else:
-            settings[key] = None
-    if settings["initial_states"] is None:
-        raise InputError(
-            "initial_states: this checkpoint ships no start states; give an image, video or folder (--initial-states)."
-        )
-    if settings["reward_model"] is None and settings["success_threshold"] is not None and success_threshold is None:
-        settings["success_threshold"] = None  # the checkpoint's threshold applies to its reward model only
-    if reward_bounds is None and str(settings["reward_model"] or "").startswith("classifier:"):
-        reward_bounds = (0.0, 1.0)
-    if recorded.get("action_stats") is not None:
-        settings["action_stats"] = recorded["action_stats"]
-    if isinstance(observation_size, (int, np.integer)) and not isinstance(observation_size, bool):
-        observation_size = (int(observation_size), int(observation_size))
-    initial_states = settings["initial_states"]
-    if isinstance(initial_states, (str, os.PathLike)) and Path(initial_states).suffix == ".npz":
-        # A start-frames archive (frames [N, H, W, 3], as checkpoints carry) is N states, read as checkpoint_defaults
-        # reads them; the env itself takes any other .npz as one state.
-        try:
-            initial_states = read_initial_states_archive(Path(initial_states).expanduser())
-        except InputError:
-            pass
-    out_dir = Path(out_dir)
-    # The checkpoint's own settings as the env's base (settings=): the overrides were reported above, once, so the
-    # env does not log them again in other words.
-    base = WorldModelSettings(**split_settings(dict(recorded)))
-    env = WorldModelVectorEnv(
-        num_envs,
-        checkpoint,
-        settings=base,
-        **{**settings, "initial_states": initial_states},
+        resolution_tier=resolution_tier,
+        fps=fps,
         observation_size=observation_size,
-        return_frames=max_videos > 0,
         device=device,
         dtype=dtype,
+        return_frames=max_videos > 0,
         decoder=decoder,
+        log=log,
     )
+    env, settings, out_dir = built.env, built.settings, Path(out_dir)
+    aborted: EvaluationAborted | None = None
     try:
         agent = load_policy(policy, env, seed=seed)
-        report = evaluate_policy(
-            env,
-            agent,
-            episodes,
-            seed=seed,
-            video_dir=out_dir if max_videos > 0 else None,
-            max_videos=max_videos,
-            success_return_threshold=success_return_threshold,
-            progress=progress,
-            max_episode_steps=settings["max_episode_steps"],
-            reward_bounds=reward_bounds,
-        )
+        try:
+            report = evaluate_policy(
+                env,
+                agent,
+                episodes,
+                seed=seed,
+                video_dir=out_dir if max_videos > 0 else None,
+                max_videos=max_videos,
+                success_return_threshold=success_return_threshold,
+                progress=progress,
+                max_episode_steps=settings["max_episode_steps"],
+                reward_bounds=built.reward_bounds,
+            )
+        except EvaluationAborted as error:  # the report of the episodes so far is written below, then re-raised
+            aborted, report = error, error.report
     finally:
         env.close()
     report.settings.update(
         policy=policy,
-        checkpoint=str(checkpoint),
-        overrides=overrides,
-        decoder=decoder,
+        checkpoint=str(built.checkpoint),
+        overrides=built.overrides,
+        decoder=built.decoder,
         initial_states=str(settings["initial_states"])
         if isinstance(settings["initial_states"], (str, os.PathLike))
         else "<from the checkpoint or in memory>",
-        observation_size=None if observation_size is None else list(observation_size),
+        observation_size=None if built.observation_size is None else list(built.observation_size),
         env={
             key: (value if isinstance(value, (str, int, float, type(None))) else str(value))
             for key, value in settings.items()
@@ -716,4 +922,6 @@ def evaluate_checkpoint(
         **(extra_settings or {}),
     )
     report.to_json(out_dir / "report.json")
+    if aborted is not None:
+        raise EvaluationAborted(f"{aborted} (the report so far: {out_dir / 'report.json'})", report)
     return report

@@ -10,6 +10,9 @@ spec                    policy
 ``agent``               the world-model checkpoint's own policy mode (``PolicyAgent``)
 ``file:PATH``           a policy file this package saved; its safetensors metadata says what it is (below)
 ``sb3:PATH``            a Stable-Baselines3 PPO policy of ``agents.save_sb3_policy`` (``ppo:PATH`` is an alias)
+``ws://HOST:PORT``      a policy server speaking openpi's websocket protocol (``wss://`` too; a path and client
+                        options in the URL's fragment may follow: ``agents.remote``), e.g. ``cosmos3-gym
+                        serve-policy`` or an openpi pi0 server; its API key from ``COSMOS3_GYM_POLICY_API_KEY``
 ``module:factory``      (``eval`` only) ``factory(env)`` from a module or ``path/to/file.py``: a callable
                         ``obs -> action`` or an object with SB3's ``predict``
 ======================  =========================================================================================
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .agents.remote import RemotePolicyAgent, is_remote_spec, parse_remote_spec
 from .errors import InputError
 
 __all__ = [
@@ -48,6 +52,7 @@ __all__ = [
     "PolicyKind",
     "PolicySpec",
     "RandomPolicy",
+    "RemoteFramePolicy",
     "check_policy_fits_env",
     "load_frame_agent",
     "load_policy",
@@ -66,8 +71,10 @@ POLICY_FILE_LOADERS: dict[str, str | Callable[[str], Any]] = {
     "pixel_gaussian": "cosmos3_gym.rl.policy:load_policy_file",
 }
 BUILTIN_SPEC_HELP = (
-    "'random', 'agent', 'file:PATH' (a policy file of this package), 'sb3:PATH' / 'ppo:PATH' (a save_sb3_policy file)"
+    "'random', 'agent', 'file:PATH' (a policy file of this package), 'sb3:PATH' / 'ppo:PATH' (a save_sb3_policy file), "
+    "'ws://HOST:PORT' (a policy server speaking openpi's protocol)"
 )
+RESERVED_NAMES = ("random", "agent", "file", "sb3", "ppo", "ws", "wss")
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,7 @@ POLICY_KINDS: dict[str, PolicyKind] = {}
 
 def register_policy_kind(kind: PolicyKind) -> None:
     """Make ``KIND:NUMBER`` a policy spec (idempotent for the same kind)."""
-    if kind.name in ("random", "agent", "file", "sb3", "ppo"):
+    if kind.name in RESERVED_NAMES:
         raise InputError(f"kind: {kind.name!r} is a built-in spec name.")
     POLICY_KINDS[kind.name] = kind
 
@@ -110,14 +117,14 @@ def register_policy_file_kind(kind: str, loader: str | Callable[[str], Any]) -> 
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """A parsed spec. ``kind``: random | agent | sb3 (or its alias ppo) | file | factory | a registered
-    ``PolicyKind``'s name; ``file_kind``: for ``file``, the kind in the file's metadata ("sb3" for save_sb3_policy
-    files)."""
+    """A parsed spec. ``kind``: random | agent | sb3 (or its alias ppo) | file | remote (``ws://``) | factory | a
+    registered ``PolicyKind``'s name; ``file_kind``: for ``file``, the kind in the file's metadata ("sb3" for
+    save_sb3_policy files)."""
 
     spec: str
     kind: str
     noise: float = 0.0  # a registered kind's NUMBER (a scripted policy's noise)
-    path: str | None = None  # sb3 / file: the policy file; factory: the module or .py file
+    path: str | None = None  # sb3 / file: the policy file; factory: the module or .py file; remote: the server's URL
     file_kind: str | None = None
     attribute: str | None = None  # factory: the factory's (dotted) name
 
@@ -125,7 +132,7 @@ class PolicySpec:
     def acts_on_frames(self) -> bool:
         """True for policies that observe images (and so run closed loop in a world model)."""
         registered = POLICY_KINDS.get(self.kind)
-        return self.kind in ("agent", "sb3", "ppo", "file") or (
+        return self.kind in ("agent", "sb3", "ppo", "file", "remote") or (
             registered is not None and registered.frame_agent is not None
         )
 
@@ -144,6 +151,9 @@ def parse_policy_spec(text: str, *, allow_factory: bool = False) -> PolicySpec:
     text = text.strip()
     if text in ("random", "agent"):
         return PolicySpec(text, text)
+    if is_remote_spec(text):
+        url, _ = parse_remote_spec(text)  # checks the URL and its options; nothing connects yet
+        return PolicySpec(text, "remote", path=url)
     name, colon, argument = text.partition(":")
     if name in POLICY_KINDS and colon:
         try:
@@ -233,9 +243,15 @@ def load_frame_agent(
     seed: int = 0,
 ) -> Any:
     """The frame agent (``act(frames [N, H, W, 3]) -> [N, chunk, dim]``) of a policy that observes images:
-    a policy file, ``make_agent()`` for ``"agent"``, or a registered kind that acts on frames (its factory gets the
-    world model's ``action_stats`` and ``chunk``; ``seed`` seeds its noise)."""
+    a policy file, ``make_agent()`` for ``"agent"``, a policy server (``ws://``: a ``RemotePolicyAgent`` acting in
+    chunks of ``chunk`` steps, connected here so that an unreachable server fails before any model loads), or a
+    registered kind that acts on frames (its factory gets the world model's ``action_stats`` and ``chunk``; ``seed``
+    seeds its noise)."""
     spec = parse_policy_spec(spec) if isinstance(spec, str) else spec
+    if spec.kind == "remote":
+        agent = RemotePolicyAgent.from_spec(spec.spec, chunk=chunk, action_stats=action_stats)
+        agent.connect()
+        return agent
     registered = POLICY_KINDS.get(spec.kind)
     if registered is not None and registered.frame_agent is not None:
         module_name, attribute = registered.frame_agent.split(":")  # "module:function"
@@ -314,6 +330,23 @@ class FramePolicy:
         return self.agent.act(images)
 
 
+class RemoteFramePolicy(FramePolicy):
+    """A ``RemotePolicyAgent`` as a Gymnasium policy: ``policy(obs, tasks=None) -> actions`` sends each slot's image,
+    its state (``obs["state"]``, when the env observes one) and its task (the evaluation passes every slot's)."""
+
+    takes_tasks = True
+
+    def __call__(self, observation: Any, tasks: Any = None) -> Any:
+        import numpy as np
+
+        images = np.asarray(observation["image"] if isinstance(observation, dict) else observation)
+        state = observation.get("state") if isinstance(observation, dict) else None
+        if images.ndim == 3:
+            task = None if tasks is None else [tasks] if isinstance(tasks, str) else list(tasks)
+            return self.agent.act(images[None], task=task, state=None if state is None else np.asarray(state)[None])[0]
+        return self.agent.act(images, task=tasks, state=state)
+
+
 def load_policy(spec: str, env: Any, *, seed: int | None = 0) -> Any:
     """A policy for ``env`` (a Gymnasium env or vector env) from a spec (see the module docstring), checked against
     the env's spaces where the policy records its own (``check_policy_fits_env``)."""
@@ -336,6 +369,13 @@ def load_policy(spec: str, env: Any, *, seed: int | None = 0) -> Any:
         agent = load_frame_agent(parsed)
         check_policy_fits_env(agent, env, spec)
         return FramePolicy(agent, spec)
+    if parsed.kind == "remote":
+        action_space = _single_space(env, "action_space")
+        shape = tuple(getattr(action_space, "shape", None) or ())
+        stats = getattr(getattr(env, "unwrapped", env), "action_stats", None)
+        agent = load_frame_agent(parsed, chunk=int(shape[0]) if len(shape) == 2 else None, action_stats=stats)
+        check_policy_fits_env(agent, env, spec)
+        return RemoteFramePolicy(agent, spec)
     assert parsed.path is not None and parsed.attribute is not None  # what is left is a factory spec
     factory = _import_attribute(parsed.path, parsed.attribute, spec)
     if not callable(factory):

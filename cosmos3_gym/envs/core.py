@@ -40,7 +40,7 @@ from ..cuda_graphs import DEFAULT_MAX_PADDING
 from ..data.initial_states import InitialStateSource, check_task, first_frame, load_initial_states, resize_frame
 from ..engine import Cosmos3Engine, Cosmos3Request
 from ..engine_protocol import WorldModelEngine
-from ..errors import CheckpointError, InputError
+from ..errors import CheckpointError, InputError, UnknownArgumentsError
 from ..launcher import load_engine
 from ..rewards import resolve_reward_model, validate_reward
 from .settings import (  # noqa: F401 (REWARD_MODES, model_frame_size: re-exported)
@@ -136,8 +136,9 @@ class WorldModelCore:
         overrides = split_settings(kwargs)
         load_options = {key: kwargs.pop(key) for key in ENGINE_LOAD_KEYS if key in kwargs}
         if kwargs:
-            raise InputError(
-                f"{sorted(kwargs)}: unknown arguments; expected settings {list(WorldModelSettings.field_names())}, "
+            raise UnknownArgumentsError(
+                f"{sorted(kwargs)}: unknown arguments (unexpected keyword argument {sorted(kwargs)[0]!r}); expected "
+                f"settings {list(WorldModelSettings.field_names())}, "
                 f"engine options {list(ENGINE_LOAD_KEYS)}, checkpoint, engine, settings, initial_states, "
                 "reward_model, handover_projection or num_threads."
             )
