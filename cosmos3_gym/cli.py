@@ -13,6 +13,7 @@ import ast
 import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1035,6 +1036,7 @@ def add_training_commands(sub) -> None:
         "or lerobot:PATH (a LeRobot v3.0 / v2.1 dataset)",
     )
     vae.add_argument("--out", required=True, help="output folder (AutoencoderKLWan.save_pretrained)")
+    kind: Callable[[str], Any]  # an argparse type: int, float, str or a parser such as _domain (both loops below)
     for flag, kind, text in (
         ("--steps", int, "optimizer steps"),
         ("--batch-size", int, "clips per step"),

@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import gymnasium as gym
 import numpy as np
@@ -142,8 +142,10 @@ class Summary:
         return cls(
             episodes=len(results),
             successes=successes,
-            success_rate=successes / len(results) if defined else None,
-            success_rate_interval=wilson_interval(successes, len(results), confidence) if defined else None,
+            success_rate=successes / len(results) if successes is not None else None,
+            success_rate_interval=wilson_interval(successes, len(results), confidence)
+            if successes is not None
+            else None,
             mean_return=statistics.fmean(returns),
             return_std=statistics.stdev(returns) if len(returns) > 1 else None,
             mean_return_interval=mean_interval(returns, confidence, return_bounds),
@@ -191,6 +193,7 @@ class EvalReport:
             if summary.success_rate is None:
                 success = "n/a"
             else:
+                assert summary.success_rate_interval is not None  # set together with success_rate (Summary.of)
                 success = "{:.2f} [{:.2f}, {:.2f}]".format(summary.success_rate, *summary.success_rate_interval)
             ret = f"{summary.mean_return:.4g}"
             if summary.mean_return_interval is not None:
@@ -364,11 +367,17 @@ class _EpisodeBook:
 
     def counts(self, slot: int) -> bool:
         """Whether the episode running in ``slot`` is one of the evaluated ones (within the slot's quota)."""
-        return self.running[slot] is not None and self.running[slot].episode < self.episodes
+        current = self.running[slot]
+        return current is not None and current.episode < self.episodes
 
-    def finish(self, slot: int, step_info: dict, terminated: bool, truncated: bool) -> None:
+    def current(self, slot: int) -> _RunningEpisode:
+        """The episode running in ``slot``."""
         current = self.running[slot]
         assert current is not None  # every slot runs an episode from the first reset on
+        return current
+
+    def finish(self, slot: int, step_info: dict, terminated: bool, truncated: bool) -> None:
+        current = self.current(slot)
         if current.episode >= self.episodes:  # beyond this slot's quota: not part of the evaluation
             return
         success = step_info.get("success")
@@ -380,6 +389,7 @@ class _EpisodeBook:
             success = False
         video = None
         if current.clips:
+            assert self.video_dir is not None  # episodes are recorded only with a video_dir (max_videos is 0 without)
             video = write_video(
                 self.video_dir / f"episode_{current.episode:04d}.mp4", _concatenate_clips(current.clips), fps=self.fps
             ).name
@@ -460,7 +470,12 @@ def evaluate_policy(
     batched = isinstance(env, VectorEnv)
     # A single env runs as a one-slot vector env (Gymnasium's own wrapper), so one loop serves both. DISABLED: the loop
     # resets it after the step that ended the episode (no policy call is spent on a reset step).
-    vector_env = env if batched else SyncVectorEnv([lambda: env], autoreset_mode=AutoresetMode.DISABLED)
+    vector_env: VectorEnv
+    if isinstance(env, VectorEnv):
+        vector_env = env
+    else:
+        single_env = env
+        vector_env = SyncVectorEnv([lambda: single_env], autoreset_mode=AutoresetMode.DISABLED)
     autoreset = AutoresetMode(vector_env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP))
     act = _act_function(policy, batched, deterministic)
     num_envs = vector_env.num_envs
@@ -501,7 +516,7 @@ def evaluate_policy(
         while len(book.finished) < episodes:
             if not reset_now.all():  # when every slot resets, the env ignores the actions: keep the last ones
                 try:
-                    actions = act(observations, [episode.task for episode in book.running], episode_starts)
+                    actions = act(observations, [book.current(slot).task for slot in range(num_envs)], episode_starts)
                     failed_calls = 0
                 except RemotePolicyError as error:
                     failed = np.zeros(num_envs, bool)
@@ -532,7 +547,7 @@ def evaluate_policy(
                     continue
                 reset_in_step = bool(done[slot]) and autoreset == AutoresetMode.SAME_STEP
                 step_info = _slot_info(info["final_info"] if reset_in_step else info, slot)
-                current = book.running[slot]
+                current = book.current(slot)
                 current.episode_return += float(rewards[slot])
                 current.length += 1
                 if book.counts(slot):
@@ -554,7 +569,7 @@ def evaluate_policy(
                 reset_now = done
             elif autoreset == AutoresetMode.DISABLED and done.any():
                 observations, info = vector_env.reset(options={"reset_mask": done})
-                for slot in np.flatnonzero(done):
+                for slot in np.flatnonzero(done).tolist():
                     book.start(slot, info, observations)
                     episode_starts[slot] = True
 
@@ -654,7 +669,7 @@ def _render(vector_env: VectorEnv) -> Sequence[np.ndarray]:
             "video_dir: the env gives no frames to record; create it with return_frames=True (frames in "
             "info['frames']) or render_mode='rgb_array', or pass video_dir=None."
         )
-    return frames
+    return cast("Sequence[np.ndarray]", frames)  # render_mode "rgb_array": one image array per slot
 
 
 def _observation_image(observations: Any, slot: int) -> np.ndarray | None:
@@ -674,9 +689,9 @@ def _concatenate_clips(clips: list[np.ndarray]) -> np.ndarray:
 
 def _max_episode_steps(env: Any) -> int | None:
     """The env's episode step limit: its registered spec's, else its settings' (None when unbounded/unknown)."""
-    spec = getattr(env, "spec", None)
-    if getattr(spec, "max_episode_steps", None):
-        return int(spec.max_episode_steps)
+    spec_limit = getattr(getattr(env, "spec", None), "max_episode_steps", None)
+    if spec_limit:
+        return int(spec_limit)
     value = getattr(getattr(getattr(env, "unwrapped", env), "settings", None), "max_episode_steps", None)
     return int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else None
 
