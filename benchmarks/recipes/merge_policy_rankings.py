@@ -1,0 +1,90 @@
+"""One policy ranking from several runs of ``pusht_fidelity_targets.py`` that split a policy pool between them.
+
+A run ranks the policies it evaluated; a pool evaluated in parts (two processes on one GPU, each with its own
+simulator, halves the wall time) is ranked here from the per-policy rows of every part, which all used the same
+checkpoint, seeds and chunks (checked). Writes the per-policy table, the rankings by each scorer (Pearson, Spearman,
+MMRV, mean absolute error; ``tasks.pusht.compare.ranking_agreement``), over all policies and over those that act on
+frames (closed loop in both worlds, as users evaluate theirs; the others are replayed open loop in the world model),
+and issue 42's per-policy checks: success within 10 points where the real success rate is >= 30 %, final coverage
+within 0.1.
+
+    python benchmarks/recipes/merge_policy_rankings.py --inputs A.json B.json --name evalpool_16.json --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+RECIPES = Path(__file__).resolve().parent
+sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent)]
+
+from common import add_output_arguments, write_results  # noqa: E402
+
+from cosmos3_gym.policy_specs import parse_policy_spec  # noqa: E402
+from cosmos3_gym.tasks.pusht.compare import ranking_agreement  # noqa: E402
+
+SAME_ACROSS_PARTS = ("heldout_seed", "decoder", "precision", "sampling")
+
+
+def merge(parts: list[dict]) -> dict:
+    """The merged per-policy rows and rankings of ``parts`` (results of ``pusht_fidelity_targets.py``)."""
+    for key in SAME_ACROSS_PARTS:
+        values = {json.dumps(part.get(key), sort_keys=True) for part in parts}
+        if len(values) > 1:
+            raise SystemExit(f"--inputs: the parts differ in {key!r} ({sorted(values)}); rank only comparable runs")
+    rows: dict[str, dict] = {}
+    for part in parts:
+        for spec, row in part["policies"]["policies"].items():
+            if spec in rows:
+                raise SystemExit(f"--inputs: policy {spec!r} is in two parts")
+            rows[spec] = row
+    specs = sorted(rows)
+    closed_loop = [spec for spec in specs if parse_policy_spec(spec).acts_on_frames]
+    rankings = {"all": _rankings(rows, specs), "closed_loop": _rankings(rows, closed_loop)}
+    checks = {}
+    for spec in specs:
+        sim, wm = rows[spec]["simulator"], rows[spec]["world_model"]
+        checks[spec] = {
+            "coverage_within_0.1": bool(abs(wm["final_coverage"] - sim["final_coverage"]) <= 0.1),
+            "success_within_10_points": (bool(abs(wm["success_rate"] - sim["success_rate"]) <= 0.1)
+                                         if sim["success_rate"] >= 0.3 else None),
+        }
+    real = [rows[spec]["simulator"]["final_coverage"] for spec in specs]
+    return {"policies": rows, "closed_loop_policies": closed_loop, "rankings": rankings, "checks": checks,
+            "real_final_coverage_span": [min(real), max(real)]}
+
+
+def _rankings(rows: dict[str, dict], specs: list[str]) -> dict[str, dict[str, float]]:
+    """Each scorer's ranking agreement over ``specs``: the reward model and every extra scorer of the run."""
+    real = np.array([rows[spec]["simulator"]["final_coverage"] for spec in specs])
+    scorers = {"reward_model": [rows[spec]["world_model"]["final_coverage"] for spec in specs]}
+    for name in rows[specs[0]].get("world_model_by_score", {}):
+        scorers[name] = [rows[spec]["world_model_by_score"][name]["final_coverage"] for spec in specs]
+    return {name: ranking_agreement(np.array(guess), real) for name, guess in scorers.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--inputs", nargs="+", required=True, help="results JSONs of pusht_fidelity_targets.py")
+    parser.add_argument("--name", required=True, help="the merged results' file name")
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    parts = [json.loads(Path(path).read_text()) for path in args.inputs]
+    merged = merge(parts)
+    merged["inputs"] = [Path(path).name for path in args.inputs]
+    merged["settings"] = {key: parts[0].get(key) for key in SAME_ACROSS_PARTS}
+    merged["parts_provenance"] = [part.get("provenance") for part in parts]
+    for subset, by_scorer in merged["rankings"].items():
+        for name, ranking in by_scorer.items():
+            print(f"{subset} {name}: " + " ".join(f"{key} {value:.3f}" for key, value in ranking.items()))
+    write_results(merged, args.name, args.out, args.overwrite, topic="fidelity")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""benchmarks/recipes/merge_policy_rankings.py: one ranking from runs that split a policy pool."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def part(rows: dict[str, tuple[float, float]], heldout_seed: int = 7) -> dict:
+    """A pusht_fidelity_targets.py result with per-policy (real, imagined) final coverage."""
+    def score(coverage: float) -> dict:
+        return {"final_coverage": coverage, "success_rate": float(coverage > 0.9)}
+
+    return {"heldout_seed": heldout_seed, "decoder": "light", "precision": "bf16", "sampling": {},
+            "policies": {"policies": {spec: {"simulator": score(real), "world_model": score(wm),
+                                             "world_model_by_score": {"geometric": score(wm)}}
+                                      for spec, (real, wm) in rows.items()}}}
+
+
+@pytest.fixture
+def merge_module():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "recipes"))
+    try:
+        import merge_policy_rankings
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks" / "recipes"))
+    return merge_policy_rankings
+
+
+def test_parts_are_ranked_together_and_closed_loop_apart(merge_module, tmp_path):
+    # Ordered in the world model as in reality within each part, but the open-loop replays (scripted:N) are
+    # under-credited: only the merged ranking over all policies sees the violation.
+    a = part({"scripted:5": (0.95, 0.40), "scripted-frames:5": (0.90, 0.85)})
+    b = part({"scripted-frames:50": (0.30, 0.35), "random": (0.05, 0.05)})
+    merged = merge_module.merge([a, b])
+    assert sorted(merged["policies"]) == ["random", "scripted-frames:5", "scripted-frames:50", "scripted:5"]
+    assert merged["closed_loop_policies"] == ["scripted-frames:5", "scripted-frames:50"]
+    assert merged["rankings"]["all"]["reward_model"]["mmrv"] > 0.0  # scripted:5 ranked below scripted-frames:5
+    assert merged["rankings"]["closed_loop"]["reward_model"]["spearman"] == pytest.approx(1.0)
+    assert merged["checks"]["scripted:5"] == {"coverage_within_0.1": False, "success_within_10_points": False}
+    assert merged["checks"]["random"]["success_within_10_points"] is None  # real success below 30 %
+
+    paths = []
+    for name, content in (("a.json", a), ("b.json", b)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(content))
+    assert merge_module.main(["--inputs", *map(str, paths), "--name", "merged.json", "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "merged.json").read_text())
+    assert written["inputs"] == ["a.json", "b.json"] and "provenance" in written
+
+
+def test_parts_of_different_runs_are_refused(merge_module):
+    with pytest.raises(SystemExit, match="heldout_seed"):
+        merge_module.merge([part({"random": (0.1, 0.1)}), part({"scripted:5": (0.9, 0.5)}, heldout_seed=8)])
+    with pytest.raises(SystemExit, match="in two parts"):
+        merge_module.merge([part({"random": (0.1, 0.1)}), part({"random": (0.1, 0.2)})])
