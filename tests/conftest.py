@@ -29,13 +29,18 @@ def tiny_ppo_model():
     from stable_baselines3 import PPO
 
     class PushTSpaces(gymnasium.Env):
-        observation_space = gymnasium.spaces.Dict(
-            {"image": gymnasium.spaces.Box(0, 255, (48, 48, 3), np.uint8)}
-        )
+        observation_space = gymnasium.spaces.Dict({"image": gymnasium.spaces.Box(0, 255, (48, 48, 3), np.uint8)})
         action_space = gymnasium.spaces.Box(-1.0, 1.0, (8, 2), np.float32)
 
-    model = PPO("MultiInputPolicy", PushTSpaces(), n_steps=8, batch_size=8, seed=0, device="cpu",
-                policy_kwargs=dict(net_arch=[16], features_extractor_kwargs=dict(cnn_output_dim=16)))
+    model = PPO(
+        "MultiInputPolicy",
+        PushTSpaces(),
+        n_steps=8,
+        batch_size=8,
+        seed=0,
+        device="cpu",
+        policy_kwargs=dict(net_arch=[16], features_extractor_kwargs=dict(cnn_output_dim=16)),
+    )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for parameter in model.policy.parameters():
@@ -52,6 +57,15 @@ def stub_engine_client(monkeypatch) -> list:
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     started: list = []
-    monkeypatch.setattr(launcher, "Cosmos3EngineClient",
-                        lambda path, config, kwargs: started.append((path, config, kwargs)) or "client")
+    monkeypatch.setattr(
+        launcher, "Cosmos3EngineClient", lambda path, config, kwargs: started.append((path, config, kwargs)) or "client"
+    )
     return started
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_checkpoint: Path):
+    """An fp32 CPU engine on the tiny checkpoint, one per test module."""
+    from cosmos3_gym.engine import Cosmos3Engine
+
+    return Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)

@@ -20,37 +20,20 @@ from cosmos3_gym.cli import main
 from cosmos3_gym.data.lerobot import LeRobotDataset
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.rl.dream import dream
+from test_evaluation import image, make_vec_env
 
-FAST = dict(domain="pusht", chunk=4, num_steps=2, resolution_tier=256)
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine):
+    return tiny_engine
+
+
 # lerobot-dataset 0.4.4 (the standalone LeRobotDataset, import name ledataset; the only release) pins
 # huggingface-hub < 0.36; this package needs huggingface_hub >= 1.33 (transformers 5), so pip cannot install both.
 LEROBOT_DATASET_REASON = (
     "lerobot-dataset 0.4.4 (PyPI, import name ledataset) cannot be installed next to this package: it pins "
     "huggingface-hub<0.36, this package needs huggingface_hub>=1.33"
 )
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    from cosmos3_gym.engine import Cosmos3Engine
-
-    return Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)
-
-
-def image(seed=0):
-    return np.random.default_rng(seed).integers(0, 256, (96, 128, 3), dtype=np.uint8)
-
-
-def finish_task(frames, tasks):
-    return [1.0 if task == "finish" else 0.0 for task in tasks]
-
-
-def make_vec_env(engine, num_envs=3, **kwargs):
-    from cosmos3_gym.envs import WorldModelVectorEnv
-
-    defaults = dict(engine=engine, initial_states=image(0), task=["finish", "go", "go"][:num_envs],
-                    reward_model=finish_task, success_threshold=0.5, max_episode_steps=2, return_frames=True)
-    return WorldModelVectorEnv(num_envs, **{**FAST, **defaults, **kwargs})
 
 
 class Stats:
@@ -122,8 +105,9 @@ def test_the_dataset_reads_with_lerobot_dataset(dreamed):
 
 def test_keep_successes_and_inverse_dynamics_labels(engine, tmp_path):
     env = make_vec_env(engine)
-    result = dream(env, ramp_actions, 6, tmp_path / "successes", keep="successes",
-                   label_actions="inverse-dynamics", progress=False)
+    result = dream(
+        env, ramp_actions, 6, tmp_path / "successes", keep="successes", label_actions="inverse-dynamics", progress=False
+    )
     env.close()
     assert result.episodes_written == 2 == sum(bool(e.success) for e in result.report.episodes)
     dataset = LeRobotDataset(tmp_path / "successes")
@@ -142,8 +126,30 @@ def test_keep_successes_and_inverse_dynamics_labels(engine, tmp_path):
 
 def test_dream_command_on_the_builtin_model(tmp_path, capsys):
     out = tmp_path / "dream"
-    assert main(["dream", "--policy", "random", "--episodes", "3", "--num-envs", "2", "--max-episode-steps", "2",
-                 "--num-steps", "1", "--device", "cpu", "--seed", "1", "--out", f"lerobot:{out}"]) == 0
+    assert (
+        main(
+            [
+                "dream",
+                "--policy",
+                "random",
+                "--episodes",
+                "3",
+                "--num-envs",
+                "2",
+                "--max-episode-steps",
+                "2",
+                "--num-steps",
+                "1",
+                "--device",
+                "cpu",
+                "--seed",
+                "1",
+                "--out",
+                f"lerobot:{out}",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"wrote 3 (all, actions from policy) to {out}" in printed and "success rate" in printed
     dataset = LeRobotDataset(out)

@@ -52,7 +52,7 @@ def image_path(tmp_path_factory):
     return path
 
 
-def image(seed: int) -> np.ndarray:
+def image(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (96, 128, 3), dtype=np.uint8)
 
 

@@ -27,18 +27,18 @@ from cosmos3_gym.agents import PolicyServer, RemotePolicyAgent, RemotePolicyErro
 from cosmos3_gym.agents.remote import ObservationAdapter, pack, parse_remote_spec, unpack
 from cosmos3_gym.cli import main
 from cosmos3_gym.errors import InputError
+from test_evaluation import FAST_FLAGS, image, make_vec_env
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = dict(domain="pusht", chunk=4, num_steps=2, resolution_tier=256)
-FAST_FLAGS = ["--domain-name", "pusht", "--chunk", "4", "--num-steps", "2", "--resolution-tier", "256",
-              "--device", "cpu"]
 
 
 # ------------------------------------------------------------------ openpi's format, from its specification
 
+
 def spec_pack(value) -> bytes:
     """openpi_client.msgpack_numpy.packb as specified: arrays as {__ndarray__, data, dtype, shape}, numpy scalars as
     {__npgeneric__, data, dtype}, keys as bytes, through msgpack's Packer."""
+
     def default(item):
         if isinstance(item, (np.ndarray, np.generic)) and item.dtype.kind in ("V", "O", "c"):
             raise ValueError(f"Unsupported dtype: {item.dtype}")
@@ -91,6 +91,7 @@ def test_messages_are_byte_for_byte_openpis_msgpack_numpy():
 
 
 # ------------------------------------------------------------------ servers and agents used below
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -194,6 +195,7 @@ def frames(count=3, size=(12, 16), seed=0):
 
 # ------------------------------------------------------------------ interoperation
 
+
 def test_our_agent_calls_a_server_written_like_openpis():
     def answer(observation, count):
         image = observation["observation/image"]
@@ -217,6 +219,7 @@ def test_our_agent_calls_a_server_written_like_openpis():
 
 def test_the_rows_of_a_batch_are_sent_concurrently():
     """One request per slot, all in flight at once: 4 rows answered after 0.6 s each take about 0.6 s, not 2.4 s."""
+
     def answer(observation, count):
         return ("delay", 0.6, {"actions": np.full((4, 2), float(observation["observation/image"][0, 0, 0]) / 255)})
 
@@ -239,8 +242,11 @@ def test_an_openpi_style_client_calls_our_server_with_an_api_key():
     with PolicyServer(agent, port=0, api_key="s3cret", name="mean-colour") as server:
         metadata, reply = openpi_client_call(server.url, {"observation/image": image, "prompt": "go"}, "s3cret")
         assert metadata["policy"] == "mean-colour" and metadata["action_shape"] == [8, 2]
-        assert metadata["observation_keys"] == {"image": "observation/image", "state": "observation/state",
-                                                "prompt": "prompt"}
+        assert metadata["observation_keys"] == {
+            "image": "observation/image",
+            "state": "observation/state",
+            "prompt": "prompt",
+        }
         assert np.array_equal(reply["actions"], agent.act(image[None])[0])
         assert reply["actions"].dtype == np.float32 and reply["server_timing"]["infer_ms"] >= 0
         # channels-first and float images are read too
@@ -261,8 +267,9 @@ def test_wrong_or_missing_api_key_is_refused_in_one_line(monkeypatch):
             with pytest.raises(RemotePolicyError) as error:
                 RemotePolicyAgent(server.url, api_key=key, timeout=5).connect()
             message = str(error.value)
-            assert message == f"policy server {server.url}: refused the connection: HTTP 401 (a wrong or missing " \
-                              "API key?)"
+            assert (
+                message == f"policy server {server.url}: refused the connection: HTTP 401 (a wrong or missing API key?)"
+            )
         monkeypatch.setenv("COSMOS3_GYM_POLICY_API_KEY", "right")  # what a ws:// spec uses
         agent = RemotePolicyAgent.from_spec(server.url)
         assert agent.act(frames(2)).shape == (2, 4, 2)
@@ -273,15 +280,19 @@ def test_server_down_is_one_line_naming_the_server(tmp_path, capsys):
     url = f"ws://127.0.0.1:{free_port()}"
     with pytest.raises(RemotePolicyError) as error:
         RemotePolicyAgent(url, timeout=2).act(frames(2))
-    assert str(error.value) == f"policy server {url}: cannot connect (connection refused: is the server running?) " \
-                               "(rows 0, 1 of 2)"
+    assert (
+        str(error.value) == f"policy server {url}: cannot connect (connection refused: is the server running?) "
+        "(rows 0, 1 of 2)"
+    )
     assert error.value.failed.tolist() == [True, True]
     # eval checks the server before any model loads
     started = time.perf_counter()
     assert main(["eval", "--policy", url, "--out", str(tmp_path / "eval")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"cosmos3-gym eval: error: policy server {url}: cannot connect (connection refused: is the " \
-                  "server running?)"
+    assert (
+        err == f"cosmos3-gym eval: error: policy server {url}: cannot connect (connection refused: is the "
+        "server running?)"
+    )
     assert time.perf_counter() - started < 30
 
 
@@ -301,19 +312,24 @@ def test_no_reply_is_a_timeout_not_a_hang():
             RemotePolicyAgent(url, timeout=0.5).connect()
 
 
-@pytest.mark.parametrize(("reply", "message"), [
-    (b"\xc1", "malformed reply to actions: not openpi's msgpack"),
-    (spec_pack([1, 2]), "malformed reply to actions: expected a map, got list"),
-    ({"action": np.zeros((4, 2))}, "malformed reply: no 'actions' entry"),
-    ({"actions": np.zeros((4, 3), np.float32)}, "malformed reply: actions of width 3, expected 2"),
-    ({"actions": np.zeros((2, 2), np.float32)}, "malformed reply: 2 action steps, the env takes 4 per step"),
-    ({"actions": np.zeros(8, np.float32)}, r"malformed reply: 'actions' must be \[steps, dim\]"),
-    ({"actions": np.full((4, 2), np.nan, np.float32)}, "malformed reply: 'actions' contains NaN"),
-    ({"actions": "left"}, "malformed reply: 'actions' is not a numeric array"),
-    ("Traceback (most recent call last):\n  ...\nValueError: bad prompt\n",
-     "the server's policy failed: ValueError: bad prompt"),
-    ("close", "lost the connection waiting for actions"),
-])
+@pytest.mark.parametrize(
+    ("reply", "message"),
+    [
+        (b"\xc1", "malformed reply to actions: not openpi's msgpack"),
+        (spec_pack([1, 2]), "malformed reply to actions: expected a map, got list"),
+        ({"action": np.zeros((4, 2))}, "malformed reply: no 'actions' entry"),
+        ({"actions": np.zeros((4, 3), np.float32)}, "malformed reply: actions of width 3, expected 2"),
+        ({"actions": np.zeros((2, 2), np.float32)}, "malformed reply: 2 action steps, the env takes 4 per step"),
+        ({"actions": np.zeros(8, np.float32)}, r"malformed reply: 'actions' must be \[steps, dim\]"),
+        ({"actions": np.full((4, 2), np.nan, np.float32)}, "malformed reply: 'actions' contains NaN"),
+        ({"actions": "left"}, "malformed reply: 'actions' is not a numeric array"),
+        (
+            "Traceback (most recent call last):\n  ...\nValueError: bad prompt\n",
+            "the server's policy failed: ValueError: bad prompt",
+        ),
+        ("close", "lost the connection waiting for actions"),
+    ],
+)
 def test_malformed_replies_and_lost_connections_are_one_line_errors(reply, message):
     with SpecServer(lambda observation, count: reply) as server:
         agent = RemotePolicyAgent(server.url, timeout=5, action_shape=(4, 2))
@@ -326,13 +342,19 @@ def test_malformed_replies_and_lost_connections_are_one_line_errors(reply, messa
 
 def test_spec_options_raw_actions_and_parsing():
     assert parse_remote_spec("ws://host:8000/infer#image=cam&timeout=2.5&actions=raw") == (
-        "ws://host:8000/infer", {"image": "cam", "timeout": "2.5", "actions": "raw"})
+        "ws://host:8000/infer",
+        {"image": "cam", "timeout": "2.5", "actions": "raw"},
+    )
     spec = policy_specs.parse_policy_spec("wss://policy.example.org:443")
     assert (spec.kind, spec.path, spec.acts_on_frames) == ("remote", "wss://policy.example.org:443", True)
     assert [s.kind for s in policy_specs.parse_policy_specs("random,ws://h:1")] == ["random", "remote"]
-    for bad, message in [("ws://", "expected ws://HOST:PORT"), ("ws://h:99999", "not a websocket URL"),
-                         ("ws://h:1#colour=red", "unknown option"), ("ws://h:1#timeout=-1", "timeout="),
-                         ("ws://h:1#actions=pixels", "actions=")]:
+    for bad, message in [
+        ("ws://", "expected ws://HOST:PORT"),
+        ("ws://h:99999", "not a websocket URL"),
+        ("ws://h:1#colour=red", "unknown option"),
+        ("ws://h:1#timeout=-1", "timeout="),
+        ("ws://h:1#actions=pixels", "actions="),
+    ]:
         with pytest.raises(InputError, match=message):
             policy_specs.parse_policy_spec(bad)
     with pytest.raises(InputError, match="actions=raw needs the env's action statistics"):
@@ -387,40 +409,26 @@ def test_an_sb3_policy_file_served_acts_as_in_process(tiny_ppo_model, tmp_path):
 
 # ------------------------------------------------------------------ evaluation through a server
 
+
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    from cosmos3_gym.engine import Cosmos3Engine
-
-    return Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="fp32", progress=False)
-
-
-def image(seed=0):
-    return np.random.default_rng(seed).integers(0, 256, (96, 128, 3), dtype=np.uint8)
-
-
-def finish_task(frames, tasks):
-    return [1.0 if task == "finish" else 0.0 for task in tasks]
-
-
-def make_vec_env(engine, num_envs=3, **kwargs):
-    from cosmos3_gym.envs import WorldModelVectorEnv
-
-    defaults = dict(engine=engine, initial_states=image(0), task=["finish", "go", "go"][:num_envs],
-                    reward_model=finish_task, success_threshold=0.5, max_episode_steps=2, return_frames=True)
-    return WorldModelVectorEnv(num_envs, **{**FAST, **defaults, **kwargs})
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def outcome(report):
-    return [(e.episode, e.slot, e.task, e.episode_return, e.length, e.success, e.terminated, e.truncated)
-            for e in report.episodes]
+    return [
+        (e.episode, e.slot, e.task, e.episode_return, e.length, e.success, e.terminated, e.truncated)
+        for e in report.episodes
+    ]
 
 
 def test_evaluation_through_a_loopback_server_equals_in_process(engine):
     from cosmos3_gym.evaluation import evaluate_policy, load_policy
 
     served = MeanColourAgent()
-    in_process = evaluate_policy(make_vec_env(engine), policy_specs.FramePolicy(MeanColourAgent(), "local"), 5,
-                                 seed=3, progress=False)
+    in_process = evaluate_policy(
+        make_vec_env(engine), policy_specs.FramePolicy(MeanColourAgent(), "local"), 5, seed=3, progress=False
+    )
     with PolicyServer(served, port=0) as server:
         env = make_vec_env(engine)
         policy = load_policy(server.url, env)
@@ -471,8 +479,7 @@ def test_a_server_that_stops_answering_fails_the_episodes_in_flight(engine, tiny
         env = make_vec_env(engine)
         started = time.perf_counter()
         with pytest.raises(EvaluationAborted) as error:
-            evaluate_policy(env, load_policy(f"{server.url}#timeout=0.5", env), 20, progress=False,
-                            max_failed_calls=2)
+            evaluate_policy(env, load_policy(f"{server.url}#timeout=0.5", env), 20, progress=False, max_failed_calls=2)
         env.close()
     assert time.perf_counter() - started < 60
     message = str(error.value)
@@ -489,9 +496,30 @@ def test_a_server_that_stops_answering_fails_the_episodes_in_flight(engine, tiny
     Image.fromarray(image(0)).save(tmp_path / "start.png")
     with SpecServer(answer) as server:
         out = tmp_path / "eval"
-        code = main(["eval", "--checkpoint", str(tiny_checkpoint), "--policy", f"{server.url}#timeout=0.5",
-                     "--episodes", "20", "--num-envs", "2", "--initial-states", str(tmp_path / "start.png"),
-                     "--task", "go", "--max-episode-steps", "2", "--max-videos", "0", "--out", str(out), *FAST_FLAGS])
+        code = main(
+            [
+                "eval",
+                "--checkpoint",
+                str(tiny_checkpoint),
+                "--policy",
+                f"{server.url}#timeout=0.5",
+                "--episodes",
+                "20",
+                "--num-envs",
+                "2",
+                "--initial-states",
+                str(tmp_path / "start.png"),
+                "--task",
+                "go",
+                "--max-episode-steps",
+                "2",
+                "--max-videos",
+                "0",
+                "--out",
+                str(out),
+                *FAST_FLAGS,
+            ]
+        )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and err.startswith(f"cosmos3-gym eval: error: policy server {server.url}#timeout=0.5: no reply")
     assert f"the report so far: {out / 'report.json'}" in err
@@ -500,6 +528,7 @@ def test_a_server_that_stops_answering_fails_the_episodes_in_flight(engine, tiny
 
 
 # ------------------------------------------------------------------ serve-policy as a process
+
 
 @pytest.fixture
 def bc_policy_file(tmp_path):
@@ -514,8 +543,14 @@ def bc_policy_file(tmp_path):
 
 def start_server(*arguments):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "cosmos3_gym.cli", "serve-policy", "--port", "0", *arguments],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cosmos3_gym.cli", "serve-policy", "--port", "0", *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     line = process.stdout.readline()
     if not line.startswith("serving "):
         process.kill()
@@ -529,8 +564,20 @@ def test_serve_policy_evaluates_like_the_file_in_process(bc_policy_file, tmp_pat
     process, url = start_server("--policy", f"file:{bc_policy_file}", "--api-key", "k")
     try:
         assert url.startswith("ws://127.0.0.1:")
-        flags = ["--episodes", "2", "--max-episode-steps", "2", "--num-steps", "1", "--max-videos", "0",
-                 "--device", "cpu", "--seed", "4"]
+        flags = [
+            "--episodes",
+            "2",
+            "--max-episode-steps",
+            "2",
+            "--num-steps",
+            "1",
+            "--max-videos",
+            "0",
+            "--device",
+            "cpu",
+            "--seed",
+            "4",
+        ]
         assert main(["eval", "--policy", f"file:{bc_policy_file}", *flags, "--out", str(tmp_path / "local")]) == 0
         os.environ["COSMOS3_GYM_POLICY_API_KEY"] = "k"
         try:
@@ -544,12 +591,31 @@ def test_serve_policy_evaluates_like_the_file_in_process(bc_policy_file, tmp_pat
             os.environ["COSMOS3_GYM_POLICY_API_KEY"] = "k"
             try:
                 for spec, name in ((f"file:{bc_policy_file}", "local.json"), (url, "remote.json")):
-                    assert main(["eval-real", "--real-only", "--policies", spec, "--starts", "1", "--chunks", "2",
-                                 "--device", "cpu", "--out", str(tmp_path / name)]) == 0
+                    assert (
+                        main(
+                            [
+                                "eval-real",
+                                "--real-only",
+                                "--policies",
+                                spec,
+                                "--starts",
+                                "1",
+                                "--chunks",
+                                "2",
+                                "--device",
+                                "cpu",
+                                "--out",
+                                str(tmp_path / name),
+                            ]
+                        )
+                        == 0
+                    )
             finally:
                 del os.environ["COSMOS3_GYM_POLICY_API_KEY"]
-            scores = [next(iter(json.loads((tmp_path / n).read_text())["policies"].values()))
-                      for n in ("local.json", "remote.json")]
+            scores = [
+                next(iter(json.loads((tmp_path / n).read_text())["policies"].values()))
+                for n in ("local.json", "remote.json")
+            ]
             assert scores[0] == scores[1]
     finally:
         process.terminate()
@@ -576,8 +642,9 @@ def test_serve_policy_serves_the_checkpoints_own_policy_random_and_task_frame_po
     process, url = start_server("--policy", "agent", "--num-steps", "1", "--device", "cpu")
     try:
         agent = RemotePolicyAgent(url, timeout=120)
-        actions = agent.act(np.full((2, 256, 256, 3), 200, np.uint8), task="push the T-shaped block onto the green "
-                            "target")
+        actions = agent.act(
+            np.full((2, 256, 256, 3), 200, np.uint8), task="push the T-shaped block onto the green target"
+        )
         assert actions.shape == (2, 8, 2) and np.abs(actions).max() <= 1.0
         assert agent.metadata["policy"] == "agent" and agent.metadata["action_shape"] == [8, 2]
         agent.close()
