@@ -39,7 +39,10 @@ minutes in all, so two calls::
     # carry that call's dream_bc_work (policies/ and the results JSON, a few MB; not demos.npz or dreams/)
     python benchmarks/recipes/dream_bc_pusht.py --out $OUT --work <the carried folder> --stages eval
 
-Needs gym-pusht (the ``sim`` extra).
+Needs gym-pusht (the ``sim`` extra) and imageio-ffmpeg (the LeRobot writer's video encoder). The GPU machines' image
+has no imageio-ffmpeg: carry its wheel with the others. Measured there once (session 24, one H200): the demos took
+seconds and the dream stage about 3 minutes for 500 episodes before the writer stopped on the missing encoder, so the
+full run needs the two calls above.
 """
 
 from __future__ import annotations
