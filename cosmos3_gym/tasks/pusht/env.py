@@ -150,8 +150,9 @@ def pusht_env_defaults(assets: PushTAssets) -> dict[str, Any]:
     action_stats.json). ``action_stats`` is the path of the statistics file."""
     defaults: dict[str, Any] = dict(FALLBACK_SETTINGS)
     defaults["reward_model"] = f"classifier:{assets.reward_model}"
-    defaults["initial_states"] = read_initial_states(assets.initial_states)
     defaults.update(checkpoint_defaults(assets.checkpoint))
+    if "initial_states" not in defaults:  # a meta.json that names none: the assets' archive, read here
+        defaults["initial_states"] = read_initial_states(assets.initial_states)
     stats = assets.checkpoint / ACTION_STATS_FILE
     if stats.is_file():
         defaults["action_stats"] = str(stats)  # the path, as the benchmarks read it (minmax, as meta.json says)
