@@ -9,8 +9,9 @@ the paired difference.
 
 Stages (``--stages``, comma-separated, in this order; a later call continues from ``--work``):
 
-1. ``demos``: ``--demo-episodes`` scripted-pusher demonstrations in gym-pusht (``tasks.pusht.demos``; seeds
-   ``--seed``..): 96 x 96 observations and the next 8 normalised actions of every ``--demo-stride``-th step.
+1. ``demos``: ``--demo-episodes`` scripted-pusher demonstrations in gym-pusht (``tasks.pusht.demos``; reset seeds
+   ``--demo-seed``.., in the policy-pool manifest's training range): 96 x 96 observations and the next 8 normalised
+   actions of every ``--demo-stride``-th step.
 2. ``dream``: the stronger policy (``--teacher``, any policy spec; default the GRPO policy of
    benchmarks/results/rl/policies, 54 % real success on 1000 held-out seeds) rolled in the PushT world model
    (``cosmos3_gym/PushT-v0``, ``--dream-envs`` slots, ``--dream-chunks`` chunks per episode, from the model's own
@@ -21,8 +22,9 @@ Stages (``--stages``, comma-separated, in this order; a later call continues fro
    observes, with the next 8 actions normalised by the checkpoint's action statistics, becomes a BC sample.
 3. ``bc``: two ``PixelGaussianPolicy`` fitted with the same configuration, seed and ``--bc-steps`` gradient steps
    (``rl.bc``): ``real`` on the demonstrations, ``real_plus_dreams`` on the demonstrations and the imagined samples.
-4. ``eval``: both (and the teacher) in gym-pusht from the held-out reset seeds ``--eval-seed``.. (none used by the
-   demonstrations or the teacher's training) for ``--eval-chunks`` chunks, as benchmarks/rl_pusht.py evaluates
+4. ``eval``: both (and the teacher) in gym-pusht from held-out reset seeds (default: 1000 of the policy-pool
+   manifest's reporting range, which no training and no choice used; ``--eval-seed`` sets another first seed) for
+   ``--eval-chunks`` chunks, as benchmarks/rl_pusht.py evaluates
    (``tasks.pusht.replay.evaluate_in_simulator``: success = coverage above 0.95 at some step, where gym-pusht ends
    the episode): success rates with Wilson 95 % CIs, mean final coverage with t 95 % CIs, and the paired
    per-seed difference ``real_plus_dreams - real`` (success and final coverage, t 95 % CIs; the discordant seeds).
@@ -69,6 +71,10 @@ from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig, load_policy
 from cosmos3_gym.statistics import mean_interval, wilson_interval  # noqa: E402
 
 STAGES = ("demos", "dream", "bc", "eval")
+# Seeds from the policy-pool manifest's ranges (cosmos3_gym/tasks/pusht/policy_pools.json): demonstrations are
+# training data (training range), the evaluation reports (reporting range, a block no earlier script used).
+DEMO_SEED = 1_500_000
+EVAL_SEED_OFFSET = 100_000
 TEACHER = "benchmarks/results/rl/policies/rl_pusht_grpo_simulator_policy_starts_h4_cw10_400it.safetensors"
 POLICIES = ("real", "real_plus_dreams")
 OBSERVATION_SIZE = (96, 96)
@@ -138,12 +144,12 @@ def stage_demos(run: Run) -> None:
     args = run.args
     started = time.perf_counter()
     demos = generate_demonstrations(
-        args.demo_episodes, action_stats=run.action_stats, seed=args.seed, max_steps=args.demo_max_steps,
+        args.demo_episodes, action_stats=run.action_stats, seed=args.demo_seed, max_steps=args.demo_max_steps,
         stride=args.demo_stride, chunk=run.chunk, image_size=run.image_size, observation_size=OBSERVATION_SIZE,
         noise_levels=(0.0,), workers=args.workers, progress=not args.no_progress)
     np.savez(run.work / "demos.npz", observations=demos["observations"], action_chunks=demos["action_chunks"])
     run.results["demos"] = {
-        "episodes": args.demo_episodes, "seeds": [args.seed, args.seed + args.demo_episodes - 1],
+        "episodes": args.demo_episodes, "seeds": [args.demo_seed, args.demo_seed + args.demo_episodes - 1],
         "scripted_success_rate": demos["success_rate"],
         "mean_steps": float(np.mean([e["steps"] for e in demos["episodes"]])),
         "bc_samples": int(len(demos["observations"])), "stride": args.demo_stride,
@@ -236,6 +242,16 @@ def stage_bc(run: Run) -> None:
     run.results["policies"] = {name: f"benchmarks/results/rl/policies/{run.policy_path(name).name}" for name in POLICIES}
 
 
+def eval_seeds(args: argparse.Namespace) -> range:
+    """``--eval-seed``.. or, by default, a block of the policy-pool manifest's reporting seeds (held out from every
+    training and every choice; ``tasks.pusht.policy_pools``), past the 32 the evaluation-pool ranking uses."""
+    if args.eval_seed is not None:
+        return range(args.eval_seed, args.eval_seed + args.eval_episodes)
+    from cosmos3_gym.tasks.pusht.policy_pools import load_policy_pools
+
+    return load_policy_pools(check_files=False).seed_block("reporting", args.eval_episodes, offset=EVAL_SEED_OFFSET)
+
+
 def evaluate(run: Run, policy: Any) -> dict[str, Any]:
     """One policy in gym-pusht from the held-out seeds, as benchmarks/rl_pusht.py evaluates."""
     from cosmos3_gym.tasks.pusht.replay import evaluate_in_simulator
@@ -243,7 +259,7 @@ def evaluate(run: Run, policy: Any) -> dict[str, Any]:
     from cosmos3_gym.tasks.pusht.starts import DemoStartStates
 
     args = run.args
-    seeds = range(args.eval_seed, args.eval_seed + args.eval_episodes)
+    seeds = eval_seeds(args)
     starts = DemoStartStates.from_seeds(seeds, image_size=run.image_size)
     env = PushTSimVectorEnv(args.eval_episodes, starts=starts, action_stats=run.action_stats, group_size=1,
                             chunk=run.chunk, image_size=run.image_size, observation_size=OBSERVATION_SIZE,
@@ -331,7 +347,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="dreams kept for BC (default: successes; all with --smoke)")
     parser.add_argument("--dream-num-steps", type=int, default=None,
                         help="world-model denoising steps (default: the checkpoint's; 1 with --smoke)")
-    parser.add_argument("--eval-seed", type=int, default=100_000, help="first held-out gym-pusht seed")
+    parser.add_argument("--eval-seed", type=int, default=None,
+                        help="first held-out gym-pusht seed (default: the manifest's reporting seeds)")
+    parser.add_argument("--demo-seed", type=int, default=DEMO_SEED,
+                        help="first demonstration reset seed (default: the manifest's training range)")
     parser.add_argument("--no-teacher-eval", action="store_true", help="do not evaluate the teacher in gym-pusht")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available; cpu with --smoke)")
     parser.add_argument("--seed", type=int, default=0, help="demonstration seeds, BC, dreams")
