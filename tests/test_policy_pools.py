@@ -7,6 +7,8 @@ import copy
 import json
 import shutil
 
+import numpy as np
+
 import pytest
 
 from cosmos3_gym.errors import InputError
@@ -143,3 +145,21 @@ def test_seed_blocks_skip_excluded_seeds():
     assert seeds.seed_block(5, offset=6) == range(111, 116)
     with pytest.raises(InputError, match="no block of 12 seeds"):
         seeds.seed_block(12)
+
+
+def test_simulated_training_episodes_never_start_from_a_held_out_seed():
+    from cosmos3_gym.tasks.pusht.dataset import training_reset_seed
+
+    class Draws:  # a generator whose draws fall in choosing, reporting and measurements before a free seed
+        def __init__(self, values):
+            self.values = list(values)
+
+        def integers(self, high):
+            assert high == 2**31
+            return self.values.pop(0)
+
+    assert training_reset_seed(Draws([4_000_000, 5_999_999, 6_050_000, 3_999_999])) == 3_999_999
+    assert training_reset_seed(Draws([6_100_000])) == 6_100_000  # past the last held-out range
+    rng = np.random.default_rng(0)
+    seeds = [training_reset_seed(rng) for _ in range(2000)]
+    assert not any(4_000_000 <= seed <= 6_099_999 for seed in seeds)

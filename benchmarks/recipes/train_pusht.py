@@ -48,6 +48,10 @@ be the installed model folder itself (its VAE and start frames)::
 
 (``--wm-rollout-prob`` conditions part of each batch on the model's own frames, ``training/rollout.py``. The
 fine-tuned checkpoint keeps ``--wm-init``'s light decoder and its meta.json ``decoder``.)
+``--wm-handover latent --wm-context-frames K`` trains the world model for an env that hands chunks over as latents,
+conditioning on the last K latent frames (``WorldModelTrainConfig.handover`` / ``context_frames``, written to its
+meta.json), also when fine-tuning with ``--wm-init`` (the transformer is the same for any K); the default is the
+pixel hand-over with one frame.
 ``--lerobot`` trains stages 2 and 3 from the simulated episodes written as a LeRobot v3.0 dataset
 (``training.lerobot.write_lerobot_dataset``, H.264 videos) instead of our episode layout.
 
@@ -161,6 +165,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--first-part", default=None,
                         help="first_part.tar.gz of a --part first run (same seed), or an installed model folder")
     parser.add_argument("--wm-init", default=None, help="fine-tune this checkpoint's transformer instead of a new one")
+    parser.add_argument("--wm-handover", choices=("pixels", "latent"), default="pixels",
+                        help="how the env hands a chunk over to the next (WorldModelTrainConfig.handover): pixels "
+                             "(the last frame decoded and encoded again) or latent (the last --wm-context-frames "
+                             "latent frames kept)")
+    parser.add_argument("--wm-context-frames", type=int, default=1,
+                        help="clean latent frames the world model conditions on (more than 1 needs --wm-handover "
+                             "latent); with --wm-init any number (the transformer's shape does not depend on it)")
     parser.add_argument("--grow-depth", type=int, default=None,
                         help="with --wm-init: first deepen its transformer to this many layers per tower, computing "
                              "the same function (cosmos3_gym.training.growth)")
@@ -330,6 +341,7 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
         rollout_num_steps=args.num_steps,
         # the hand-over the env makes with the model fine-tuned from: its light decoder where its meta.json says so
         rollout_decoder=checkpoint_decoder(args.wm_init) if args.wm_init else "vae",
+        handover=args.wm_handover, context_frames=args.wm_context_frames,
         seed=args.seed, device=args.device, save_every=0,
         save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=args.encode_batch_size,
         cache_dir=str(work / "latent_cache"),

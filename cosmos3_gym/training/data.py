@@ -11,10 +11,22 @@ every ``stride`` frames. Actions are normalised with stats.json in the mode meta
 Frames reach the model exactly as at inference: ``processor.prepare_conditioning`` (tier canvas, padding), the
 frozen VAE's ``encode`` (posterior mean, latent normalisation) and the crop to the content latent
 (``Conditioning.latent_hw``), as ``Cosmos3Engine.prepare`` does. ``prepare_conditioning`` works frame by frame, so
-the whole episode is put on the canvas once and windows are slices of it; each window is then encoded on its own
-(the causal VAE's latents of a window are not a slice of the episode's latents). The latents are cached on disk,
-one safetensors file per episode, in a folder named by a hash of everything they depend on (VAE weights and
-config, chunk, stride, tier, the episode files), so a changed input never reuses stale latents.
+the whole episode is put on the canvas once and windows are slices of it. How windows are encoded follows the env's
+hand-over between chunks (``handover``):
+
+- ``"pixels"`` (the env decodes a chunk's last frame and encodes it again as the next chunk's first): each window is
+  encoded on its own (the causal VAE's latents of a window are not a slice of the episode's latents), so its latent
+  frame 0 is a first-frame latent, as the env's re-encoded frame is;
+- ``"latent"`` (the env keeps the last ``context_frames`` generated latent frames as the next chunk's clean context):
+  the whole episode is encoded once, frames ``0 .. tc*floor(T/tc)`` (``tc`` the VAE's temporal compression, 4) into
+  latents ``E[0..L]``, ``E[0]`` being the first frame alone. The window of latent index ``j`` (pixel start
+  ``s = tc*j``) holds the K context latents ``E[j-K+1 .. j]``, left-padded with ``E[0]`` at the episode's start (as
+  the env starts: the start frame encoded and repeated K times), then the targets ``E[j+1 .. j+chunk/tc]``; its
+  actions are ``s .. s+chunk-1`` as above. Chunk and stride must be multiples of ``tc``.
+
+The latents are cached on disk, one safetensors file per episode (its windows' latents, or its whole-episode latents
+with ``"latent"``), in a folder named by a hash of everything they depend on (VAE weights and config, tier, the
+episode files, chunk and stride or the hand-over), so a changed input never reuses stale latents.
 """
 
 from __future__ import annotations
@@ -41,6 +53,9 @@ from ..errors import CheckpointError, InputError
 from ..storage import load_safetensors, save_safetensors
 
 logger = logging.getLogger(__name__)
+
+# How the env hands a chunk over to the next (module docstring): through pixels or through latent frames.
+HANDOVERS = ("pixels", "latent")
 
 
 def read_dataset(
@@ -79,8 +94,9 @@ def read_dataset(
 class TrainingWindows:
     """Every training window of a dataset, in memory.
 
-    ``latents[i]`` are window i's clean latents, ``actions[i]`` its normalised raw-width actions, and
-    ``prompt_index[i]`` indexes ``prompts``: the (conditional, unconditional) token ids of its episode's task.
+    ``latents[i]`` are window i's clean latents (``t = 1 + chunk/tc`` frames; with handover "latent" ``K + chunk/tc``,
+    the first K the context), ``actions[i]`` its normalised raw-width actions, and ``prompt_index[i]`` indexes
+    ``prompts``: the (conditional, unconditional) token ids of its episode's task.
     """
 
     latents: torch.Tensor  # [N, C, t, h, w] float32
@@ -88,7 +104,7 @@ class TrainingWindows:
     prompt_index: torch.Tensor  # [N] long
     prompts: list[tuple[list[int], list[int]]]
     episode_index: torch.Tensor  # [N] long (into DatasetInfo.episodes)
-    start: torch.Tensor  # [N] long (first frame of the window)
+    start: torch.Tensor  # [N] long (the window's first pixel frame: its first action's)
     successful: torch.Tensor  # [N] bool: the window's episode has success=True
     canvas_hw: tuple[int, int]
 
@@ -109,16 +125,20 @@ def _sha256_of_files(paths) -> str:
     return digest.hexdigest()
 
 
-def latent_cache_key(info: DatasetInfo, vae_dir: Path, *, chunk: int, stride: int, resolution_tier: int) -> str:
+def latent_cache_key(
+    info: DatasetInfo, vae_dir: Path, *, chunk: int, stride: int, resolution_tier: int, handover: str = "pixels"
+) -> str:
     """A hash of everything the cached latents depend on."""
     fingerprint = {
         "vae_config": json.loads((vae_dir / "config.json").read_text()),
         "vae_weights": _sha256_of_files(safetensors_files(vae_dir)),
-        "chunk": chunk,
-        "stride": stride,
         "resolution_tier": resolution_tier,
         "episodes": info.episodes.fingerprint(),
     }
+    if handover == "pixels":  # windows encoded one by one (the key of caches written before hand-overs existed)
+        fingerprint.update(chunk=chunk, stride=stride)
+    else:  # whole episodes, whatever the chunk and stride that cut windows from them
+        fingerprint["handover"] = handover
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -157,6 +177,43 @@ def encode_windows(vae, cond: processor.Conditioning, starts: list[int], chunk: 
     return torch.cat(latents)
 
 
+@torch.no_grad()
+def encode_episodes(vae, conds: list[processor.Conditioning]) -> list[torch.Tensor]:
+    """Latents [1, C, L+1, h, w] of whole episodes' conditionings, each in one causal encode of its frames cut to
+    ``1 + tc*floor(T/tc)`` (``tc`` the VAE's temporal compression; ``T + 1`` frames), for ``handover="latent"``.
+
+    Episodes of one length and canvas are encoded as one batch: the causal encoder loops over latent frames one after
+    the other (77 steps for a 305-frame episode), so one episode at a time leaves a GPU mostly idle; each sample is
+    encoded on its own, so batching does not change the latents."""
+    tc = vae.temporal_compression
+    out: list[torch.Tensor | None] = [None] * len(conds)
+    groups: dict[tuple, list[int]] = {}
+    for k, cond in enumerate(conds):
+        frames = 1 + tc * ((cond.pixels.shape[2] - 1) // tc)
+        groups.setdefault((frames, *cond.pixels.shape[3:]), []).append(k)
+    for (frames, *_), members in groups.items():
+        pixels = torch.cat([conds[k].pixels[:, :, :frames] for k in members]).to(vae.vae.device)
+        for k, latents in zip(members, vae.encode(pixels)):
+            h, w = conds[k].latent_hw
+            out[k] = latents[None, ..., :h, :w].cpu()
+    return cast("list[torch.Tensor]", out)
+
+
+def encode_episode(vae, cond: processor.Conditioning) -> torch.Tensor:
+    """``encode_episodes`` of one episode."""
+    return encode_episodes(vae, [cond])[0]
+
+
+def latent_windows(
+    episode_latents: torch.Tensor, starts: list[int], chunk: int, tc: int, context_frames: int
+) -> torch.Tensor:
+    """Windows [len(starts), C, K + chunk/tc, h, w] of whole-episode latents ``E`` [1, C, L+1, h, w] (module
+    docstring): for pixel start ``s = tc*j``, ``E[j-K+1 .. j+chunk/tc]`` with indices below 0 clamped to ``E[0]``."""
+    offsets = torch.arange(1 - context_frames, chunk // tc + 1)
+    index = (torch.tensor(starts)[:, None] // tc + offsets[None, :]).clamp_min(0)  # [n, t]
+    return episode_latents[0][:, index].transpose(0, 1)  # [C, n, t, h, w] -> [n, C, t, h, w]
+
+
 def build_training_windows(
     info: DatasetInfo,
     vae,
@@ -171,19 +228,36 @@ def build_training_windows(
     cache_dir: str | os.PathLike,
     encode_batch_size: int = 8,
     progress: bool = True,
+    handover: str = "pixels",
+    context_frames: int = 1,
 ) -> TrainingWindows:
     """Load (or encode and cache) every window's latents and gather actions and prompts.
 
-    ``vae`` is a ``models.vae.Cosmos3VAE`` loaded from ``vae_dir``. Under torch.distributed each rank encodes every
-    world_size-th missing episode and all ranks then read the whole cache.
+    ``vae`` is a ``models.vae.Cosmos3VAE`` loaded from ``vae_dir``. ``handover`` and ``context_frames`` (K) choose
+    the windows' latents (module docstring): ``"pixels"`` (K = 1) or ``"latent"``. Under torch.distributed each rank
+    encodes every world_size-th missing episode and all ranks then read the whole cache.
     """
     from tqdm.auto import tqdm
 
     if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
         raise InputError(f"window_stride: expected an integer >= 1, got {stride!r}")
+    if handover not in HANDOVERS:
+        raise InputError(f"handover: expected one of {list(HANDOVERS)}, got {handover!r}")
+    if isinstance(context_frames, bool) or not isinstance(context_frames, int) or context_frames < 1:
+        raise InputError(f"context_frames: expected an integer >= 1, got {context_frames!r}")
+    if handover == "pixels" and context_frames != 1:
+        raise InputError(f"context_frames: expected 1 with handover 'pixels', got {context_frames}")
+    tc = vae.temporal_compression
+    if handover == "latent":
+        for name, value in (("chunk", chunk), ("window_stride", stride)):
+            if value % tc:
+                raise InputError(
+                    f"{name}: expected a multiple of the VAE's temporal compression {tc} with handover "
+                    f"'latent' (windows start on latent frames), got {value}"
+                )
     vae_dir = Path(vae_dir)
     cache = Path(cache_dir) / latent_cache_key(
-        info, vae_dir, chunk=chunk, stride=stride, resolution_tier=resolution_tier
+        info, vae_dir, chunk=chunk, stride=stride, resolution_tier=resolution_tier, handover=handover
     )
     cache.mkdir(parents=True, exist_ok=True)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -208,6 +282,13 @@ def build_training_windows(
         frames = store.read_frames(i)
         return processor.prepare_conditioning(frames, resolution_tier, int(frames.shape[0]))
 
+    def encode(i: int, cond: processor.Conditioning) -> torch.Tensor:
+        """The cache entry of episode ``i``: its windows' latents, or its whole-episode latents."""
+        if handover == "latent":
+            return encode_episode(vae, cond)
+        return encode_windows(vae, cond, starts_per_episode[i], chunk, encode_batch_size)
+
+    group: list[tuple[int, processor.Conditioning]] = []
     with ThreadPoolExecutor(PREPARE_THREADS) as pool:
         # At most 2 * PREPARE_THREADS episodes in flight: each is ~100 MB of float pixels at 256 x 256.
         pending = collections.deque(pool.submit(prepare, i) for i in todo[: 2 * PREPARE_THREADS])
@@ -217,9 +298,14 @@ def build_training_windows(
             cond = pending.popleft().result()
             if position + len(pending) + 1 < len(todo):
                 pending.append(pool.submit(prepare, todo[position + len(pending) + 1]))
-            save_cache_entry(
-                cache, store.name(i), cond, encode_windows(vae, cond, starts_per_episode[i], chunk, encode_batch_size)
-            )
+            if handover == "pixels":
+                save_cache_entry(cache, store.name(i), cond, encode(i, cond))
+                continue
+            group.append((i, cond))  # whole episodes are encoded encode_batch_size at a time (encode_episodes)
+            if len(group) == encode_batch_size or position == len(todo) - 1:
+                for (j, episode_cond), encoded in zip(group, encode_episodes(vae, [c for _, c in group])):
+                    save_cache_entry(cache, store.name(j), episode_cond, encoded)
+                group = []
     if world_size > 1:
         dist.barrier()
 
@@ -240,8 +326,10 @@ def build_training_windows(
             logger.warning("%s; encoding episode %s again", error, store.name(i))
             cond = prepare(i)
             episode_canvas = cond.canvas_hw
-            episode_latents = encode_windows(vae, cond, starts, chunk, encode_batch_size)
+            episode_latents = encode(i, cond)
             save_cache_entry(cache, store.name(i), cond, episode_latents)
+        if handover == "latent":
+            episode_latents = latent_windows(episode_latents, starts, chunk, tc, context_frames)
         if canvas_hw is None:
             canvas_hw, latent_shape = episode_canvas, tuple(episode_latents.shape[1:])
         elif episode_canvas != canvas_hw or tuple(episode_latents.shape[1:]) != latent_shape:

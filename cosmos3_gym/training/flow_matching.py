@@ -10,15 +10,16 @@ inference) as ``sigma = shift(u) = s*u / (1 + (s-1)*u)`` with the flow shift ``s
 and ``u`` either uniform on (0, 1) or logit-normal (``u = sigmoid(n)``, ``n ~ N(mean, std)``, as in SD3). The shift
 moves the training mass to high noise just as it moves the sampler's few steps there.
 
-Each sample gets one of the engine's modes (``engine.Cosmos3Engine.prepare`` / ``_denoise`` build the same masks):
+Each sample gets one of the engine's modes (``engine.Cosmos3Engine.prepare`` / ``_denoise`` build the same masks),
+with ``K`` clean context frames (``context_frames``: 1, or more when the env hands chunks over as latents):
 
-============== ========================== ==========================
-mode            video latent frames         action rows
-============== ========================== ==========================
-policy          frame 0 clean, rest noisy   all noisy
-forward_dyn.    frame 0 clean, rest noisy   all clean (given)
-inverse_dyn.    all clean                   all noisy
-============== ========================== ==========================
+============== ================================ ==========================
+mode            video latent frames               action rows
+============== ================================ ==========================
+policy          frames 0..K-1 clean, rest noisy   all noisy
+forward_dyn.    frames 0..K-1 clean, rest noisy   all clean (given)
+inverse_dyn.    all clean                         all noisy
+============== ================================ ==========================
 
 Clean entries are fed as ``x0`` without a timestep embedding (the model's ``forward`` handles that from the masks)
 and carry no loss. Action dims at or beyond the raw action width are zero in ``x0`` and in the noise (the engine
@@ -78,11 +79,14 @@ def timesteps_from_sigmas(sigmas: torch.Tensor) -> torch.Tensor:
     return (sigmas.double() * NUM_TRAIN_TIMESTEPS).to(torch.int64)
 
 
-def mode_masks(modes: torch.Tensor, latent_t: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample modes [B] (indexes into ``engine.MODES``) -> (video_noisy [B, t], action_noisy [B, chunk]) bool."""
+def mode_masks(
+    modes: torch.Tensor, latent_t: int, chunk: int, context_frames: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample modes [B] (indexes into ``engine.MODES``) -> (video_noisy [B, t], action_noisy [B, chunk]) bool;
+    the first ``context_frames`` latent frames are clean in every mode."""
     batch = modes.shape[0]
     frame = torch.arange(latent_t, device=modes.device)
-    video_noisy = (frame[None, :] >= 1) & (modes != INVERSE_DYNAMICS)[:, None]
+    video_noisy = (frame[None, :] >= context_frames) & (modes != INVERSE_DYNAMICS)[:, None]
     action_noisy = (modes != FORWARD_DYNAMICS)[:, None].expand(batch, chunk).clone()
     return video_noisy, action_noisy
 
@@ -116,7 +120,8 @@ class FlowMatchingObjective(nn.Module):
 
     The module to hand to DDP: the text tower (unless frozen), the GEN tower and the loss all run inside one
     ``forward``. With ``freeze_text_tower`` the UND K/V of each distinct prompt are computed once without gradients
-    and cached, as the engine caches them.
+    and cached, as the engine caches them. The first ``context_frames`` latent frames of a batch's video are its clean
+    context (``mode_masks``).
     """
 
     def __init__(
@@ -126,12 +131,14 @@ class FlowMatchingObjective(nn.Module):
         video_loss_weight: float = 1.0,
         action_loss_weight: float = 1.0,
         freeze_text_tower: bool = False,
+        context_frames: int = 1,
     ):
         super().__init__()
         self.transformer = transformer
         self.video_loss_weight = video_loss_weight
         self.action_loss_weight = action_loss_weight
         self.freeze_text_tower = freeze_text_tower
+        self.context_frames = context_frames
         self._frozen_text_cache: dict[tuple[int, ...], TextKV] = {}
 
     def encode_prompts(self, prompt_ids: list[list[int]]) -> TextKV:
@@ -160,7 +167,7 @@ class FlowMatchingObjective(nn.Module):
         x0_video, x0_actions = batch.video.float(), batch.actions.float()
         _, _, latent_t, h, w = x0_video.shape
         chunk, action_dim = x0_actions.shape[1:]
-        video_noisy, action_noisy = mode_masks(batch.modes, latent_t, chunk)
+        video_noisy, action_noisy = mode_masks(batch.modes, latent_t, chunk, self.context_frames)
         dims = torch.arange(action_dim, device=x0_actions.device)
         raw_dims = dims[None, None, :] < batch.raw_action_dims[:, None, None]  # [B, 1, action_dim]
         action_noise = batch.action_noise.float() * raw_dims

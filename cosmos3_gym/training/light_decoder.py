@@ -3,7 +3,10 @@
 Data: the training windows the world model sees (``chunk + 1`` frames, starting every ``stride`` frames, as
 ``training.data`` builds them): each window's frames go through ``processor.prepare_conditioning`` and the frozen
 VAE's ``encode`` exactly as at inference (``training.data.encode_windows``), and the decoder learns to map those
-latents back to the window's real frames (``build_decoder_windows``). The windows live in memory: latents float32
+latents back to the window's real frames (``build_decoder_windows``). With ``handover="latent"`` (a world model that
+hands chunks over as latents, ``training.data``) the windows are cut from whole-episode encodings instead, so the
+decoder learns the pairs of consecutive latent frames of long encodings that it decodes in such an env; a window's
+first latent frame then stands for its last pixel frame. The windows live in memory: latents float32
 and frames uint8 ``[N, 3, chunk + 1, H, W]`` (1.8 MB per 9-frame 256 x 256 window), on the training device.
 
 Loss, per pixel frame of the window: ``l1_weight * L1 + gradient_weight * L1 of the horizontal and vertical pixel
@@ -34,7 +37,7 @@ from .. import processor
 from ..data.episodes import window_starts
 from ..errors import InputError
 from ..models.light_decoder import LightDecoder, LightDecoderConfig
-from .data import encode_windows, read_dataset
+from .data import HANDOVERS, encode_episode, encode_windows, latent_windows, read_dataset
 from .schedule import check_optimizer_settings, learning_rate
 from .vae import reconstruction_weights
 
@@ -137,14 +140,21 @@ def build_decoder_windows(
     encode_batch_size: int = 64,
     max_episodes: int | None = None,
     progress: bool = True,
+    handover: str = "pixels",
 ) -> DecoderWindows:
     """The ``chunk + 1`` frame windows of a dataset's episodes (every ``stride`` frames, default ``chunk``), encoded
-    by ``vae`` (a ``Cosmos3VAE``) as the world model's training windows are, with their content frames as uint8."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk % vae.temporal_compression:
-        raise InputError(f"chunk: expected a positive multiple of {vae.temporal_compression}, got {chunk!r}")
+    by ``vae`` (a ``Cosmos3VAE``) as the world model's training windows are (``handover``: each window on its own, or
+    cut from whole-episode encodings; see the module docstring), with their content frames as uint8."""
+    tc = vae.temporal_compression
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk % tc:
+        raise InputError(f"chunk: expected a positive multiple of {tc}, got {chunk!r}")
     stride = chunk if stride is None else stride
     if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
         raise InputError(f"stride: expected an integer >= 1, got {stride!r}")
+    if handover not in HANDOVERS:
+        raise InputError(f"handover: expected one of {list(HANDOVERS)}, got {handover!r}")
+    if handover == "latent" and stride % tc:
+        raise InputError(f"stride: expected a multiple of {tc} with handover 'latent', got {stride}")
     store = read_dataset(dataset_dir).episodes
     count = len(store) if max_episodes is None else min(max_episodes, len(store))
     latents, frames = [], []
@@ -154,7 +164,10 @@ def build_decoder_windows(
             continue
         episode = store.read_frames(i)
         cond = processor.prepare_conditioning(episode, resolution_tier, int(episode.shape[0]))
-        latents.append(encode_windows(vae, cond, starts, chunk, encode_batch_size))
+        if handover == "latent":  # E[j .. j+chunk/tc] for the frames s .. s+chunk, s = tc*j
+            latents.append(latent_windows(encode_episode(vae, cond), starts, chunk, tc, context_frames=1))
+        else:
+            latents.append(encode_windows(vae, cond, starts, chunk, encode_batch_size))
         h, w = cond.latent_hw
         content = cond.pixels[0, :, :, : h * vae.spatial_compression, : w * vae.spatial_compression]
         content = ((content + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8)  # exact for uint8 sources

@@ -2,10 +2,11 @@
 
 One model serves the env step (forward dynamics) and both helper agents (policy, inverse dynamics): every sample
 draws its mode (``WorldModelTrainConfig.mode_probs``) and gets that mode's clean/noisy masks, exactly the masks the
-engine uses (``flow_matching.py``). Inputs are built exactly as the engine builds them: latents from the frozen VAE
-through the tier canvas (``data.py``), prompts through ``processor.build_prompt_token_ids`` with the canvas size, the
-clip length and the fps the engine reports, actions normalised with the dataset's stats.json and zero-padded to the
-model's action width. The task prompt is replaced by the unconditional one ("", the engine's default negative
+engine uses (``flow_matching.py``), with ``context_frames`` clean latent frames first where the env hands chunks
+over as latents (``handover="latent"``). Inputs are built exactly as the engine builds them: latents from the frozen
+VAE through the tier canvas (``data.py``), prompts through ``processor.build_prompt_token_ids`` with the canvas size,
+the clip length and the fps the engine reports, actions normalised with the dataset's stats.json and zero-padded to
+the model's action width. The task prompt is replaced by the unconditional one ("", the engine's default negative
 prompt) with probability ``uncond_prob`` so that classifier-free guidance works.
 
 Training state lives in ``work_dir`` (default ``<out_dir>/training``): ``state/step-N/`` (model, EMA and optimizer
@@ -53,11 +54,11 @@ from ..engine import MODES, find_light_decoder
 from ..errors import CheckpointError, InputError
 from ..models.light_decoder import LightDecoder
 from ..models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, DomainAwareLinear
-from ..models.vae import Cosmos3VAE
+from ..models.vae import WAN22_FIXED_CONFIG, Cosmos3VAE
 from ..sampling import make_schedule
 from ..storage import atomic_write_text, fault_point, latest_snapshot, save_snapshot
 from ..tokenizer import build_tiny_tokenizer
-from .data import TrainingWindows, build_training_windows, read_dataset
+from .data import HANDOVERS, TrainingWindows, build_training_windows, read_dataset
 from .distributed import DistributedContext, init_distributed
 from .export import META_FILE, SAVE_DTYPES, export_checkpoint, scheduler_config
 from .flow_matching import (
@@ -105,6 +106,7 @@ PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 POLICY_EPISODES = ("all", "successful")
 DATA_PARALLEL = ("ddp", "fsdp")
 STATE_FORMAT_VERSION = 1
+TEMPORAL_COMPRESSION = WAN22_FIXED_CONFIG["scale_factor_temporal"]  # of every VAE train_vae makes
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +143,10 @@ class WorldModelTrainConfig:
     state_key: str | None = None
     domain: str | int | None = None
     uncond_prob: float = 0.1
-    # Noise on the clean conditioning frame (latent frame 0), std drawn per sample from U(0, cond_noise_std): in an
-    # env rollout that frame is the model's own previous output, never a clean encode of a real one, and a model
-    # that only saw clean frames drifts chunk after chunk. 0 disables it. Frame 0 carries no loss in any mode.
+    # Noise on the clean conditioning frames (the first context_frames latent frames: frame 0 with handover
+    # "pixels"), std drawn per sample from U(0, cond_noise_std): in an env rollout they are the model's own previous
+    # output, never a clean encode of a real frame, and a model that only saw clean frames drifts chunk after chunk.
+    # 0 disables it. Context frames carry no loss in any mode.
     cond_noise_std: float = 0.0
     # Rollout conditioning (rollout.py): the fraction of each batch (policy / forward-dynamics samples) whose frame 0
     # is what the model itself generates for it from a real frame 1..rollout_max_chunks chunks earlier (one depth per
@@ -155,6 +158,13 @@ class WorldModelTrainConfig:
     # What the rollouts' hand-over decodes with: "vae", or "light", init_checkpoint's light_decoder/ (as the env
     # decodes a checkpoint whose meta.json says so: the rollouts then see the frames the env would hand over).
     rollout_decoder: str = "vae"
+    # How the env hands one chunk over to the next (data.py): "pixels" decodes the last frame and encodes it again as
+    # the next request's clean latent frame 0 (windows of chunk + 1 frames encoded one by one); "latent" keeps the
+    # last context_frames generated latent frames as the next request's clean context (windows cut from whole-episode
+    # encodings, their first context_frames latent frames clean). context_frames > 1 needs "latent"; "latent" needs
+    # chunk and window_stride to be multiples of the VAE's temporal compression (4). Both go into meta.json.
+    handover: str = "pixels"
+    context_frames: int = 1
     flow_shift: float | None = None  # None: native Cosmos3 training's shift for the tier (256: 3, 480: 5, 720: 10)
     sigma_distribution: str = "logit_normal"  # of u before the shift: "logit_normal" (SD3) or "uniform"
     logit_mean: float = 0.0
@@ -215,6 +225,7 @@ class WorldModelTrainConfig:
             "encode_batch_size",
             "rollout_max_chunks",
             "rollout_num_steps",
+            "context_frames",
         ):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
@@ -279,6 +290,20 @@ class WorldModelTrainConfig:
             fail("rollout_decoder", "'vae' without init_checkpoint ('light' reads its light_decoder/)")
         if self.data_parallel == "fsdp" and self.rollout_prob > 0:
             fail("rollout_prob", "0 with data_parallel='fsdp' (rollouts call the transformer outside the sharded step)")
+        if self.handover not in HANDOVERS:
+            fail("handover", f"one of {list(HANDOVERS)}")
+        if self.handover == "pixels" and self.context_frames != 1:
+            fail("context_frames", "1 with handover='pixels' (more context frames are handed over as latents)")
+        if self.handover == "latent":
+            for name in ("chunk", "window_stride"):
+                if getattr(self, name) % TEMPORAL_COMPRESSION:
+                    fail(
+                        name,
+                        f"a multiple of the VAE's temporal compression {TEMPORAL_COMPRESSION} with "
+                        "handover='latent' (windows start on latent frames)",
+                    )
+            if self.rollout_prob > 0:
+                fail("rollout_prob", "0 with handover='latent' (rollouts hand over through pixels)")
 
     @property
     def lora_scaling(self) -> float:
@@ -536,11 +561,13 @@ def sample_batch(
     prompt_ids = [windows.prompts[int(windows.prompt_index[i])][int(drop)] for i, drop in zip(index, uncond)]
     if config.cond_noise_std > 0:  # drawn last, so that the draws above do not depend on it
         std = torch.rand(b, generator=generator) * config.cond_noise_std
-        first = video[:, :, :1]
+        k = config.context_frames  # every clean context frame, each sample with its own std
+        context = video[:, :, :k]
         video = torch.cat(
             [
-                first + std.view(b, 1, 1, 1, 1).to(first) * torch.randn(first.shape, generator=generator).to(first),
-                video[:, :, 1:],
+                context
+                + std.view(b, 1, 1, 1, 1).to(context) * torch.randn(context.shape, generator=generator).to(context),
+                video[:, :, k:],
             ],
             dim=2,
         )
@@ -574,6 +601,8 @@ _RESUME_FIXED_FIELDS = (
     "data_parallel",
     "lora_rank",
     "lora_alpha",
+    "handover",
+    "context_frames",
 )
 
 
@@ -858,6 +887,8 @@ class WorldModelTrainer:
             cache_dir=cache_dir,
             encode_batch_size=config.encode_batch_size,
             progress=config.progress and ctx.is_main,
+            handover=config.handover,
+            context_frames=config.context_frames,
         )
         latent_channels = vae.latent_channels
         if (
@@ -899,6 +930,7 @@ class WorldModelTrainer:
             video_loss_weight=config.video_loss_weight,
             action_loss_weight=config.action_loss_weight,
             freeze_text_tower=text_frozen,
+            context_frames=config.context_frames,
         )
         self.sharded = config.data_parallel == "fsdp"
         if self.sharded:
@@ -1127,6 +1159,8 @@ class WorldModelTrainer:
                 "dataset": str(self.info.root),
                 "source": self.info.meta.get("source"),
             }
+            if config.handover == "latent":  # what the env must hand over; a meta.json without them means pixels
+                meta.update(handover=config.handover, context_frames=config.context_frames)
             export_checkpoint(
                 self.out_dir,
                 native_state_dict={k: v.float() for k, v in weights.items()},

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import multiprocessing
@@ -27,6 +28,7 @@ from .policies import (
     ScriptedPusher,
     UniformTargets,
 )
+from .policy_pools import load_policy_pools
 from .sim import PushTSim, _check_image_size, require_gym_pusht, rollout_episode
 
 __all__ = [
@@ -253,11 +255,28 @@ def _frame_policy(path: str, sim: PushTSim, stats_document: dict, rng: np.random
     return ChunkedFramePolicy(_WORKER_POLICIES[path], sim.render, stats.denormalize, generator)
 
 
+@functools.cache
+def _held_out_seed_ranges() -> tuple[tuple[int, int], ...]:
+    """The reset seeds no training data may start from: every range of the policy-pool manifest but "training"
+    (choosing between variants, reporting, measurements)."""
+    ranges = load_policy_pools(check_files=False).seed_ranges
+    return tuple((r.first, r.last) for name, r in ranges.items() if name != "training")
+
+
+def training_reset_seed(rng: np.random.Generator) -> int:
+    """A gym-pusht reset seed drawn from ``[0, 2**31)`` outside the held-out ranges (about 0.1 % of draws fall in
+    them and are drawn again), so simulated training episodes never share a start with an evaluation."""
+    while True:
+        seed = int(rng.integers(2**31))
+        if not any(first <= seed <= last for first, last in _held_out_seed_ranges()):
+            return seed
+
+
 def _simulate_and_write(job) -> dict[str, Any]:
     episode_dir, index, seed, steps, image_size, policy_mix, stats_document = job
     family, noise, rng = episode_policy(seed, index, policy_mix)
     sim = _worker_sim(image_size, render_every_step=True)
-    sim_seed = int(rng.integers(2**31))
+    sim_seed = training_reset_seed(rng)
     extra: dict[str, np.ndarray] = {}
     policy: Callable[[np.ndarray, np.ndarray], np.ndarray]
     if family == "random":
