@@ -265,6 +265,8 @@ META_SETTING_KEYS = (
     "success_threshold",
     "max_episode_steps",
     "score_name",
+    "context_frames",
+    "handover",
 )
 META_FILE = "meta.json"
 ACTION_STATS_FILE = "action_stats.json"

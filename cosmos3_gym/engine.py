@@ -75,6 +75,9 @@ from .quantization import apply_precision, check_precision
 from .sampling import FlowUniPCSampler, Schedule, cfg_combine, make_schedule
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
+# The modes that can continue from a latent context (``Cosmos3Request.context_latents``): those that generate frames
+# after clean ones. Inverse dynamics has no frame to generate.
+CONTEXT_MODES = ("forward_dynamics", "policy")
 # What decodes latents to pixels: "vae" (the checkpoint's VAE decoder, exact) or "light" (a ``LightDecoder`` trained
 # for the same latent space, read from the checkpoint's LIGHT_DECODER_DIR; cheaper, approximate).
 DECODERS = ("vae", "light")
@@ -119,6 +122,9 @@ class Cosmos3Request:
     action_history_length: int | None = None  # state rows prepended as clean action rows, dropped from the result
     flip_gripper: bool | None = None  # g -> 1 - g on the last action channel, in (history, actions) and out
     use_native_flow_schedule: bool | None = None  # native cosmos' linear sigma grid (sampling.make_schedule)
+    # [C, K, h, w] normalised latents (as ``Cosmos3Result.video_latents`` holds them) that condition the chunk instead
+    # of ``observation``: the clean latent frames 0..K-1 (forward_dynamics and policy; see ``Cosmos3Engine.step``).
+    context_latents: Any = None
 
 
 # Deprecated keyword -> its current name on Cosmos3Request (kept for one release).
@@ -187,8 +193,16 @@ class _Prepared:
     x0_actions: torch.Tensor  # [chunk, action_dim]
     latent_thw: tuple[int, int, int]
     schedule: Any
-    x0_video: torch.Tensor | None = None  # [1, C, n_clean_encoded, h, w], set by _encode_conditions
+    x0_video: torch.Tensor | None = None  # [1, C, n_clean_encoded, h, w], set by _encode_conditions (or the context)
     history_rows: int = 0  # clean state rows before the chunk (x0_actions has chunk + history_rows rows)
+    # The first latent frame to decode: 0, or K - 1 with a context of K latent frames, so that the pixels are the
+    # chunk's frames after the last context frame's re-render, as without a context.
+    decode_start: int = 0
+    # The time index of the first action row (gen_layout): 1 in diffusers, 1 - history with state rows before the
+    # chunk, and temporal_compression * (K - 1) later with K context frames, so that every action row keeps its place
+    # next to the frame it leads to (the current frame is context frame K - 1; training shifts it the same way,
+    # FlowMatchingObjective).
+    action_start_offset: int = 1
 
     @property
     def action_rows(self) -> int:
@@ -196,7 +210,7 @@ class _Prepared:
 
     @property
     def group_key(self):
-        return (self.latent_thw, self.action_rows, self.request.num_inference_steps)
+        return (self.latent_thw, self.action_rows, self.request.num_inference_steps, self.decode_start)
 
 
 class Cosmos3Engine:
@@ -495,6 +509,15 @@ class Cosmos3Engine:
         VAE's output dtype) instead of float32 host copies, for a caller that works on them there (the vector env
         scores and converts every slot's frames on the device and copies them to the host once).
 
+        Latent context: a forward_dynamics or policy request with ``context_latents`` ``[C, K, h, w]`` (normalised
+        latents, e.g. the last K frames of earlier results' ``video_latents``, or ``encode_frames`` of a start frame
+        repeated) continues from those K clean latent frames instead of encoding an ``observation`` (which may be None
+        and is not used): ``video_latents`` has ``K + chunk / temporal_compression`` frames, the first K the context,
+        and ``pixels`` decode from the last context frame on, so they are ``[3, chunk + 1, H, W]`` as without a
+        context (frame 0 re-renders the last context frame). The chunk must be a multiple of the temporal
+        compression, and the canvas is the one of frames ``16h x 16w`` (where ``encode_frames`` of such frames puts
+        them). The prompt and the noise are drawn as for an observation request.
+
         SPMD: every rank must call this with the same requests; every rank returns the same results.
         """
         if self._closed:
@@ -520,6 +543,54 @@ class Cosmos3Engine:
                     local_results[i] = result
             results = gather_dp_results(local_results, len(batch), self.parallel)
         return results[0] if single else results
+
+    def encode_frames(
+        self, frames: Any, *, resolution_tier: int = 480, canvas: str | None = None, preset: str | None = None
+    ) -> torch.Tensor:
+        """Latents ``[N, C, 1, h, w]`` (float32, normalised, on the engine's device) of frames uint8 ``[N, H, W, 3]``
+        (numpy or a tensor), each encoded exactly as a request's ``observation`` with the same ``resolution_tier``,
+        ``canvas`` and ``preset`` (the engine's, where None) is: the same canvas, encode and crop, so that
+        ``context_latents=latents[i].expand(-1, K, -1, -1)`` starts a latent context where such a request starts.
+        Encoded in batches, not one by one. SPMD: every rank computes the same latents, without collectives."""
+        if self._closed:
+            raise RuntimeError("Cosmos3Engine is closed")
+        if isinstance(frames, torch.Tensor):
+            frames = frames.detach().cpu().numpy()
+        if not isinstance(frames, np.ndarray):
+            raise InputError(f"frames: expected uint8 frames [N, H, W, 3], got {type(frames).__name__}")
+        if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[0] < 1 or frames.shape[-1] != 3:
+            raise InputError(f"frames: expected uint8 frames [N, H, W, 3], got dtype {frames.dtype}, {frames.shape}")
+        # resolved as a request's settings are (its preset may set the tier and canvas)
+        settings = Cosmos3Request(
+            mode="forward_dynamics", observation=None, resolution_tier=resolution_tier, canvas=canvas, preset=preset
+        )
+        r = presets.resolve_request(settings, self.preset)
+        self.onload()
+        with torch.inference_mode():
+            conditioned = [
+                self._observation_conditioning(frame, r.resolution_tier, r.canvas, 1, defer_uint8_frames=True)
+                for frame in frames
+            ]
+            on_canvas = iter(self._frames_to_canvas([deferred for _, deferred, _ in conditioned if deferred]))
+            clips = [pixels if pixels is not None else next(on_canvas) for pixels, _, _ in conditioned]
+            h, w = conditioned[0][2].latent_hw  # one frame size, one layout
+            return torch.stack(self._encode_clips(clips))[..., :h, :w]
+
+    def decode_latents(self, latents: torch.Tensor, *, frames: str = "all") -> torch.Tensor:
+        """Normalised latents ``[N, C, t, h, w]`` -> pixels ``[N, 3, 1 + temporal_compression * (t - 1), 16h, 16w]``
+        float32 in [0, 1] on the engine's device, with the engine's decoder (the VAE or the light decoder), as
+        ``step`` decodes; latent frame 0 decodes to one frame (a latent context's last frame alone: its
+        re-render). ``frames="last"``: the last frame only. SPMD: every rank must call it (the decode may be split
+        over them)."""
+        if self._closed:
+            raise RuntimeError("Cosmos3Engine is closed")
+        if frames not in ("all", "last"):
+            raise InputError(f"frames: expected 'all' or 'last', got {frames!r}")
+        if not isinstance(latents, torch.Tensor):
+            raise InputError(f"latents: expected a tensor [N, C, t, h, w], got {type(latents).__name__}")
+        self.onload()
+        with torch.inference_mode():
+            return self._decode(latents.to(self.device, torch.float32), frames).float()
 
     @property
     def closed(self) -> bool:
@@ -638,21 +709,25 @@ class Cosmos3Engine:
         domain_id, raw_dim = processor.resolve_domain(r.domain, r.raw_action_dim, action_dim=action_dim)
 
         num_frames = r.chunk + 1
-        latent_t = (num_frames - 1) // self.vae.temporal_compression + 1
-        clean_frames = self._clean_frames(r, latent_t)
-        observation = presets.adapt_observation(r.observation, r.observation_adapter)
-        # The VAE is causal in time: latent frames 0..k depend only on pixel frames 0..4k, so encoding just the
-        # pixel frames that feed clean latents gives the same latents as encoding the whole clip.
-        encoded_pixel_frames = (max(clean_frames) * self.vae.temporal_compression + 1) if clean_frames else 1
-        layout: processor.CanvasLayout | processor.Conditioning | None = None
-        if defer_uint8_frames:
-            layout = processor.uint8_layout(observation, r.resolution_tier, encoded_pixel_frames, r.canvas)
-        if layout is None:
-            frames = processor.load_frames(observation)
-            cond = processor.prepare_conditioning(frames, r.resolution_tier, encoded_pixel_frames, canvas=r.canvas)
-            pixels, deferred, layout = cond.pixels, None, cond  # a Conditioning has the layout's sizes too
+        temporal = self.vae.temporal_compression
+        x0_video: torch.Tensor | None = None
+        layout: processor.CanvasLayout | processor.Conditioning
+        if r.context_latents is not None:
+            x0_video, layout = self._context_conditioning(r)
+            context_frames = x0_video.shape[2]
+            latent_t = context_frames + r.chunk // temporal
+            clean_frames = list(range(context_frames))
+            pixels, deferred = None, None
         else:
-            pixels, deferred = None, (observation, layout, encoded_pixel_frames)
+            latent_t = (num_frames - 1) // temporal + 1
+            clean_frames = self._clean_frames(r, latent_t)
+            observation = presets.adapt_observation(r.observation, r.observation_adapter)
+            # The VAE is causal in time: latent frames 0..k depend only on pixel frames 0..4k, so encoding just the
+            # pixel frames that feed clean latents gives the same latents as encoding the whole clip.
+            encoded_pixel_frames = (max(clean_frames) * temporal + 1) if clean_frames else 1
+            pixels, deferred, layout = self._observation_conditioning(
+                observation, r.resolution_tier, r.canvas, encoded_pixel_frames, defer_uint8_frames
+            )
         canvas_h, canvas_w = layout.canvas_hw
         h, w = layout.latent_hw
 
@@ -683,9 +758,75 @@ class Cosmos3Engine:
             x0_actions,
             (latent_t, h, w),
             schedule,
+            x0_video=x0_video,
             history_rows=r.action_history_length,
+            decode_start=0 if x0_video is None else x0_video.shape[2] - 1,
+            action_start_offset=1
+            - r.action_history_length
+            + (0 if x0_video is None else temporal * (x0_video.shape[2] - 1)),
         )
         return prepared, deferred
+
+    @staticmethod
+    def _observation_conditioning(
+        observation: Any, resolution_tier: int, canvas: str | None, num_frames: int, defer_uint8_frames: bool
+    ) -> tuple[torch.Tensor | None, tuple | None, processor.CanvasLayout | processor.Conditioning]:
+        """An observation's first ``num_frames`` frames on the canvas: ``(pixels [1, 3, num_frames, *canvas_hw],
+        None, layout)``; with ``defer_uint8_frames`` and an observation that ``processor.prepare_uint8_conditioning``
+        takes, ``(None, (observation, layout, num_frames), layout)`` for ``_frames_to_canvas`` to do with others."""
+        assert canvas is not None  # a resolved request (presets.resolve_request fills it)
+        layout = None
+        if defer_uint8_frames:
+            layout = processor.uint8_layout(observation, resolution_tier, num_frames, canvas)
+        if layout is None:
+            frames = processor.load_frames(observation)
+            cond = processor.prepare_conditioning(frames, resolution_tier, num_frames, canvas=canvas)
+            return cond.pixels, None, cond  # a Conditioning has the layout's sizes too
+        return None, (observation, layout, num_frames), layout
+
+    def _context_conditioning(self, r: Cosmos3Request) -> tuple[torch.Tensor, processor.CanvasLayout]:
+        """A request's checked ``context_latents`` as clean latents ``[1, C, K, h, w]`` float32 on the device, and the
+        canvas of the frames they stand for (``16h x 16w``: the frames whose latents fill ``h x w``)."""
+        if r.mode not in CONTEXT_MODES:
+            raise InputError(
+                f"context_latents: only modes {list(CONTEXT_MODES)} continue from a latent context, got mode {r.mode!r}"
+            )
+        if r.cond_frame_indexes is not None:
+            raise InputError("cond_frame_indexes: not with context_latents, whose K latent frames are the clean ones")
+        temporal = self.vae.temporal_compression
+        if r.chunk % temporal:
+            raise InputError(
+                f"context_latents: the chunk continues a latent context in whole latent frames, so it must be a "
+                f"multiple of the VAE's temporal compression ({temporal}), got chunk {r.chunk}"
+            )
+        context, channels = r.context_latents, self.transformer.config.latent_channel
+        if not (isinstance(context, torch.Tensor) and context.is_floating_point() and context.ndim == 4):
+            got = f"shape {list(context.shape)}, dtype {context.dtype}" if isinstance(context, torch.Tensor) else None
+            raise InputError(
+                f"context_latents: expected a float tensor [{channels}, K, h, w], got {got or type(context).__name__}"
+            )
+        if context.shape[0] != channels or context.shape[1] < 1:
+            raise InputError(
+                f"context_latents: expected [{channels}, K, h, w] with K >= 1 (the model's {channels} latent "
+                f"channels), got {list(context.shape)}"
+            )
+        if r.resolution_tier not in processor.RESOLUTION_TIERS:
+            raise InputError(
+                f"resolution_tier: got {r.resolution_tier!r}; expected one of {list(processor.RESOLUTION_TIERS)}."
+            )
+        if r.canvas not in processor.CANVAS_MODES:
+            raise InputError(f"canvas: got {r.canvas!r}; expected one of {list(processor.CANVAS_MODES)}.")
+        h, w = context.shape[2:]
+        frame_hw = (h * processor.VAE_SPATIAL_FACTOR, w * processor.VAE_SPATIAL_FACTOR)
+        layout = processor.canvas_layout(frame_hw, r.resolution_tier)
+        if layout.latent_hw != (h, w):
+            expected_h, expected_w = layout.latent_hw
+            raise InputError(
+                f"context_latents: {h}x{w} latents stand for {frame_hw[0]}x{frame_hw[1]} frames, which resolution_tier "
+                f"{r.resolution_tier}'s {layout.canvas_hw[0]}x{layout.canvas_hw[1]} canvas shrinks; expected a tensor "
+                f"[{channels}, {context.shape[1]}, {expected_h}, {expected_w}] (encode_frames of such frames)"
+            )
+        return context.to(self.device, torch.float32)[None], layout
 
     def _prompt_token_ids(self, r: Cosmos3Request, num_frames: int, height: int, width: int):
         """``processor.build_prompt_token_ids``, cached per prompt setting: the tokenizer's chat template (Jinja)
@@ -731,21 +872,47 @@ class Cosmos3Engine:
         return ids
 
     def _encode_conditions(self, prepared: list[_Prepared], max_batch: int = 64) -> None:
-        """VAE-encode the clean conditioning pixels, batching requests whose pixel clips share a shape (one encoder
-        pass for all the slots of a vector env instead of one per slot); crops to the content latent."""
-        by_shape: dict[tuple, list[tuple[_Prepared, torch.Tensor]]] = {}
-        for p in prepared:
-            if p.x0_video is None:
-                assert p.pixels is not None  # a request's pixels wait here for their encode
-                by_shape.setdefault(tuple(p.pixels.shape), []).append((p, p.pixels))
-        for group in by_shape.values():
-            for start in range(0, len(group), max_batch):
-                part = group[start : start + max_batch]
-                latents = self._encode(torch.cat([pixels for _, pixels in part]).to(self.device))
-                for (p, _), latent in zip(part, latents):
-                    _, h, w = p.latent_thw
-                    p.x0_video = latent[None, :, :, :h, :w]
-                    p.pixels = None
+        """VAE-encode the clean conditioning pixels of the requests that have no clean latents yet (a context is
+        one), batched (``_encode_clips``); crops to the content latent."""
+        waiting = [p for p in prepared if p.x0_video is None]
+        clips = []
+        for p in waiting:
+            assert p.pixels is not None  # a request's pixels wait here for their encode
+            clips.append(p.pixels)
+        for p, latent in zip(waiting, self._encode_clips(clips, max_batch)):
+            _, h, w = p.latent_thw
+            p.x0_video = latent[None, :, :, :h, :w]
+            p.pixels = None
+
+    def _encode_clips(self, clips: list[torch.Tensor], max_batch: int = 64) -> list[torch.Tensor]:
+        """The latents ``[C, t, H / 16, W / 16]`` of pixel clips ``[1, 3, T, H, W]``, in order; clips of one shape are
+        encoded together, ``max_batch`` at a time (one encoder pass for all the slots of a vector env instead of one
+        per slot)."""
+        by_shape: dict[tuple, list[int]] = {}
+        for i, clip in enumerate(clips):
+            by_shape.setdefault(tuple(clip.shape), []).append(i)
+        latents: list[torch.Tensor] = [torch.empty(0)] * len(clips)
+        for indexes in by_shape.values():
+            for start in range(0, len(indexes), max_batch):
+                part = indexes[start : start + max_batch]
+                for i, latent in zip(part, self._encode(torch.cat([clips[i] for i in part]).to(self.device))):
+                    latents[i] = latent
+        return latents
+
+    def _frames_to_canvas(self, deferred: list[tuple]) -> list[torch.Tensor]:
+        """The pixels ``[1, 3, T, *canvas_hw]`` of observations that ``_observation_conditioning`` deferred, in order:
+        those of one shape and layout are put on the canvas together, on the device
+        (``processor.prepare_uint8_conditioning``)."""
+        by_shape: dict[tuple, list[int]] = {}
+        for i, (observation, layout, num_frames) in enumerate(deferred):
+            by_shape.setdefault((observation.shape, layout, num_frames), []).append(i)
+        pixels: list[torch.Tensor] = [torch.empty(0)] * len(deferred)
+        for (_, layout, num_frames), indexes in by_shape.items():
+            observations = [deferred[i][0] for i in indexes]
+            clips = processor.prepare_uint8_conditioning(observations, layout, num_frames, device=self.device)
+            for i, clip in zip(indexes, clips):
+                pixels[i] = clip
+        return pixels
 
     def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """``vae.encode``, or its CUDA-graphed replay (``optimize(stage_graphs=True)``) with the rows padded to a kept
@@ -800,19 +967,14 @@ class Cosmos3Engine:
         every slot's frame on the canvas, is done for all slots with uint8 frames of one shape together, on the
         device (``processor.prepare_uint8_conditioning``)."""
         prepared: list[_Prepared] = []
-        by_shape: dict[tuple, list[tuple[_Prepared, Any]]] = {}
+        waiting: list[tuple[_Prepared, tuple]] = []
         for request in requests:
             p, deferred = self._prepare(request, defer_uint8_frames=True)
             prepared.append(p)
             if deferred is not None:
-                observation, layout, num_frames = deferred
-                by_shape.setdefault((observation.shape, layout, num_frames), []).append((p, observation))
-        for (_, layout, num_frames), group in by_shape.items():
-            pixels = processor.prepare_uint8_conditioning(
-                [observation for _, observation in group], layout, num_frames, device=self.device
-            )
-            for (p, _), clip in zip(group, pixels):
-                p.pixels = clip
+                waiting.append((p, deferred))
+        for (p, _), clip in zip(waiting, self._frames_to_canvas([deferred for _, deferred in waiting])):
+            p.pixels = clip
         self._encode_conditions(prepared)
         return prepared
 
@@ -881,7 +1043,7 @@ class Cosmos3Engine:
                 group[0].latent_thw,
                 chunk,
                 fps,
-                action_start_offset=[1 - group[b].history_rows for b in rows],
+                action_start_offset=[group[b].action_start_offset for b in rows],
             )
             domain_ids = torch.tensor([group[b].domain_id for b in rows], device=device)
             video_noisy, action_noisy = ~video_clean[row_index], ~action_clean[row_index]
@@ -919,7 +1081,8 @@ class Cosmos3Engine:
             video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
             actions = torch.where(action_clean[..., None], x0_actions, actions)
 
-        pixels = self._decode(video, frames) if frames is not None else None
+        # from the last context frame on (decode_start), so the pixels are [3, chunk + 1, H, W] with or without one
+        pixels = self._decode(video[:, :, group[0].decode_start :], frames) if frames is not None else None
         # The device -> host copies of every row are queued together and waited for once (not one wait per copy).
         host_actions, host_video, host_pixels = _rows_to_host([actions, video, None if pixels_on_device else pixels])
         assert host_actions is not None and host_video is not None  # the rows of tensors, not of None

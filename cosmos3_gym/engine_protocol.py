@@ -9,7 +9,10 @@ Three implementations ship, chosen by ``cosmos3_gym.load_engine`` (``backend=``)
 
 Anything else with these members can back ``WorldModelEnv`` / ``WorldModelVectorEnv`` (``engine=``): the env only
 builds ``Cosmos3Request`` objects, calls ``step`` and reads ``Cosmos3Result.pixels`` / ``.action``
-(``tests/test_engine_protocol.py`` backs an env with a twenty-line fake).
+(``tests/test_engine_protocol.py`` backs an env with a twenty-line fake). An env with ``handover="latent"`` also
+needs ``encode_frames`` and ``decode_latents`` (``Cosmos3Engine``'s: start frames to latents, a context's last latent
+to its frame), which the engines whose model runs in other processes lack; they do take requests with
+``context_latents`` (sent whole, by value).
 """
 
 from __future__ import annotations

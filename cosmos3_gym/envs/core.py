@@ -9,6 +9,13 @@ slots in ONE batched ``engine.step`` call (forward dynamics: current frame + act
 frames), scores the decoded frames with the reward model in one call, and continues each slot from its last frame.
 The environments own the random number generators and the Gymnasium bookkeeping (seeding, autoreset, infos).
 
+Hand-over (``settings.handover``). "pixels": the next chunk is conditioned on the slot's current frame, which the
+engine encodes again. "latent": each slot also keeps a context of ``context_frames`` (K) latent frames on the
+engine's device; the next chunk is conditioned on it (``Cosmos3Request.context_latents``) and it becomes the last K
+latent frames of (context, the chunk's generated latents), so nothing goes through pixels between chunks. A reset
+slot's context is its start frame's latent repeated K times, encoded at its next step together with every other
+slot reset since (one encoder call for a vector env's reset or autoreset), or the context given at reset.
+
 Frame size. Gymnasium needs a fixed observation space, but the model's output size depends on its input size
 (``processor.prepare_conditioning`` fits a frame into the tier's canvas, snapped to multiples of 16, and the chunk
 decodes at the content's latent grid times 16). ``model_frame_size`` iterates that map to its fixed point, so a frame
@@ -106,7 +113,8 @@ class WorldModelCore:
     Keyword arguments: ``checkpoint`` or ``engine``; ``settings`` (a ``WorldModelSettings``) and/or any of its
     fields; ``initial_states``, ``reward_model`` (not given: the checkpoint's; None: none); ``handover_projection``
     (None, or a callable uint8 frames ``[N, H, W, 3]`` -> ``(frames, projected bool [N])`` that cleans each chunk's
-    last frame before it is scored, observed and conditions the next chunk, e.g. a task's rigid-body re-drawing); how to
+    last frame before it is scored, observed and conditions the next chunk, e.g. a task's rigid-body re-drawing; not
+    with ``handover="latent"``, where no frame conditions the next chunk); how to
     load a checkpoint (``ENGINE_LOAD_KEYS``); ``num_threads`` (``torch.set_num_threads`` for this process, first).
 
     Precedence, lowest first: ``WorldModelSettings``' defaults (or ``settings=``), the checkpoint's own settings
@@ -163,6 +171,11 @@ class WorldModelCore:
         if engine_preset is not None and "preset" not in overrides and getattr(settings, "preset", None) is None:
             overrides["preset"] = engine_preset
         self.settings = WorldModelSettings.build(settings, carried, overrides, source=f"the checkpoint {checkpoint}")
+        if handover_projection is not None and self.settings.handover == "latent":
+            raise InputError(
+                "handover_projection: edits the frame that conditions the next chunk, but with handover='latent' "
+                "the chunk's latent frames do; use handover='pixels' with a projection."
+            )
         self.num_slots = num_slots
         self.default_tasks = _per_slot_tasks(self.settings.task, num_slots, "task")
         self.keep_all_frames = False  # set by an env whose rendering needs every frame of a chunk (see decode_mode)
@@ -197,6 +210,14 @@ class WorldModelCore:
         self._tasks: list[str] = [""] * num_slots
         self._elapsed = np.zeros(num_slots, dtype=np.int64)
         self._last_score = np.zeros(num_slots, dtype=np.float64)
+        # handover "latent": every slot's context [num_slots, C, K, h, w] on the engine's device (module docstring),
+        # and the slots whose context is still to be encoded from their current (start) frame.
+        self._context: torch.Tensor | None = None
+        self._context_pending = np.zeros(num_slots, dtype=np.bool_)
+        if self.settings.handover == "latent":
+            latent_hw = [size // processor.VAE_SPATIAL_FACTOR for size in self.frame_size]  # a fixed point's latents
+            shape = (num_slots, self.engine.vae.latent_channels, self.settings.context_frames, *latent_hw)
+            self._context = torch.zeros(shape, device=self.engine.device)
         self._home_device: torch.device | None = None  # set while offloaded
         self.closed = False
 
@@ -223,18 +244,27 @@ class WorldModelCore:
         frames: Any = None,
         task: str | None = None,
         initial_state_index: int | None = None,
+        context_latents: Any = None,
     ) -> dict[str, Any]:
         """Start a new episode in ``slot``; returns its reset info.
 
         The frame comes from ``frames`` if given, else item ``initial_state_index`` of the source, else an item drawn
         with ``rng``. The task is ``task`` if given, else the env's task for the slot, else the item's own, else "".
+        ``context_latents`` (handover "latent"): the slot's context ``[C, K, h, w]`` (normalised latents, e.g. the
+        last K ``video_latents`` frames of a rollout or ``env.context_latents()``) instead of the start frame's latent
+        repeated; the frame is then ``frames`` if given, else the context's last latent frame decoded.
         """
         self._check_open()
         task = check_task(task, "options['task']")
+        context = None if context_latents is None else self._check_context(context_latents)
+        if context is not None and initial_state_index is not None:
+            raise InputError("options: give either 'context_latents' or 'initial_state_index', not both.")
         if frames is not None:
             if initial_state_index is not None:
                 raise InputError("options: give either 'frames' or 'initial_state_index', not both.")
             frame, item_task, index = first_frame(frames, "options['frames']"), None, -1
+        elif context is not None:
+            frame, item_task, index = self._decode_last_latent(context), None, -1
         else:
             if self.initial_states is None:
                 raise InputError("options: this env has no initial_states; pass reset(options={'frames': ...}).")
@@ -246,11 +276,61 @@ class WorldModelCore:
                 self._tasks[slot] = candidate
                 break
         self._frames[slot] = resize_frame(frame, self.frame_size)
+        if self._context is not None:
+            if context is not None:
+                self._context[slot] = context
+            self._context_pending[slot] = context is None  # encoded from the frame at the slot's next step
         self._started[slot] = True
         self._history[slot] = None
         self._elapsed[slot] = 0
         self._last_score[slot] = 0.0
         return {"task": self._tasks[slot], "initial_state_index": int(index)}
+
+    def _check_context(self, value: Any) -> torch.Tensor:
+        """A reset's ``context_latents`` as float32 on the context's device; ``InputError`` unless it fits."""
+        if self._context is None:
+            raise InputError(
+                "options['context_latents']: a latent context needs handover='latent'; this env hands over in pixels."
+            )
+        expected = list(self._context.shape[1:])
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and list(value.shape) == expected):
+            got = f"shape {list(value.shape)}, dtype {value.dtype}" if isinstance(value, torch.Tensor) else None
+            raise InputError(
+                f"options['context_latents']: expected a float tensor {expected} (C, context_frames, h, w: normalised "
+                f"latents as Cosmos3Result.video_latents holds them), got {got or type(value).__name__}."
+            )
+        return value.to(self._context.device, torch.float32)
+
+    def _decode_last_latent(self, context: torch.Tensor) -> np.ndarray:
+        """The frame uint8 ``[H, W, 3]`` of a context's last latent frame, decoded alone (the engine's decoder)."""
+        pixels = self.engine.decode_latents(context[None, :, -1:], frames="last")  # [1, 3, 1, H, W]
+        return _to_uint8_frames(pixels.transpose(1, 2))[0, 0]
+
+    def context_latents(self, slot: int) -> torch.Tensor:
+        """The slot's latent context ``[C, K, h, w]`` (a copy, on the engine's device; handover "latent"): what its
+        next chunk is conditioned on; ``reset(options={"context_latents": ...})`` continues from it."""
+        self.check_started([slot])
+        if self._context is None:
+            raise InputError("context_latents: this env hands over in pixels (handover='pixels'); it keeps no context.")
+        self._encode_pending_contexts()
+        return self._context[slot].clone()
+
+    def _encode_pending_contexts(self) -> None:
+        """The contexts of the slots reset from a frame since their last step: the frames' latents repeated K times,
+        all in one ``encode_frames`` call."""
+        pending = np.flatnonzero(self._context_pending)
+        if self._context is None or not len(pending):
+            return
+        settings = self.settings
+        latents = self.engine.encode_frames(
+            self._frames[pending],
+            resolution_tier=settings.resolution_tier,
+            canvas=settings.request_options.get("canvas"),
+            preset=settings.preset,
+        )  # [N, C, 1, h, w]
+        repeated = latents.to(self._context.device).expand(-1, -1, settings.context_frames, -1, -1)
+        self._context[torch.from_numpy(pending)] = repeated
+        self._context_pending[pending] = False
 
     def observation(self, slot: int) -> dict[str, np.ndarray] | np.ndarray:
         """The slot's observation (a new array every call), in the form of ``settings.obs_type``."""
@@ -325,6 +405,8 @@ class WorldModelCore:
             return None
         self.check_started(slots)
         self.onload()
+        self._encode_pending_contexts()
+        context = self._context
         seeds = [int(rng.integers(_SEED_BOUND)) for rng in rngs]
         samples = self.settings.imagination_samples
         # Further imagined samples of the same chunk (imagination_samples): their seeds come after the slot's own,
@@ -333,7 +415,8 @@ class WorldModelCore:
         requests = [
             Cosmos3Request(
                 mode="forward_dynamics",
-                observation=self._frames[slot],
+                observation=self._frames[slot] if context is None else None,
+                context_latents=None if context is None else context[slot],
                 task=self._tasks[slot],
                 action=action,
                 action_history=self._action_history(slot, action),
@@ -366,6 +449,10 @@ class WorldModelCore:
                 sample_scores.mean(axis=1) if self.settings.imagination_reduce == "mean" else sample_scores.min(axis=1)
             )
         frames_uint8 = _to_uint8_frames(generated[: len(slots)])  # [B, T, H, W, 3]: the first sample goes on
+        if context is not None:
+            # video_latents are (context, generated latents): their last K frames are the next context
+            latents = _stack_rows([result.video_latents for result in results[: len(slots)]])
+            context[torch.tensor(slots)] = latents[:, :, -context.shape[2] :].to(context.device)
         batch = self._finish_step(list(slots), np.asarray(actions), seeds, scores, frames_uint8)
         if sample_scores is not None:
             batch.infos["score_samples"] = sample_scores
@@ -473,6 +560,8 @@ class WorldModelCore:
             return
         self._home_device = self.engine.device
         self.engine.offload()
+        if self._context is not None:
+            self._context = self._context.to("cpu")
         if self.reward_model is not None:
             self.reward_model.to("cpu")
 
@@ -481,6 +570,8 @@ class WorldModelCore:
         if self._home_device is None:
             return
         self.engine.onload()
+        if self._context is not None:
+            self._context = self._context.to(self._home_device)
         if self.reward_model is not None:
             self.reward_model.to(self._home_device)
         self._home_device = None
@@ -658,6 +749,12 @@ class WorldModelExtras:
     @property
     def engine(self) -> Cosmos3Engine:
         return self._core.engine
+
+    def context_latents(self, slot: int = 0) -> torch.Tensor:
+        """With ``handover="latent"``: the latent context ``[C, K, h, w]`` (a copy) that ``slot``'s next chunk (the
+        vector env's slot; 0 for ``WorldModelEnv``) is conditioned on; ``reset(options={"context_latents": ...})``
+        continues from it."""
+        return self._core.context_latents(slot)
 
     @property
     def settings(self) -> WorldModelSettings:

@@ -36,6 +36,9 @@ REWARD_MODES = ("per_step", "terminal", "relative")
 # obs_type: "image" -> Dict({"image": Box}) (the default), "pixels" -> the Box itself (as pixel envs name it).
 OBS_TYPES = ("image", "pixels")
 IMAGINATION_REDUCTIONS = ("mean", "min")
+# How a chunk hands over to the next: "pixels" (its decoded last frame is encoded again as the next chunk's clean
+# frame) or "latent" (its last ``context_frames`` latent frames are the next chunk's clean context, never re-encoded).
+HANDOVERS = ("pixels", "latent")
 # Cosmos3Request fields a user may set through ``request_options``; the env sets the others itself.
 REQUEST_OPTION_KEYS = (
     "flow_shift",
@@ -83,6 +86,12 @@ class WorldModelSettings:
             (``Cosmos3Request``); None: the preset's, else diffusers' behaviour. ``action_history_length``: state rows
             each request carries (the env sends each slot's last executed action rows, at an episode's first step
             the chunk's first row); ``history_length`` is the resolved count.
+        handover / context_frames: how a chunk hands over to the next (the envs' forward dynamics; agents condition
+            on their observation whatever these say). "pixels" (default): the chunk's decoded last frame conditions the
+            next chunk, encoded again. "latent": the last ``context_frames`` (K) latent frames of the chunk (its
+            context included) condition the next one as they are (``Cosmos3Request.context_latents``); an episode
+            starts from its start frame's latent repeated K times. K > 1 needs "latent"; "latent" needs a chunk that
+            is a multiple of the VAE's temporal compression and an in-process engine (``Cosmos3Engine``).
     """
 
     domain: str | int = "droid_lerobot"
@@ -110,6 +119,8 @@ class WorldModelSettings:
     use_system_prompt: bool | None = None
     flip_gripper: bool | None = None
     action_history_length: int | None = None
+    context_frames: int = 1
+    handover: str = "pixels"
 
     def __post_init__(self) -> None:  # noqa: C901 (one check per field, in field order)
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: normalise in place)
@@ -174,6 +185,14 @@ class WorldModelSettings:
                 set_(name, bool(getattr(self, name)))
         if self.action_history_length is not None:
             set_("action_history_length", check_int(self.action_history_length, "action_history_length", minimum=0))
+        set_("context_frames", check_int(self.context_frames, "context_frames", minimum=1))
+        if self.handover not in HANDOVERS:
+            raise InputError(f"handover: expected one of {list(HANDOVERS)}, got {self.handover!r}.")
+        if self.context_frames > 1 and self.handover != "latent":
+            raise InputError(
+                f"context_frames: {self.context_frames} latent frames of context need handover='latent' (with "
+                f"handover={self.handover!r} the next chunk starts from one re-encoded frame)."
+            )
 
     def _apply_preset(self, set_) -> None:
         """Each setting the preset names takes its value where it still holds the class default (an explicit value
@@ -236,8 +255,23 @@ class WorldModelSettings:
 
     def check_engine(self, engine: Any, decodes_chunk: bool = True) -> None:
         """InputError where the settings do not fit ``engine``: its action width and, where the chunk's frames are
-        generated (``decodes_chunk``, the envs), the VAE's temporal compression."""
+        generated (``decodes_chunk``, the envs), the VAE's temporal compression and, for ``handover="latent"``, an
+        engine that encodes and decodes in this process."""
         temporal = getattr(engine, "temporal_compression", None)
+        if decodes_chunk and self.handover == "latent":
+            if temporal and self.chunk % temporal:
+                raise InputError(
+                    f"handover: 'latent' continues in whole latent frames, so chunk must be a multiple of the VAE's "
+                    f"temporal compression ({temporal}), got {self.chunk}."
+                )
+            if not (
+                callable(getattr(engine, "encode_frames", None)) and callable(getattr(engine, "decode_latents", None))
+            ):
+                raise InputError(
+                    f"handover: 'latent' encodes start frames and decodes contexts in this process "
+                    f"(Cosmos3Engine.encode_frames / decode_latents), which {type(engine).__name__} does not; use "
+                    "an in-process engine or handover='pixels'."
+                )
         if decodes_chunk and temporal and self.chunk % temporal:
             raise InputError(
                 f"chunk: expected a multiple of the VAE's temporal compression ({temporal}) so that the chunk + 1 "

@@ -29,8 +29,9 @@ Seeds: ``reset(seed=s)`` seeds slot ``i`` with ``s + i`` (a list seeds each slot
 slot ``i`` follows the same random stream as a ``WorldModelEnv`` reset with seed ``s + i`` (with ``group_size=1``).
 Autoresets continue the slots' streams. ``max_episode_steps`` is counted per slot, in chunks.
 
-Reset options (``frames``, ``task``, ``initial_state_index``) are one value for all, a list with one per group, or
-(as without groups) a list with one per slot whose values agree within each group.
+Reset options (``frames``, ``task``, ``initial_state_index``, ``context_latents``) are one value for all, a list with
+one per group, or (as without groups) a list with one per slot whose values agree within each group; ``frames`` and
+``context_latents`` are always a list (None where a slot starts from its initial state).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import torch
 from gymnasium.utils import seeding
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
@@ -50,7 +52,10 @@ from .core import WorldModelCore, WorldModelExtras
 from .rendering import check_render_mode, step_rate
 from .world_model_env import check_reset_options
 
-RESET_OPTION_KEYS = ("reset_mask", "frames", "task", "initial_state_index")
+RESET_OPTION_KEYS = ("reset_mask", "frames", "task", "initial_state_index", "context_latents")
+# Options whose value is always a list, one per slot or group: a list of frames is also one video, and a context a
+# tensor whose first axis is not the slots.
+_LIST_ONLY_OPTIONS = {"frames": "frames", "context_latents": "latent contexts [C, K, h, w]"}
 
 
 class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
@@ -103,7 +108,7 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
     def reset(self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None):
         """Reset all slots, or those in ``options["reset_mask"]`` (bool ``[num_envs]``, whole groups). Other
         options, as for ``WorldModelEnv``: one value for every slot, or per group / per slot (see the module doc;
-        ``frames`` must be a list, None where the initial-state source is used)."""
+        ``frames`` and ``context_latents`` must be lists, None where the initial-state source is used)."""
         seeds = slot_seeds(seed, self.num_envs)
         super().reset(seed=seed if isinstance(seed, (int, np.integer)) else None)
         options = check_reset_options(options, RESET_OPTION_KEYS)
@@ -203,15 +208,22 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
         frames: Any = None,
         task: str | None = None,
         initial_state_index: int | None = None,
+        context_latents: Any = None,
     ) -> dict[str, Any]:
         """Start a new episode in every slot of ``group`` from one shared start; returns ``infos`` updated."""
         slots = self._group_slots(group)
-        if frames is None and initial_state_index is None and self._core.initial_states is not None:
+        given = frames is not None or initial_state_index is not None or context_latents is not None
+        if not given and self._core.initial_states is not None:
             # The group's first slot draws the start (with one slot per group, exactly as WorldModelEnv does).
             initial_state_index = int(self._slot_rng(slots[0]).integers(len(self._core.initial_states)))
         for slot in slots:
             info = self._core.reset_slot(
-                slot, self._slot_rng(slot), frames=frames, task=task, initial_state_index=initial_state_index
+                slot,
+                self._slot_rng(slot),
+                frames=frames,
+                task=task,
+                initial_state_index=initial_state_index,
+                context_latents=context_latents,
             )
             infos = self._add_info(infos, info, slot)
         self._ended[slots.start : slots.stop] = False
@@ -221,10 +233,9 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
         """One reset option's value for every group: one value, one per group, or one per slot equal in a group."""
         is_list = isinstance(value, (list, tuple, np.ndarray))
         counts = (self.num_envs, self.num_groups)
-        if key == "frames" and not (isinstance(value, (list, tuple)) and len(value) in counts):
-            # a list of frames is also one video, so frames are always given per slot (or per group)
+        if key in _LIST_ONLY_OPTIONS and not (isinstance(value, (list, tuple)) and len(value) in counts):
             raise InputError(
-                f"options['frames']: expected a list of {self.num_envs} frames (one per env"
+                f"options[{key!r}]: expected a list of {self.num_envs} {_LIST_ONLY_OPTIONS[key]} (one per env"
                 + (f", or {self.num_groups}: one per group" if self.group_size > 1 else "")
                 + "; None to use initial_states)."
             )
@@ -303,6 +314,8 @@ class WorldModelVectorEnv(WorldModelExtras, VectorEnv):
 def _same_value(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return a is b
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.array_equal(np.asarray(a), np.asarray(b))
     try:

@@ -30,7 +30,7 @@ from .rendering import RENDER_MODES, Renderer, check_render_mode, step_rate
 if TYPE_CHECKING:
     from gymnasium.core import RenderFrame
 
-RESET_OPTION_KEYS = ("frames", "task", "initial_state_index")
+RESET_OPTION_KEYS = ("frames", "task", "initial_state_index", "context_latents")
 
 
 class WorldModelEnv(WorldModelExtras, gym.Env):
@@ -45,7 +45,7 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
         **settings fields: any ``WorldModelSettings`` field (domain, raw_action_dim, chunk, num_steps,
             guidance_scale, resolution_tier, fps, task, image_size, observation_size, obs_type, reward_mode,
             success_threshold, max_episode_steps, score_name, action_stats, return_frames, request_options, preset,
-            prompt_format, use_system_prompt, flip_gripper, action_history_length); wins
+            prompt_format, use_system_prompt, flip_gripper, action_history_length, handover, context_frames); wins
             over ``settings`` and the checkpoint's (a changed checkpoint value is logged).
         initial_states: folder / file / frames / list, see ``initial_states.load_initial_states``; not given: the
             checkpoint's; None: frames come from ``reset(options={"frames": ...})`` and ``image_size`` is required.
@@ -93,7 +93,9 @@ class WorldModelEnv(WorldModelExtras, gym.Env):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """Start an episode. ``options``: ``frames`` (an initial frame instead of the source), ``task`` (this
-        episode's instruction), ``initial_state_index`` (a specific item of the source instead of a random one)."""
+        episode's instruction), ``initial_state_index`` (a specific item of the source instead of a random one),
+        ``context_latents`` (``handover="latent"``: the latent context ``[C, K, h, w]`` to continue from, e.g. an
+        earlier ``env.context_latents()``; the observation is ``frames`` if given, else its last frame decoded)."""
         super().reset(seed=seed)
         options = check_reset_options(options, RESET_OPTION_KEYS)
         info = self._core.reset_slot(0, self.np_random, **options)

@@ -181,7 +181,12 @@ class FlowMatchingObjective(nn.Module):
 
         text = self.encode_prompts(batch.prompt_ids)
         timesteps = timesteps_from_sigmas(batch.sigmas)
-        layout = self.transformer.gen_layout(text.lengths, (latent_t, h, w), chunk, list(batch.fps))
+        # With K context frames the current frame is frame K - 1: the action rows move with it, as the engine moves
+        # them (engine._Prepared.action_start_offset), so each keeps its place next to the frame it leads to.
+        action_start = 1 + self.transformer.config.temporal_compression * (self.context_frames - 1)
+        layout = self.transformer.gen_layout(
+            text.lengths, (latent_t, h, w), chunk, list(batch.fps), action_start_offset=action_start
+        )
         v_video, v_action = self.transformer(
             text, layout, video_in, video_noisy, timesteps, actions_in, action_noisy, batch.domain_ids
         )
