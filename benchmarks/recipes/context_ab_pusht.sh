@@ -6,13 +6,16 @@
 #   bash benchmarks/recipes/context_ab_pusht.sh train     # GPU 0: K = 2, GPU 1: K = 1 (shared simulated data)
 #   bash benchmarks/recipes/context_ab_pusht.sh evaluate  # each model on its GPU: block error + evaluation-pool ranking
 #
+# Session 25 ran both with SECONDS_K2=280 SECONDS_K1=280 (benchmarks/RESULTS.md, "Issue 42 item 2: the latent
+# hand-over"): the training JSONs are benchmarks/results/training/train_pusht_h200x2_latent_k{1,2}.json.
+#
 # Data: 1536 new episodes from dataset seed 100 (the policy-pool manifest's unused dataset seeds; reset seeds in the
 # held-out ranges are drawn again) with round 9's family mix, its file: policies all in the training pool. Nothing
 # here chooses between variants on the evaluation pool's seeds: the evaluation runs once, on reporting seeds, and
 # every number is recorded whichever variant it favours.
 set -euo pipefail
 STAGE=${1:?train or evaluate}
-OUT=${OUT:?the device's output folder}
+OUT=${OUT:?set OUT to the output folder}
 WORK=${WORK:-/tmp/ctx_ab}
 ASSETS=cosmos3_gym/tasks/pusht/assets
 POLICIES=benchmarks/results/rl/policies
@@ -20,10 +23,12 @@ MIX="scripted_random_goal=0.33,scripted=0.17,random=0.1,replay=0.05,uniform=0.1"
 MIX="$MIX,file:$POLICIES/rl_pusht_grpo_simulator_policy_starts_h4_cw10.safetensors=0.1"
 MIX="$MIX,file:$POLICIES/rl_pusht_grpo_world_model_policy_starts_h4_cw10_ieee.safetensors=0.1"
 MIX="$MIX,file:$POLICIES/rl_pusht_grpo_world_model_round6.safetensors=0.05"
-EVAL_POOL="scripted:6,scripted:15,scripted:35,scripted:70,scripted-physics:5,scripted-physics:15,scripted-physics:35"
-EVAL_POOL="$EVAL_POOL,scripted-physics:75,scripted-physics:120,scripted-frames:5,scripted-frames:15,scripted-frames:35"
-EVAL_POOL="$EVAL_POOL,scripted-frames:70,file:$POLICIES/eval_pool_bc_seed1000000_cpu.safetensors"
-EVAL_POOL="$EVAL_POOL,file:$POLICIES/eval_pool_untrained_seed1000001.safetensors"
+# The evaluation pool (policy_pools.json) in the two halves the session-24 baseline ran in.
+EVAL_POOL_A="scripted:6,scripted:15,scripted:35,scripted:70,scripted-physics:5,scripted-physics:15,scripted-physics:35"
+EVAL_POOL_A="$EVAL_POOL_A,scripted-physics:75"
+EVAL_POOL_B="scripted-physics:120,scripted-frames:5,scripted-frames:15,scripted-frames:35,scripted-frames:70"
+EVAL_POOL_B="$EVAL_POOL_B,file:$POLICIES/eval_pool_bc_seed1000000_cpu.safetensors"
+EVAL_POOL_B="$EVAL_POOL_B,file:$POLICIES/eval_pool_untrained_seed1000001.safetensors"
 export PYTHONUNBUFFERED=1
 
 train() {  # $1 GPU, $2 K, $3 seconds of training
@@ -31,13 +36,13 @@ train() {  # $1 GPU, $2 K, $3 seconds of training
     --wm-init $ASSETS/checkpoint --data $WORK/data --work $WORK/k$2 --out $OUT/k$2 --episodes 1536 --seed 100 \
     --policy-mix "$MIX" --wm-batch 256 --wm-lr 2e-4 --wm-warmup 50 --wm-cond-noise 0.3 --wm-handover latent \
     --wm-context-frames $2 --wm-seconds $3 --wm-max-steps 40000 --encode-batch-size 32 --workers 28 \
-    --max-size-mb 60 --deadline-s 560 --no-rollout-reward-model --no-evaluate --no-progress
+    --max-size-mb 60 --deadline-s 560 --no-rollout-reward-model --no-evaluate
 }
 
 if [ "$STAGE" = train ]; then
   train 0 2 "${SECONDS_K2:-330}" > $OUT/train_k2.log 2>&1 &
   first=$!
-  # The second run shares the first one's simulated episodes and latent cache: it starts once the first run's probe
+  # The second run shares the simulated episodes and latent cache: it starts once the probe of the first run
   # has encoded them (train_pusht.py --data).
   until [ -f $WORK/k2/world_model_probe/training/log.jsonl ]; do
     kill -0 $first 2>/dev/null || { tail -30 $OUT/train_k2.log; exit 1; }
@@ -48,23 +53,27 @@ if [ "$STAGE" = train ]; then
   status=0
   wait $first || status=$?
   wait $second || status=$?
-  tail -5 $OUT/train_k2.log $OUT/train_k1.log
+  tail -n 5 $OUT/train_k2.log $OUT/train_k1.log
   exit $status
 fi
 
-evaluate() {  # $1 GPU, $2 K
-  CUDA_VISIBLE_DEVICES=$1 python3 benchmarks/recipes/pusht_fidelity_targets.py --assets $WORK/k$2/assets/pusht \
-    --decoder light --heldout-seed 4900000 --chunks 16 --policies "$EVAL_POOL" --policy-starts 32 \
-    --policy-chunks 16 --video-episodes 0 --workers 14 --results-name pusht_fidelity_evalpool_16chunks_k$2.json \
-    --out $OUT
+evaluate() {  # $1 GPU, $2 K, $3 half (A: 8 policies + the held-out block error over 16 chunks, B: 7 policies)
+  if [ "$3" = A ]; then
+    policies=$EVAL_POOL_A; heldout="--chunks 16"
+  else
+    policies=$EVAL_POOL_B; heldout="--episodes 2 --chunks 2"
+  fi
+  CUDA_VISIBLE_DEVICES=$1 timeout "${EVAL_SECONDS:-470}" python3 benchmarks/recipes/pusht_fidelity_targets.py \
+    --assets $WORK/k$2/assets/pusht --decoder light --heldout-seed 4900000 $heldout --random-episodes 2 \
+    --policies "$policies" --policy-starts 32 --policy-chunks 16 --video-episodes 0 --workers 7 \
+    --results-name evalpool_16_$3_k$2.json --out $OUT
 }
 
-evaluate 0 2 > $OUT/evaluate_k2.log 2>&1 &
-first=$!
-evaluate 1 1 > $OUT/evaluate_k1.log 2>&1 &
-second=$!
-status=0
-wait $first || status=$?
-wait $second || status=$?
-tail -25 $OUT/evaluate_k2.log $OUT/evaluate_k1.log
-exit $status
+# Four processes, two per GPU (the evaluation is bound by the simulator processes on the host). In session 25 the
+# held-out block error finished in 60 s; the 8 + 7 policies at 32 starts x 16 chunks did not finish in 470 s.
+for half in A B; do
+  evaluate 0 2 $half > $OUT/eval_${half}_k2.log 2>&1 &
+  evaluate 1 1 $half > $OUT/eval_${half}_k1.log 2>&1 &
+done
+wait
+tail -n 4 $OUT/eval_*.log
