@@ -165,6 +165,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--first-part", default=None,
                         help="first_part.tar.gz of a --part first run (same seed), or an installed model folder")
     parser.add_argument("--wm-init", default=None, help="fine-tune this checkpoint's transformer instead of a new one")
+    parser.add_argument("--vae-frames-per-clip", type=int, default=None,
+                        help="the VAE's training clip length, 1 + 4k frames (default: chunk + 1; longer for a latent "
+                             "hand-over, whose whole-episode encodings reach latent positions past the chunk's)")
     parser.add_argument("--wm-handover", choices=("pixels", "latent"), default="pixels",
                         help="how the env hands a chunk over to the next (WorldModelTrainConfig.handover): pixels "
                              "(the last frame decoded and encoded again) or latent (the last --wm-context-frames "
@@ -297,8 +300,10 @@ def vae_stage(args, work: Path, init_vae: Path | None = None) -> dict:
     config = VAETrainConfig(
         base_dim=args.vae_base_dim, decoder_base_dim=args.vae_decoder_dim, z_dim=args.vae_z_dim,
         batch_size=args.vae_batch, lr=args.vae_lr, contrast_weight=args.vae_contrast_weight, resolution_tier=256,
-        # Clips as long as the world model's chunk: the causal decoder only learns the latent frames it is shown.
-        frames_per_clip=args.chunk + 1, seed=args.seed, device=args.device,
+        # Clips as long as the world model's chunk by default: the causal VAE only learns the latent positions it is
+        # shown (past them its latents drift: long_encoding_roundtrip.py), which the pixel hand-over never leaves. A
+        # latent hand-over (--wm-handover latent) trains on whole-episode encodings and needs longer clips.
+        frames_per_clip=args.vae_frames_per_clip or args.chunk + 1, seed=args.seed, device=args.device,
         stats_clips=min(256, 8 * args.episodes),
         init_vae=None if init_vae is None else str(init_vae), train_encoder=init_vae is None,
         # Putting clips on the canvas is CPU work that would leave a GPU waiting.
