@@ -38,6 +38,7 @@ from common import add_output_arguments, check_results_target, provenance, write
 
 from cosmos3_gym import processor  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
+from cosmos3_gym.models.light_decoder import LightDecoder  # noqa: E402
 from cosmos3_gym.statistics import mean_summary  # noqa: E402
 
 RESULTS_NAME = "long_encoding_roundtrip_cpu.json"
@@ -63,9 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--episodes", type=int, default=8)
     parser.add_argument("--frames", type=int, default=65, help="frames per episode, 1 + a multiple of 4")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--light-decoder", default=None, help="a light decoder folder instead of the checkpoint's")
+    parser.add_argument("--results-name", default=RESULTS_NAME)
     args = parser.parse_args(argv)
     args.argv = sys.argv if argv is None else ["long_encoding_roundtrip.py", *argv]
-    check_results_target(RESULTS_NAME, args.out, args.overwrite, topic="fidelity")
+    check_results_target(args.results_name, args.out, args.overwrite, topic="fidelity")
     torch.set_num_threads(args.threads)
     from cosmos3_gym.tasks.pusht.policy_pools import load_policy_pools
 
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         decoder: Cosmos3Engine.from_pretrained(args.checkpoint, device="cpu", dtype="fp32", decoder=decoder)
         for decoder in ("vae", "light")
     }
+    if args.light_decoder:
+        engines["light"].light_decoder = LightDecoder.from_pretrained(args.light_decoder).eval().requires_grad_(False)
     vae = engines["light"].vae
     tc, chunk = vae.temporal_compression, 8
     latents_per_episode = (args.frames - 1) // tc + 1
@@ -129,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
         "sliding_window_psnr_db": {decoder: per_position(rows) for decoder, rows in sliding_rows.items()},
         "seconds": time.perf_counter() - started,
     }
-    write_results(results, RESULTS_NAME, args.out, args.overwrite, topic="fidelity", inputs=[args.checkpoint])
+    inputs = [args.checkpoint] + ([args.light_decoder] if args.light_decoder else [])
+    results["light_decoder"] = args.light_decoder or "the checkpoint's"
+    write_results(results, args.results_name, args.out, args.overwrite, topic="fidelity", inputs=inputs)
     for decoder in ("vae", "light"):
         print(decoder, [round(s["mean"], 1) for s in results["whole_episode_psnr_db"][decoder]])
     print("windows (light)", [round(s["mean"], 1) for s in results["window_psnr_db_light"]])
