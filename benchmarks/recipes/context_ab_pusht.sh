@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 42 item 2: the latent hand-over with K = 1 and K = 2 context frames, fine-tuned side by side from the shipped
 # PushT model on one 2-GPU machine (one variant per GPU, same data, same time budget), then both measured on the
-# evaluation pool. Two device calls on one warm machine (each under 10 minutes):
+# evaluation pool. Three device calls on one warm machine (each under 10 minutes):
 #
 #   bash benchmarks/recipes/context_ab_pusht.sh train     # GPU 0: K = 2, GPU 1: K = 1 (shared simulated data)
-#   bash benchmarks/recipes/context_ab_pusht.sh evaluate  # each model on its GPU: block error + evaluation-pool ranking
+#   K=2 bash benchmarks/recipes/context_ab_pusht.sh evaluate  # one model per call: block error + evaluation-pool
+#   K=1 bash benchmarks/recipes/context_ab_pusht.sh evaluate  # ranking (merge its halves: merge_policy_rankings.py)
 #
 # Session 25 ran both with SECONDS_K2=280 SECONDS_K1=280 (benchmarks/RESULTS.md, "Issue 42 item 2: the latent
 # hand-over"): the training JSONs are benchmarks/results/training/train_pusht_h200x2_latent_k{1,2}.json.
@@ -65,15 +66,15 @@ evaluate() {  # $1 GPU, $2 K, $3 half (A: 8 policies + the held-out block error 
   fi
   CUDA_VISIBLE_DEVICES=$1 timeout "${EVAL_SECONDS:-470}" python3 benchmarks/recipes/pusht_fidelity_targets.py \
     --assets $WORK/k$2/assets/pusht --decoder light --heldout-seed 4900000 $heldout --random-episodes 2 \
-    --policies "$policies" --policy-starts 32 --policy-chunks 16 --video-episodes 0 --workers 7 \
+    --policies "$policies" --policy-starts 32 --policy-chunks 16 --video-episodes 0 --workers 14 \
     --results-name evalpool_16_$3_k$2.json --out $OUT
 }
 
-# Four processes, two per GPU (the evaluation is bound by the simulator processes on the host). In session 25 the
-# held-out block error finished in 60 s; the 8 + 7 policies at 32 starts x 16 chunks did not finish in 470 s.
-for half in A B; do
-  evaluate 0 2 $half > $OUT/eval_${half}_k2.log 2>&1 &
-  evaluate 1 1 $half > $OUT/eval_${half}_k1.log 2>&1 &
-done
+# One model per call, its two halves on the two GPUs (as the session-24 baseline ran them beside each other): in
+# session 25 four processes at once (both models) finished the held-out block error in 60 s but not the 8 + 7
+# policies at 32 starts x 16 chunks in 470 s.
+K=${K:?set K to the model to evaluate (1 or 2)}
+evaluate 0 $K A > $OUT/eval_A_k$K.log 2>&1 &
+evaluate 1 $K B > $OUT/eval_B_k$K.log 2>&1 &
 wait
 tail -n 4 $OUT/eval_*.log
