@@ -268,6 +268,10 @@ META_SETTING_KEYS = (
     "context_frames",
     "handover",
 )
+# meta.json "handover": how a checkpoint's chunks hand over to the next. "pixels" (every released checkpoint): the
+# chunk's decoded last frame is encoded again as the next chunk's clean frame; "latent": the last "context_frames"
+# latent frames are the next chunk's clean context, never re-encoded (the env and training both follow it).
+HANDOVERS = ("pixels", "latent")
 META_FILE = "meta.json"
 ACTION_STATS_FILE = "action_stats.json"
 

@@ -318,8 +318,10 @@ class WorldModelCore:
     def _encode_pending_contexts(self) -> None:
         """The contexts of the slots reset from a frame since their last step: the frames' latents repeated K times,
         all in one ``encode_frames`` call."""
+        if self._context is None:
+            return
         pending = np.flatnonzero(self._context_pending)
-        if self._context is None or not len(pending):
+        if not len(pending):
             return
         settings = self.settings
         latents = self.engine.encode_frames(

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import presets, processor
+from ..checkpoint import HANDOVERS
 from ..errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -36,9 +37,6 @@ REWARD_MODES = ("per_step", "terminal", "relative")
 # obs_type: "image" -> Dict({"image": Box}) (the default), "pixels" -> the Box itself (as pixel envs name it).
 OBS_TYPES = ("image", "pixels")
 IMAGINATION_REDUCTIONS = ("mean", "min")
-# How a chunk hands over to the next: "pixels" (its decoded last frame is encoded again as the next chunk's clean
-# frame) or "latent" (its last ``context_frames`` latent frames are the next chunk's clean context, never re-encoded).
-HANDOVERS = ("pixels", "latent")
 # Cosmos3Request fields a user may set through ``request_options``; the env sets the others itself.
 REQUEST_OPTION_KEYS = (
     "flow_shift",

@@ -46,16 +46,13 @@ import torch
 import torch.distributed as dist
 
 from .. import processor
-from ..checkpoint import safetensors_files
+from ..checkpoint import HANDOVERS, safetensors_files
 from ..data.episodes import DatasetInfo, read_episode_dataset, window_starts
 from ..data.lerobot import is_lerobot_spec, read_lerobot_dataset
 from ..errors import CheckpointError, InputError
 from ..storage import load_safetensors, save_safetensors
 
 logger = logging.getLogger(__name__)
-
-# How the env hands a chunk over to the next (module docstring): through pixels or through latent frames.
-HANDOVERS = ("pixels", "latent")
 
 
 def read_dataset(

@@ -34,10 +34,11 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import processor
+from ..checkpoint import HANDOVERS
 from ..data.episodes import window_starts
 from ..errors import InputError
 from ..models.light_decoder import LightDecoder, LightDecoderConfig
-from .data import HANDOVERS, encode_episode, encode_windows, latent_windows, read_dataset
+from .data import encode_episode, encode_windows, latent_windows, read_dataset
 from .schedule import check_optimizer_settings, learning_rate
 from .vae import reconstruction_weights
 

@@ -49,7 +49,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from .. import processor
-from ..checkpoint import validate_checkpoint
+from ..checkpoint import HANDOVERS, validate_checkpoint
 from ..engine import MODES, find_light_decoder
 from ..errors import CheckpointError, InputError
 from ..models.light_decoder import LightDecoder
@@ -58,7 +58,7 @@ from ..models.vae import WAN22_FIXED_CONFIG, Cosmos3VAE
 from ..sampling import make_schedule
 from ..storage import atomic_write_text, fault_point, latest_snapshot, save_snapshot
 from ..tokenizer import build_tiny_tokenizer
-from .data import HANDOVERS, TrainingWindows, build_training_windows, read_dataset
+from .data import TrainingWindows, build_training_windows, read_dataset
 from .distributed import DistributedContext, init_distributed
 from .export import META_FILE, SAVE_DTYPES, export_checkpoint, scheduler_config
 from .flow_matching import (
