@@ -74,6 +74,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import imageio.v3 as imageio
 import numpy as np
 import torch
 
@@ -96,6 +97,7 @@ from cosmos3_gym.rewards import ClassifierRewardModel, train_classifier  # noqa:
 from cosmos3_gym.rewards.calibration import calibrate_success_threshold, score_episode_files  # noqa: E402
 from cosmos3_gym.storage import replace_entries  # noqa: E402
 from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
+from cosmos3_gym.tasks.pusht.self_forcing import generate_self_forcing_episodes, sample_sheet  # noqa: E402
 from cosmos3_gym.training.export import ACTION_STATS_FILE, resolve_save_dtype  # noqa: E402
 from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig, train_vae, train_world_model  # noqa: E402
 
@@ -175,6 +177,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wm-context-frames", type=int, default=1,
                         help="clean latent frames the world model conditions on (more than 1 needs --wm-handover "
                              "latent); with --wm-init any number (the transformer's shape does not depend on it)")
+    parser.add_argument("--wm-self-forcing-rollouts", type=int, default=0,
+                        help="with --wm-init: self-forcing samples with a consistent target "
+                             "(cosmos3_gym.tasks.pusht.self_forcing): this many rollouts of the --wm-init model per "
+                             "training episode, each --wm-self-forcing-depth chunks, every chunk's last frame a "
+                             "sample continued by gym-pusht from the state read off it; 0: none")
+    parser.add_argument("--wm-self-forcing-depth", type=int, default=8, help="chunks per self-forcing rollout")
+    parser.add_argument("--wm-self-forcing-min-rigidity", type=float, default=0.5,
+                        help="frames whose fitted T is less rigid give no self-forcing sample")
+    parser.add_argument("--wm-self-forcing-envs", type=int, default=256, help="env slots the rollouts run in")
     parser.add_argument("--grow-depth", type=int, default=None,
                         help="with --wm-init: first deepen its transformer to this many layers per tower, computing "
                              "the same function (cosmos3_gym.training.growth)")
@@ -199,6 +210,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--first-part goes with --part second, and --part second needs it")
     if args.grow_depth is not None and not args.wm_init:
         parser.error("--grow-depth goes with --wm-init")
+    if args.wm_self_forcing_rollouts and not args.wm_init:
+        parser.error("--wm-self-forcing-rollouts needs --wm-init (the model whose own frames the samples start from)")
     args.policy_mix = parse_policy_mix(parser, args.policy_mix)
     if any(name.startswith("file:") for name in args.policy_mix or {}) and not args.wm_init:
         parser.error("--policy-mix with policy files needs --wm-init (its action statistics map their actions)")
@@ -332,6 +345,33 @@ def decoder_stage(args, work: Path, assets: Path) -> dict:
     return report
 
 
+def self_forcing_stage(args, work: Path) -> dict:
+    """Self-forcing samples of the training episodes (``cosmos3_gym.tasks.pusht.self_forcing``), rolled out by the
+    ``--wm-init`` model in the env it ships in (its assets folder: ``--wm-init`` is ``<assets>/checkpoint``), into
+    ``work/self_forcing``; ``training_dataset`` then trains on them beside the simulated episodes."""
+    init_assets = load_pusht_assets(Path(args.wm_init).parent)
+    stats = ActionStats.from_json(Path(args.wm_init) / ACTION_STATS_FILE,
+                                  mode=init_assets.meta.get("action_normalization", "minmax"))
+    target = work / "self_forcing"
+    shutil.rmtree(target, ignore_errors=True)
+    envs = make_pusht_vector_env(args.wm_self_forcing_envs, assets_dir=init_assets.root, device=args.device,
+                                 return_frames=True, reward_model=None, success_threshold=None,
+                                 max_episode_steps=None)
+    try:
+        report = generate_self_forcing_episodes(
+            target, work / "dataset", envs, stats=stats, rollouts_per_episode=args.wm_self_forcing_rollouts,
+            depth=args.wm_self_forcing_depth, min_rigidity=args.wm_self_forcing_min_rigidity, seed=args.seed,
+            workers=args.workers, fit_device=args.device, progress=False)
+    finally:
+        envs.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the env's graphs and buffers: training needs the memory next
+    print(f"self-forcing: {report}", flush=True)
+    # Each row: the model's frame, then the simulator's continuation of the state read off it (frames 1, 4, 8).
+    imageio.imwrite(Path(args.out) / "self_forcing_samples.png", sample_sheet(target))
+    return report
+
+
 def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     model = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
              "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate_size": args.intermediate}
@@ -353,6 +393,8 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     )
     if args.wm_init:  # fine-tuning keeps the checkpoint's action normalisation (same domain, same simulator)
         shutil.copyfile(Path(args.wm_init) / ACTION_STATS_FILE, work / "dataset" / "stats.json")
+    if (work / "self_forcing").is_dir():
+        merge_episode_datasets(work / "dataset_with_self_forcing", work / "dataset", work / "self_forcing")
     # The probe runs on the whole dataset, so it also encodes (and caches) every window's latents: the budget left
     # after it is all training.
     probe = dataclasses.replace(config, steps=PROBE_STEPS, warmup_steps=0, log_every=PROBE_STEPS // 2,
@@ -445,10 +487,31 @@ def match_first_part_image_size(args, assets: Path) -> None:
                      f"{args.image_size}")
 
 
+def merge_episode_datasets(target: Path, first: Path, *others: Path) -> Path:
+    """A dataset in ``target`` whose episodes are links to those of ``first`` and ``others`` (names kept: they must
+    differ) and whose meta.json and stats.json (the action statistics every episode is normalised with) are
+    ``first``'s."""
+    shutil.rmtree(target, ignore_errors=True)
+    (target / "episodes").mkdir(parents=True)
+    for name in ("meta.json", "stats.json"):
+        shutil.copyfile(first / name, target / name)
+    for source in (first, *others):
+        for path in sorted((source / "episodes").glob("episode_*.npz")):
+            link = target / "episodes" / path.name
+            if link.exists():
+                raise InputError(f"dataset: {path.name} is in two of the merged datasets")
+            link.symlink_to(path.resolve())
+    return target
+
+
 def training_dataset(args, work: Path) -> Path | str:
     """What the VAE and the world model train on: ``work/dataset``, or with ``--lerobot`` that dataset converted once
     to LeRobot v3.0 (``lerobot:work/lerobot``) with the action statistics of ``work/dataset`` (which ``--wm-init``
     replaces by the checkpoint's)."""
+    if (work / "dataset_with_self_forcing").is_dir():
+        if args.lerobot:
+            raise InputError("--lerobot: self-forcing samples are written in the episode layout only")
+        return work / "dataset_with_self_forcing"
     if not args.lerobot:
         return work / "dataset"
     from cosmos3_gym.data.lerobot import write_lerobot_dataset
@@ -679,6 +742,8 @@ def main(argv: list[str] | None = None) -> dict:
                 ROLLOUT_REWARD_MODEL_RESERVE_S if args.rollout_reward_model else 0.0) + (
                 args.eval_reserve_s if args.evaluate else 0.0)
             seconds_left = lambda: args.deadline_s - after - stages.elapsed()  # noqa: E731
+            if args.wm_self_forcing_rollouts:
+                stages.run("self_forcing", self_forcing_stage, args, work)
             stages.run("world_model", world_model_stage, args, work, assets, seconds_left)
         if args.rollout_reward_model:
             stages.run("reward_model_on_rollouts", reward_model_stage, args, work, assets, on_rollouts=True)

@@ -165,13 +165,25 @@ def encode_episode_windows(
 @torch.no_grad()
 def encode_windows(vae, cond: processor.Conditioning, starts: list[int], chunk: int, batch_size: int) -> torch.Tensor:
     """Latents [len(starts), C, t, h, w] of the ``chunk + 1`` frame windows of an episode's conditioning."""
-    h, w = cond.latent_hw
-    pixels = cond.pixels  # [1, 3, T+1, H, W] on the host; windows go to the VAE's device batch by batch
-    latents = []
-    for first in range(0, len(starts), batch_size):
-        clips = torch.cat([pixels[:, :, s : s + chunk + 1] for s in starts[first : first + batch_size]])
-        latents.append(vae.encode(clips.to(vae.vae.device))[..., :h, :w].cpu())
-    return torch.cat(latents)
+    return encode_windows_of_episodes(vae, [(cond, starts)], chunk, batch_size)[0]
+
+
+@torch.no_grad()
+def encode_windows_of_episodes(
+    vae, episodes: list[tuple[processor.Conditioning, list[int]]], chunk: int, batch_size: int
+) -> list[torch.Tensor]:
+    """``encode_windows`` of several episodes (conditioning, window starts), their windows encoded ``batch_size`` at
+    a time across episode boundaries: each window is encoded on its own either way, and a dataset of short episodes
+    (one window each, as self-forcing samples are) would otherwise run the VAE one window per call."""
+    clips = [(k, cond.pixels[:, :, s : s + chunk + 1]) for k, (cond, starts) in enumerate(episodes) for s in starts]
+    latents: list[list[torch.Tensor]] = [[] for _ in episodes]
+    for first in range(0, len(clips), batch_size):
+        batch = clips[first : first + batch_size]  # pixels stay on the host; each batch goes to the VAE's device
+        encoded = vae.encode(torch.cat([clip for _, clip in batch]).to(vae.vae.device)).cpu()
+        for (k, _), window in zip(batch, encoded):
+            h, w = episodes[k][0].latent_hw
+            latents[k].append(window[None, ..., :h, :w])
+    return [torch.cat(parts) for parts in latents]
 
 
 @torch.no_grad()
@@ -285,7 +297,20 @@ def build_training_windows(
             return encode_episode(vae, cond)
         return encode_windows(vae, cond, starts_per_episode[i], chunk, encode_batch_size)
 
+    def encode_group(group: list[tuple[int, processor.Conditioning]]) -> list[torch.Tensor]:
+        if handover == "latent":  # whole episodes, encode_batch_size at a time
+            return encode_episodes(vae, [cond for _, cond in group])
+        return encode_windows_of_episodes(  # windows, encode_batch_size at a time across episodes
+            vae, [(cond, starts_per_episode[i]) for i, cond in group], chunk, encode_batch_size
+        )
+
+    def group_is_full(group: list[tuple[int, processor.Conditioning]]) -> bool:
+        if handover == "latent":
+            return len(group) == encode_batch_size
+        return sum(len(starts_per_episode[i]) for i, _ in group) >= encode_batch_size
+
     group: list[tuple[int, processor.Conditioning]] = []
+    saved = []
     with ThreadPoolExecutor(PREPARE_THREADS) as pool:
         # At most 2 * PREPARE_THREADS episodes in flight: each is ~100 MB of float pixels at 256 x 256.
         pending = collections.deque(pool.submit(prepare, i) for i in todo[: 2 * PREPARE_THREADS])
@@ -295,14 +320,15 @@ def build_training_windows(
             cond = pending.popleft().result()
             if position + len(pending) + 1 < len(todo):
                 pending.append(pool.submit(prepare, todo[position + len(pending) + 1]))
-            if handover == "pixels":
-                save_cache_entry(cache, store.name(i), cond, encode(i, cond))
-                continue
-            group.append((i, cond))  # whole episodes are encoded encode_batch_size at a time (encode_episodes)
-            if len(group) == encode_batch_size or position == len(todo) - 1:
-                for (j, episode_cond), encoded in zip(group, encode_episodes(vae, [c for _, c in group])):
-                    save_cache_entry(cache, store.name(j), episode_cond, encoded)
+            group.append((i, cond))
+            if group_is_full(group) or position == len(todo) - 1:
+                for (j, episode_cond), encoded in zip(group, encode_group(group)):
+                    # Written by the pool's threads (a safetensors file fsynced per episode: milliseconds each,
+                    # which thousands of one-window episodes would add to the encoder's critical path).
+                    saved.append(pool.submit(save_cache_entry, cache, store.name(j), episode_cond, encoded))
                 group = []
+        for future in saved:
+            future.result()  # a failed write is an error here, not a silent cache miss later
     if world_size > 1:
         dist.barrier()
 

@@ -105,35 +105,14 @@ def generate_pusht_dataset(
         (str(episode_dir), index, int(seed), int(steps_per_episode), image_size, mix, stats_document)
         for index in range(episodes)
     ]
-    workers = min(os.cpu_count() or 1, episodes) if workers is None else int(workers)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=episodes, desc="simulating PushT episodes", disable=not progress)
-    summaries = []
-    if workers <= 1:
-        for job in jobs:
-            summaries.append(_simulate_and_write(job))
-            bar.update()
-    else:
-        # Without policy files workers run only the simulator (numpy, pymunk, pygame), never torch, so forking is
-        # safe and spares each worker re-importing cosmos3_gym (torch, diffusers: seconds each). Policy files run
-        # torch in the workers, which is not fork-safe once the parent has used it: a fork server then (a fresh
-        # process that imports the main module once and forks the workers from it; spawning makes every worker
-        # import the main module itself, a recipe's torch and engine 16 times over), spawn where there is none.
-        methods = multiprocessing.get_all_start_methods()
-        if "fork" in methods and not policy_files:
-            method = "fork"
-        else:
-            method = "forkserver" if "forkserver" in methods else "spawn"
-        context = multiprocessing.get_context(method)
-        # A forked worker keeps the parent's thread pools' state: OpenCV's setNumThreads hangs there (it tears down
-        # a pool whose threads stayed in the parent), so only fresh workers get the one-thread cap.
-        initializer = None if method == "fork" else _one_thread_per_worker
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=initializer) as pool:
-            for summary in pool.map(_simulate_and_write, jobs):
-                summaries.append(summary)
-                bar.update()
-    bar.close()
+    summaries = map_in_simulator_processes(
+        _simulate_and_write,
+        jobs,
+        workers,
+        fresh_workers=bool(policy_files),
+        desc="simulating PushT episodes",
+        progress=progress,
+    )
 
     policies: dict[str, int] = {}
     for summary in summaries:
@@ -155,6 +134,51 @@ def generate_pusht_dataset(
     }
     write_dataset_files(out_dir, meta, np.concatenate([summary["actions"] for summary in summaries]))
     return out_dir
+
+
+def map_in_simulator_processes(
+    fn: Callable[[Any], Any],
+    jobs: list,
+    workers: int | None,
+    *,
+    fresh_workers: bool,
+    desc: str,
+    progress: bool = True,
+) -> list:
+    """``[fn(job) for job in jobs]``, in order, over ``workers`` processes (default one per CPU core; 0 or 1: in this
+    process), with a progress bar. ``fresh_workers``: ``fn`` runs torch (a policy file's network), or this process
+    has already run torch or a world model (whose CUDA context and thread pools a forked worker would inherit).
+
+    Otherwise workers run only the simulator (numpy, pymunk, pygame) and are forked: safe, and it spares each
+    worker re-importing cosmos3_gym (torch, diffusers: seconds each). Torch is not fork-safe once the parent has used
+    it: fresh workers come from a fork server then (a fresh process that imports the main module once and forks the
+    workers from it; spawning makes every worker import the main module itself, a recipe's torch and engine 16 times
+    over), spawned where there is none."""
+    from tqdm.auto import tqdm
+
+    workers = min(os.cpu_count() or 1, len(jobs)) if workers is None else int(workers)
+    results = []
+    with tqdm(total=len(jobs), desc=desc, disable=not progress) as bar:
+        if workers <= 1:
+            for job in jobs:
+                results.append(fn(job))
+                bar.update()
+            return results
+        methods = multiprocessing.get_all_start_methods()
+        if "fork" in methods and not fresh_workers:
+            method = "fork"
+        else:
+            method = "forkserver" if "forkserver" in methods else "spawn"
+        # A forked worker keeps the parent's thread pools' state: OpenCV's setNumThreads hangs there (it tears down
+        # a pool whose threads stayed in the parent), so only fresh workers get the one-thread cap.
+        initializer = None if method == "fork" else _one_thread_per_worker
+        with ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context(method), initializer=initializer
+        ) as pool:
+            for result in pool.map(fn, jobs, chunksize=max(1, len(jobs) // (8 * workers))):
+                results.append(result)
+                bar.update()
+    return results
 
 
 def save_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], compresslevel: int = 1) -> None:
