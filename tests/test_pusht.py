@@ -369,6 +369,31 @@ def import_train_pusht():
     return train_pusht
 
 
+def test_train_pusht_trains_on_the_episodes_and_the_self_forcing_samples_side_by_side(tmp_path):
+    """--wm-self-forcing-rollouts: the world model trains on one dataset whose episodes are links to the simulated
+    episodes and the samples, normalised with the simulated dataset's statistics; the option needs --wm-init."""
+    train_pusht = import_train_pusht()
+    with pytest.raises(SystemExit):
+        train_pusht.parse_args(["--out", str(tmp_path), "--wm-self-forcing-rollouts", "2"])
+    work = tmp_path / "work"
+    for name, episodes in (("dataset", ["episode_000000", "episode_000001"]), ("self_forcing", ["episode_sf_000000"])):
+        (work / name / "episodes").mkdir(parents=True)
+        for stem in episodes:
+            (work / name / "episodes" / f"{stem}.npz").write_bytes(stem.encode())
+        (work / name / "meta.json").write_text(json.dumps({"from": name}))
+        (work / name / "stats.json").write_text(json.dumps({"stats": name}))
+    args = train_pusht.parse_args(["--out", str(tmp_path)])
+    assert train_pusht.training_dataset(args, work) == work / "dataset"
+    merged = train_pusht.merge_episode_datasets(work / "dataset_with_self_forcing", work / "dataset",
+                                                work / "self_forcing")
+    assert train_pusht.training_dataset(args, work) == merged
+    links = sorted((merged / "episodes").iterdir())
+    assert [link.read_bytes() for link in links] == [b"episode_000000", b"episode_000001", b"episode_sf_000000"]
+    assert json.loads((merged / "stats.json").read_text()) == {"stats": "dataset"}
+    with pytest.raises(InputError, match="episode_000000.npz is in two"):
+        train_pusht.merge_episode_datasets(tmp_path / "twice", work / "dataset", work / "dataset")
+
+
 def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_assets, tmp_path):
     train_pusht = import_train_pusht()
     work = tmp_path / "work"

@@ -41,7 +41,8 @@ from cosmos3_gym.training import (
     train_world_model,
 )
 from cosmos3_gym.training.data import (
-    TrainingWindows, build_training_windows, encode_episode_windows, read_dataset,
+    TrainingWindows, build_training_windows, encode_episode_windows, encode_windows, encode_windows_of_episodes,
+    read_dataset,
 )
 from cosmos3_gym.training.distributed import init_distributed
 from cosmos3_gym.training.flow_matching import (
@@ -233,6 +234,23 @@ def test_training_windows_equal_the_engine_inputs(engine, trained, dataset, vae_
     expected = info.stats.normalize(episode["actions"][start : start + CHUNK])
     np.testing.assert_allclose(windows.actions[index].numpy(), expected, atol=1e-6)
     assert windows.actions.abs().max() <= 1.0 + 1e-6
+
+
+def test_windows_encoded_across_episodes_are_each_windows_own_encoding(dataset, vae_dir):
+    """Batches that straddle episodes (as one-window self-forcing samples make them) give each window the latents of
+    its own encoding, in its episode's order."""
+    vae = Cosmos3VAE.from_pretrained(vae_dir)
+    info = read_dataset(dataset)
+    conds = [processor.prepare_conditioning(f, TIER, len(f)) for f in (np.load(p)["frames"] for p in
+                                                                        info.episode_paths[:2])]
+    episodes = [(conds[0], [0]), (conds[1], [0, 4, 8]), (conds[0], [8, 4])]
+    batched = encode_windows_of_episodes(vae, episodes, CHUNK, batch_size=2)
+    assert [len(latents) for latents in batched] == [1, 3, 2]
+    for (cond, starts), latents in zip(episodes, batched):
+        for start, latent in zip(starts, latents):
+            alone = encode_windows(vae, cond, [start], CHUNK, batch_size=1)[0]
+            torch.testing.assert_close(latent, alone, atol=1e-5, rtol=0)  # batched convolutions round differently
+    assert not torch.allclose(batched[2][0], batched[2][1])  # different windows: the check above can fail
 
 
 def test_objective_under_bf16_autocast_with_prompts_of_two_lengths():

@@ -1,41 +1,35 @@
 #!/usr/bin/env bash
-# Issue 42 item 3: self-forcing with a consistent target (cosmos3_gym/tasks/pusht/self_forcing.py). Fine-tunes the
-# shipped PushT model on new simulated episodes plus samples that start from its own frames and continue as gym-pusht
-# continues the state read off them, then measures it. Two device calls on one H200 (each under 10 minutes):
+# Issue 42 item 3: self-forcing with a consistent target (cosmos3_gym/tasks/pusht/self_forcing.py), against the plain
+# fine-tune on the same data. Fine-tunes the shipped PushT model on new simulated episodes plus samples that start from
+# its own frames and continue as gym-pusht continues the state read off them; then the same fine-tune without the
+# samples, on the same episodes and for the same step count; each measured on the held-out block error. Calls on one
+# warm H200 (each under 10 minutes; session 26 ran them as below, RESULTS.md "Issue 42 item 3"):
 #
-#   bash benchmarks/recipes/self_forcing_pusht.sh train      # data, rollouts, fine-tune; the held-out block error
-#   bash benchmarks/recipes/self_forcing_pusht.sh evaluate   # the evaluation pool at 32 starts x 16 chunks
+#   bash benchmarks/recipes/self_forcing_pusht.sh train      # data, rollouts, fine-tune (about 400 s); held-out error
+#   STEPS=900 bash benchmarks/recipes/self_forcing_pusht.sh control   # the same episodes, no samples, STEPS steps
+#   MODEL=trained bash benchmarks/recipes/self_forcing_pusht.sh evaluate   # the evaluation pool, 32 x 16 chunks
 #
-# train: 768 new episodes from dataset seed 101 (the policy-pool manifest's unused dataset seeds; reset seeds in the
-# held-out ranges are drawn again) with round 9's family mix (its files: policies of the training pool), 2 rollouts of
-# 10 chunks per episode by the shipped model, each chunk's last frame a sample. Then the held-out block error over 16
-# chunks and the untouched-block drift under random actions (dataset seed 4,900,000, the protocol of session 24's
-# baseline, on training-pool policy families: what may choose between variants), and one side-by-side episode.
+# Data: EPISODES (192) new episodes from dataset seed 101 with round 9's family mix (its files: policies of the
+# training pool; the manifest's seed notes name 101), ROLLOUTS (3) rollouts of DEPTH (10) chunks per episode by the
+# shipped model, each chunk's last frame a sample. The held-out measurement is session 24's baseline protocol (dataset
+# seed 4,900,000: training-pool policy families, what may choose between variants): block error over 16 chunks and
+# the untouched-block drift under random actions, and one side-by-side episode.
 # What comes back ($OUT, at most 8 files): the fine-tuned transformer in 15 MB parts (cat them; checkpoint.sha256
-# names the whole), self_forcing_samples.png, the side-by-side frames, and train_results.tar.gz (training and
-# evaluation JSONs, the training log, the checkpoint's meta.json and MANIFEST.json, the logs).
+# names the whole), self_forcing_samples.png, the side-by-side episode (mp4, or its frames as .npz), and
+# train_results.tar.gz (training and evaluation JSONs, the training log, the checkpoint's meta.json and MANIFEST.json).
 #
 # A CPU check of the mechanics: OUT=/tmp/o WORK=/tmp/w EPISODES=4 ENVS=4 DEPTH=2 ROLLOUTS=1 WORKERS=2
-#   TRAIN_ARGS="--smoke --steps-per-episode 40 --chunk 8" EVAL_ARGS=--smoke bash .../self_forcing_pusht.sh train
+#   TRAIN_ARGS="--smoke --steps-per-episode 40 --chunk 8 --wm-batch 2" EVAL_ARGS=--smoke bash .../self_forcing_pusht.sh train
 #
-# evaluate: the evaluation pool (policy_pools.json) on reporting seeds, in the two halves of the session-24
-# baseline side by side, for MODEL=trained (the train call's model, on a warm machine) or MODEL=builtin (the tree's
-# built-in model, once the fine-tuned weights are installed there). Nothing here chooses on the evaluation pool.
+# evaluate: the evaluation pool (policy_pools.json) on reporting seeds, in the two halves of the session-24 baseline
+# side by side, for MODEL=trained (the train call's model, on a warm machine) or MODEL=builtin (the tree's built-in
+# model, once fine-tuned weights are installed there). Nothing here chooses on the evaluation pool.
 set -euo pipefail
-STAGE=${1:?train or evaluate}
+STAGE=${1:?train, control or evaluate}
 OUT=${OUT:?set OUT to the output folder}
 WORK=${WORK:-/tmp/self_forcing}
 ASSETS=cosmos3_gym/tasks/pusht/assets
-POLICIES=benchmarks/results/rl/policies
-MIX="scripted_random_goal=0.33,scripted=0.17,random=0.1,replay=0.05,uniform=0.1"
-MIX="$MIX,file:$POLICIES/rl_pusht_grpo_simulator_policy_starts_h4_cw10.safetensors=0.1"
-MIX="$MIX,file:$POLICIES/rl_pusht_grpo_world_model_policy_starts_h4_cw10_ieee.safetensors=0.1"
-MIX="$MIX,file:$POLICIES/rl_pusht_grpo_world_model_round6.safetensors=0.05"
-EVAL_POOL_A="scripted:6,scripted:15,scripted:35,scripted:70,scripted-physics:5,scripted-physics:15,scripted-physics:35"
-EVAL_POOL_A="$EVAL_POOL_A,scripted-physics:75"
-EVAL_POOL_B="scripted-physics:120,scripted-frames:5,scripted-frames:15,scripted-frames:35,scripted-frames:70"
-EVAL_POOL_B="$EVAL_POOL_B,file:$POLICIES/eval_pool_bc_seed1000000_cpu.safetensors"
-EVAL_POOL_B="$EVAL_POOL_B,file:$POLICIES/eval_pool_untrained_seed1000001.safetensors"
+source "$(dirname "$0")/pusht_pools.sh"  # MIX, EVAL_POOL_A, EVAL_POOL_B
 WORKERS=${WORKERS:-$(nproc)}
 export PYTHONUNBUFFERED=1
 RESULTS=$WORK/results
@@ -45,31 +39,49 @@ pack() {  # the small files, in one archive (the device returns at most 8 files)
   tar czf "$OUT/train_results.tar.gz" -C "$RESULTS" .
 }
 
-if [ "$STAGE" = train ]; then
+fine_tune() {  # $1 the run's folder under $WORK; the rest: train_pusht.py arguments of that run
+  local run=$1
+  shift
   python3 benchmarks/recipes/train_pusht.py --part second --first-part $ASSETS --wm-init $ASSETS/checkpoint \
-    --data $WORK/data --work $WORK/sf --out $RESULTS/train --episodes "${EPISODES:-768}" --seed 101 \
+    --data $WORK/data --work "$WORK/$run" --out "$RESULTS/$run" --episodes "${EPISODES:-192}" --seed 101 \
     --policy-mix "$MIX" --wm-batch 256 --wm-lr "${LR:-1e-4}" --wm-warmup 50 --wm-cond-noise 0.3 \
-    --wm-self-forcing-rollouts "${ROLLOUTS:-2}" --wm-self-forcing-depth "${DEPTH:-10}" --wm-seconds 900 \
-    --wm-max-steps 40000 --encode-batch-size 128 --workers "$WORKERS" --max-size-mb 60 \
-    --wm-self-forcing-envs "${ENVS:-256}" --deadline-s "${DEADLINE_S:-460}" --no-rollout-reward-model --no-evaluate \
-    ${TRAIN_ARGS:-} 2>&1 | tee "$RESULTS/train.log"
-  checkpoint=$WORK/sf/assets/pusht/checkpoint
-  rm -f "$RESULTS/train/pusht_assets.tar.gz"  # 37 MB: over what a device call returns; the parts below replace it
-  mv "$RESULTS/train/self_forcing_samples.png" "$OUT/"
-  cp "$checkpoint/meta.json" "$checkpoint/MANIFEST.json" "$RESULTS/"
-  (cd "$checkpoint/transformer" && sha256sum diffusion_pytorch_model.safetensors > "$RESULTS/checkpoint.sha256" &&
+    --encode-batch-size 128 --workers "$WORKERS" --max-size-mb 60 --no-rollout-reward-model --no-evaluate \
+    "$@" ${TRAIN_ARGS:-} 2>&1 | tee "$RESULTS/$run.log"
+  rm -f "$RESULTS/$run/pusht_assets.tar.gz"  # 37 MB: over what a device call returns; the parts below replace it
+  local checkpoint=$WORK/$run/assets/pusht/checkpoint
+  cp "$checkpoint/meta.json" "$RESULTS/$run/meta.json"
+  cp "$checkpoint/MANIFEST.json" "$RESULTS/$run/MANIFEST.json"
+  (cd "$checkpoint/transformer" && sha256sum diffusion_pytorch_model.safetensors > "$RESULTS/$run/checkpoint.sha256" &&
     split -b 15000000 -d diffusion_pytorch_model.safetensors "$OUT/transformer.part")
-  pack  # the model is back even if the evaluation below runs out of time
-  timeout "${EVAL_SECONDS:-150}" python3 benchmarks/recipes/pusht_fidelity_targets.py \
-    --assets $WORK/sf/assets/pusht --decoder light --heldout-seed 4900000 --chunks 16 --random-episodes 32 \
+  pack  # the model is back even if the measurement below runs out of time
+}
+
+heldout() {  # $1 the run: its held-out block error over 16 chunks and untouched-block drift, one side-by-side episode
+  timeout "${EVAL_SECONDS:-135}" python3 benchmarks/recipes/pusht_fidelity_targets.py \
+    --assets "$WORK/$1/assets/pusht" --decoder light --heldout-seed 4900000 --chunks 16 --random-episodes 32 \
     --policy-starts 0 --video-episodes 1 --workers "$WORKERS" \
-    --results-name pusht_fidelity_self_forcing_heldout_16chunks_h200.json --out "$RESULTS/eval" ${EVAL_ARGS:-} 2>&1 |
-    tee "$RESULTS/eval.log" || true
+    --results-name "pusht_fidelity_$1_heldout_16chunks_h200.json" --out "$RESULTS/eval_$1" ${EVAL_ARGS:-} 2>&1 |
+    tee "$RESULTS/eval_$1.log" || true
   # the side-by-side episode: an mp4, or its frames (.npz) where the machine has no video writer
-  find "$RESULTS/eval" -name 'pusht_side_by_side.*' -exec mv {} "$OUT/" \;
+  find "$RESULTS/eval_$1" -name 'pusht_side_by_side.*' -exec mv {} "$OUT/" \;
   pack
-  exit 0
-fi
+}
+
+case "$STAGE" in
+  train)
+    fine_tune sf --wm-self-forcing-rollouts "${ROLLOUTS:-3}" --wm-self-forcing-depth "${DEPTH:-10}" \
+      --wm-self-forcing-envs "${ENVS:-256}" --wm-seconds 900 --wm-max-steps 40000 --deadline-s "${DEADLINE_S:-430}"
+    mv "$RESULTS/sf/self_forcing_samples.png" "$OUT/"
+    heldout sf
+    exit 0 ;;
+  control)  # the train call's episodes (the same --data), the step count the train call reached
+    fine_tune plain --wm-seconds "${SECONDS_BUDGET:-145}" --wm-max-steps "${STEPS:?set STEPS to the step count of the train call}" \
+      --deadline-s "${DEADLINE_S:-400}"
+    heldout plain
+    exit 0 ;;
+  evaluate) ;;
+  *) echo "stage: expected train, control or evaluate, got $STAGE" >&2; exit 2 ;;
+esac
 
 case "${MODEL:?set MODEL to trained or builtin}" in
   trained) assets=$WORK/sf/assets/pusht ;;

@@ -353,7 +353,15 @@ def self_forcing_stage(args, work: Path) -> dict:
     stats = ActionStats.from_json(Path(args.wm_init) / ACTION_STATS_FILE,
                                   mode=init_assets.meta.get("action_normalization", "minmax"))
     target = work / "self_forcing"
+    request = {"rollouts": args.wm_self_forcing_rollouts, "depth": args.wm_self_forcing_depth, "seed": args.seed,
+               "min_rigidity": args.wm_self_forcing_min_rigidity, "init": str(Path(args.wm_init).resolve()),
+               "dataset": json.loads((Path(args.data or work) / "dataset.request.json").read_text())}
+    marker = work / "self_forcing.request.json"
+    if marker.is_file() and json.loads(marker.read_text()) == request and (target / "meta.json").is_file():
+        # the same samples (and their cached latents) as an earlier run with this --work: a longer fine-tune
+        return {**json.loads((target / "meta.json").read_text())["self_forcing"], "reused": True}
     shutil.rmtree(target, ignore_errors=True)
+    marker.unlink(missing_ok=True)
     envs = make_pusht_vector_env(args.wm_self_forcing_envs, assets_dir=init_assets.root, device=args.device,
                                  return_frames=True, reward_model=None, success_threshold=None,
                                  max_episode_steps=None)
@@ -366,6 +374,7 @@ def self_forcing_stage(args, work: Path) -> dict:
         envs.close()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the env's graphs and buffers: training needs the memory next
+    marker.write_text(json.dumps(request))
     print(f"self-forcing: {report}", flush=True)
     # Each row: the model's frame, then the simulator's continuation of the state read off it (frames 1, 4, 8).
     imageio.imwrite(Path(args.out) / "self_forcing_samples.png", sample_sheet(target))

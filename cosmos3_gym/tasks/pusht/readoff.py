@@ -10,8 +10,6 @@ frames), and for the block the centroid of the drawn T, which is ``block_pose[:2
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from .geometry import TABLE_SIZE
@@ -58,19 +56,14 @@ def read_positions(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return centroids(agent), centroids(block)
 
 
-def read_state(
-    frames: np.ndarray, min_rigidity: float = 0.0, device: Any = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def read_state(frames: np.ndarray, min_rigidity: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """uint8 frames ``[N, H, W, 3]`` -> (agent ``[N, 2]``, NaN where not visible; block pose ``[N, 3]`` (x, y, angle
     of gym-pusht's ``block.position`` / ``block.angle``: the best-fitting rigid T, ``rewards.pusht_geometric.fit_tee``);
     ``block_found [N]``: a block is visible and its fit's rigidity is at least ``min_rigidity``). On simulator frames
-    both are within about 1 px and 0.4 degrees of the true state. ``device``: where the T is fitted (default the
-    CPU; a GPU fits thousands of frames in the time a CPU core fits one)."""
-    import torch
-
+    both are within about 1 px and 0.4 degrees of the true state."""
     from .reward import fit_tee  # torch: only for the callers that fit the block's pose
 
-    fit = fit_tee(torch.from_numpy(np.ascontiguousarray(frames)).to(device or "cpu"))
+    fit = fit_tee(frames)
     agent, _ = read_positions(frames)
     found = (fit.valid & (fit.rigidity >= min_rigidity)).cpu().numpy()
     return agent, fit.pose.double().cpu().numpy(), found

@@ -10,7 +10,7 @@ where the model put it, so the model learned to move blocks towards a truth it c
 
 Here target and condition agree. The model replays a training episode's actions open loop from one of its real
 frames, exactly as the env runs (``replay_actions``: sampler, decode, uint8 hand-over); after each chunk the state is
-read off its last frame (the agent's disc and the best-fitting rigid T, ``readoff.read_state``), gym-pusht is put in
+read off its last frame (the agent's disc and the best-fitting rigid T, as ``readoff.read_state``), gym-pusht is put in
 that state, and the simulator's continuation under the episode's next action chunk is the target. The states are
 the model's own, the labels the simulator's: a DAgger-style world model. A frame shows no velocity; the agent gets
 its velocity in the real episode at that step (the agent follows its actions in the model, and its PD-controlled
@@ -40,7 +40,8 @@ from ...processor import ActionStats
 from .compare import replay_actions
 from .dataset import map_in_simulator_processes, save_npz
 from .geometry import SUCCESS_COVERAGE
-from .readoff import read_state
+from .readoff import read_positions
+from .reward import fit_tee
 from .sim import SIM_STATE_FIELDS, PushTSim, drawn, require_gym_pusht
 
 __all__ = ["SELF_FORCING_EPISODE_PREFIX", "generate_self_forcing_episodes", "plan_rollouts", "sample_sheet"]
@@ -127,6 +128,7 @@ def generate_self_forcing_episodes(
 
     jobs: list[tuple] = []
     read_failures = 0
+    rigidities: list[tuple[int, float]] = []  # (depth, rigidity of the fitted T) of every generated frame
     batches = range(0, len(plan), slots)
     for batch_index, first in enumerate(tqdm(batches, desc="self-forcing rollouts", disable=not progress)):
         rows = plan[first : first + slots]
@@ -136,14 +138,10 @@ def generate_self_forcing_episodes(
         first_frames = np.stack([start_frames[row] for row in padded])
         generated = replay_actions(vector_env, first_frames, actions, seed=int(seed) + batch_index)[: len(rows), :, -1]
         flat = generated.reshape(-1, *generated.shape[2:])  # [rows * depth, H, W, 3], chunk after chunk per row
-        agent, block, found = [], [], []
-        for i in range(0, len(flat), FIT_BATCH):
-            a, b, f = read_state(flat[i : i + FIT_BATCH], float(min_rigidity), device=fit_device)
-            agent.append(a)
-            block.append(b)
-            found.append(f & np.isfinite(a).all(axis=1))
-        agent_xy, block_pose, readable = np.concatenate(agent), np.concatenate(block), np.concatenate(found)
+        agent_xy, block_pose, fit_rigidity = read_off(flat, fit_device)
+        readable = (fit_rigidity >= float(min_rigidity)) & np.isfinite(agent_xy).all(axis=1)
         read_failures += int((~readable).sum())
+        rigidities += [(k % depth + 1, float(np.nan_to_num(r))) for k, r in enumerate(fit_rigidity)]
         for k in np.flatnonzero(readable):
             (episode, start), d = rows[k // depth], k % depth + 1
             t = start + d * chunk  # the generated frame stands for real frame t
@@ -158,7 +156,13 @@ def generate_self_forcing_episodes(
                     flat[k],
                     state,
                     source["actions"][t : t + chunk],
-                    {"task": source["task"], "sim_seed": source["sim_seed"], "source": paths[episode].stem, "t": t},
+                    {
+                        "task": source["task"],
+                        "sim_seed": source["sim_seed"],
+                        "source": paths[episode].stem,
+                        "t": t,
+                        "fit_rigidity": float(fit_rigidity[k]),
+                    },
                     d,
                 )
             )
@@ -173,6 +177,11 @@ def generate_self_forcing_episodes(
         "frames_not_readable": read_failures,
         "samples_by_depth": by_depth.tolist(),
         "min_rigidity": float(min_rigidity),
+        # How well a rigid T explains the model's frames, chunk by chunk: the share of samples a stricter
+        # min_rigidity would keep (0 for a frame with no block).
+        "fit_rigidity_by_depth": {
+            str(d): _quantiles([r for depth_of, r in rigidities if depth_of == d]) for d in range(1, depth + 1)
+        },
         "mean_final_coverage": float(np.mean([s["final_coverage"] for s in summaries])) if summaries else None,
     }
     meta = json.loads((source_dir / "meta.json").read_text())
@@ -189,6 +198,36 @@ def generate_self_forcing_episodes(
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.copyfile(source_dir / "stats.json", out_dir / "stats.json")
     return report
+
+
+def read_off(frames: np.ndarray, device: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(agent ``[N, 2]``, NaN where not visible; block pose ``[N, 3]``; rigidity ``[N]`` of the fitted T, NaN where
+    no block is visible) of uint8 frames ``[N, H, W, 3]``: ``readoff.read_state``'s reading, with the fit's rigidity,
+    fitted on ``device`` ``FIT_BATCH`` frames at a time (a GPU fits thousands in the time a CPU core fits one)."""
+    import torch
+
+    agent, pose, rigidity = [], [], []
+    for i in range(0, len(frames), FIT_BATCH):
+        batch = np.ascontiguousarray(frames[i : i + FIT_BATCH])
+        fit = fit_tee(torch.from_numpy(batch).to(device or "cpu"))
+        agent.append(read_positions(batch)[0])
+        pose.append(fit.pose.double().cpu().numpy())
+        rigidity.append(torch.where(fit.valid, fit.rigidity.double(), float("nan")).cpu().numpy())
+    return np.concatenate(agent), np.concatenate(pose), np.concatenate(rigidity)
+
+
+def _quantiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"frames": 0, "p10": None, "median": None, "p90": None, "at_least_0.9": None}
+    array = np.asarray(values)
+    p10, median, p90 = np.quantile(array, [0.1, 0.5, 0.9]).tolist()
+    return {
+        "frames": len(array),
+        "p10": p10,
+        "median": median,
+        "p90": p90,
+        "at_least_0.9": float((array >= 0.9).mean()),
+    }
 
 
 _WORKER_SIMS: dict[tuple[int, int], PushTSim] = {}  # one simulator per process and frame size
@@ -220,6 +259,7 @@ def _continue_and_write(job) -> dict[str, Any]:
             "sim_states": np.stack(states),
             "task": np.asarray(fields["task"]),
             "policy": np.asarray(f"self_forcing(depth={depth}, source={fields['source']}, t={fields['t']})"),
+            "fit_rigidity": np.asarray(fields["fit_rigidity"], np.float32),  # of the T fitted to frame 0
         },
     )
     return {"final_coverage": float(coverage[-1]), "reached_success": bool(max(coverage) > SUCCESS_COVERAGE)}
