@@ -291,13 +291,9 @@ def build_training_windows(
         frames = store.read_frames(i)
         return processor.prepare_conditioning(frames, resolution_tier, int(frames.shape[0]))
 
-    def encode(i: int, cond: processor.Conditioning) -> torch.Tensor:
-        """The cache entry of episode ``i``: its windows' latents, or its whole-episode latents."""
-        if handover == "latent":
-            return encode_episode(vae, cond)
-        return encode_windows(vae, cond, starts_per_episode[i], chunk, encode_batch_size)
-
     def encode_group(group: list[tuple[int, processor.Conditioning]]) -> list[torch.Tensor]:
+        """The cache entries of the episodes ``(i, cond)`` of ``group``: their windows' latents, or their
+        whole-episode latents."""
         if handover == "latent":  # whole episodes, encode_batch_size at a time
             return encode_episodes(vae, [cond for _, cond in group])
         return encode_windows_of_episodes(  # windows, encode_batch_size at a time across episodes
@@ -349,7 +345,7 @@ def build_training_windows(
             logger.warning("%s; encoding episode %s again", error, store.name(i))
             cond = prepare(i)
             episode_canvas = cond.canvas_hw
-            episode_latents = encode(i, cond)
+            episode_latents = encode_group([(i, cond)])[0]
             save_cache_entry(cache, store.name(i), cond, episode_latents)
         if handover == "latent":
             episode_latents = latent_windows(episode_latents, starts, chunk, tc, context_frames)
