@@ -146,8 +146,9 @@ class SpecServer:
                 if isinstance(reply, tuple):  # ("delay", seconds, reply): answer later, other connections go on
                     await asyncio.sleep(reply[1])
                     reply = reply[2]
-                if reply == "silence":
-                    await asyncio.sleep(3600)
+                if reply == "silence":  # until the server stops: a sleeping handler would hold its close 10 s
+                    await self._stop.wait()
+                    return
                 elif reply == "close":
                     await websocket.close()
                     return
