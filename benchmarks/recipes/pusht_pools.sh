@@ -1,4 +1,4 @@
-# Sourced by the PushT device recipes (context_ab_pusht.sh, self_forcing_pusht.sh). MIX: round 9's family mix for new
+# Sourced by the PushT device recipes (context_ab_pusht.sh, finetune_ab_pusht.sh). MIX: round 9's family mix for new
 # training episodes (its files: policies of the training pool in cosmos3_gym/tasks/pusht/policy_pools.json).
 # EVAL_POOL_A / EVAL_POOL_B: that manifest's evaluation pool, in the two halves the session-24 baseline ran in.
 POLICIES=benchmarks/results/rl/policies

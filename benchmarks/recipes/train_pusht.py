@@ -102,6 +102,7 @@ from cosmos3_gym.training.export import ACTION_STATS_FILE, resolve_save_dtype  #
 from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig, train_vae, train_world_model  # noqa: E402
 
 # gym-pusht's episode limit: 300 control steps (30 s).
+BLOCK_FOCUS = "cosmos3_gym.tasks.pusht.readoff:block_mask"  # --wm-block-focus: the block's pixels, by colour
 SIM_EPISODE_STEPS = 300
 
 FULL = dict(
@@ -177,6 +178,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wm-context-frames", type=int, default=1,
                         help="clean latent frames the world model conditions on (more than 1 needs --wm-handover "
                              "latent); with --wm-init any number (the transformer's shape does not depend on it)")
+    parser.add_argument("--wm-block-focus", type=float, default=0.0,
+                        help="extra weight of the latent cells the block covers in a window (WorldModelTrainConfig."
+                             "video_loss_focus with tasks.pusht.readoff:block_mask): 4 makes them weigh 5x the rest; "
+                             "0: the plain loss")
     parser.add_argument("--wm-self-forcing-rollouts", type=int, default=0,
                         help="with --wm-init: self-forcing samples with a consistent target "
                              "(cosmos3_gym.tasks.pusht.self_forcing): this many rollouts of the --wm-init model per "
@@ -396,6 +401,7 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
         # the hand-over the env makes with the model fine-tuned from: its light decoder where its meta.json says so
         rollout_decoder=checkpoint_decoder(args.wm_init) if args.wm_init else "vae",
         handover=args.wm_handover, context_frames=args.wm_context_frames,
+        video_loss_focus=BLOCK_FOCUS if args.wm_block_focus > 0 else None, video_loss_focus_weight=args.wm_block_focus,
         seed=args.seed, device=args.device, save_every=0,
         save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=args.encode_batch_size,
         cache_dir=str(work / "latent_cache"),

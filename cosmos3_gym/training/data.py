@@ -27,12 +27,19 @@ hand-over between chunks (``handover``):
 The latents are cached on disk, one safetensors file per episode (its windows' latents, or its whole-episode latents
 with ``"latent"``), in a folder named by a hash of everything they depend on (VAE weights and config, tier, the
 episode files, chunk and stride or the hand-over), so a changed input never reuses stale latents.
+
+A **loss focus** (``window_focus``) marks, per window, the latent cells where a task's focus mask
+(``"module:function"``, uint8 frames ``[N, H, W, 3]`` -> bool ``[N, H, W]``; PushT's block:
+``tasks.pusht.readoff:block_mask``) is set in any of the window's frames, grown by one cell: where the object is, was
+and goes, so that a model that leaves it behind or melts it is corrected where it errs. ``flow_matching`` weighs those
+cells up in the video loss.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -104,6 +111,7 @@ class TrainingWindows:
     start: torch.Tensor  # [N] long (the window's first pixel frame: its first action's)
     successful: torch.Tensor  # [N] bool: the window's episode has success=True
     canvas_hw: tuple[int, int]
+    focus: torch.Tensor | None = None  # [N, h, w] bool: the loss focus (window_focus), when training uses one
 
     def __len__(self) -> int:
         return int(self.latents.shape[0])
@@ -390,3 +398,67 @@ def build_training_windows(
         successful=torch.tensor(successful, dtype=torch.bool),
         canvas_hw=canvas_hw,
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loss focus
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_focus_mask(spec: str):
+    """``"module:function"`` -> the focus mask function (module docstring); errors name ``video_loss_focus``."""
+    module_name, colon, attribute = spec.rpartition(":")
+    if not colon or not module_name or not attribute:
+        raise InputError(f"video_loss_focus: expected 'module:function', got {spec!r}")
+    try:
+        function = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise InputError(f"video_loss_focus: cannot load {spec!r} ({type(error).__name__}: {error})") from None
+    if not callable(function):
+        raise InputError(f"video_loss_focus: {spec!r} is not a function")
+    return function
+
+
+def window_focus(
+    info: DatasetInfo,
+    windows: TrainingWindows,
+    focus_mask,
+    *,
+    chunk: int,
+    context_frames: int = 1,
+    temporal_compression: int = 4,
+    progress: bool = True,
+) -> torch.Tensor:
+    """[N, h, w] bool: for each window, the latent cells where ``focus_mask`` of any of its frames is set, grown by
+    one cell (module docstring). A window starting at pixel frame ``s`` spans frames ``s - tc*(K-1) .. s + chunk``
+    (its context frames included, clamped at the episode's start); the content latent grid maps onto the whole frame
+    (``prepare_conditioning`` puts the content at the canvas' top left and the latents are cropped to it)."""
+    import torch.nn.functional as F
+    from tqdm.auto import tqdm
+
+    h, w = windows.latent_thw[1:]
+    focus = torch.zeros(len(windows), h, w, dtype=torch.bool)
+    episodes = windows.episode_index.unique().tolist()
+
+    def cells(i: int) -> torch.Tensor:  # [T+1, h, w]: each frame's focus on the latent grid
+        frames = info.episodes.read_frames(i)
+        masks = np.asarray(focus_mask(frames))
+        if masks.shape != frames.shape[:3] or masks.dtype != np.bool_:
+            raise InputError(
+                f"video_loss_focus: expected a bool mask of shape {frames.shape[:3]} for frames {frames.shape}, got "
+                f"{masks.dtype} {masks.shape}"
+            )
+        return F.adaptive_max_pool2d(torch.from_numpy(masks).float()[:, None], (h, w))[:, 0] > 0
+
+    with ThreadPoolExecutor(PREPARE_THREADS) as pool:  # zlib reads and numpy masks release the GIL
+        for i, per_frame in zip(
+            episodes,
+            tqdm(pool.map(cells, episodes), total=len(episodes), desc="loss focus", disable=not progress, leave=False),
+        ):
+            rows = (windows.episode_index == i).nonzero()[:, 0]
+            for row in rows.tolist():
+                start = int(windows.start[row])
+                first = max(0, start - temporal_compression * (context_frames - 1))
+                focus[row] = per_frame[first : start + chunk + 1].any(0)
+    grown = F.max_pool2d(focus[:, None].float(), kernel_size=3, stride=1, padding=1)[:, 0] > 0
+    return grown

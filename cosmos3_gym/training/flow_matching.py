@@ -24,6 +24,11 @@ inverse_dyn.    all clean                         all noisy
 Clean entries are fed as ``x0`` without a timestep embedding (the model's ``forward`` handles that from the masks)
 and carry no loss. Action dims at or beyond the raw action width are zero in ``x0`` and in the noise (the engine
 zeroes them in the noise and after every step) and carry no loss.
+
+A batch may carry a **loss focus** (``video_focus``, [B, h, w] in [0, 1], from ``data.window_focus``): latent cells
+where what matters moves get ``1 + focus_weight`` times the weight of the rest in the video loss. A small object on a
+still background (PushT's block fills a few percent of the frame) otherwise carries a few percent of the loss, though
+its pose is what the env is for. The per-sample ``video_mse`` stays the plain mean, comparable across settings.
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ class FlowMatchingBatch:
     video_noise: torch.Tensor  # [B, C, t, h, w]
     action_noise: torch.Tensor  # [B, chunk, action_dim]
     window_index: torch.Tensor | None = None  # [B] long: the training windows drawn (the objective ignores it)
+    video_focus: torch.Tensor | None = None  # [B, h, w] in [0, 1]: the loss focus (module docstring); None: none
 
     def to(self, device: torch.device | str) -> FlowMatchingBatch:
         values: dict[str, Any] = {}
@@ -132,10 +138,12 @@ class FlowMatchingObjective(nn.Module):
         action_loss_weight: float = 1.0,
         freeze_text_tower: bool = False,
         context_frames: int = 1,
+        focus_weight: float = 0.0,
     ):
         super().__init__()
         self.transformer = transformer
         self.video_loss_weight = video_loss_weight
+        self.focus_weight = focus_weight
         self.action_loss_weight = action_loss_weight
         self.freeze_text_tower = freeze_text_tower
         self.context_frames = context_frames
@@ -192,7 +200,8 @@ class FlowMatchingObjective(nn.Module):
         )
 
         video_weight = video_noisy[:, None, :, None, None].float().expand_as(x0_video)
-        video_sse = ((v_video - (batch.video_noise.float() - x0_video)).square() * video_weight).flatten(1).sum(1)
+        video_se = (v_video - (batch.video_noise.float() - x0_video)).square() * video_weight
+        video_sse = video_se.flatten(1).sum(1)
         video_count = video_weight.flatten(1).sum(1)
         action_weight = (action_noisy[..., None] & raw_dims).float()
         action_sse = ((v_action - (action_noise - x0_actions)).square() * action_weight).flatten(1).sum(1)
@@ -200,6 +209,9 @@ class FlowMatchingObjective(nn.Module):
 
         # Mean over the batch's noisy entries, per modality, so the weights do not depend on the mode mix.
         video_loss = video_sse.sum() / video_count.sum().clamp_min(1.0)
+        if batch.video_focus is not None and self.focus_weight > 0:  # a weighted mean: the loss keeps its scale
+            focus = 1.0 + self.focus_weight * batch.video_focus.float()[:, None, None]  # [B, 1, 1, h, w]
+            video_loss = (video_se * focus).sum() / (video_weight * focus).sum().clamp_min(1.0)
         action_loss = action_sse.sum() / action_count.sum().clamp_min(1.0)
         loss = self.video_loss_weight * video_loss + self.action_loss_weight * action_loss
         nan = torch.full_like(video_sse, float("nan"))

@@ -58,7 +58,7 @@ from ..models.vae import WAN22_FIXED_CONFIG, Cosmos3VAE
 from ..sampling import make_schedule
 from ..storage import atomic_write_text, fault_point, latest_snapshot, save_snapshot
 from ..tokenizer import build_tiny_tokenizer
-from .data import TrainingWindows, build_training_windows, read_dataset
+from .data import TrainingWindows, build_training_windows, load_focus_mask, read_dataset, window_focus
 from .distributed import DistributedContext, init_distributed
 from .export import META_FILE, SAVE_DTYPES, export_checkpoint, scheduler_config
 from .flow_matching import (
@@ -171,6 +171,11 @@ class WorldModelTrainConfig:
     logit_std: float = 1.0
     video_loss_weight: float = 1.0
     action_loss_weight: float = 1.0
+    # A loss focus (data.window_focus, flow_matching): "module:function" mapping uint8 frames [N, H, W, 3] to a bool
+    # mask [N, H, W] of what matters (PushT's block: "cosmos3_gym.tasks.pusht.readoff:block_mask"); the latent cells
+    # it touches in a window weigh 1 + video_loss_focus_weight times the rest in the video loss. None: no focus.
+    video_loss_focus: str | None = None
+    video_loss_focus_weight: float = 0.0
     freeze_text_tower: bool = False  # train only the GEN tower (the UND K/V are then cached per prompt)
     gradient_checkpointing: bool = False  # activation checkpointing per transformer block
     # Under torchrun: "ddp" replicates the model on every rank; "fsdp" shards weights, gradients and AdamW states
@@ -240,7 +245,14 @@ class WorldModelTrainConfig:
         ):
             if not is_number(getattr(self, name)) or getattr(self, name) <= 0:
                 fail(name, "a positive number")
-        for name in ("weight_decay", "grad_clip", "video_loss_weight", "action_loss_weight", "cond_noise_std"):
+        for name in (
+            "weight_decay",
+            "grad_clip",
+            "video_loss_weight",
+            "action_loss_weight",
+            "cond_noise_std",
+            "video_loss_focus_weight",
+        ):
             if not is_number(getattr(self, name)) or getattr(self, name) < 0:
                 fail(name, "a number >= 0")
         for name in ("min_lr_ratio", "ema_decay", "uncond_prob", "rollout_prob"):
@@ -290,6 +302,10 @@ class WorldModelTrainConfig:
             fail("rollout_decoder", "'vae' without init_checkpoint ('light' reads its light_decoder/)")
         if self.data_parallel == "fsdp" and self.rollout_prob > 0:
             fail("rollout_prob", "0 with data_parallel='fsdp' (rollouts call the transformer outside the sharded step)")
+        if self.video_loss_focus is not None and not isinstance(self.video_loss_focus, str):
+            fail("video_loss_focus", "None or a 'module:function' string")
+        if self.video_loss_focus_weight > 0 and self.video_loss_focus is None:
+            fail("video_loss_focus", "a 'module:function' focus mask with video_loss_focus_weight > 0")
         if self.handover not in HANDOVERS:
             fail("handover", f"one of {list(HANDOVERS)}")
         if self.handover == "pixels" and self.context_frames != 1:
@@ -554,6 +570,7 @@ def sample_batch(
         logit_std=config.logit_std,
     )
     video = windows.latents[index.to(windows.latents.device)]
+    focus = windows.focus[index] if windows.focus is not None else None
     video_noise = torch.randn(video.shape, generator=generator)
     action_noise = torch.randn((b, config.chunk, action_dim), generator=generator)
     actions = torch.zeros(b, config.chunk, action_dim)
@@ -583,6 +600,7 @@ def sample_batch(
         video_noise=video_noise,
         action_noise=action_noise,
         window_index=index,
+        video_focus=focus,
     )
 
 
@@ -849,6 +867,9 @@ class WorldModelTrainer:
     ):
         config.validate()
         self.constructed = time.perf_counter()  # max_seconds counts from here
+        focus_mask = None  # loaded first: a wrong name fails before the encoding
+        if config.video_loss_focus is not None and config.video_loss_focus_weight > 0:
+            focus_mask = load_focus_mask(config.video_loss_focus)
         self.config, self.ctx = config, ctx
         self.vae_dir = Path(vae_dir)
         self.out_dir = Path(out_dir).expanduser()
@@ -890,6 +911,20 @@ class WorldModelTrainer:
             handover=config.handover,
             context_frames=config.context_frames,
         )
+        if focus_mask is not None:
+            self.windows.focus = window_focus(
+                self.info,
+                self.windows,
+                focus_mask,
+                chunk=config.chunk,
+                context_frames=config.context_frames,
+                temporal_compression=vae.temporal_compression,
+                progress=config.progress and ctx.is_main,
+            )
+            self.announce(
+                f"loss focus: {float(self.windows.focus.float().mean()):.1%} of the latent cells, weighing "
+                f"{1 + config.video_loss_focus_weight:g}x"
+            )
         latent_channels = vae.latent_channels
         if (
             config.policy_episodes == "successful"
@@ -931,6 +966,7 @@ class WorldModelTrainer:
             action_loss_weight=config.action_loss_weight,
             freeze_text_tower=text_frozen,
             context_frames=config.context_frames,
+            focus_weight=config.video_loss_focus_weight,
         )
         self.sharded = config.data_parallel == "fsdp"
         if self.sharded:

@@ -36,6 +36,15 @@ def _masks(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return agent, block
 
 
+def block_mask(frames: np.ndarray) -> np.ndarray:
+    """uint8 frames ``[N, H, W, 3]`` -> bool ``[N, H, W]``, the block's pixels: the loss focus of PushT world-model
+    training (``WorldModelTrainConfig.video_loss_focus``)."""
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames: expected [N, H, W, 3], got shape {frames.shape}")
+    return _masks(frames)[1]
+
+
 def read_positions(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """uint8 frames ``[N, H, W, 3]`` -> (agent ``[N, 2]``, block centroid ``[N, 2]``) in table pixels, NaN where a
     part is not visible."""

@@ -1,33 +1,37 @@
 #!/usr/bin/env bash
-# Issue 42 item 3: self-forcing with a consistent target (cosmos3_gym/tasks/pusht/self_forcing.py), against the plain
-# fine-tune on the same data. Fine-tunes the shipped PushT model on new simulated episodes plus samples that start from
-# its own frames and continue as gym-pusht continues the state read off them; then the same fine-tune without the
-# samples, on the same episodes and for the same step count; each measured on the held-out block error. Calls on one
-# warm H200 (each under 10 minutes; session 26 ran them as below, RESULTS.md "Issue 42 item 3"):
+# Fine-tune A/Bs of the shipped PushT model on the same new episodes, each arm measured on the held-out block error
+# (issue 42). Arms, one device call each on one warm H200 (each under 10 minutes; the first simulates the episodes,
+# the others reuse them from $WORK/data):
 #
-#   bash benchmarks/recipes/self_forcing_pusht.sh train      # data, rollouts, fine-tune (about 400 s); held-out error
-#   STEPS=900 bash benchmarks/recipes/self_forcing_pusht.sh control   # the same episodes, no samples, STEPS steps
-#   MODEL=trained bash benchmarks/recipes/self_forcing_pusht.sh evaluate   # the evaluation pool, 32 x 16 chunks
+#   bash benchmarks/recipes/finetune_ab_pusht.sh plain          # the plain fine-tune, SECONDS_BUDGET (145) s
+#   bash benchmarks/recipes/finetune_ab_pusht.sh block-focus    # the same with the block's latent cells weighing
+#                                                               # 1 + FOCUS (4) times the rest (--wm-block-focus)
+#   bash benchmarks/recipes/finetune_ab_pusht.sh self-forcing   # self-forcing samples with a consistent target
+#                                                               # (tasks/pusht/self_forcing.py; about 400 s)
+#   MODEL=focus bash benchmarks/recipes/finetune_ab_pusht.sh evaluate   # the evaluation pool, 32 x 16 chunks
 #
+# Session 26 ran self-forcing (then `self_forcing_pusht.sh train`) and plain (then `control`, with STEPS=900), session
+# 27 plain and block-focus (RESULTS.md "Issue 42 item 3", "Issue 42 item 5").
 # Data: EPISODES (192) new episodes from dataset seed 101 with round 9's family mix (its files: policies of the
-# training pool; the manifest's seed notes name 101), ROLLOUTS (3) rollouts of DEPTH (10) chunks per episode by the
-# shipped model, each chunk's last frame a sample. The held-out measurement is session 24's baseline protocol (dataset
-# seed 4,900,000: training-pool policy families, what may choose between variants): block error over 16 chunks and
-# the untouched-block drift under random actions, and one side-by-side episode.
+# training pool; the manifest's seed notes name 101). Self-forcing: ROLLOUTS (3) rollouts of DEPTH (10) chunks per
+# episode by the shipped model, each chunk's last frame a sample. The held-out measurement is session 24's baseline
+# protocol (dataset seed 4,900,000: training-pool policy families, what may choose between variants): block error
+# over 16 chunks and the untouched-block drift under random actions, and one side-by-side episode.
 # What comes back ($OUT, at most 8 files): the fine-tuned transformer in 15 MB parts (cat them; checkpoint.sha256
-# names the whole), self_forcing_samples.png, the side-by-side episode (mp4, or its frames as .npz), and
-# train_results.tar.gz (training and evaluation JSONs, the training log, the checkpoint's meta.json and MANIFEST.json).
+# names the whole), self_forcing_samples.png (self-forcing), the side-by-side episode (mp4, or its frames as .npz),
+# and train_results.tar.gz (training and evaluation JSONs, the training logs, the checkpoints' meta.json and
+# MANIFEST.json, of every arm run on this machine).
 #
 # A CPU check of the mechanics: OUT=/tmp/o WORK=/tmp/w EPISODES=4 ENVS=4 DEPTH=2 ROLLOUTS=1 WORKERS=2
-#   TRAIN_ARGS="--smoke --steps-per-episode 40 --chunk 8 --wm-batch 2" EVAL_ARGS=--smoke bash .../self_forcing_pusht.sh train
+#   TRAIN_ARGS="--smoke --steps-per-episode 40 --chunk 8 --wm-batch 2" EVAL_ARGS=--smoke bash .../finetune_ab_pusht.sh ARM
 #
 # evaluate: the evaluation pool (policy_pools.json) on reporting seeds, in the two halves of the session-24 baseline
-# side by side, for MODEL=trained (the train call's model, on a warm machine) or MODEL=builtin (the tree's built-in
-# model, once fine-tuned weights are installed there). Nothing here chooses on the evaluation pool.
+# side by side, for MODEL=sf, focus or plain (that arm's model, on a warm machine) or MODEL=builtin (the tree's
+# built-in model, once fine-tuned weights are installed there). Nothing here chooses on the evaluation pool.
 set -euo pipefail
-STAGE=${1:?train, control or evaluate}
+STAGE=${1:?plain, block-focus, self-forcing or evaluate}
 OUT=${OUT:?set OUT to the output folder}
-WORK=${WORK:-/tmp/self_forcing}
+WORK=${WORK:-/tmp/finetune_ab}
 ASSETS=cosmos3_gym/tasks/pusht/assets
 source "$(dirname "$0")/pusht_pools.sh"  # MIX, EVAL_POOL_A, EVAL_POOL_B
 WORKERS=${WORKERS:-$(nproc)}
@@ -68,25 +72,29 @@ heldout() {  # $1 the run: its held-out block error over 16 chunks and untouched
 }
 
 case "$STAGE" in
-  train)
+  plain)
+    fine_tune plain --wm-seconds "${SECONDS_BUDGET:-145}" --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
+    heldout plain
+    exit 0 ;;
+  block-focus)  # the plain arm's settings, the block's latent cells weighing 1 + FOCUS times the rest
+    fine_tune focus --wm-block-focus "${FOCUS:-4}" --wm-seconds "${SECONDS_BUDGET:-145}" \
+      --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
+    heldout focus
+    exit 0 ;;
+  self-forcing)
     fine_tune sf --wm-self-forcing-rollouts "${ROLLOUTS:-3}" --wm-self-forcing-depth "${DEPTH:-10}" \
       --wm-self-forcing-envs "${ENVS:-256}" --wm-seconds 900 --wm-max-steps 40000 --deadline-s "${DEADLINE_S:-430}"
     mv "$RESULTS/sf/self_forcing_samples.png" "$OUT/"
     heldout sf
     exit 0 ;;
-  control)  # the train call's episodes (the same --data), the step count the train call reached
-    fine_tune plain --wm-seconds "${SECONDS_BUDGET:-145}" --wm-max-steps "${STEPS:?set STEPS to the step count of the train call}" \
-      --deadline-s "${DEADLINE_S:-400}"
-    heldout plain
-    exit 0 ;;
   evaluate) ;;
-  *) echo "stage: expected train, control or evaluate, got $STAGE" >&2; exit 2 ;;
+  *) echo "stage: expected plain, block-focus, self-forcing or evaluate, got $STAGE" >&2; exit 2 ;;
 esac
 
-case "${MODEL:?set MODEL to trained or builtin}" in
-  trained) assets=$WORK/sf/assets/pusht ;;
+case "${MODEL:?set MODEL to sf, focus, plain or builtin}" in
+  sf | focus | plain) assets=$WORK/$MODEL/assets/pusht ;;
   builtin) assets=$ASSETS ;;
-  *) echo "MODEL: expected trained or builtin, got $MODEL" >&2; exit 2 ;;
+  *) echo "MODEL: expected sf, focus, plain or builtin, got $MODEL" >&2; exit 2 ;;
 esac
 half() {  # $1 A or B: the session-24 baseline's halves of the evaluation pool, 32 reporting starts x 16 chunks
   local policies=$EVAL_POOL_A
@@ -94,7 +102,7 @@ half() {  # $1 A or B: the session-24 baseline's halves of the evaluation pool, 
   timeout "${EVAL_SECONDS:-500}" python3 benchmarks/recipes/pusht_fidelity_targets.py --assets "$assets" \
     --decoder light --heldout-seed 4900000 --episodes 2 --chunks 2 --random-episodes 2 --policies "$policies" \
     --policy-starts 32 --policy-chunks 16 --video-episodes 0 --workers $((WORKERS / 2)) \
-    --results-name "pusht_fidelity_self_forcing_evalpool_16_$1_h200.json" --out "$RESULTS/eval_pool" ${EVAL_ARGS:-} \
+    --results-name "pusht_fidelity_${MODEL}_evalpool_16_$1_h200.json" --out "$RESULTS/eval_pool" ${EVAL_ARGS:-} \
     > "$RESULTS/eval_pool_$1.log" 2>&1
 }
 half A &
