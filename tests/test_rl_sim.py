@@ -70,6 +70,29 @@ def test_demo_starts_yield_frames_and_simulator_states_from_any_step(episode, tm
         DemoStartStates.from_episodes([{"frames": episode["frames"]}])
 
 
+def test_a_start_is_rendered_once_while_it_is_kept(episode, monkeypatch):
+    """A group's slots reset from one start: it is rendered once, and each read gets its own copy."""
+    from cosmos3_gym.tasks.pusht import starts as starts_module
+
+    renders = []
+    put_in_start = starts_module.put_in_start
+    monkeypatch.setattr(starts_module, "put_in_start", lambda *a: (renders.append(1), put_in_start(*a))[1])
+    monkeypatch.setattr(starts_module, "RENDERED_FRAMES_KEPT", 2)
+    starts = DemoStartStates.from_episodes([episode], stride=8, image_size=(64, 64))
+    first, again = starts.frame(2), starts[2].frame
+    assert len(renders) == 1
+    np.testing.assert_array_equal(first, episode["frames"][16])
+    np.testing.assert_array_equal(again, first)
+    first[:] = 0  # a caller's copy: what the next read gets is untouched
+    np.testing.assert_array_equal(starts.frame(2), episode["frames"][16])
+    starts.frame(0), starts.frame(1)  # two more starts: 2, the least recently read, is dropped
+    assert len(renders) == 3
+    starts.frame(1)
+    assert len(renders) == 3
+    np.testing.assert_array_equal(starts.frame(2), episode["frames"][16])
+    assert len(renders) == 4
+
+
 def test_group_resets_share_starts_and_survive_autoreset(episode):
     starts = DemoStartStates.from_episodes([episode], stride=4, image_size=(64, 64))
     with pytest.raises(InputError, match="multiple of group_size"):

@@ -447,3 +447,18 @@ def test_sb3_over_the_pusht_vector_env_as_a_newcomer_writes_it():
         assert rewards.shape == (2,) and len(infos) == 2 and "coverage" in infos[0]
     finally:
         vec_env.close()
+
+
+def test_resize_frames_gives_the_bytes_of_resize_frame_in_any_batch():
+    """The vector env's observations are resized over a thread pool: the same bytes as one frame at a time, in order,
+    for batches below and above the threading threshold."""
+    from cosmos3_gym.data.initial_states import resize_frame, resize_frames
+
+    frames = np.random.default_rng(0).integers(0, 256, (67, 40, 56, 3), dtype=np.uint8)
+    for batch in (frames[:3], frames):
+        resized = resize_frames(batch, (24, 20))
+        assert resized.shape == (len(batch), 24, 20, 3) and resized.dtype == np.uint8
+        np.testing.assert_array_equal(resized, np.stack([resize_frame(frame, (24, 20)) for frame in batch]))
+    same = resize_frames(frames, (40, 56))
+    np.testing.assert_array_equal(same, frames)
+    assert not np.shares_memory(same, frames)  # a new array, as observations always are

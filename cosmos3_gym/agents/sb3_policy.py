@@ -30,7 +30,7 @@ from stable_baselines3.common.policies import MultiInputActorCriticPolicy
 from stable_baselines3.common.preprocessing import is_image_space_channels_first
 from stable_baselines3.common.torch_layers import CombinedExtractor
 
-from ..data.initial_states import resize_frame
+from ..data.initial_states import resize_frames
 from ..errors import CheckpointError, InputError
 from ..storage import save_safetensors
 
@@ -258,6 +258,6 @@ class SB3PolicyAgent:
             raise InputError(
                 f"frames: expected uint8 [N, H, W, 3] with N >= 1, got {frames.dtype} {list(frames.shape)}"
             )
-        images = np.stack([resize_frame(frame, self.image_size) for frame in frames])
+        images = resize_frames(frames, self.image_size)
         actions, _ = self.policy.predict({"image": images}, deterministic=self.deterministic)
         return np.clip(actions, -1.0, 1.0)

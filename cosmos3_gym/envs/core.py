@@ -44,7 +44,14 @@ from gymnasium import spaces
 from .. import processor
 from ..checkpoint import checkpoint_decoder, checkpoint_defaults, resolve_checkpoint, validate_checkpoint
 from ..cuda_graphs import DEFAULT_MAX_PADDING
-from ..data.initial_states import InitialStateSource, check_task, first_frame, load_initial_states, resize_frame
+from ..data.initial_states import (
+    InitialStateSource,
+    check_task,
+    first_frame,
+    load_initial_states,
+    resize_frame,
+    resize_frames,
+)
 from ..engine import Cosmos3Engine, Cosmos3Request
 from ..engine_protocol import WorldModelEngine
 from ..errors import CheckpointError, InputError, UnknownArgumentsError
@@ -346,9 +353,7 @@ class WorldModelCore:
 
     def _images(self, frames: np.ndarray) -> np.ndarray:
         """Observation images (a new array) of frames uint8 ``[B, H, W, 3]`` at the model's size."""
-        if tuple(self.observation_size) == tuple(self.frame_size):
-            return frames.copy()
-        return np.stack([resize_frame(frame, self.observation_size) for frame in frames])
+        return resize_frames(frames, self.observation_size)
 
     def _as_observation(self, images: np.ndarray) -> dict[str, np.ndarray] | np.ndarray:
         return images if self.settings.obs_type == "pixels" else {"image": images}
