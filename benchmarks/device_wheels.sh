@@ -6,6 +6,10 @@
 # Run once in the repository's root; every device call then names .whl in carry and starts with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
+# A command that resolves a reward model or task by name through the package's entry points (rl_pusht.py's
+# grpo_wm: "pusht_geometric") also needs the tree's own metadata, which a bare checkout on PYTHONPATH lacks:
+#   python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/pkg . &&
+#     export PYTHONPATH=/tmp/site:/tmp/pkg
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64

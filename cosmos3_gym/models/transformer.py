@@ -528,15 +528,22 @@ class Cosmos3Transformer(nn.Module):
         offsets = (
             action_start_offset if isinstance(action_start_offset, (list, tuple)) else [action_start_offset] * batch
         )
+        # Rows of one prompt length, fps and action offset share their positions: a vector env's batch of 128 slots
+        # with one task builds one row, not 128 (20 ms of host time per call at 128 rows in the GRPO loop's profile,
+        # benchmarks/results/rl/grpo_loop_profile_h200.json).
+        distinct: dict[tuple, torch.Tensor] = {}
         rows = []
         for length, item_fps, action_offset in zip(text_lengths, fps_list, offsets):
-            # diffusers: text occupies positions [0, L); media start after a fixed margin.
-            offset = length + c.unified_3d_mrope_temporal_modality_margin
-            parts = [media_positions(t, hp, wp, offset, item_fps, c, c.temporal_compression)]
-            if chunk and c.action_gen:
-                # One action per video frame; base rate is the video's (tcf 4), so action 4j aligns with latent j.
-                parts.append(media_positions(chunk, 1, 1, offset, item_fps, c, 1, start_frame_offset=action_offset))
-            rows.append(torch.cat(parts, dim=1))
+            key = (length, item_fps, action_offset)
+            if key not in distinct:
+                # diffusers: text occupies positions [0, L); media start after a fixed margin.
+                offset = length + c.unified_3d_mrope_temporal_modality_margin
+                parts = [media_positions(t, hp, wp, offset, item_fps, c, c.temporal_compression)]
+                if chunk and c.action_gen:
+                    # One action per video frame; base rate is the video's (tcf 4), so action 4j aligns with latent j.
+                    parts.append(media_positions(chunk, 1, 1, offset, item_fps, c, 1, start_frame_offset=action_offset))
+                distinct[key] = torch.cat(parts, dim=1)
+            rows.append(distinct[key])
         positions = torch.stack(rows, dim=1).to(self.device)  # [3, B, S]
         cos, sin = self.rotary(positions, self.dtype)
         length_groups = None

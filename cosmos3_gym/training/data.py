@@ -29,8 +29,8 @@ with ``"latent"``), in a folder named by a hash of everything they depend on (VA
 episode files, chunk and stride or the hand-over), so a changed input never reuses stale latents.
 
 A **loss focus** (``window_focus``) marks, per window, the latent cells where a task's focus mask
-(``"module:function"``, uint8 frames ``[N, H, W, 3]`` -> bool ``[N, H, W]``; PushT's block:
-``tasks.pusht.readoff:block_mask``) is set in any of the window's frames, grown by one cell: where the object is, was
+(``"module:function"``, uint8 frames ``[N, H, W, 3]`` -> bool ``[N, H, W]``, e.g. a pushed object's pixels found by
+its colour) is set in any of the window's frames, grown by one cell: where the object is, was
 and goes, so that a model that leaves it behind or melts it is corrected where it errs. ``flow_matching`` weighs those
 cells up in the video loss.
 """

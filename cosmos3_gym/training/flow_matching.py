@@ -27,8 +27,8 @@ zeroes them in the noise and after every step) and carry no loss.
 
 A batch may carry a **loss focus** (``video_focus``, [B, h, w] in [0, 1], from ``data.window_focus``): latent cells
 where what matters moves get ``1 + focus_weight`` times the weight of the rest in the video loss. A small object on a
-still background (PushT's block fills a few percent of the frame) otherwise carries a few percent of the loss, though
-its pose is what the env is for. The per-sample ``video_mse`` stays the plain mean, comparable across settings.
+still background (a pushed block that fills a few percent of the frame) otherwise carries a few percent of the loss,
+though its pose is what the env is for. The per-sample ``video_mse`` stays the plain mean, comparable across settings.
 """
 
 from __future__ import annotations

@@ -172,8 +172,8 @@ class WorldModelTrainConfig:
     video_loss_weight: float = 1.0
     action_loss_weight: float = 1.0
     # A loss focus (data.window_focus, flow_matching): "module:function" mapping uint8 frames [N, H, W, 3] to a bool
-    # mask [N, H, W] of what matters (PushT's block: "cosmos3_gym.tasks.pusht.readoff:block_mask"); the latent cells
-    # it touches in a window weigh 1 + video_loss_focus_weight times the rest in the video loss. None: no focus.
+    # mask [N, H, W] of what matters (a task provides it, e.g. a pushed object's pixels); the latent cells it touches
+    # in a window weigh 1 + video_loss_focus_weight times the rest in the video loss. None: no focus.
     video_loss_focus: str | None = None
     video_loss_focus_weight: float = 0.0
     freeze_text_tower: bool = False  # train only the GEN tower (the UND K/V are then cached per prompt)
