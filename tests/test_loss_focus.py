@@ -169,3 +169,20 @@ def test_pusht_block_mask_is_the_blocks_pixels():
     assert mask.dtype == np.bool_ and mask.sum() == 40 and mask[0, 10:20, 4:8].all()
     with pytest.raises(ValueError, match="frames"):
         block_mask(frames[0])
+
+
+def test_the_train_command_takes_the_focus(tmp_path, dataset, tiny_checkpoint, capsys):
+    import json
+
+    from cosmos3_gym import cli
+    from test_training import TINY_MODEL
+
+    common = ["train", "--dataset", str(dataset), "--vae", str(tiny_checkpoint / "vae"), "--steps", "1",
+              "--batch-size", "2", "--chunk", "4", "--model", json.dumps(TINY_MODEL), "--device", "cpu",
+              "--config", json.dumps({"progress": False, "save_every": 0})]
+    assert cli.main([*common, "--out", str(tmp_path / "ok"), "--video-loss-focus", RED_SQUARE,
+                     "--video-loss-focus-weight", "4"]) == 0
+    assert json.loads((tmp_path / "ok" / "training" / "log.jsonl").read_text().splitlines()[-1])["step"] == 1
+    assert cli.main([*common, "--out", str(tmp_path / "bad"), "--video-loss-focus", "no_such_module:f",
+                     "--video-loss-focus-weight", "4"]) == 2
+    assert "video_loss_focus: cannot load 'no_such_module:f'" in capsys.readouterr().err
