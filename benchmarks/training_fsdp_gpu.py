@@ -16,10 +16,12 @@ Modes and precisions (``--precision``):
                 parameter / N): full-precision full fine-tuning; needs N >= 4 on 80 GB cards (the JSON records the
                 estimate for N = 2, 4, 8 from the measured activation memory);
   lora          bf16 frozen base on one GPU, float32 rank-``--lora-rank`` adapters on the GEN tower, AdamW on them.
-Gradient checkpointing is on (per block). The model is built on the meta device, sharded, then materialised on the
-GPU (no full copy on any rank). Reports step time (median of ``--steps`` after one warm-up), tokens/s (all ranks),
+Activation checkpointing is per block (``--checkpointing full``, the default; ``selective`` keeps the matmul and
+attention outputs; ``none``), and ``--compile`` compiles each block. The model is built on the meta device, sharded,
+then materialised on the GPU (no full copy on any rank). Reports step time (median of ``--steps`` after one warm-up), tokens/s (all ranks),
 peak memory per GPU, and MFU against the card's dense bf16 peak (matmul and attention FLOPs of forward + backward,
-recomputation not counted). Writes ``training_fsdp_<mode>_world<N>.json`` through ``benchmarks/common.py``.
+recomputation not counted). Writes ``training_fsdp_<mode>_world<N>[_<checkpointing>_ac][_compiled].json`` through
+``benchmarks/common.py``.
 """
 
 from __future__ import annotations
@@ -136,7 +138,11 @@ def run(args) -> dict:
         result["lora_rank"] = args.lora_rank
     else:
         trainable = set_trainable(transformer, freeze_text_tower=False)
-    enable_gradient_checkpointing(transformer, text_tower=not lora)
+    if args.checkpointing != "none":
+        enable_gradient_checkpointing(transformer, text_tower=not lora, policy=args.checkpointing)
+    if args.compile:  # per block, inside the checkpoint wrapper and before sharding (torchtitan's order)
+        transformer.compile_blocks()
+    result["checkpointing"], result["compiled_blocks"] = args.checkpointing, args.compile
     objective = FlowMatchingObjective(transformer, freeze_text_tower=lora)
     if lora:
         materialise(objective, transformer, device)
@@ -219,6 +225,10 @@ def main() -> None:
     parser.add_argument("--latent-w", type=int, default=52, help="content latent width (480x832 canvas: 52)")
     parser.add_argument("--prompt-tokens", type=int, default=150)
     parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--checkpointing", choices=["full", "selective", "none"], default="full",
+                        help="activation checkpointing per block: everything recomputed, all but the matmul and "
+                             "attention outputs, or none")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block (compile_blocks)")
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: the tiny config, gloo, small shapes")
     args = parser.parse_args()
     if args.tiny:
@@ -230,7 +240,8 @@ def main() -> None:
 
     if int(os.environ.get("RANK", "0")) == 0:
         result["provenance"] = provenance()
-        suffix = "_tiny" if args.tiny else ""
+        suffix = "" if args.checkpointing == "full" else f"_{args.checkpointing}_ac"
+        suffix += ("_compiled" if args.compile else "") + ("_tiny" if args.tiny else "")
         name = f"training_fsdp_{args.mode}{'' if args.mode == 'lora' else '_' + args.precision}" \
                f"_world{result['world_size']}{suffix}.json"
         write_results(result, name, args.out, args.overwrite)

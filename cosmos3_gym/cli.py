@@ -1119,6 +1119,7 @@ def add_training_commands(sub) -> None:
         ("--data-parallel", str, "ddp | fsdp (under torchrun: replicate, or shard with FSDP2)"),
         ("--lora-rank", int, "train rank-r LoRA adapters on the GEN tower (0: full fine-tuning)"),
         ("--lora-alpha", float, "LoRA alpha (default: the rank)"),
+        ("--checkpoint-policy", str, "with --gradient-checkpointing: full, or selective (keeps matmul outputs)"),
     ):
         if "default" in text:  # a default that depends on something else, said in the text
             train.add_argument(flag, type=kind, default=None, help=text)
@@ -1219,6 +1220,7 @@ def run_train(args: argparse.Namespace) -> None:
         "data_parallel",
         "lora_rank",
         "lora_alpha",
+        "checkpoint_policy",
     ]
     values = {**args.config, **_flag_overrides(args, fields)}
     for flag in ("gradient_checkpointing", "freeze_text_tower", "resume", "fsdp_cpu_offload"):

@@ -105,6 +105,7 @@ DEFAULT_MODEL_CONFIG: dict[str, Any] = {
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 POLICY_EPISODES = ("all", "successful")
 DATA_PARALLEL = ("ddp", "fsdp")
+CHECKPOINT_POLICIES = ("full", "selective")
 STATE_FORMAT_VERSION = 1
 TEMPORAL_COMPRESSION = WAN22_FIXED_CONFIG["scale_factor_temporal"]  # of every VAE train_vae makes
 
@@ -178,6 +179,7 @@ class WorldModelTrainConfig:
     video_loss_focus_weight: float = 0.0
     freeze_text_tower: bool = False  # train only the GEN tower (the UND K/V are then cached per prompt)
     gradient_checkpointing: bool = False  # activation checkpointing per transformer block
+    checkpoint_policy: str = "full"  # what it recomputes: "full" (everything) or "selective" (not matmuls, attention)
     # Under torchrun: "ddp" replicates the model on every rank; "fsdp" shards weights, gradients and AdamW states
     # over the ranks (FSDP2, fsdp.py), with bf16 compute / fp32 reduce on CUDA and a sharded
     # torch.distributed.checkpoint training state.
@@ -294,6 +296,8 @@ class WorldModelTrainConfig:
             fail("grow_depth", "None, or a number of layers >= the init_checkpoint's (needs init_checkpoint)")
         if self.lora_alpha is not None and (not is_number(self.lora_alpha) or self.lora_alpha <= 0):
             fail("lora_alpha", "a positive number or None")
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            fail("checkpoint_policy", f"one of {list(CHECKPOINT_POLICIES)}")
         if self.data_parallel not in DATA_PARALLEL:
             fail("data_parallel", f"one of {list(DATA_PARALLEL)}")
         if self.rollout_decoder not in ("vae", "light"):
@@ -445,17 +449,49 @@ def set_trainable(model: Cosmos3Transformer, freeze_text_tower: bool) -> list[st
     return names
 
 
-def enable_gradient_checkpointing(model: Cosmos3Transformer, text_tower: bool = True) -> None:
-    """Recompute each layer's activations in the backward pass (torch.utils.checkpoint, non-reentrant).
+# What selective checkpointing keeps from the forward pass: the outputs of the matmuls and of attention, the costly
+# ops; norms, RoPE, gates and activations (cheap, memory-bound) are recomputed. torchtitan's "op" SAC policy, without
+# its every-other-matmul memory trade.
+_SAVED_OPS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)  # the attention kernels differ between torch versions
+)
+
+
+def _selective_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def enable_gradient_checkpointing(model: Cosmos3Transformer, text_tower: bool = True, policy: str = "full") -> None:
+    """Recompute each layer's activations in the backward pass (torch.utils.checkpoint, non-reentrant): all of them
+    (``policy="full"``), or all but the matmul and attention outputs (``"selective"``: more memory, less recompute).
 
     The towers call ``layer.gen_forward`` / ``layer.text_forward`` rather than ``forward``, so those bound methods
     are wrapped on each layer instance; parameter names and the state dict are unchanged.
     """
     from torch.utils.checkpoint import checkpoint
 
+    if policy not in CHECKPOINT_POLICIES:
+        raise InputError(f"checkpoint_policy: expected one of {list(CHECKPOINT_POLICIES)}, got {policy!r}")
+    extra = {"context_fn": _selective_context} if policy == "selective" else {}
+
     def wrap(method):
         def checkpointed(*args, **kwargs):
-            return checkpoint(method, *args, use_reentrant=False, **kwargs)
+            return checkpoint(method, *args, use_reentrant=False, **extra, **kwargs)
 
         return checkpointed
 
@@ -959,7 +995,7 @@ class WorldModelTrainer:
             trainable = set_trainable(self.transformer, config.freeze_text_tower)
         text_frozen = config.freeze_text_tower or config.lora_rank > 0
         if config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.transformer, text_tower=not text_frozen)
+            enable_gradient_checkpointing(self.transformer, text_tower=not text_frozen, policy=config.checkpoint_policy)
         self.objective = FlowMatchingObjective(
             self.transformer,
             video_loss_weight=config.video_loss_weight,
