@@ -91,6 +91,9 @@ def test_a_start_is_rendered_once_while_it_is_kept(episode, monkeypatch):
     assert len(renders) == 3
     np.testing.assert_array_equal(starts.frame(2), episode["frames"][16])
     assert len(renders) == 4
+    import pickle
+
+    assert not pickle.loads(pickle.dumps(starts))._rendered  # workers render their own: no frames in the pickle
 
 
 def test_group_resets_share_starts_and_survive_autoreset(episode):

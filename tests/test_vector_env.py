@@ -462,3 +462,21 @@ def test_resize_frames_gives_the_bytes_of_resize_frame_in_any_batch():
     same = resize_frames(frames, (40, 56))
     np.testing.assert_array_equal(same, frames)
     assert not np.shares_memory(same, frames)  # a new array, as observations always are
+
+
+def _resize_in_child(frames):
+    from cosmos3_gym.data.initial_states import resize_frames
+
+    return resize_frames(frames, (24, 20))
+
+
+def test_resize_frames_works_in_a_forked_child_of_a_process_that_used_it():
+    """A thread pool inherited through fork has no threads: the child must make its own, not wait forever."""
+    import multiprocessing
+
+    from cosmos3_gym.data.initial_states import resize_frames
+
+    frames = np.random.default_rng(1).integers(0, 256, (32, 40, 56, 3), dtype=np.uint8)
+    expected = resize_frames(frames, (24, 20))  # the parent's pool exists now
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        np.testing.assert_array_equal(pool.apply_async(_resize_in_child, (frames,)).get(timeout=60), expected)

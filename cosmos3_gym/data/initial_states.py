@@ -18,7 +18,6 @@ arbitrary code; convert them to ``.npz`` with a ``frames`` array and a ``task`` 
 
 from __future__ import annotations
 
-import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -248,11 +247,17 @@ def resize_frame(frame: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
 
 # Frames per thread below which a batch is resized in the calling thread (a thread hand-off costs about one resize).
 _FRAMES_PER_THREAD = 8
+_RESIZE_THREADS = min(16, os.cpu_count() or 1)
+_resize_pools: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child gets a pool of its own
 
 
-@functools.cache
 def _resize_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="resize_frames")
+    # A pool inherited through fork has no threads in the child: work handed to it would never run.
+    pid = os.getpid()
+    if pid not in _resize_pools:
+        _resize_pools.clear()
+        _resize_pools[pid] = ThreadPoolExecutor(_RESIZE_THREADS, thread_name_prefix="resize_frames")
+    return _resize_pools[pid]
 
 
 def resize_frames(frames: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
@@ -263,7 +268,7 @@ def resize_frames(frames: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
     resizes, so the batch is split over a thread pool."""
     if frames.shape[1:3] == tuple(size_hw):
         return frames.copy()
-    threads = min(_resize_pool()._max_workers, len(frames) // _FRAMES_PER_THREAD)
+    threads = min(_RESIZE_THREADS, len(frames) // _FRAMES_PER_THREAD)
     if threads <= 1:
         return np.stack([resize_frame(frame, size_hw) for frame in frames])
     parts = np.array_split(np.arange(len(frames)), threads)

@@ -258,7 +258,8 @@ class DemoStartStates(InitialStateSource):
             description=f"{self.description} (subset)",
         )
 
-    def __getstate__(self):  # picklable for worker processes: the simulator is made again where it is needed
+    def __getstate__(self):  # picklable for worker processes: the simulator and the frames are made again there
         state = dict(self.__dict__)
         state["_sim"] = None
+        state["_rendered"] = collections.OrderedDict()
         return state
