@@ -194,6 +194,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--grow-depth", type=int, default=None,
                         help="with --wm-init: first deepen its transformer to this many layers per tower, computing "
                              "the same function (cosmos3_gym.training.growth)")
+    parser.add_argument("--grow-intermediate", type=int, default=None,
+                        help="with --wm-init: first widen its MLPs to this many units, computing the same function")
+    parser.add_argument("--grow-heads", type=int, default=None,
+                        help="with --wm-init: first widen its attention to this many query heads (key/value heads in "
+                             "proportion), computing the same function")
     parser.add_argument("--policy-mix", default=None,
                         help="the training episodes' policies and shares, e.g. 'scripted=0.5,uniform=0.2,"
                              "file:benchmarks/results/rl/policies/rl_pusht_bc.safetensors=0.3' (policies of "
@@ -213,8 +218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.part == "second") != (args.first_part is not None):
         parser.error("--first-part goes with --part second, and --part second needs it")
-    if args.grow_depth is not None and not args.wm_init:
-        parser.error("--grow-depth goes with --wm-init")
+    if (args.grow_depth, args.grow_intermediate, args.grow_heads) != (None, None, None) and not args.wm_init:
+        parser.error("--grow-depth, --grow-intermediate and --grow-heads go with --wm-init")
     if args.wm_self_forcing_rollouts and not args.wm_init:
         parser.error("--wm-self-forcing-rollouts needs --wm-init (the model whose own frames the samples start from)")
     args.policy_mix = parse_policy_mix(parser, args.policy_mix)
@@ -394,6 +399,9 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
     model["rope_scaling"] = {"mrope_section": [args.head_dim // 2 - 2 * quarter, quarter, quarter]}
     config = WorldModelTrainConfig(
         model={} if args.wm_init else model, init_checkpoint=args.wm_init, grow_depth=args.grow_depth,
+        grow_width={key: value for key, value in (("intermediate_size", args.grow_intermediate),
+                                                  ("num_attention_heads", args.grow_heads)) if value is not None}
+        or None,
         chunk=args.chunk, resolution_tier=256,
         batch_size=args.wm_batch, lr=args.wm_lr, policy_episodes=args.wm_policy_episodes,
         cond_noise_std=args.wm_cond_noise, rollout_prob=args.wm_rollout_prob, rollout_max_chunks=args.wm_rollout_chunks,

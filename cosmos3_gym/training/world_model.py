@@ -78,7 +78,7 @@ from .fsdp import (
     load_sharded_state,
     save_sharded_state,
 )
-from .growth import grow_depth
+from .growth import grow_depth, grow_width
 from .lora import apply_lora, merge_lora_state_dict
 from .rollout import RolloutConditioner
 from .schedule import LR_SCHEDULES, learning_rate
@@ -209,6 +209,9 @@ class WorldModelTrainConfig:
     tokenizer_dir: str | None = None  # None: init_checkpoint's text_tokenizer, else tokenizer.build_tiny_tokenizer()
     init_checkpoint: str | None = None  # fine-tune the transformer of this checkpoint instead of a fresh one
     grow_depth: int | None = None  # init_checkpoint's layers expanded to this many per tower (training.growth)
+    # init_checkpoint widened (training.growth.grow_width): {"intermediate_size": N, "num_attention_heads": M}, either
+    # key optional; the key/value heads grow with the query heads. None: the checkpoint's width.
+    grow_width: dict | None = None
     work_dir: str | None = None  # None: <out_dir>/training
     cache_dir: str | None = None  # None: <work_dir>/latent_cache
     encode_batch_size: int = 8
@@ -294,6 +297,15 @@ class WorldModelTrainConfig:
             self.init_checkpoint is None or not is_int(self.grow_depth) or self.grow_depth < 1
         ):
             fail("grow_depth", "None, or a number of layers >= the init_checkpoint's (needs init_checkpoint)")
+        if self.grow_width is not None and (
+            self.init_checkpoint is None
+            or not isinstance(self.grow_width, dict)
+            or not set(self.grow_width) <= {"intermediate_size", "num_attention_heads"}
+        ):
+            fail(
+                "grow_width",
+                "None, or a dict with intermediate_size and/or num_attention_heads (needs init_checkpoint)",
+            )
         if self.lora_alpha is not None and (not is_number(self.lora_alpha) or self.lora_alpha <= 0):
             fail("lora_alpha", "a positive number or None")
         if self.checkpoint_policy not in CHECKPOINT_POLICIES:
@@ -352,6 +364,10 @@ def resolve_transformer_config(config: WorldModelTrainConfig, vocab_size: int, l
         transformer_config = {k: v for k, v in layout.transformer_config.items() if not k.startswith("_")}
         if config.grow_depth is not None:
             transformer_config["num_hidden_layers"] = config.grow_depth
+        if config.grow_width:
+            group = transformer_config["num_attention_heads"] // transformer_config["num_key_value_heads"]
+            transformer_config.update(config.grow_width)
+            transformer_config["num_key_value_heads"] = transformer_config["num_attention_heads"] // group
     else:
         transformer_config = {**DEFAULT_MODEL_CONFIG, "vocab_size": vocab_size, **config.model}
         transformer_config.setdefault("latent_channel", latent_channels)
@@ -415,7 +431,9 @@ def build_transformer(
     if config.init_checkpoint is not None:
         layout = validate_checkpoint(config.init_checkpoint)
         model = Cosmos3Transformer.from_pretrained(layout.transformer_dir, device=device, dtype=dtype)
-        return model if config.grow_depth is None else grow_depth(model, config.grow_depth)
+        if config.grow_depth is not None:
+            model = grow_depth(model, config.grow_depth)
+        return grow_width(model, **(config.grow_width or {}), seed=config.seed)
     cfg = Cosmos3TransformerConfig.from_dict(transformer_config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)  # the time embedder's default init draws from the global RNG
@@ -652,6 +670,7 @@ _RESUME_FIXED_FIELDS = (
     "param_dtype",
     "init_checkpoint",
     "grow_depth",
+    "grow_width",
     "data_parallel",
     "lora_rank",
     "lora_alpha",
