@@ -277,6 +277,18 @@ def test_objective_under_bf16_autocast_with_prompts_of_two_lengths():
         torch.testing.assert_close(mixed[key], reference[key], rtol=3e-2, atol=1e-3, equal_nan=True)
 
 
+def _two_sample_batch(modes: list[int]) -> FlowMatchingBatch:
+    """Two samples of the tiny transformer's shapes, prompts of two lengths, in ``modes``."""
+    generator = torch.Generator().manual_seed(1)
+    return FlowMatchingBatch(
+        prompt_ids=[list(range(1, 12)), list(range(1, 6))], fps=[FPS] * 2,
+        video=torch.randn(2, 16, 2, 4, 4, generator=generator), actions=torch.zeros(2, CHUNK, 64),
+        raw_action_dims=torch.full((2,), 2), domain_ids=torch.full((2,), 4), modes=torch.tensor(modes),
+        sigmas=torch.tensor([0.9, 0.4]), video_noise=torch.randn(2, 16, 2, 4, 4, generator=generator),
+        action_noise=torch.randn(2, CHUNK, 64, generator=generator),
+    )
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     """Full and selective checkpointing give the gradients of no checkpointing; full recomputes the forward's matmuls
     in the backward pass, selective keeps them (counted at the dispatcher), so the policies really differ."""
@@ -292,14 +304,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
             return func(*args, **(kwargs or {}))
 
     cfg = Cosmos3TransformerConfig.from_dict({**TINY_TRANSFORMER_CONFIG, "vocab_size": 64})
-    generator = torch.Generator().manual_seed(1)
-    batch = FlowMatchingBatch(
-        prompt_ids=[list(range(1, 12)), list(range(1, 6))], fps=[FPS] * 2,
-        video=torch.randn(2, 16, 2, 4, 4, generator=generator), actions=torch.zeros(2, CHUNK, 64),
-        raw_action_dims=torch.full((2,), 2), domain_ids=torch.full((2,), 4), modes=torch.tensor([0, 2]),
-        sigmas=torch.tensor([0.9, 0.4]), video_noise=torch.randn(2, 16, 2, 4, 4, generator=generator),
-        action_noise=torch.randn(2, CHUNK, 64, generator=generator),
-    )
+    batch = _two_sample_batch([0, 2])
     gradients, backward_matmuls = {}, {}
     for policy in (None, "full", "selective"):
         torch.manual_seed(0)
@@ -326,14 +331,7 @@ def test_selective_checkpointing_in_compiled_blocks_gives_the_eager_gradients():
     """benchmarks/training_fsdp_gpu.py --checkpointing selective --compile: the checkpoint wrapper compiled per block
     (torch.compile warns that a context_fn needs a region without in-place ops) gives eager's gradients."""
     cfg = Cosmos3TransformerConfig.from_dict({**TINY_TRANSFORMER_CONFIG, "vocab_size": 64})
-    generator = torch.Generator().manual_seed(1)
-    batch = FlowMatchingBatch(
-        prompt_ids=[list(range(1, 12)), list(range(1, 6))], fps=[FPS] * 2,
-        video=torch.randn(2, 16, 2, 4, 4, generator=generator), actions=torch.zeros(2, CHUNK, 64),
-        raw_action_dims=torch.full((2,), 2), domain_ids=torch.full((2,), 4), modes=torch.tensor([0, 1]),
-        sigmas=torch.tensor([0.9, 0.4]), video_noise=torch.randn(2, 16, 2, 4, 4, generator=generator),
-        action_noise=torch.randn(2, CHUNK, 64, generator=generator),
-    )
+    batch = _two_sample_batch([0, 1])
     gradients = []
     for compiled in (False, True):
         torch.manual_seed(0)
