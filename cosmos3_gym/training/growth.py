@@ -26,7 +26,7 @@ import torch
 from ..errors import InputError
 from ..models.transformer import Cosmos3Transformer, build_on_meta
 
-__all__ = ["grow_depth", "grow_width", "layer_sources"]
+__all__ = ["grow_depth", "grow_width", "grown_key_value_heads", "layer_sources"]
 
 ZEROED_OUTPUTS = ("attn.out.weight", "attn.out.bias", "mlp.down.weight", "mlp.down.bias")
 
@@ -86,6 +86,11 @@ def _filled(grown: Cosmos3Transformer, state: dict[str, torch.Tensor], model: Co
     return grown
 
 
+def grown_key_value_heads(num_attention_heads: int, num_key_value_heads: int, grown_attention_heads: int) -> int:
+    """The key/value heads of a model widened to ``grown_attention_heads``: the query-per-key/value ratio is kept."""
+    return grown_attention_heads // (num_attention_heads // num_key_value_heads)
+
+
 def _with_rows(value: torch.Tensor, parts: list[int], added: list[int], generator: torch.Generator) -> torch.Tensor:
     """``value``'s first dimension cut into ``parts``, each followed by ``added`` new rows: weights (2-D) drawn
     N(0, std of that part), biases (1-D) zero."""
@@ -131,7 +136,7 @@ def grow_width(
         )
     if (intermediate, heads) == (c.intermediate_size, c.num_attention_heads):
         return model
-    kv_heads = heads // group
+    kv_heads = grown_key_value_heads(c.num_attention_heads, c.num_key_value_heads, heads)
     grown = build_on_meta(
         Cosmos3Transformer,
         dataclasses.replace(c, intermediate_size=intermediate, num_attention_heads=heads, num_key_value_heads=kv_heads),

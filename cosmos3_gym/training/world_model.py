@@ -78,7 +78,7 @@ from .fsdp import (
     load_sharded_state,
     save_sharded_state,
 )
-from .growth import grow_depth, grow_width
+from .growth import grow_depth, grow_width, grown_key_value_heads
 from .lora import apply_lora, merge_lora_state_dict
 from .rollout import RolloutConditioner
 from .schedule import LR_SCHEDULES, learning_rate
@@ -365,9 +365,11 @@ def resolve_transformer_config(config: WorldModelTrainConfig, vocab_size: int, l
         if config.grow_depth is not None:
             transformer_config["num_hidden_layers"] = config.grow_depth
         if config.grow_width:
-            group = transformer_config["num_attention_heads"] // transformer_config["num_key_value_heads"]
+            heads, kv_heads = transformer_config["num_attention_heads"], transformer_config["num_key_value_heads"]
             transformer_config.update(config.grow_width)
-            transformer_config["num_key_value_heads"] = transformer_config["num_attention_heads"] // group
+            transformer_config["num_key_value_heads"] = grown_key_value_heads(
+                heads, kv_heads, transformer_config["num_attention_heads"]
+            )
     else:
         transformer_config = {**DEFAULT_MODEL_CONFIG, "vocab_size": vocab_size, **config.model}
         transformer_config.setdefault("latent_channel", latent_channels)
