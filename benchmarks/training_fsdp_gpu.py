@@ -20,7 +20,7 @@ Activation checkpointing is per block (``--checkpointing full``, the default; ``
 attention outputs; ``none``), and ``--compile`` compiles each block. The model is built on the meta device, sharded,
 then materialised on the GPU (no full copy on any rank). Reports step time (median of ``--steps`` after one warm-up), tokens/s (all ranks),
 peak memory per GPU, and MFU against the card's dense bf16 peak (matmul and attention FLOPs of forward + backward,
-recomputation not counted). Writes ``training_fsdp_<mode>_world<N>[_<checkpointing>_ac][_compiled].json`` through
+recomputation not counted). Writes ``training_fsdp_<mode>_world<N>[_bs<B>][_<checkpointing>_ac][_compiled].json`` through
 ``benchmarks/common.py``.
 """
 
@@ -240,7 +240,8 @@ def main() -> None:
 
     if int(os.environ.get("RANK", "0")) == 0:
         result["provenance"] = provenance()
-        suffix = "" if args.checkpointing == "full" else f"_{args.checkpointing}_ac"
+        suffix = "" if args.batch_size == 2 else f"_bs{args.batch_size}"
+        suffix += "" if args.checkpointing == "full" else f"_{args.checkpointing}_ac"
         suffix += ("_compiled" if args.compile else "") + ("_tiny" if args.tiny else "")
         name = f"training_fsdp_{args.mode}{'' if args.mode == 'lora' else '_' + args.precision}" \
                f"_world{result['world_size']}{suffix}.json"

@@ -6,12 +6,15 @@
 #   bash benchmarks/recipes/finetune_ab_pusht.sh plain          # the plain fine-tune, SECONDS_BUDGET (145) s
 #   bash benchmarks/recipes/finetune_ab_pusht.sh block-focus    # the same with the block's latent cells weighing
 #                                                               # 1 + FOCUS (4) times the rest (--wm-block-focus)
+#   bash benchmarks/recipes/finetune_ab_pusht.sh history        # the plain arm with the previous HISTORY (4) actions
+#                                                               # as state rows (--wm-action-history)
 #   bash benchmarks/recipes/finetune_ab_pusht.sh self-forcing   # self-forcing samples with a consistent target
 #                                                               # (tasks/pusht/self_forcing.py; about 400 s)
 #   MODEL=focus bash benchmarks/recipes/finetune_ab_pusht.sh evaluate   # the evaluation pool, 32 x 16 chunks
 #
 # Session 26 ran self-forcing (then `self_forcing_pusht.sh train`) and plain (then `control`, with STEPS=900), session
-# 27 plain and block-focus (RESULTS.md "Issue 42 item 3", "Issue 42 item 5").
+# 27 plain and block-focus, session 28 history (RESULTS.md "Issue 42 item 3", "Issue 42 item 5", "Issue 42: state
+# rows").
 # Data: EPISODES (192) new episodes from dataset seed 101 with round 9's family mix (its files: policies of the
 # training pool; the manifest's seed notes name 101). Self-forcing: ROLLOUTS (3) rollouts of DEPTH (10) chunks per
 # episode by the shipped model, each chunk's last frame a sample. The held-out measurement is session 24's baseline
@@ -26,10 +29,10 @@
 #   TRAIN_ARGS="--smoke --steps-per-episode 40 --chunk 8 --wm-batch 2" EVAL_ARGS=--smoke bash .../finetune_ab_pusht.sh ARM
 #
 # evaluate: the evaluation pool (policy_pools.json) on reporting seeds, in the two halves of the session-24 baseline
-# side by side, for MODEL=sf, focus or plain (that arm's model, on a warm machine) or MODEL=builtin (the tree's
+# side by side, for MODEL=sf, focus, history or plain (that arm's model, on a warm machine) or MODEL=builtin (the tree's
 # built-in model, once fine-tuned weights are installed there). Nothing here chooses on the evaluation pool.
 set -euo pipefail
-STAGE=${1:?plain, block-focus, self-forcing or evaluate}
+STAGE=${1:?plain, block-focus, history, self-forcing or evaluate}
 OUT=${OUT:?set OUT to the output folder}
 WORK=${WORK:-/tmp/finetune_ab}
 ASSETS=cosmos3_gym/tasks/pusht/assets
@@ -81,6 +84,11 @@ case "$STAGE" in
       --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
     heldout focus
     exit 0 ;;
+  history)  # the plain arm's settings, each window's previous HISTORY actions as clean state rows
+    fine_tune history --wm-action-history "${HISTORY:-4}" --wm-seconds "${SECONDS_BUDGET:-145}" \
+      --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
+    heldout history
+    exit 0 ;;
   self-forcing)
     fine_tune sf --wm-self-forcing-rollouts "${ROLLOUTS:-3}" --wm-self-forcing-depth "${DEPTH:-10}" \
       --wm-self-forcing-envs "${ENVS:-256}" --wm-seconds 900 --wm-max-steps 40000 --deadline-s "${DEADLINE_S:-430}"
@@ -88,13 +96,13 @@ case "$STAGE" in
     heldout sf
     exit 0 ;;
   evaluate) ;;
-  *) echo "stage: expected plain, block-focus, self-forcing or evaluate, got $STAGE" >&2; exit 2 ;;
+  *) echo "stage: expected plain, block-focus, history, self-forcing or evaluate, got $STAGE" >&2; exit 2 ;;
 esac
 
-case "${MODEL:?set MODEL to sf, focus, plain or builtin}" in
-  sf | focus | plain) assets=$WORK/$MODEL/assets/pusht ;;
+case "${MODEL:?set MODEL to sf, focus, history, plain or builtin}" in
+  sf | focus | history | plain) assets=$WORK/$MODEL/assets/pusht ;;
   builtin) assets=$ASSETS ;;
-  *) echo "MODEL: expected sf, focus, plain or builtin, got $MODEL" >&2; exit 2 ;;
+  *) echo "MODEL: expected sf, focus, history, plain or builtin, got $MODEL" >&2; exit 2 ;;
 esac
 half() {  # $1 A or B: the session-24 baseline's halves of the evaluation pool, 32 reporting starts x 16 chunks
   local policies=$EVAL_POOL_A

@@ -178,6 +178,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wm-context-frames", type=int, default=1,
                         help="clean latent frames the world model conditions on (more than 1 needs --wm-handover "
                              "latent); with --wm-init any number (the transformer's shape does not depend on it)")
+    parser.add_argument("--wm-action-history", type=int, default=0,
+                        help="state rows: the previous N actions before each window (WorldModelTrainConfig."
+                             "action_history_length, written to meta.json; the env passes a slot's last N actions). "
+                             "A frame shows no velocity; the agent's is linear in its position and its last 3-4 "
+                             "targets (handover_sensitivity.py)")
     parser.add_argument("--wm-block-focus", type=float, default=0.0,
                         help="extra weight of the latent cells the block covers in a window (WorldModelTrainConfig."
                              "video_loss_focus with tasks.pusht.readoff:block_mask): 4 makes them weigh 5x the rest; "
@@ -409,6 +414,7 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
         # the hand-over the env makes with the model fine-tuned from: its light decoder where its meta.json says so
         rollout_decoder=checkpoint_decoder(args.wm_init) if args.wm_init else "vae",
         handover=args.wm_handover, context_frames=args.wm_context_frames,
+        action_history_length=args.wm_action_history,
         video_loss_focus=BLOCK_FOCUS if args.wm_block_focus > 0 else None, video_loss_focus_weight=args.wm_block_focus,
         seed=args.seed, device=args.device, save_every=0,
         save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=args.encode_batch_size,

@@ -99,12 +99,13 @@ class TrainingWindows:
     """Every training window of a dataset, in memory.
 
     ``latents[i]`` are window i's clean latents (``t = 1 + chunk/tc`` frames; with handover "latent" ``K + chunk/tc``,
-    the first K the context), ``actions[i]`` its normalised raw-width actions, and ``prompt_index[i]`` indexes
-    ``prompts``: the (conditional, unconditional) token ids of its episode's task.
+    the first K the context), ``actions[i]`` its normalised raw-width actions (with ``action_history_length`` H, the
+    H actions before the window first: its state rows), and ``prompt_index[i]`` indexes ``prompts``: the
+    (conditional, unconditional) token ids of its episode's task.
     """
 
     latents: torch.Tensor  # [N, C, t, h, w] float32
-    actions: torch.Tensor  # [N, chunk, raw_action_dim] float32, normalised
+    actions: torch.Tensor  # [N, H + chunk, raw_action_dim] float32, normalised (H: the state rows)
     prompt_index: torch.Tensor  # [N] long
     prompts: list[tuple[list[int], list[int]]]
     episode_index: torch.Tensor  # [N] long (into DatasetInfo.episodes)
@@ -247,12 +248,15 @@ def build_training_windows(
     progress: bool = True,
     handover: str = "pixels",
     context_frames: int = 1,
+    action_history_length: int = 0,
 ) -> TrainingWindows:
     """Load (or encode and cache) every window's latents and gather actions and prompts.
 
     ``vae`` is a ``models.vae.Cosmos3VAE`` loaded from ``vae_dir``. ``handover`` and ``context_frames`` (K) choose
-    the windows' latents (module docstring): ``"pixels"`` (K = 1) or ``"latent"``. Under torch.distributed each rank
-    encodes every world_size-th missing episode and all ranks then read the whole cache.
+    the windows' latents (module docstring): ``"pixels"`` (K = 1) or ``"latent"``. ``action_history_length`` H puts
+    the H actions before each window ahead of its actions, the first action standing in for those before an episode's
+    start (the env's state rows at a slot's first step: its chunk's first action, repeated). Under
+    torch.distributed each rank encodes every world_size-th missing episode and all ranks then read the whole cache.
     """
     from tqdm.auto import tqdm
 
@@ -264,6 +268,12 @@ def build_training_windows(
         raise InputError(f"context_frames: expected an integer >= 1, got {context_frames!r}")
     if handover == "pixels" and context_frames != 1:
         raise InputError(f"context_frames: expected 1 with handover 'pixels', got {context_frames}")
+    if (
+        isinstance(action_history_length, bool)
+        or not isinstance(action_history_length, int)
+        or action_history_length < 0
+    ):
+        raise InputError(f"action_history_length: expected an integer >= 0, got {action_history_length!r}")
     tc = vae.temporal_compression
     if handover == "latent":
         for name, value in (("chunk", chunk), ("window_stride", stride)):
@@ -382,7 +392,8 @@ def build_training_windows(
             )
         normalised = torch.from_numpy(np.asarray(info.stats.normalize(episode.actions), dtype=np.float32))
         latents.append(episode_latents)
-        actions.append(torch.stack([normalised[s : s + chunk] for s in starts]))
+        rows = torch.arange(-action_history_length, chunk)
+        actions.append(torch.stack([normalised[(s + rows).clamp_min(0)] for s in starts]))
         prompt_index += [prompt_of_key[key]] * len(starts)
         episode_index += [i] * len(starts)
         window_start += starts

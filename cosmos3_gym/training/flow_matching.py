@@ -85,14 +85,15 @@ def timesteps_from_sigmas(sigmas: torch.Tensor) -> torch.Tensor:
 
 
 def mode_masks(
-    modes: torch.Tensor, latent_t: int, chunk: int, context_frames: int = 1
+    modes: torch.Tensor, latent_t: int, chunk: int, context_frames: int = 1, state_rows: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample modes [B] (indexes into ``engine.MODES``) -> (video_noisy [B, t], action_noisy [B, chunk]) bool;
-    the first ``context_frames`` latent frames are clean in every mode."""
-    batch = modes.shape[0]
+    """Per-sample modes [B] (indexes into ``engine.MODES``) -> (video_noisy [B, t], action_noisy [B, state_rows +
+    chunk]) bool; the first ``context_frames`` latent frames and the ``state_rows`` (the action history before the
+    chunk, as ``processor.prepare_action_rows`` puts it) are clean in every mode."""
     frame = torch.arange(latent_t, device=modes.device)
     video_noisy = (frame[None, :] >= context_frames) & (modes != INVERSE_DYNAMICS)[:, None]
-    action_noisy = (modes != FORWARD_DYNAMICS)[:, None].expand(batch, chunk).clone()
+    row = torch.arange(state_rows + chunk, device=modes.device)
+    action_noisy = (row[None, :] >= state_rows) & (modes != FORWARD_DYNAMICS)[:, None]
     return video_noisy, action_noisy
 
 
@@ -103,13 +104,14 @@ class FlowMatchingBatch:
     prompt_ids: list[list[int]]  # the token ids each sample's text tower sees (conditional or unconditional)
     fps: list[float]
     video: torch.Tensor  # [B, C, t, h, w] clean normalised latents
-    actions: torch.Tensor  # [B, chunk, action_dim] clean normalised actions, zero beyond the raw width
+    actions: torch.Tensor  # [B, H + chunk, action_dim] clean normalised actions (H state rows first), zero beyond
+    # the raw width
     raw_action_dims: torch.Tensor  # [B] long
     domain_ids: torch.Tensor  # [B] long
     modes: torch.Tensor  # [B] long, indexes into engine.MODES
     sigmas: torch.Tensor  # [B] float32
     video_noise: torch.Tensor  # [B, C, t, h, w]
-    action_noise: torch.Tensor  # [B, chunk, action_dim]
+    action_noise: torch.Tensor  # [B, H + chunk, action_dim]
     window_index: torch.Tensor | None = None  # [B] long: the training windows drawn (the objective ignores it)
     video_focus: torch.Tensor | None = None  # [B, h, w] in [0, 1]: the loss focus (module docstring); None: none
 
@@ -127,7 +129,7 @@ class FlowMatchingObjective(nn.Module):
     The module to hand to DDP: the text tower (unless frozen), the GEN tower and the loss all run inside one
     ``forward``. With ``freeze_text_tower`` the UND K/V of each distinct prompt are computed once without gradients
     and cached, as the engine caches them. The first ``context_frames`` latent frames of a batch's video are its clean
-    context (``mode_masks``).
+    context and the first ``action_history_length`` action rows its clean state rows (``mode_masks``).
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class FlowMatchingObjective(nn.Module):
         freeze_text_tower: bool = False,
         context_frames: int = 1,
         focus_weight: float = 0.0,
+        action_history_length: int = 0,
     ):
         super().__init__()
         self.transformer = transformer
@@ -147,6 +150,7 @@ class FlowMatchingObjective(nn.Module):
         self.action_loss_weight = action_loss_weight
         self.freeze_text_tower = freeze_text_tower
         self.context_frames = context_frames
+        self.action_history_length = action_history_length
         self._frozen_text_cache: dict[tuple[int, ...], TextKV] = {}
 
     def encode_prompts(self, prompt_ids: list[list[int]]) -> TextKV:
@@ -174,8 +178,9 @@ class FlowMatchingObjective(nn.Module):
         (NaN where the sample has no noisy video / no noisy action), the means over the noisy entries."""
         x0_video, x0_actions = batch.video.float(), batch.actions.float()
         _, _, latent_t, h, w = x0_video.shape
-        chunk, action_dim = x0_actions.shape[1:]
-        video_noisy, action_noisy = mode_masks(batch.modes, latent_t, chunk, self.context_frames)
+        rows, action_dim = x0_actions.shape[1:]
+        history = self.action_history_length
+        video_noisy, action_noisy = mode_masks(batch.modes, latent_t, rows - history, self.context_frames, history)
         dims = torch.arange(action_dim, device=x0_actions.device)
         raw_dims = dims[None, None, :] < batch.raw_action_dims[:, None, None]  # [B, 1, action_dim]
         action_noise = batch.action_noise.float() * raw_dims
@@ -190,10 +195,11 @@ class FlowMatchingObjective(nn.Module):
         text = self.encode_prompts(batch.prompt_ids)
         timesteps = timesteps_from_sigmas(batch.sigmas)
         # With K context frames the current frame is frame K - 1: the action rows move with it, as the engine moves
-        # them (engine._Prepared.action_start_offset), so each keeps its place next to the frame it leads to.
-        action_start = 1 + self.transformer.config.temporal_compression * (self.context_frames - 1)
+        # them (engine._Prepared.action_start_offset), so each keeps its place next to the frame it leads to; H state
+        # rows come before the chunk's first, at times 1 - H .. 0.
+        action_start = 1 - history + self.transformer.config.temporal_compression * (self.context_frames - 1)
         layout = self.transformer.gen_layout(
-            text.lengths, (latent_t, h, w), chunk, list(batch.fps), action_start_offset=action_start
+            text.lengths, (latent_t, h, w), rows, list(batch.fps), action_start_offset=action_start
         )
         v_video, v_action = self.transformer(
             text, layout, video_in, video_noisy, timesteps, actions_in, action_noisy, batch.domain_ids

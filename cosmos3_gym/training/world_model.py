@@ -166,6 +166,11 @@ class WorldModelTrainConfig:
     # chunk and window_stride to be multiples of the VAE's temporal compression (4). Both go into meta.json.
     handover: str = "pixels"
     context_frames: int = 1
+    # Clean state rows before each window's actions: its previous action_history_length actions (at an episode's start
+    # its first action, repeated), as the env passes a slot's last executed actions (envs.core._action_history).
+    # A frame shows where things are, not how they move; a PD-controlled agent's velocity is a linear function of its
+    # position and its last few targets (benchmarks/recipes/handover_sensitivity.py). Goes into meta.json.
+    action_history_length: int = 0
     flow_shift: float | None = None  # None: native Cosmos3 training's shift for the tier (256: 3, 480: 5, 720: 10)
     sigma_distribution: str = "logit_normal"  # of u before the shift: "logit_normal" (SD3) or "uniform"
     logit_mean: float = 0.0
@@ -239,7 +244,7 @@ class WorldModelTrainConfig:
         ):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
-        for name in ("steps", "warmup_steps", "save_every", "seed", "lora_rank"):
+        for name in ("steps", "warmup_steps", "save_every", "seed", "lora_rank", "action_history_length"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 fail(name, "an integer >= 0")
         for name in (
@@ -336,6 +341,8 @@ class WorldModelTrainConfig:
                     )
             if self.rollout_prob > 0:
                 fail("rollout_prob", "0 with handover='latent' (rollouts hand over through pixels)")
+        if self.action_history_length and self.rollout_prob > 0:
+            fail("rollout_prob", "0 with action_history_length > 0 (rollouts pass no state rows)")
 
     @property
     def lora_scaling(self) -> float:
@@ -628,8 +635,9 @@ def sample_batch(
     video = windows.latents[index.to(windows.latents.device)]
     focus = windows.focus[index] if windows.focus is not None else None
     video_noise = torch.randn(video.shape, generator=generator)
-    action_noise = torch.randn((b, config.chunk, action_dim), generator=generator)
-    actions = torch.zeros(b, config.chunk, action_dim)
+    rows = windows.actions.shape[1]  # the state rows (action_history_length), then the chunk
+    action_noise = torch.randn((b, rows, action_dim), generator=generator)
+    actions = torch.zeros(b, rows, action_dim)
     actions[..., :raw_action_dim] = windows.actions[index]
     prompt_ids = [windows.prompts[int(windows.prompt_index[i])][int(drop)] for i, drop in zip(index, uncond)]
     if config.cond_noise_std > 0:  # drawn last, so that the draws above do not depend on it
@@ -678,6 +686,7 @@ _RESUME_FIXED_FIELDS = (
     "lora_alpha",
     "handover",
     "context_frames",
+    "action_history_length",
 )
 
 
@@ -967,6 +976,7 @@ class WorldModelTrainer:
             progress=config.progress and ctx.is_main,
             handover=config.handover,
             context_frames=config.context_frames,
+            action_history_length=config.action_history_length,
         )
         if focus_mask is not None:
             self.windows.focus = window_focus(
@@ -1024,6 +1034,7 @@ class WorldModelTrainer:
             freeze_text_tower=text_frozen,
             context_frames=config.context_frames,
             focus_weight=config.video_loss_focus_weight,
+            action_history_length=config.action_history_length,
         )
         self.sharded = config.data_parallel == "fsdp"
         if self.sharded:
@@ -1254,6 +1265,8 @@ class WorldModelTrainer:
             }
             if config.handover == "latent":  # what the env must hand over; a meta.json without them means pixels
                 meta.update(handover=config.handover, context_frames=config.context_frames)
+            if config.action_history_length:  # the state rows every request must carry (a released model: none)
+                meta["action_history_length"] = config.action_history_length
             export_checkpoint(
                 self.out_dir,
                 native_state_dict={k: v.float() for k, v in weights.items()},
