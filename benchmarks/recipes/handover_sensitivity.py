@@ -22,9 +22,15 @@ it, then stepping goes on. Variants (``VARIANTS``):
   degrees at every boundary (mean displacement 1.25 S): a model whose every chunk is S px off, independently.
 * ``block_noise_S_once``: the same disturbance after chunk 1 only: how the task alone grows one error.
 
-The block error per chunk is the T's area-centroid distance (px) and angle difference (deg) against the undisturbed
-replay, mean and 95 % t interval over episodes (``fidelity_pusht_chunks.mean_ci95``), with the disturbances drawn
-from ``--seed`` (the same draws for every variant of one S). Writes ``handover_sensitivity_cpu.json`` (card, commit,
+**Velocity from the action history.** What would let a one-frame model know the agent's velocity: a least-squares fit
+of the agent's velocity at each step on its position and its last H actions (and a constant), fitted on the episodes
+of dataset seed ``--fit-seed`` (training data of no model; policy_pools.json's notes name it) and scored on the
+held-out ones: the residual's root mean square against the velocity's, per H (``VELOCITY_HISTORY``).
+
+The block error per chunk (at its end, before that boundary's disturbance: chunk k has k - 1 behind it) is the T's
+area-centroid distance (px) and angle difference (deg) against the recorded episode, mean and 95 % t interval over
+episodes (``fidelity_pusht_chunks.mean_ci95``), with the disturbances drawn from ``--seed`` (the same draws for every
+variant of one S). Writes ``handover_sensitivity_cpu.json`` (card, commit,
 command) to ``--out`` (default ``$OUT``, else benchmarks/results/fidelity).
 """
 
@@ -50,6 +56,7 @@ from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
 RESULTS_NAME = "handover_sensitivity_cpu.json"
 TOPIC = "fidelity"
 NOISE_LEVELS_PX = (1.0, 2.0, 4.0)
+VELOCITY_HISTORY = (1, 2, 3, 4, 8)
 
 
 def disturb(state: np.ndarray, variant: str, chunk_index: int, rng: np.random.Generator) -> np.ndarray:
@@ -82,6 +89,41 @@ def replay(sim, states: np.ndarray, actions: np.ndarray, chunk: int, variant: st
     return np.asarray(poses)
 
 
+def velocity_features(episodes, history: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per step t >= history: [agent x, y, the last ``history`` actions (newest first), 1] and the agent's velocity."""
+    features, velocities = [], []
+    for states, actions in episodes:
+        for t in range(history, len(actions)):
+            features.append(np.concatenate([states[t, 0:2], actions[t - history : t][::-1].ravel(), [1.0]]))
+            velocities.append(states[t, 2:4])
+    return np.asarray(features), np.asarray(velocities)
+
+
+def velocity_from_history(fit_episodes, episodes) -> dict[str, dict[str, float]]:
+    """Per H: the held-out residual of the linear fit of the agent's velocity (module docstring)."""
+    out = {}
+    for history in VELOCITY_HISTORY:
+        x, y = velocity_features(fit_episodes, history)
+        weights, *_ = np.linalg.lstsq(x, y, rcond=None)
+        x, y = velocity_features(episodes, history)
+        residual = y - x @ weights
+        out[str(history)] = {"velocity_rms_px_s": float(np.sqrt((y**2).mean())),
+                             "residual_rms_px_s": float(np.sqrt((residual**2).mean()))}
+    return out
+
+
+def load_episodes(seed: int, count: int, steps: int, workers) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(sim_states, actions) of ``count`` episodes of ``generate_pusht_dataset(seed=seed)`` (frames at the built-in
+    model's 256 x 256: frame-reading policies in the mix act on them)."""
+    dataset = pusht.generate_pusht_dataset(Path(tempfile.mkdtemp()) / "episodes", count, steps_per_episode=steps,
+                                           image_size=(256, 256), seed=seed, workers=workers, progress=False)
+    episodes = []
+    for path in sorted((dataset / "episodes").glob("episode_*.npz"))[:count]:
+        with np.load(path) as archive:
+            episodes.append((archive["sim_states"], archive["actions"]))
+    return episodes
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heldout-seed", type=int, default=4_900_000,
@@ -90,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=8, help="actions per chunk (the built-in model's)")
     parser.add_argument("--seed", type=int, default=0, help="of the disturbances")
+    parser.add_argument("--fit-seed", type=int, default=103, help="dataset seed of the velocity fit's episodes")
+    parser.add_argument("--fit-episodes", type=int, default=64)
     parser.add_argument("--workers", type=int, default=None, help="simulation processes for the episodes")
     parser.add_argument("--results-name", default=RESULTS_NAME)
     add_output_arguments(parser)
@@ -98,13 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     steps = args.chunks * args.chunk
-    dataset = pusht.generate_pusht_dataset(Path(tempfile.mkdtemp()) / "heldout", args.episodes,
-                                           steps_per_episode=steps, image_size=(256, 256), seed=args.heldout_seed,
-                                           workers=args.workers, progress=False)
-    episodes = []
-    for path in sorted((dataset / "episodes").glob("episode_*.npz"))[: args.episodes]:
-        with np.load(path) as archive:
-            episodes.append((archive["sim_states"], archive["actions"]))
+    episodes = load_episodes(args.heldout_seed, args.episodes, steps, args.workers)
+    velocity = velocity_from_history(load_episodes(args.fit_seed, args.fit_episodes, steps, args.workers), episodes)
 
     variants = ["exact", "no_velocity", "no_agent_velocity", "no_block_velocity", *(f"block_noise_{s:g}{once}" for s in NOISE_LEVELS_PX for once in ("", "_once"))]
     sim = pusht.PushTSim((96, 96), render_every_step=False)
@@ -129,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = {"heldout_seed": args.heldout_seed, "num_episodes": len(episodes), "num_chunks": args.chunks,
                "chunk": args.chunk, "seed": args.seed, "variants": per_variant,
+               "fit_seed": args.fit_seed, "fit_episodes": args.fit_episodes, "agent_velocity_from_history": velocity,
                "seconds": time.perf_counter() - started}
     write_results(results, args.results_name, args.out, args.overwrite, topic=TOPIC)
     shown = (1, 3, 7, 11, 15)
@@ -136,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     for variant, entry in per_variant.items():
         row = ", ".join(f"{entry['block_position_error_px'][k]['mean']:.1f}" for k in shown if k < args.chunks)
         print(f"  {variant:22s} {row}")
+    print("agent velocity from position + last H actions, held-out residual rms / velocity rms: " + ", ".join(
+        f"H={h} {v['residual_rms_px_s'] / v['velocity_rms_px_s']:.2%}" for h, v in velocity.items()))
     return results
 
 
