@@ -1138,6 +1138,7 @@ def add_training_commands(sub) -> None:
         help="recompute activations in the backward pass (less memory, slower)",
     )
     train.add_argument("--fsdp-cpu-offload", action="store_true", help="fsdp: sharded states on the host")
+    train.add_argument("--compile-blocks", action="store_true", help="torch.compile each transformer block (GPU)")
     train.add_argument("--freeze-text-tower", action="store_true", help="do not train the text tower")
     train.add_argument("--resume", action="store_true", help="continue from the saved training state")
     train.set_defaults(func=run_train)
@@ -1225,7 +1226,7 @@ def run_train(args: argparse.Namespace) -> None:
         "checkpoint_policy",
     ]
     values = {**args.config, **_flag_overrides(args, fields)}
-    for flag in ("gradient_checkpointing", "freeze_text_tower", "resume", "fsdp_cpu_offload"):
+    for flag in ("gradient_checkpointing", "freeze_text_tower", "resume", "fsdp_cpu_offload", "compile_blocks"):
         if getattr(args, flag):
             values[flag] = True
     if args.no_bf16:
