@@ -143,9 +143,14 @@ def init_parallel(config: ParallelConfig, device: str | torch.device | None = No
 
     Under torchrun the rendezvous comes from its environment (RANK, WORLD_SIZE, MASTER_ADDR, ...); multi-node runs
     use torchrun's own rendezvous (``--nnodes --rdzv-endpoint``), nothing else is needed here.
+
+    A single-process config is an engine of this process alone, also inside a process group (data-parallel
+    replicas, e.g. GRPO with one env and engine per rank): it joins no collective, and "cuda" is this rank's GPU.
     """
-    if config.is_single and not dist.is_initialized():
+    if config.is_single:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda" and dev.index is None and dist.is_initialized():
+            dev = torch.device("cuda", torch.cuda.current_device())  # the rank's GPU (torchrun / init_distributed)
         return ParallelContext(config, None, dev)
     if not dist.is_initialized():
         if "RANK" not in os.environ:

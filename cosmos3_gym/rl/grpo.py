@@ -25,6 +25,15 @@ Readable top to bottom, CleanRL-style: the hyper-parameters are ``GRPOConfig``; 
 
 ``save(path)`` writes a safetensors checkpoint (policy, Adam state, the RNG states, iteration, history);
 ``GRPOTrainer.load(path, env)`` continues exactly where it stopped: the same starts, seeds and noise follow.
+
+**Data-parallel replicas** (torchrun, or any initialised ``torch.distributed`` group): each rank owns an env of its
+own (e.g. one world-model engine per GPU) and its own groups, so a group never spans ranks and its advantages are
+computed where it was played; ranks draw their own starts, seeds and noise (rank 0 as a single process would). The
+policy starts from rank 0's weights; each minibatch step sums every rank's per-chunk losses over the whole
+minibatch's chunks (all ranks' ``minibatch_size`` slices together) and all-reduces the gradients, so the ranks take
+the same step as one process with all their chunks in one minibatch would, and their weights stay identical. The
+logged rates are over all ranks' episodes (the guard's over rank 0's); rank 0 writes the checkpoint, with every
+rank's RNG state.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..errors import CheckpointError, InputError
 from ..storage import load_safetensors, save_safetensors
@@ -81,6 +91,11 @@ class GRPOConfig:
 # inf made every weight NaN. Clamped at 20, those samples' ratios stop passing gradient (the clipped objective ignores
 # them too when the advantage agrees) and the k3 KL stays finite while still pulling back hard.
 MAX_LOG_RATIO = 20.0
+
+# How each rollout statistic combines over data-parallel ranks (the rest stay the rank's own: the guard's, rank 0's).
+_SUMMED_STATS = ("chunks", "env_steps")
+_AVERAGED_STATS = ("success_rate", "mean_return", "mean_final_score", "mean_length", "informative_groups")
+_SLOWEST_STATS = ("rollout_s", "env_s")
 
 
 def group_advantages(returns: np.ndarray, group_size: int, normalization: str = "group") -> np.ndarray:
@@ -161,9 +176,17 @@ class GRPOTrainer:
         if self.reference is not None:
             self.reference.requires_grad_(False)
         self.guard = guard
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        if self.world_size > 1:  # every rank starts from rank 0's weights (module docstring: data-parallel replicas)
+            for module in (policy, self.reference):
+                for tensor in module.state_dict().values() if module is not None else ():
+                    dist.broadcast(tensor, 0)
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=self.config.learning_rate, eps=1e-5)
-        self.rng = np.random.default_rng(self.config.seed)  # starts and env seeds
-        self.generator = torch.Generator().manual_seed(self.config.seed)  # action noise and minibatches
+        seed = self.config.seed
+        # starts and env seeds; action noise and minibatches: per rank, rank 0's those of a single process
+        self.rng = np.random.default_rng(seed if self.rank == 0 else [seed, self.rank])
+        self.generator = torch.Generator().manual_seed(seed + (self.rank << 32))
         self.iteration = 0
         self.history: list[dict[str, Any]] = []
 
@@ -226,6 +249,7 @@ class GRPOTrainer:
             "rollout_s": time.perf_counter() - started,
             "env_s": env_seconds,
         }
+        stats = self._combine_over_ranks(stats)
         if self.guard is not None and config.guard_every and self.iteration % config.guard_every == 0:
             guard_started = time.perf_counter()
             replayed = self.guard(start_indices, taken, lengths)
@@ -273,10 +297,20 @@ class GRPOTrainer:
         count = len(rollout.actions)
         totals = {"policy_loss": 0.0, "kl_to_reference": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
         batches = 0
+        size = config.minibatch_size
+        # Every rank takes the same number of steps (a rank whose episodes ended early has fewer chunks).
+        steps_per_epoch = int(self._reduce([math.ceil(count / size)], dist.ReduceOp.MAX)[0])
         for _ in range(config.update_epochs):
             order = torch.randperm(count, generator=self.generator)
-            for begin in range(0, count, config.minibatch_size):
-                index = order[begin : begin + config.minibatch_size]
+            for step in range(steps_per_epoch):
+                index = order[step * size : (step + 1) * size]
+                minibatch = self._reduce([len(index)])[0]  # the chunks of this step on all ranks
+                self.optimizer.zero_grad(set_to_none=True)
+                if not len(index):  # nothing left here this step: this rank adds no gradient, the others step
+                    self._check_finite(True)
+                    self._all_reduce_gradients()
+                    self._step_optimizer()
+                    continue
                 pixels = policy.preprocess(rollout.images[index])
                 distribution = policy.distribution(pixels)
                 actions = rollout.actions[index].to(device)
@@ -284,29 +318,26 @@ class GRPOTrainer:
                 log_ratio = log_prob - rollout.log_probs[index].to(device)
                 ratio = log_ratio.clamp(max=MAX_LOG_RATIO).exp()
                 advantages = rollout.advantages[index].to(device)
-                policy_loss = torch.max(
+                per_chunk_policy = torch.max(
                     -advantages * ratio, -advantages * ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
-                ).mean()
-                entropy = distribution.entropy().sum(-1).mean()
-                loss = policy_loss - config.entropy_coef * entropy
-                kl = torch.zeros((), device=device)
+                )
+                per_chunk_entropy = distribution.entropy().sum(-1)
+                per_chunk = per_chunk_policy - config.entropy_coef * per_chunk_entropy
+                per_chunk_kl = torch.zeros_like(per_chunk)
                 if rollout.reference_log_probs is not None and config.kl_coef > 0:
                     # k3 estimator of KL(policy || reference) on the sampled actions (Schulman 2020), as in GRPO.
                     log_ref_ratio = (rollout.reference_log_probs[index].to(device) - log_prob).clamp(max=MAX_LOG_RATIO)
-                    kl = (log_ref_ratio.exp() - log_ref_ratio - 1).mean()
-                    loss = loss + config.kl_coef * kl
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(
-                        f"GRPO: the loss is not finite at iteration {self.iteration} (policy loss "
-                        f"{float(policy_loss)}, KL {float(kl)}); the policy's weights are left as they were after the "
-                        f"last finite step. Check the env's rewards, lower learning_rate or raise min_log_std."
-                    )
-                self.optimizer.zero_grad(set_to_none=True)
+                    per_chunk_kl = log_ref_ratio.exp() - log_ref_ratio - 1
+                    per_chunk = per_chunk + config.kl_coef * per_chunk_kl
+                # The mean over the whole minibatch (all ranks' chunks): the all-reduced gradients are its gradient.
+                loss = per_chunk.sum() / minibatch
+                policy_loss, entropy, kl = per_chunk_policy.mean(), per_chunk_entropy.mean(), per_chunk_kl.mean()
+                finite = bool(torch.isfinite(loss))
+                self._check_finite(finite, "" if finite else f" (policy loss {float(policy_loss)}, KL {float(kl)})")
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
-                self.optimizer.step()
+                self._all_reduce_gradients()
+                self._step_optimizer()
                 with torch.no_grad():
-                    policy.log_std.clamp_(config.min_log_std, config.max_log_std)
                     totals["policy_loss"] += float(policy_loss)
                     totals["kl_to_reference"] += float(kl)
                     totals["entropy"] += float(entropy)
@@ -318,6 +349,59 @@ class GRPOTrainer:
         stats["log_std"] = float(policy.log_std.detach().mean())
         stats["update_s"] = time.perf_counter() - started
         return stats
+
+    def _step_optimizer(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        with torch.no_grad():
+            self.policy.log_std.clamp_(self.config.min_log_std, self.config.max_log_std)
+
+    def _check_finite(self, finite: bool, detail: str = "") -> None:
+        """``FloatingPointError`` on every rank when any rank's loss is not finite (no rank is left waiting in the
+        gradient all-reduce), before anything changes the weights."""
+        if self._reduce([0.0 if finite else 1.0])[0] == 0:
+            return
+        raise FloatingPointError(
+            f"GRPO: the loss is not finite at iteration {self.iteration}{detail}; the policy's weights are left as "
+            f"they were after the last finite step. Check the env's rewards, lower learning_rate or raise min_log_std."
+        )
+
+    def _all_reduce_gradients(self) -> None:
+        """Sum every parameter's gradient over the ranks (a rank without a gradient adds zeros)."""
+        if self.world_size == 1:
+            return
+        grads = []
+        for p in self.policy.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective, not one per tensor
+        dist.all_reduce(flat)
+        for g, value in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(value.view_as(g))
+
+    def _reduce(self, values: list[float], op: Any = None) -> list[float]:
+        """``values`` reduced over the ranks (sum by default); as given in a single process."""
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device())
+        dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM)
+        return tensor.tolist()
+
+    def _combine_over_ranks(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The rollout's statistics over all ranks: counts summed, rates averaged (every rank has ``num_envs``
+        slots), times of the slowest rank."""
+        if self.world_size == 1:
+            return stats
+        summed = self._reduce([stats[k] for k in _SUMMED_STATS])
+        averaged = self._reduce([stats[k] for k in _AVERAGED_STATS])
+        slowest = self._reduce([stats[k] for k in _SLOWEST_STATS], dist.ReduceOp.MAX)
+        out = dict(stats)
+        out.update({k: int(v) for k, v in zip(_SUMMED_STATS, summed)})
+        out.update({k: v / self.world_size for k, v in zip(_AVERAGED_STATS, averaged)})
+        out.update(dict(zip(_SLOWEST_STATS, slowest)))
+        return out
 
     # ------------------------------------------------------------------ the loop
 
@@ -374,7 +458,16 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Everything ``load`` needs to continue exactly: policy, Adam state, RNG states, iteration, history."""
+        """Everything ``load`` needs to continue exactly: policy, Adam state, RNG states, iteration, history. Under
+        data parallelism every rank calls it; rank 0 writes the file, with every rank's RNG states."""
+        rank_states = [(self.generator.get_state().tolist(), self.rng.bit_generator.state)]
+        if self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, rank_states[0])
+            rank_states = gathered
+            if self.rank != 0:
+                dist.barrier()  # the file exists once save returns on any rank
+                return Path(path)
         tensors = {f"policy.{name}": t.detach().cpu().contiguous() for name, t in self.policy.state_dict().items()}
         optimizer = self.optimizer.state_dict()
         for index, state in optimizer["state"].items():
@@ -391,12 +484,17 @@ class GRPOTrainer:
             "rng_numpy": self.rng.bit_generator.state,
             "history": self.history,
             "num_starts": self.num_starts,
+            "world_size": self.world_size,
+            "rank_states": rank_states[1:],  # ranks 1..: (torch generator state, numpy state)
         }
         # Crash-safe: a temporary file, fsynced and renamed over ``path`` (a crash mid-write leaves the previous
         # checkpoint intact), with the tensors' sha256, verified by ``load`` (cosmos3_gym.storage).
-        return save_safetensors(
+        written = save_safetensors(
             path, tensors, {key: json.dumps(value, default=_json_number) for key, value in metadata.items()}
         )
+        if self.world_size > 1:
+            dist.barrier()
+        return written
 
     @classmethod
     def load(
@@ -438,11 +536,29 @@ class GRPOTrainer:
                 _, index, key = name.split(".", 2)
                 state.setdefault(int(index), {})[key] = tensor.to(device) if key != "step" else tensor
         trainer.optimizer.load_state_dict({"state": state, "param_groups": metadata["optimizer_param_groups"]})
-        trainer.generator.set_state(tensors["rng.torch"])
-        trainer.rng.bit_generator.state = metadata["rng_numpy"]
+        saved_world = int(metadata.get("world_size", 1))
+        if saved_world != trainer.world_size:
+            raise InputError(
+                f"grpo checkpoint: {path} was written by {saved_world} data-parallel rank(s); continue it with as many "
+                f"(this run has {trainer.world_size})."
+            )
+        if trainer.rank == 0:
+            trainer.generator.set_state(tensors["rng.torch"])
+            trainer.rng.bit_generator.state = metadata["rng_numpy"]
+        else:
+            generator_state, numpy_state = metadata["rank_states"][trainer.rank - 1]
+            trainer.generator.set_state(torch.tensor(generator_state, dtype=torch.uint8))
+            trainer.rng.bit_generator.state = numpy_state
         trainer.iteration = int(metadata["iteration"])
         trainer.history = metadata["history"]
         return trainer
+
+
+def _collective_device() -> torch.device:
+    """Where small collective tensors go: the rank's GPU under NCCL, else the host."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _json_number(value: Any) -> Any:
