@@ -118,6 +118,8 @@ def stub_model(engine) -> None:
 
 def measure(num_envs: int, path: str, args) -> dict:
     options = {"decoder": "light"} if path == "light" else {}
+    if args.reward_model is not None:
+        options["reward_model"] = args.reward_model
     env = make_pusht_vector_env(num_envs, assets_dir=args.assets, device=args.device, optimize=path != "baseline",
                                 **options)
     if args.host_only:
@@ -181,6 +183,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--paths", default="fast,baseline", help="fast (the default env) and/or baseline")
     add_decoder_arguments(parser, "light: also profile the default env with decoder='light' (path 'light')")
     parser.add_argument("--assets", default=None, help="PushT model folder (default: the installed built-in one)")
+    parser.add_argument("--reward-model", default=None,
+                        help="reward-model spec for the env, e.g. pusht_geometric (default: the model's own)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, CUDA-graph captures)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -102,6 +102,17 @@ def test_decode_mode_follows_what_reads_the_frames(env_pair):
         assert core.decode_mode() == "all"
     finally:
         core.reward_model.reduce = reduce
+    # the geometric reward of the GRPO runs reads the last frame too (reduce="last"), its "max" every frame
+    from cosmos3_gym.tasks.pusht.reward import PushTGeometricReward
+
+    model = core.reward_model
+    try:
+        core.reward_model = PushTGeometricReward()
+        assert core.decode_mode() == "last"
+        core.reward_model = PushTGeometricReward(reduce="max")
+        assert core.decode_mode() == "all"
+    finally:
+        core.reward_model = model
 
 
 def test_engine_last_frame_decode_is_the_full_decodes_last_frame(env_pair, assets):

@@ -239,6 +239,12 @@ class PushTGeometricReward:
         self.device = torch.device(device)
         return self
 
+    @property
+    def frames_read(self) -> str:
+        """ "last" with ``reduce="last"``: the env then decodes only each chunk's last frame (``envs.core``), where
+        otherwise it decodes all of them for a score that reads one (the GRPO runs' setting)."""
+        return "last" if self.reduce == "last" else "all"
+
     @torch.no_grad()
     def __call__(self, frames: torch.Tensor, tasks: list[str]) -> torch.Tensor:
         frames, tasks = check_frames(frames, tasks)
