@@ -109,6 +109,7 @@ def stub_model(engine) -> None:
         return torch.full((b, 3, frames_out, h * 16, w * 16), 0.5, device=video.device)
 
     forward.row_counts = set()  # what the engine reads of a ``GraphedGenForward`` (no kept graphs: rows bucketed)
+    forward.max_padding = None
     engine._graphed_forward = forward
     engine.vae.encode = encode
     engine.vae.decode = decode
