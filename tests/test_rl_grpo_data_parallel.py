@@ -114,6 +114,24 @@ def test_data_parallel_training_combines_the_ranks_and_resumes_exactly(tmp_path)
     assert single.env.reset_options[0]["initial_state_index"].tolist() == zero["starts"][0]
 
 
+def _train_for_a_while() -> int:
+    """Rank 1 sleeps 0.3 s after each iteration: it reaches each budget check 0.3 s after rank 0, so left to
+    themselves the two would decide at different iterations (and one would wait forever in the next collective)."""
+    import time
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    trainer = GRPOTrainer(_policy(), ReachRight(8), _config(iterations=50, horizon=1))
+    trainer.train(max_seconds=1.0, progress=False, on_iteration=lambda record: time.sleep(0.3) if rank else None)
+    return trainer.iteration
+
+
+def test_a_time_budget_stops_every_rank_at_the_same_iteration():
+    zero, one = run_distributed(_train_for_a_while, 2)
+    assert zero == one and 1 <= zero < 50
+
+
 def _benchmark_on_rank(out: str) -> dict | None:
     import sys
     from pathlib import Path

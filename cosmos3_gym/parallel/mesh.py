@@ -149,8 +149,8 @@ def init_parallel(config: ParallelConfig, device: str | torch.device | None = No
     """
     if config.is_single:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dev.type == "cuda" and dev.index is None and dist.is_initialized():
-            dev = torch.device("cuda", torch.cuda.current_device())  # the rank's GPU (torchrun / init_distributed)
+        if dev.type == "cuda" and dev.index is None and dist.is_initialized():  # the rank's GPU, as below
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
         return ParallelContext(config, None, dev)
     if not dist.is_initialized():
         if "RANK" not in os.environ:

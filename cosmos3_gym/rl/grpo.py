@@ -306,7 +306,7 @@ class GRPOTrainer:
                 index = order[step * size : (step + 1) * size]
                 minibatch = self._reduce([len(index)])[0]  # the chunks of this step on all ranks
                 self.optimizer.zero_grad(set_to_none=True)
-                if not len(index):  # nothing left here this step: this rank adds no gradient, the others step
+                if not len(index):  # nothing left here this step: it adds no gradient but takes the common step
                     self._check_finite(True)
                     self._all_reduce_gradients()
                     self._step_optimizer()
@@ -420,7 +420,8 @@ class GRPOTrainer:
 
         ``max_seconds``: stop early, after the last iteration that is expected to finish within this budget (the
         slowest iteration so far is the estimate; at least one runs), so a run inside a time-limited job ends with
-        its checkpoint written and the caller's own saving done; ``train`` again (or ``load``) continues it."""
+        its checkpoint written and the caller's own saving done; ``train`` again (or ``load``) continues it. Data-
+        parallel ranks stop at the same iteration: when one of them would run out of time."""
         from tqdm.auto import tqdm
 
         total = self.config.iterations if iterations is None else int(iterations)
@@ -431,7 +432,8 @@ class GRPOTrainer:
         try:
             while self.iteration < total:
                 elapsed = time.perf_counter() - started
-                if max_seconds is not None and slowest and elapsed + slowest > max_seconds:
+                over = max_seconds is not None and slowest and elapsed + slowest > max_seconds
+                if self._reduce([float(bool(over))], dist.ReduceOp.MAX)[0]:  # all ranks stop together
                     break
                 rollout = self.collect()
                 record = {"iteration": self.iteration, **rollout.stats, **self.update(rollout)}
