@@ -48,16 +48,16 @@ def engine(tiny_checkpoint) -> Cosmos3Engine:
 def test_windows_put_the_previous_actions_first(dataset, tiny_checkpoint, work):
     info = read_dataset(dataset)
     vae_dir = tiny_checkpoint / "vae"
-    windows = build_training_windows(
-        info, Cosmos3VAE.from_pretrained(vae_dir), vae_dir, build_tiny_tokenizer(), chunk=CHUNK, stride=2,
-        resolution_tier=TIER, view_point="ego_view", fps=FPS, cache_dir=work / "cache", progress=False,
-        action_history_length=HISTORY,
-    )
+
+    def windows_of(history: int):
+        return build_training_windows(
+            info, Cosmos3VAE.from_pretrained(vae_dir), vae_dir, build_tiny_tokenizer(), chunk=CHUNK, stride=2,
+            resolution_tier=TIER, view_point="ego_view", fps=FPS, cache_dir=work / "cache", progress=False,
+            action_history_length=history,
+        )
+
+    windows, plain = windows_of(HISTORY), windows_of(0)
     assert windows.actions.shape[1:] == (HISTORY + CHUNK, 2)
-    plain = build_training_windows(
-        info, Cosmos3VAE.from_pretrained(vae_dir), vae_dir, build_tiny_tokenizer(), chunk=CHUNK, stride=2,
-        resolution_tier=TIER, view_point="ego_view", fps=FPS, cache_dir=work / "cache", progress=False,
-    )
     assert torch.equal(windows.latents, plain.latents) and torch.equal(windows.actions[:, HISTORY:], plain.actions)
     for i in range(len(windows)):
         actions = info.stats.normalize(np.load(info.episode_paths[int(windows.episode_index[i])])["actions"])
