@@ -8,13 +8,16 @@
 #                                                               # 1 + FOCUS (4) times the rest (--wm-block-focus)
 #   bash benchmarks/recipes/finetune_ab_pusht.sh history        # the plain arm with the previous HISTORY (4) actions
 #                                                               # as state rows (--wm-action-history)
+#   bash benchmarks/recipes/finetune_ab_pusht.sh wide           # the plain arm on the model widened first to
+#                                                               # GROW_INTERMEDIATE (1536) MLP units and GROW_HEADS (16)
+#                                                               # heads, computing the same function (issue 42 item 6)
 #   bash benchmarks/recipes/finetune_ab_pusht.sh self-forcing   # self-forcing samples with a consistent target
 #                                                               # (tasks/pusht/self_forcing.py; about 400 s)
 #   MODEL=focus bash benchmarks/recipes/finetune_ab_pusht.sh evaluate   # the evaluation pool, 32 x 16 chunks
 #
 # Session 26 ran self-forcing (then `self_forcing_pusht.sh train`) and plain (then `control`, with STEPS=900), session
-# 27 plain and block-focus, session 28 history (RESULTS.md "Issue 42 item 3", "Issue 42 item 5", "Issue 42: state
-# rows").
+# 27 plain and block-focus, session 28 history, session 29 wide (RESULTS.md "Issue 42 item 3", "Issue 42 item 5",
+# "Issue 42: state rows", "Issue 42, session 29").
 # Data: EPISODES (192) new episodes from dataset seed 101 with round 9's family mix (its files: policies of the
 # training pool; the manifest's seed notes name 101). Self-forcing: ROLLOUTS (3) rollouts of DEPTH (10) chunks per
 # episode by the shipped model, each chunk's last frame a sample. The held-out measurement is session 24's baseline
@@ -29,10 +32,10 @@
 #   TRAIN_ARGS="--smoke --steps-per-episode 40 --chunk 8 --wm-batch 2" EVAL_ARGS=--smoke bash .../finetune_ab_pusht.sh ARM
 #
 # evaluate: the evaluation pool (policy_pools.json) on reporting seeds, in the two halves of the session-24 baseline
-# side by side, for MODEL=sf, focus, history or plain (that arm's model, on a warm machine) or MODEL=builtin (the tree's
+# side by side, for MODEL=sf, focus, history, wide or plain (that arm's model, on a warm machine) or MODEL=builtin (the tree's
 # built-in model, once fine-tuned weights are installed there). Nothing here chooses on the evaluation pool.
 set -euo pipefail
-STAGE=${1:?plain, block-focus, history, self-forcing or evaluate}
+STAGE=${1:?plain, block-focus, history, wide, self-forcing or evaluate}
 OUT=${OUT:?set OUT to the output folder}
 WORK=${WORK:-/tmp/finetune_ab}
 ASSETS=cosmos3_gym/tasks/pusht/assets
@@ -52,7 +55,7 @@ fine_tune() {  # $1 the run's folder under $WORK; the rest: train_pusht.py argum
   python3 benchmarks/recipes/train_pusht.py --part second --first-part $ASSETS --wm-init $ASSETS/checkpoint \
     --data $WORK/data --work "$WORK/$run" --out "$RESULTS/$run" --episodes "${EPISODES:-192}" --seed 101 \
     --policy-mix "$MIX" --wm-batch 256 --wm-lr "${LR:-1e-4}" --wm-warmup 50 --wm-cond-noise 0.3 \
-    --encode-batch-size 128 --workers "$WORKERS" --max-size-mb 60 --no-rollout-reward-model --no-evaluate \
+    --encode-batch-size 128 --workers "$WORKERS" --max-size-mb 90 --no-rollout-reward-model --no-evaluate \
     "$@" ${TRAIN_ARGS:-} 2>&1 | tee "$RESULTS/$run.log"
   rm -f "$RESULTS/$run/pusht_assets.tar.gz"  # 37 MB: over what a device call returns; the parts below replace it
   local checkpoint=$WORK/$run/assets/pusht/checkpoint
@@ -89,6 +92,11 @@ case "$STAGE" in
       --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
     heldout history
     exit 0 ;;
+  wide)  # the plain arm's settings on a wider model (training.growth.grow_width: round 9's function, more units)
+    fine_tune wide --grow-intermediate "${GROW_INTERMEDIATE:-1536}" --grow-heads "${GROW_HEADS:-16}" \
+      --wm-seconds "${SECONDS_BUDGET:-145}" --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
+    heldout wide
+    exit 0 ;;
   self-forcing)
     fine_tune sf --wm-self-forcing-rollouts "${ROLLOUTS:-3}" --wm-self-forcing-depth "${DEPTH:-10}" \
       --wm-self-forcing-envs "${ENVS:-256}" --wm-seconds 900 --wm-max-steps 40000 --deadline-s "${DEADLINE_S:-430}"
@@ -96,13 +104,13 @@ case "$STAGE" in
     heldout sf
     exit 0 ;;
   evaluate) ;;
-  *) echo "stage: expected plain, block-focus, history, self-forcing or evaluate, got $STAGE" >&2; exit 2 ;;
+  *) echo "stage: expected plain, block-focus, history, wide, self-forcing or evaluate, got $STAGE" >&2; exit 2 ;;
 esac
 
-case "${MODEL:?set MODEL to sf, focus, history, plain or builtin}" in
-  sf | focus | history | plain) assets=$WORK/$MODEL/assets/pusht ;;
+case "${MODEL:?set MODEL to sf, focus, history, wide, plain or builtin}" in
+  sf | focus | history | wide | plain) assets=$WORK/$MODEL/assets/pusht ;;
   builtin) assets=$ASSETS ;;
-  *) echo "MODEL: expected sf, focus, history, plain or builtin, got $MODEL" >&2; exit 2 ;;
+  *) echo "MODEL: expected sf, focus, history, wide, plain or builtin, got $MODEL" >&2; exit 2 ;;
 esac
 half() {  # $1 A or B: the session-24 baseline's halves of the evaluation pool, 32 reporting starts x 16 chunks
   local policies=$EVAL_POOL_A
