@@ -23,6 +23,7 @@ processes (``parallel/client.py``), several engines as Ray actors (``parallel/ra
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import math
@@ -52,6 +53,7 @@ from .cuda_graphs import (
     replay_padded,
 )
 from .errors import CheckpointError, InputError
+from .host_threads import map_in_threads
 from .models.light_decoder import LightDecoder
 from .models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV
 from .models.vae import Cosmos3VAE
@@ -500,6 +502,7 @@ class Cosmos3Engine:
         *,
         decode: bool | None = None,
         pixels_on_device: bool = False,
+        latents_on_device: bool = False,
     ):
         """Run one request (returns a ``Cosmos3Result``) or a list (returns a list, in order).
 
@@ -508,6 +511,8 @@ class Cosmos3Engine:
         ``pixels_on_device``: the results' ``pixels`` stay on the engine's device (rows of one batch tensor, in the
         VAE's output dtype) instead of float32 host copies, for a caller that works on them there (the vector env
         scores and converts every slot's frames on the device and copies them to the host once).
+        ``latents_on_device``: the same for ``video_latents`` (float32 rows of one batch tensor), for a caller that
+        hands over in latent space on the device or does not read them (a vector env handing over in pixels).
 
         Latent context: a forward_dynamics or policy request with ``context_latents`` ``[C, K, h, w]`` (normalised
         latents, e.g. the last K frames of earlier results' ``video_latents``, or ``encode_frames`` of a start frame
@@ -529,6 +534,8 @@ class Cosmos3Engine:
             raise InputError("requests: expected at least one Cosmos3Request")
         decode = self.decode_video if decode is None else decode
         frames = _decode_frames(decode)  # a bad value fails before the denoising
+        if self.parallel.config.dp > 1:  # results travel between replicas as objects: host tensors only
+            pixels_on_device = latents_on_device = False
         with torch.inference_mode():
             batch = agree_on_seeds(batch, self.parallel)
             prepared = run_on_every_rank(
@@ -539,7 +546,8 @@ class Cosmos3Engine:
             for i, p in enumerate(prepared):
                 groups.setdefault(p.group_key, []).append(i)
             for indexes in groups.values():
-                for i, result in zip(indexes, self._denoise([prepared[i] for i in indexes], frames, pixels_on_device)):
+                denoised = self._denoise([prepared[i] for i in indexes], frames, pixels_on_device, latents_on_device)
+                for i, result in zip(indexes, denoised):
                     local_results[i] = result
             results = gather_dp_results(local_results, len(batch), self.parallel)
         return results[0] if single else results
@@ -968,8 +976,19 @@ class Cosmos3Engine:
         device (``processor.prepare_uint8_conditioning``)."""
         prepared: list[_Prepared] = []
         waiting: list[tuple[_Prepared, tuple]] = []
+        # Requests that differ from an earlier one only in their uint8 frame, actions and seed (a vector env's slots)
+        # reuse its validated settings, prompt and schedule (``_prepare_like``): per slot, ``_prepare`` was ~5 ms of
+        # host time a 64-slot step.
+        leaders: dict[tuple, tuple[_Prepared, tuple]] = {}
         for request in requests:
-            p, deferred = self._prepare(request, defer_uint8_frames=True)
+            key = _template_key(request)
+            leader = leaders.get(key) if key is not None else None
+            if leader is None:
+                p, deferred = self._prepare(request, defer_uint8_frames=True)
+                if key is not None and deferred is not None:
+                    leaders[key] = (p, deferred)
+            else:
+                p, deferred = self._prepare_like(*leader, request)
             prepared.append(p)
             if deferred is not None:
                 waiting.append((p, deferred))
@@ -978,10 +997,43 @@ class Cosmos3Engine:
         self._encode_conditions(prepared)
         return prepared
 
+    def _prepare_like(self, leader: _Prepared, deferred: tuple, request: Cosmos3Request) -> tuple[_Prepared, tuple]:
+        """``_prepare(request, defer_uint8_frames=True)`` for a request whose ``_template_key`` equals the one of
+        ``leader``'s request: the same settings, a uint8 frame of the same shape. Only what differs is built (its
+        action rows, checked as ``_prepare`` checks them, and its seed); the rest is the leader's, the same values."""
+        r = copy.copy(leader.request)  # the leader's resolved request with this request's own values
+        r.observation, r.action, r.action_history, r.seed = (
+            request.observation,
+            request.action,
+            request.action_history,
+            request.seed,
+        )
+        if r.mode == "forward_dynamics" and r.action is None:
+            raise InputError("action: mode 'forward_dynamics' needs an action chunk [T, raw_action_dim]")
+        x0_actions, _ = processor.prepare_action_rows(
+            r.mode,
+            r.chunk,
+            leader.raw_action_dim,
+            self.action_dim,
+            actions=r.action,
+            history=r.action_history,
+            history_length=leader.history_rows,  # the resolved action_history_length
+            flip=bool(r.flip_gripper),
+        )
+        p = copy.copy(leader)
+        p.request, p.x0_actions, p.pixels, p.x0_video = r, x0_actions, None, None
+        p.seed = r.seed if r.seed is not None else secrets.randbelow(2**63)
+        _, layout, num_frames = deferred
+        return p, (r.observation, layout, num_frames)
+
     # ------------------------------------------------------------------ the batched denoising loop
 
     def _denoise(
-        self, group: list[_Prepared], frames: str | None, pixels_on_device: bool = False
+        self,
+        group: list[_Prepared],
+        frames: str | None,
+        pixels_on_device: bool = False,
+        latents_on_device: bool = False,
     ) -> list[Cosmos3Result]:
         """Denoise one shape group; ``frames`` is the VAE's (``_decode_frames``), None for latents only."""
         device = self.device
@@ -989,29 +1041,35 @@ class Cosmos3Engine:
         latent_t, _, _ = group[0].latent_thw
         chunk = group[0].action_rows  # the request's chunk plus its clean state rows
 
-        video_clean = torch.zeros(batch, latent_t, dtype=torch.bool)
-        action_clean = torch.zeros(batch, chunk, dtype=torch.bool)
-        video_noise, action_noise = [], []
+        clean_masks = np.zeros((batch, latent_t + chunk), dtype=np.bool_)  # built in numpy: no torch op per row
         for b, p in enumerate(group):
-            video_clean[b, p.clean_frames] = True
-            action_clean[b, p.clean_rows] = True
-            noise, a_noise = self.initial_noise(p)
-            a_noise[:, p.raw_action_dim :] = 0
-            video_noise.append(noise)
-            action_noise.append(a_noise)
-        # The host draws the noise while the GPU still encodes the conditioning frames: nothing here waits for the
-        # device (the clean latents are assembled on it, the noise goes up from pinned memory without a sync).
-        video, actions = _to_device(torch.cat(video_noise), device), _to_device(torch.stack(action_noise), device)
+            clean_masks[b, p.clean_frames] = True
+            clean_masks[b, [latent_t + row for row in p.clean_rows]] = True
+        video_clean, action_clean = torch.from_numpy(clean_masks).split([latent_t, chunk], dim=1)
+        # One seeded generator per request (the pipeline's noise, bit for bit), drawn over the host threads: on one
+        # core the draws were ~15 ms of a 256-slot step. The host draws while the GPU still encodes the conditioning
+        # frames: nothing here waits for the device (the noise goes up from pinned memory without a sync).
+        noises = map_in_threads(self.initial_noise, group, min_per_thread=16)
+        action_noise = torch.stack([a_noise for _, a_noise in noises])
+        raw_dims = torch.tensor([p.raw_action_dim for p in group])
+        action_noise.masked_fill_((torch.arange(self.action_dim) >= raw_dims[:, None])[:, None, :], 0.0)
+        video = _to_device(torch.cat([noise for noise, _ in noises]), device)
+        actions = _to_device(action_noise, device)
         x0_video = torch.zeros(batch, self.transformer.config.latent_channel, *group[0].latent_thw, device=device)
-        for b, p in enumerate(group):
-            encoded = p.x0_video
-            assert encoded is not None  # _encode_conditions encoded every request's clean frames
-            x0_video[b, :, : encoded.shape[2]] = encoded[0]
+        encoded: list[torch.Tensor] = []
+        for p in group:
+            assert p.x0_video is not None  # _encode_conditions encoded every request's clean frames
+            encoded.append(p.x0_video)
+        if len({e.shape for e in encoded}) == 1:  # one copy for the batch, not one per row
+            x0_video[:, :, : encoded[0].shape[2]] = torch.cat(encoded)
+        else:
+            for b, e in enumerate(encoded):
+                x0_video[b, :, : e.shape[2]] = e[0]
         x0_actions = _to_device(torch.stack([p.x0_actions for p in group]), device)
         video_clean, action_clean = _to_device(video_clean, device), _to_device(action_clean, device)
         video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
         actions = torch.where(action_clean[..., None], x0_actions, actions)
-        raw_dims = torch.tensor([p.raw_action_dim for p in group], device=device)
+        raw_dims = raw_dims.to(device)
         action_dim_mask = torch.arange(actions.shape[-1], device=device)[None, None, :] < raw_dims[:, None, None]
 
         # The rows of the batched pass: the conditional branch of every request, then the unconditional branch of
@@ -1083,11 +1141,16 @@ class Cosmos3Engine:
 
         # from the last context frame on (decode_start), so the pixels are [3, chunk + 1, H, W] with or without one
         pixels = self._decode(video[:, :, group[0].decode_start :], frames) if frames is not None else None
-        # The device -> host copies of every row are queued together and waited for once (not one wait per copy).
-        host_actions, host_video, host_pixels = _rows_to_host([actions, video, None if pixels_on_device else pixels])
-        assert host_actions is not None and host_video is not None  # the rows of tensors, not of None
+        # Each tensor comes to the host in one copy, all queued together and waited for once.
+        host_actions, host_video, host_pixels = _rows_to_host(
+            [actions, None if latents_on_device else video, None if pixels_on_device else pixels]
+        )
+        assert host_actions is not None  # the rows of a tensor, not of None
+        if latents_on_device:
+            host_video = list(video)
         if pixels_on_device and pixels is not None:
             host_pixels = list(pixels)
+        assert host_video is not None
         results = []
         for b, p in enumerate(group):
             action = host_actions[b][p.history_rows :, : p.raw_action_dim].numpy()  # state rows dropped
@@ -1131,6 +1194,30 @@ class Cosmos3Engine:
             0, guided_index, cfg_combine(cond_action[guided_index], v_action[batch:], guidance)
         )
         return video, action
+
+
+# The request fields a vector env's slots differ in; ``_template_key`` is everything else.
+_PER_SLOT_FIELDS = frozenset({"observation", "action", "action_history", "seed"})
+
+
+def _template_key(request: Any) -> tuple | None:
+    """What ``_prepare`` reads of a request other than its per-slot values, as a hashable key, for requests whose
+    observation is one uint8 frame or clip (what ``_prepare_like`` takes); None for the others (a context, an
+    adapter, an unhashable field), which are prepared on their own."""
+    if type(request) is not Cosmos3Request or request.context_latents is not None:
+        return None
+    observation = request.observation
+    if request.observation_adapter is not None or not isinstance(observation, np.ndarray):
+        return None
+    if observation.dtype != np.uint8:
+        return None
+    names, _ = presets.field_defaults(Cosmos3Request)
+    key = (observation.shape, *(getattr(request, name) for name in names if name not in _PER_SLOT_FIELDS))
+    try:
+        hash(key)
+    except TypeError:  # e.g. cond_frame_indexes given as a list
+        return None
+    return key
 
 
 def _decode_frames(decode) -> str | None:
@@ -1178,13 +1265,21 @@ def find_light_decoder(checkpoint_root: str | Path) -> Path:
 
 
 def _rows_to_host(tensors: list[torch.Tensor | None]) -> list[list[torch.Tensor] | None]:
-    """The rows of each tensor as float32 CPU tensors (None stays None). From a GPU every row is its own copy (a
-    result pickled to another process carries only its row), all queued without a wait and waited for once; on a
-    CPU the rows are views, as ``.cpu()`` gives."""
-    rows = [None if t is None else [row.float().to("cpu", non_blocking=True) for row in t] for t in tensors]
-    if any(t is not None and t.is_cuda for t in tensors):
-        torch.cuda.current_stream().synchronize()
-    return rows
+    """The rows of each tensor as float32 CPU tensors (None stays None); on a CPU views, as ``.cpu()`` gives. From a
+    GPU each tensor comes up in one copy into pinned memory (one copy per row was a launch and an allocation per
+    slot of a vector env), all queued and waited for once; then every row is cloned into memory of its own, so that a
+    result pickled to another process carries only its row and a kept result holds no pinned memory."""
+    if not any(t is not None and t.is_cuda for t in tensors):
+        return [None if t is None else [row.float() for row in t] for t in tensors]
+    staged = []
+    for t in tensors:
+        host = None
+        if t is not None:
+            host = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(t.float(), non_blocking=True)
+        staged.append(host)
+    torch.cuda.current_stream().synchronize()
+    return [None if host is None else [row.clone() for row in host] for host in staged]
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

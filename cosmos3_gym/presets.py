@@ -198,13 +198,13 @@ def resolve_request(request: Any, default_preset: str | Preset | None = None) ->
     ``preset`` cleared."""
     preset = request.preset if request.preset is not None else default_preset
     # a class is hashable; mypy does not match type objects to the Hashable protocol of functools.cache's wrapper
-    names, defaults = _field_defaults(type(request))  # type: ignore[arg-type]
+    names, defaults = field_defaults(type(request))  # type: ignore[arg-type]
     resolved = resolve_settings(preset, {name: getattr(request, name) for name in names}, defaults)
     return dataclasses.replace(request, **{**resolved, "preset": None})
 
 
 @functools.cache
-def _field_defaults(request_type: type) -> tuple[tuple[str, ...], dict[str, Any]]:
+def field_defaults(request_type: type) -> tuple[tuple[str, ...], dict[str, Any]]:
     """A request dataclass's field names and defaults, read once (``dataclasses.fields`` costs a vector env's step
     tens of microseconds per slot). The defaults dict is never mutated."""
     fields = dataclasses.fields(request_type)

@@ -21,6 +21,21 @@ def test_uint8_frames_match_media_to_uint8(shape):
     assert np.array_equal(_to_uint8_frames(frames), expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("staging", [False, True])
+def test_uint8_frames_from_the_gpu_match_media_to_uint8(staging):
+    """On a GPU, through pinned staging memory or not: the same bytes as the host conversion, and a staged buffer
+    is reused by the next call once the previous result is gone."""
+    frames = torch.rand((4, 2, 3, 64, 48)) * 1.4 - 0.2
+    expected = to_uint8(frames.permute(0, 1, 3, 4, 2).numpy())
+    first = _to_uint8_frames(frames.cuda(), staging=staging)
+    assert np.array_equal(first, expected)
+    assert np.array_equal(_to_uint8_frames(frames.cuda() * 0.5, staging=staging), to_uint8(
+        (frames * 0.5).permute(0, 1, 3, 4, 2).numpy()))
+    assert np.array_equal(first, expected)  # a kept result is not overwritten by a later call
+
+
 def test_batch_infos_equal_gymnasium_add_info_per_slot():
     num_envs = 5
     env = SimpleNamespace(num_envs=num_envs)

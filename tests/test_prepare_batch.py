@@ -11,6 +11,7 @@ import torch
 
 from cosmos3_gym import processor
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
+from cosmos3_gym.errors import InputError
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,11 @@ def varied_requests() -> tuple[list[Cosmos3Request], int]:
         Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(6, (256, 256, 3)), task="push the T",
                        action=actions(6), seed=6, action_history=actions(7, rows=3), action_history_length=2,
                        flip_gripper=True, **common),
+        *(Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(s, (256, 256, 3)), task="push the T",
+                         action=actions(s, rows=2 + s % 5), seed=s, action_history=actions(s + 1, rows=2 + s % 2),
+                         action_history_length=2, flip_gripper=True, **common) for s in (17, 18)),
+        Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(19, (256, 256, 3)), task="push the T",
+                       action=actions(19, rows=6), seed=19, **common),  # a longer chunk, cut to 4 rows
         Cosmos3Request(mode="policy", observation=uint8_frames(8, (256, 256, 3)), seed=8,
                        **{**common, "num_inference_steps": 3}),
         Cosmos3Request(mode="inverse_dynamics", observation=uint8_frames(9, (3, 256, 256, 3)), seed=9,
@@ -103,6 +109,8 @@ def test_prepare_batch_equals_prepare_one_by_one(engine, monkeypatch):
     batched = engine._prepare_batch(requests)
 
     assert len(batched_observations) == num_fast  # the fast path ran, for exactly the requests it takes
+    # requests that share their settings with an earlier one were prepared from it (_prepare_like), not on their own
+    assert engine_prepare_calls(engine, requests) < len(requests) - 4
     assert len(batched) == len(requests)
     for index, (old, new) in enumerate(zip(one_by_one, batched)):
         assert_same(old_pixels[index], new_pixels[index], f"request {index}: pixels")
@@ -143,3 +151,97 @@ def test_uint8_conditioning_on_cuda_equals_host():
     for observation, on_device in zip(observations, pixels):
         assert on_device.is_cuda
         assert torch.equal(on_device.cpu(), processor.prepare_conditioning(observation, 256, 1).pixels)
+
+
+def engine_prepare_calls(engine, requests) -> int:
+    """How many requests ``_prepare_batch`` prepares from scratch (``_prepare``) rather than from an earlier one."""
+    calls = []
+    prepare = engine._prepare
+
+    def counting(request, defer_uint8_frames):
+        calls.append(request)
+        return prepare(request, defer_uint8_frames)
+
+    engine._prepare = counting
+    try:
+        engine._prepare_batch(requests)
+    finally:
+        del engine._prepare
+    return len(calls)
+
+
+@pytest.mark.parametrize(
+    "field, bad, message",
+    [
+        ("action", np.full((4, 2), np.nan, np.float32), "actions: contains NaN"),
+        ("action", np.zeros((4, 3), np.float32), "actions: expected 2 values per row"),
+        ("action", None, "action: mode 'forward_dynamics' needs an action chunk"),
+    ],
+)
+def test_prepare_batch_checks_every_request_that_shares_settings(engine, field, bad, message):
+    """A request prepared from an earlier one with the same settings is still checked on its own values, with the
+    error ``prepare`` gives it."""
+    common = dict(mode="forward_dynamics", task="push the T", domain="pusht", chunk=4, num_inference_steps=2,
+                  resolution_tier=256)
+    good = Cosmos3Request(observation=uint8_frames(0, (256, 256, 3)), action=actions(0), seed=0, **common)
+    wrong = Cosmos3Request(observation=uint8_frames(1, (256, 256, 3)), seed=1, **{**common, field: bad})
+    with pytest.raises(InputError) as alone:
+        engine.prepare(wrong, encode=False)
+    with pytest.raises(InputError) as batched:
+        engine._prepare_batch([good, wrong])
+    assert message in str(alone.value) and str(batched.value) == str(alone.value)
+
+
+def test_denoise_starts_every_row_from_its_own_seeded_noise(engine, monkeypatch):
+    """The batched start of the denoising loop (noise drawn over host threads, clean masks and clean latents built
+    for the whole batch at once) is, row by row, what ``initial_noise`` and the request's own conditioning give: the
+    noise where the row is noisy (zero beyond its raw action width), its clean latents and actions elsewhere."""
+    common = dict(domain="pusht", chunk=4, num_inference_steps=1, resolution_tier=256, guidance_scale=1.0)
+    requests = [
+        Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(s, (256, 256, 3)), task="push the T",
+                       action=actions(s), seed=100 + s, **common)
+        for s in range(40)  # enough rows for several host threads
+    ] + [Cosmos3Request(mode="policy", observation=uint8_frames(40, (256, 256, 3)), seed=140, **common)]
+    first_call = {}
+
+    def forward(text, layout, video, video_noisy, timesteps, actions_in, action_noisy, domain_ids):
+        first_call.setdefault("inputs", (video.clone(), video_noisy.clone(), actions_in.clone(), action_noisy.clone()))
+        return torch.zeros_like(video), torch.zeros_like(actions_in)
+
+    monkeypatch.setattr(Cosmos3Engine, "gen_forward", property(lambda self: forward))
+    with torch.inference_mode():
+        prepared = engine._prepare_batch(requests)
+        engine._denoise(prepared, frames=None)
+    video, video_noisy, actions_in, action_noisy = first_call["inputs"]
+    assert video_noisy.any() and action_noisy.any() and (~video_noisy).any()
+    for row, request in enumerate(requests):
+        alone = engine.prepare(request, encode=False)
+        noise, action_noise = engine.initial_noise(alone)
+        action_noise[:, alone.raw_action_dim :] = 0
+        clean = prepared[row].x0_video[0]  # the batch's own encode (batched convolutions sum in another order)
+        for frame in range(video.shape[2]):
+            expected = noise[0, :, frame] if video_noisy[row, frame] else clean[:, frame]
+            assert torch.equal(video[row, :, frame], expected), (row, frame)
+        expected_actions = torch.where(action_noisy[row][:, None], action_noise, alone.x0_actions)
+        assert torch.equal(actions_in[row], expected_actions), row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_results_come_to_the_host_as_rows_of_their_own_or_stay_on_the_gpu(tiny_checkpoint):
+    """From a GPU each result's latents and pixels are rows of their own on the host (one copy of the batch, then
+    cloned: a pickled result carries only its row, a kept one holds no pinned memory), or with ``latents_on_device``
+    / ``pixels_on_device`` the same values on the GPU."""
+    engine = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", dtype="fp32", progress=False)
+    common = dict(domain="pusht", chunk=4, num_inference_steps=2, resolution_tier=256, task="push the T")
+    requests = [Cosmos3Request(mode="forward_dynamics", observation=uint8_frames(s, (256, 256, 3)), action=actions(s),
+                               seed=s, **common) for s in range(3)]
+    on_host = engine.step(requests)
+    on_gpu = engine.step(requests, latents_on_device=True, pixels_on_device=True)
+    for host, gpu in zip(on_host, on_gpu):
+        for name in ("video_latents", "pixels"):
+            row = getattr(host, name)
+            assert row.device.type == "cpu" and not row.is_pinned(), name
+            assert row.untyped_storage().nbytes() == row.numel() * row.element_size(), name
+            assert getattr(gpu, name).is_cuda and torch.equal(getattr(gpu, name).float().cpu(), row), name
+        assert np.array_equal(host.action, gpu.action)

@@ -19,7 +19,6 @@ arbitrary code; convert them to ``.npz`` with a ``frames`` array and a ``task`` 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from PIL import Image
 from .. import processor
 from ..checkpoint import StartFramesArchive
 from ..errors import CheckpointError, InputError
+from ..host_threads import map_in_threads
 from ..media import to_uint8
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -245,21 +245,6 @@ def resize_frame(frame: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
     return np.asarray(Image.fromarray(frame).resize((width, height), Image.Resampling.BICUBIC))
 
 
-# Frames per thread below which a batch is resized in the calling thread (a thread hand-off costs about one resize).
-_FRAMES_PER_THREAD = 8
-_RESIZE_THREADS = min(16, os.cpu_count() or 1)
-_resize_pools: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child gets a pool of its own
-
-
-def _resize_pool() -> ThreadPoolExecutor:
-    # A pool inherited through fork has no threads in the child: work handed to it would never run.
-    pid = os.getpid()
-    if pid not in _resize_pools:
-        _resize_pools.clear()
-        _resize_pools[pid] = ThreadPoolExecutor(_RESIZE_THREADS, thread_name_prefix="resize_frames")
-    return _resize_pools[pid]
-
-
 def resize_frames(frames: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
     """uint8 ``[B, H, W, 3]`` -> a new uint8 ``[B, h, w, 3]``, each frame by ``resize_frame`` (the same bytes).
 
@@ -268,9 +253,4 @@ def resize_frames(frames: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
     resizes, so the batch is split over a thread pool."""
     if frames.shape[1:3] == tuple(size_hw):
         return frames.copy()
-    threads = min(_RESIZE_THREADS, len(frames) // _FRAMES_PER_THREAD)
-    if threads <= 1:
-        return np.stack([resize_frame(frame, size_hw) for frame in frames])
-    parts = np.array_split(np.arange(len(frames)), threads)
-    resized = _resize_pool().map(lambda rows: [resize_frame(frames[i], size_hw) for i in rows], parts)
-    return np.stack([frame for part in resized for frame in part])
+    return np.stack(map_in_threads(lambda frame: resize_frame(frame, size_hw), list(frames)))

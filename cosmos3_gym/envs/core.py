@@ -419,6 +419,7 @@ class WorldModelCore:
         # Further imagined samples of the same chunk (imagination_samples): their seeds come after the slot's own,
         # so with one sample the random streams are as they always were.
         extra_seeds = [[int(rng.integers(_SEED_BOUND)) for rng in rngs] for _ in range(samples - 1)]
+        fields = self.settings.request_fields()
         requests = [
             Cosmos3Request(
                 mode="forward_dynamics",
@@ -428,7 +429,7 @@ class WorldModelCore:
                 action=action,
                 action_history=self._action_history(slot, action),
                 seed=seed,
-                **self.settings.request_fields(),
+                **fields,
             )
             for sample_seeds in [seeds, *extra_seeds]
             for slot, action, seed in zip(slots, actions, sample_seeds)
@@ -436,7 +437,13 @@ class WorldModelCore:
         decode = self.decode_mode()
         # An engine that can (Cosmos3Engine) leaves the pixels on its device: the reward model and the uint8
         # conversion run there on the whole batch, and only the uint8 frames come to the host, in one copy.
-        on_device = {"pixels_on_device": True} if _takes_keyword(self.engine.step, "pixels_on_device") else {}
+        # The latents stay there too: a latent hand-over continues from them on the device, a pixel one never reads
+        # them (each slot's latents were a device -> host copy a step).
+        on_device = {
+            keyword: True
+            for keyword in ("pixels_on_device", "latents_on_device")
+            if _takes_keyword(self.engine.step, keyword)
+        }
         results = self.engine.step(requests, decode=decode, **on_device)
         # pixels [3, chunk + 1, H, W]: frame 0 re-renders the conditioning frame, 1.. are the chunk's new frames
         # (decode "last": [3, 1, H, W], the chunk's last frame only).
@@ -455,7 +462,10 @@ class WorldModelCore:
             scores = (
                 sample_scores.mean(axis=1) if self.settings.imagination_reduce == "mean" else sample_scores.min(axis=1)
             )
-        frames_uint8 = _to_uint8_frames(generated[: len(slots)])  # [B, T, H, W, 3]: the first sample goes on
+        # [B, T, H, W, 3]: the first sample goes on. In a reused pinned buffer unless the frames are handed out
+        # (return_frames, a renderer's list): a fresh pageable 50 MB array at 256 slots was page faults and staging.
+        staging = not (self.settings.return_frames or self.keep_all_frames)
+        frames_uint8 = _to_uint8_frames(generated[: len(slots)], staging=staging)
         if context is not None:
             # video_latents are (context, generated latents): their last K frames are the next context
             latents = _stack_rows([result.video_latents for result in results[: len(slots)]])
@@ -490,7 +500,10 @@ class WorldModelCore:
         """The slots' new state, rewards, flags and infos from the step's frames and scores, as arrays."""
         settings = self.settings
         index = np.asarray(slots, dtype=np.int64)
-        self._frames[index] = frames_uint8[:, -1]
+        if index[-1] - index[0] + 1 == len(index) and (np.diff(index) == 1).all():
+            self._frames[index[0] : index[-1] + 1] = frames_uint8[:, -1]  # a block copy, not a gather
+        else:
+            self._frames[index] = frames_uint8[:, -1]
         if settings.history_length:
             for i, slot in enumerate(slots):
                 self._history[slot] = actions[i, -settings.history_length :].copy()
@@ -633,9 +646,13 @@ def _stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((len(rows), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
-def _to_uint8_frames(frames: torch.Tensor) -> np.ndarray:
+def _to_uint8_frames(frames: torch.Tensor, staging: bool = False) -> np.ndarray:
     """Frames ``[B, T, 3, H, W]`` in [0, 1] -> uint8 ``[B, T, H, W, 3]`` in one pass over the batch, with the same
-    float32 arithmetic as ``media.to_uint8`` (clip, * 255, + 0.5, truncate), so the values are identical."""
+    float32 arithmetic as ``media.to_uint8`` (clip, * 255, + 0.5, truncate), so the values are identical.
+
+    ``staging`` (frames on a GPU): the result is a view of pinned host memory from torch's caching host allocator,
+    reused from step to step once the previous view is gone, for a caller that copies what it keeps and hands none of
+    it out; otherwise a new array of its own."""
     batch, steps, _, height, width = frames.shape
     out = torch.empty((batch, steps, height, width, 3), dtype=torch.uint8, device=frames.device)
     # One pass on a GPU. On a CPU in slices of about a megabyte: a temporary the size of the batch (50 MB at 64 envs)
@@ -645,7 +662,12 @@ def _to_uint8_frames(frames: torch.Tensor) -> np.ndarray:
         scaled = frames[start : start + rows].float().clamp(0.0, 1.0).mul_(255.0).add_(0.5)
         # the truncating float -> uint8 cast and the move to channels-last, in one copy
         out[start : start + rows].permute(0, 1, 4, 2, 3).copy_(scaled)
-    return out.cpu().numpy()  # on a GPU: the step's one device -> host copy
+    if not (staging and out.is_cuda):
+        return out.cpu().numpy()  # on a GPU: the step's one device -> host copy
+    host = torch.empty(out.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(out, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return host.numpy()
 
 
 def _object_array(values: list[Any]) -> np.ndarray:
