@@ -268,6 +268,7 @@ META_SETTING_KEYS = (
     "context_frames",
     "handover",
     "action_history_length",
+    "context_noise",
 )
 # meta.json "handover": how a checkpoint's chunks hand over to the next. "pixels" (every released checkpoint): the
 # chunk's decoded last frame is encoded again as the next chunk's clean frame; "latent": the last "context_frames"

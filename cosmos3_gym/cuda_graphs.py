@@ -171,8 +171,9 @@ class GraphedGenForward(_GraphCache):
         actions=None,
         action_noisy=None,
         domain_ids=None,
+        context_timesteps=None,
     ):
-        tensors = (video, video_noisy, timesteps, actions, action_noisy, domain_ids)
+        tensors = (video, video_noisy, timesteps, actions, action_noisy, domain_ids, context_timesteps)
         flat = _flat_inputs(text, layout, *tensors)
         entry, captured = self._cached(_signature(text, flat), lambda: self._capture(text, layout, flat))
         if not captured:

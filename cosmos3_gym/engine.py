@@ -74,7 +74,7 @@ from .parallel.mesh import (
 from .parallel.plan import parallelize_transformer
 from .parallel.tensor_parallel import check_tensor_parallel, release_symmetric_buffers
 from .quantization import apply_precision, check_precision
-from .sampling import FlowUniPCSampler, Schedule, cfg_combine, make_schedule
+from .sampling import FlowUniPCSampler, Schedule, cfg_combine, make_schedule, timesteps_from_sigmas
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 # The modes that can continue from a latent context (``Cosmos3Request.context_latents``): those that generate frames
@@ -127,6 +127,11 @@ class Cosmos3Request:
     # [C, K, h, w] normalised latents (as ``Cosmos3Result.video_latents`` holds them) that condition the chunk instead
     # of ``observation``: the clean latent frames 0..K-1 (forward_dynamics and policy; see ``Cosmos3Engine.step``).
     context_latents: Any = None
+    # Noise on the clean context frames (forward_dynamics and policy): a flow sigma in [0, 1) that puts
+    # (1 - sigma) * x0 + sigma * noise in their place and gives their tokens that level's timestep embedding, as a model
+    # trained with context noise saw its context (WorldModelTrainConfig.context_noise_max; Diffusion Forcing feeds its
+    # own frames back at a small level). 0: clean, exactly as without it.
+    context_noise: float = 0.0
 
 
 # Deprecated keyword -> its current name on Cosmos3Request (kept for one release).
@@ -708,6 +713,14 @@ class Cosmos3Engine:
             raise InputError(f"fps: expected a positive number, got {r.fps!r}")
         if r.flow_shift is not None and (not np.isfinite(r.flow_shift) or r.flow_shift <= 0):
             raise InputError(f"flow_shift: expected a positive number, got {r.flow_shift!r}")
+        if isinstance(r.context_noise, bool) or not isinstance(r.context_noise, (int, float, np.floating)):
+            raise InputError(f"context_noise: expected a noise level in [0, 1), got {r.context_noise!r}")
+        if not 0.0 <= r.context_noise < 1.0:  # NaN fails this too
+            raise InputError(f"context_noise: expected a noise level in [0, 1), got {r.context_noise!r}")
+        if r.context_noise > 0 and r.mode not in CONTEXT_MODES:
+            raise InputError(
+                f"context_noise: only modes {list(CONTEXT_MODES)} have context frames to noise, got mode {r.mode!r}"
+            )
         for name in ("flip_gripper", "use_native_flow_schedule"):
             if not isinstance(getattr(r, name), bool):
                 raise InputError(f"{name}: expected True or False, got {getattr(r, name)!r}")
@@ -959,14 +972,18 @@ class Cosmos3Engine:
             )
         return indexes
 
-    def initial_noise(self, p: _Prepared) -> tuple[torch.Tensor, torch.Tensor]:
+    def initial_noise(self, p: _Prepared) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Seeded noise drawn exactly as ``Cosmos3OmniPipeline.prepare_latents``: one CPU generator, the video
-        noise [1, C, t, h, w] first, then the action noise [chunk, action_dim], both float32."""
+        noise [1, C, t, h, w] first, then the action noise [chunk, action_dim], both float32; then, for a request
+        with ``context_noise``, the context's noise [1, C, t, h, w] (read on its clean frames), else None."""
         generator = torch.Generator("cpu").manual_seed(p.seed)
         c = self.transformer.config.latent_channel
         video_noise = torch.randn((1, c, *p.latent_thw), generator=generator, dtype=torch.float32)
         action_noise = torch.randn((p.action_rows, self.action_dim), generator=generator, dtype=torch.float32)
-        return video_noise, action_noise
+        context_noise = None
+        if p.request.context_noise > 0:  # drawn last: the pipeline's draws above stay the same
+            context_noise = torch.randn((1, c, *p.latent_thw), generator=generator, dtype=torch.float32)
+        return video_noise, action_noise, context_noise
 
     def _prepare_batch(self, requests: list) -> list[_Prepared]:
         """``prepare`` each request, then VAE-encode all their conditioning frames in shape-batched passes.
@@ -1050,10 +1067,10 @@ class Cosmos3Engine:
         # core the draws were ~15 ms of a 256-slot step. The host draws while the GPU still encodes the conditioning
         # frames: nothing here waits for the device (the noise goes up from pinned memory without a sync).
         noises = map_in_threads(self.initial_noise, group, min_per_thread=16)
-        action_noise = torch.stack([a_noise for _, a_noise in noises])
+        action_noise = torch.stack([a_noise for _, a_noise, _ in noises])
         raw_dims = torch.tensor([p.raw_action_dim for p in group])
         action_noise.masked_fill_((torch.arange(self.action_dim) >= raw_dims[:, None])[:, None, :], 0.0)
-        video = _to_device(torch.cat([noise for noise, _ in noises]), device)
+        video = _to_device(torch.cat([noise for noise, _, _ in noises]), device)
         actions = _to_device(action_noise, device)
         x0_video = torch.zeros(batch, self.transformer.config.latent_channel, *group[0].latent_thw, device=device)
         encoded: list[torch.Tensor] = []
@@ -1067,6 +1084,17 @@ class Cosmos3Engine:
                 x0_video[b, :, : e.shape[2]] = e[0]
         x0_actions = _to_device(torch.stack([p.x0_actions for p in group]), device)
         video_clean, action_clean = _to_device(video_clean, device), _to_device(action_clean, device)
+        # Context noise (Cosmos3Request.context_noise): the clean frames the model sees are noised x0 (the results
+        # keep the clean ones); each row's level goes to the transformer as its context timestep.
+        clean_x0_video, context_timesteps = x0_video, None
+        levels = [p.request.context_noise for p in group]
+        if any(levels):
+            sigma = torch.tensor(levels, dtype=torch.float32)
+            context_noise = torch.cat([n if n is not None else torch.zeros_like(v) for v, _, n in noises])
+            x0_video = (1.0 - sigma.to(device).view(-1, 1, 1, 1, 1)) * x0_video + sigma.to(device).view(
+                -1, 1, 1, 1, 1
+            ) * _to_device(context_noise, device)
+            context_timesteps = _to_device(timesteps_from_sigmas(sigma), device)
         video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
         actions = torch.where(action_clean[..., None], x0_actions, actions)
         raw_dims = raw_dims.to(device)
@@ -1125,6 +1153,7 @@ class Cosmos3Engine:
                     actions[row_index],
                     action_noisy,
                     domain_ids,
+                    None if context_timesteps is None else context_timesteps[row_index],
                 )
                 v_video, v_action = v_video[:num_rows], v_action[:num_rows]
             else:  # a single unguided request under cfg=2: cfg rank 1 has no row, it only sends padding
@@ -1139,6 +1168,8 @@ class Cosmos3Engine:
             video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
             actions = torch.where(action_clean[..., None], x0_actions, actions)
 
+        if context_timesteps is not None:
+            video = torch.where(video_clean[:, None, :, None, None], clean_x0_video, video)
         # from the last context frame on (decode_start), so the pixels are [3, chunk + 1, H, W] with or without one
         pixels = self._decode(video[:, :, group[0].decode_start :], frames) if frames is not None else None
         # Each tensor comes to the host in one copy, all queued together and waited for once.

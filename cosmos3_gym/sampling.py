@@ -65,6 +65,14 @@ class Schedule:
     corrector: UpdateTable  # UniC: re-estimates x_i from x_{i-1} once m_i is known
 
 
+NUM_TRAIN_TIMESTEPS = 1000  # the scheduler's num_train_timesteps: the model's timestep is int(sigma * 1000)
+
+
+def timesteps_from_sigmas(sigmas: torch.Tensor) -> torch.Tensor:
+    """The model timesteps: int64 truncation of sigma * 1000, as the sampler's ``timesteps``."""
+    return (sigmas.double() * NUM_TRAIN_TIMESTEPS).to(torch.int64)
+
+
 def make_schedule(
     num_steps: int,
     scheduler_config: Mapping,

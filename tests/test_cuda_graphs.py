@@ -90,15 +90,17 @@ def test_engine_with_cuda_graphs_matches_plain_engine_and_survives_offload(tiny_
     rng = np.random.default_rng(0)
     frame = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
 
-    def request(seed):
+    def request(seed, context_noise=0.0):
         return Cosmos3Request(mode="policy", observation=frame, task="push the block", chunk=8, num_inference_steps=3,
-                              guidance_scale=2.0, fps=15.0, seed=seed, resolution_tier=256, domain="pusht")
+                              guidance_scale=2.0, fps=15.0, seed=seed, resolution_tier=256, domain="pusht",
+                              context_noise=context_noise)
 
     plain = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", dtype="fp32", progress=False)
     graphed = Cosmos3Engine.from_pretrained(tiny_checkpoint, device="cuda", dtype="fp32", progress=False).optimize()
     assert graphed.gen_forward is not graphed.transformer
-    for seed in (0, 1):
-        ours, reference = graphed.step(request(seed), decode=False), plain.step(request(seed), decode=False)
+    for seed, context_noise in ((0, 0.0), (1, 0.0), (0, 0.2)):  # the graph replays a context's timesteps too
+        ours = graphed.step(request(seed, context_noise), decode=False)
+        reference = plain.step(request(seed, context_noise), decode=False)
         np.testing.assert_allclose(ours.action, reference.action, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(ours.video_latents, reference.video_latents, rtol=1e-4, atol=1e-4)
     graphed.offload()

@@ -11,6 +11,10 @@
 #   bash benchmarks/recipes/finetune_ab_pusht.sh wide           # the plain arm on the model widened first to
 #                                                               # GROW_INTERMEDIATE (1536) MLP units and GROW_HEADS (16)
 #                                                               # heads, computing the same function (issue 42 item 6)
+#   bash benchmarks/recipes/finetune_ab_pusht.sh context-noise  # the plain arm with context noise at its level's
+#                                                               # timestep instead of unlabelled noise: levels from
+#                                                               # U(0, CONTEXT_NOISE_MAX (0.5)); measured at inference
+#                                                               # levels 0 and CONTEXT_NOISE (0.1) (issue 42 item 4)
 #   bash benchmarks/recipes/finetune_ab_pusht.sh self-forcing   # self-forcing samples with a consistent target
 #                                                               # (tasks/pusht/self_forcing.py; about 400 s)
 #   MODEL=focus bash benchmarks/recipes/finetune_ab_pusht.sh evaluate   # the evaluation pool, 32 x 16 chunks
@@ -35,7 +39,7 @@
 # side by side, for MODEL=sf, focus, history, wide or plain (that arm's model, on a warm machine) or MODEL=builtin (the tree's
 # built-in model, once fine-tuned weights are installed there). Nothing here chooses on the evaluation pool.
 set -euo pipefail
-STAGE=${1:?plain, block-focus, history, wide, self-forcing or evaluate}
+STAGE=${1:?plain, block-focus, history, wide, context-noise, self-forcing or evaluate}
 OUT=${OUT:?set OUT to the output folder}
 WORK=${WORK:-/tmp/finetune_ab}
 ASSETS=cosmos3_gym/tasks/pusht/assets
@@ -66,14 +70,20 @@ fine_tune() {  # $1 the run's folder under $WORK; the rest: train_pusht.py argum
   pack  # the model is back even if the measurement below runs out of time
 }
 
-heldout() {  # $1 the run: its held-out block error over 16 chunks and untouched-block drift, one side-by-side episode
+heldout() {  # $1 the run: its held-out block error over 16 chunks and untouched-block drift, one side-by-side episode;
+  # $2 (optional) a suffix naming this measurement of the run; the rest: further pusht_fidelity_targets.py arguments
+  local run=$1 name=$1${2:-}
+  shift $(($# < 2 ? $# : 2))
   timeout "${EVAL_SECONDS:-135}" python3 benchmarks/recipes/pusht_fidelity_targets.py \
-    --assets "$WORK/$1/assets/pusht" --decoder light --heldout-seed 4900000 --chunks 16 --random-episodes 32 \
+    --assets "$WORK/$run/assets/pusht" --decoder light --heldout-seed 4900000 --chunks 16 --random-episodes 32 \
     --policy-starts 0 --video-episodes 1 --workers "$WORKERS" \
-    --results-name "pusht_fidelity_$1_heldout_16chunks_h200.json" --out "$RESULTS/eval_$1" ${EVAL_ARGS:-} 2>&1 |
-    tee "$RESULTS/eval_$1.log" || true
+    --results-name "pusht_fidelity_${name}_heldout_16chunks_h200.json" --out "$RESULTS/eval_$name" "$@" \
+    ${EVAL_ARGS:-} 2>&1 | tee "$RESULTS/eval_$name.log" || true
   # the side-by-side episode: an mp4, or its frames (.npz) where the machine has no video writer
-  find "$RESULTS/eval_$1" -name 'pusht_side_by_side.*' -exec mv {} "$OUT/" \;
+  local video
+  for video in $(find "$RESULTS/eval_$name" -name 'pusht_side_by_side.*'); do
+    mv "$video" "$OUT/${name}_$(basename "$video")"
+  done
   pack
 }
 
@@ -97,6 +107,13 @@ case "$STAGE" in
       --wm-seconds "${SECONDS_BUDGET:-145}" --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
     heldout wide
     exit 0 ;;
+  context-noise)  # the plain arm's settings, its unlabelled noise replaced by context noise at its level's timestep
+    fine_tune ctxnoise --wm-cond-noise 0 --wm-context-noise-max "${CONTEXT_NOISE_MAX:-0.5}" \
+      --wm-context-noise "${CONTEXT_NOISE:-0.1}" --wm-seconds "${SECONDS_BUDGET:-145}" \
+      --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
+    heldout ctxnoise _level0 --context-noise 0
+    heldout ctxnoise _level"${CONTEXT_NOISE:-0.1}" --context-noise "${CONTEXT_NOISE:-0.1}"
+    exit 0 ;;
   self-forcing)
     fine_tune sf --wm-self-forcing-rollouts "${ROLLOUTS:-3}" --wm-self-forcing-depth "${DEPTH:-10}" \
       --wm-self-forcing-envs "${ENVS:-256}" --wm-seconds 900 --wm-max-steps 40000 --deadline-s "${DEADLINE_S:-430}"
@@ -104,13 +121,13 @@ case "$STAGE" in
     heldout sf
     exit 0 ;;
   evaluate) ;;
-  *) echo "stage: expected plain, block-focus, history, wide, self-forcing or evaluate, got $STAGE" >&2; exit 2 ;;
+  *) echo "stage: expected plain, block-focus, history, wide, context-noise, self-forcing or evaluate, got $STAGE" >&2; exit 2 ;;
 esac
 
-case "${MODEL:?set MODEL to sf, focus, history, wide, plain or builtin}" in
-  sf | focus | history | wide | plain) assets=$WORK/$MODEL/assets/pusht ;;
+case "${MODEL:?set MODEL to sf, focus, history, wide, ctxnoise, plain or builtin}" in
+  sf | focus | history | wide | ctxnoise | plain) assets=$WORK/$MODEL/assets/pusht ;;
   builtin) assets=$ASSETS ;;
-  *) echo "MODEL: expected sf, focus, history, wide, plain or builtin, got $MODEL" >&2; exit 2 ;;
+  *) echo "MODEL: expected sf, focus, history, wide, ctxnoise, plain or builtin, got $MODEL" >&2; exit 2 ;;
 esac
 half() {  # $1 A or B: the session-24 baseline's halves of the evaluation pool, 32 reporting starts x 16 chunks
   local policies=$EVAL_POOL_A

@@ -664,6 +664,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "frames whose fitted T has at least this rigidity (RigidBlockProjection(min_rigidity=))")
     parser.add_argument("--num-steps", type=int, default=None,
                         help="denoising steps per chunk (default: the checkpoint's meta.json num_steps)")
+    parser.add_argument("--context-noise", type=float, default=None,
+                        help="context-noise level of every world-model env (default: the checkpoint's meta.json "
+                             "context_noise, else 0)")
     parser.add_argument("--flow-shift", type=float, default=None,
                         help="the sampler's flow shift (default: the checkpoint's scheduler config)")
     parser.add_argument("--precision", default="bf16", choices=PRECISIONS,
@@ -717,7 +720,10 @@ def main(argv: list[str] | None = None) -> dict:
         sampling["num_steps"] = args.num_steps
     if args.flow_shift is not None:
         sampling["request_options"] = {"flow_shift": args.flow_shift}
-    results["sampling"] = {"num_steps": args.num_steps, "flow_shift": args.flow_shift}  # None: the checkpoint's
+    if args.context_noise is not None:
+        sampling["context_noise"] = args.context_noise
+    results["sampling"] = {"num_steps": args.num_steps, "flow_shift": args.flow_shift,  # None: the checkpoint's
+                           "context_noise": args.context_noise}
     handover = ({"rigid_block": args.rigid_block} if args.rigid_block_min_rigidity is None else
                 {"handover_projection": RigidBlockProjection(min_rigidity=args.rigid_block_min_rigidity)})
     env_options: dict[str, Any] = {**sampling, **handover}

@@ -183,6 +183,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "action_history_length, written to meta.json; the env passes a slot's last N actions). "
                              "A frame shows no velocity; the agent's is linear in its position and its last 3-4 "
                              "targets (handover_sensitivity.py)")
+    parser.add_argument("--wm-context-noise-max", type=float, default=0.0,
+                        help="context noise with its level as the context's timestep (WorldModelTrainConfig."
+                             "context_noise_max; needs --wm-cond-noise 0): each sample's context frames noised to a "
+                             "level drawn from U(0, this); 0: none")
+    parser.add_argument("--wm-context-noise", type=float, default=0.0,
+                        help="the context-noise level the exported model's envs run at (meta.json context_noise)")
     parser.add_argument("--wm-block-focus", type=float, default=0.0,
                         help="extra weight of the latent cells the block covers in a window (WorldModelTrainConfig."
                              "video_loss_focus with tasks.pusht.readoff:block_mask): 4 makes them weigh 5x the rest; "
@@ -415,6 +421,7 @@ def world_model_stage(args, work: Path, assets: Path, seconds_left) -> dict:
         rollout_decoder=checkpoint_decoder(args.wm_init) if args.wm_init else "vae",
         handover=args.wm_handover, context_frames=args.wm_context_frames,
         action_history_length=args.wm_action_history,
+        context_noise_max=args.wm_context_noise_max, context_noise=args.wm_context_noise,
         video_loss_focus=BLOCK_FOCUS if args.wm_block_focus > 0 else None, video_loss_focus_weight=args.wm_block_focus,
         seed=args.seed, device=args.device, save_every=0,
         save_dtype=args.save_dtype, vae_save_dtype=args.save_dtype, encode_batch_size=args.encode_batch_size,

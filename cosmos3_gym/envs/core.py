@@ -429,6 +429,7 @@ class WorldModelCore:
                 action=action,
                 action_history=self._action_history(slot, action),
                 seed=seed,
+                context_noise=self.settings.context_noise,
                 **fields,
             )
             for sample_seeds in [seeds, *extra_seeds]

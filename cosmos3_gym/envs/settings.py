@@ -90,6 +90,10 @@ class WorldModelSettings:
             context included) condition the next one as they are (``Cosmos3Request.context_latents``); an episode
             starts from its start frame's latent repeated K times. K > 1 needs "latent"; "latent" needs a chunk that
             is a multiple of the VAE's temporal compression and an in-process engine (``Cosmos3Engine``).
+        context_noise: the noise level (a flow sigma in [0, 1)) on the clean frames that condition each chunk of the
+            envs' forward dynamics, with that level's timestep on their tokens (``Cosmos3Request.context_noise``): for
+            checkpoints trained with context noise (their meta.json names the level they run at); 0 (default): clean.
+            Agents condition on real observations and never add it.
     """
 
     domain: str | int = "droid_lerobot"
@@ -119,6 +123,7 @@ class WorldModelSettings:
     action_history_length: int | None = None
     context_frames: int = 1
     handover: str = "pixels"
+    context_noise: float = 0.0
 
     def __post_init__(self) -> None:  # noqa: C901 (one check per field, in field order)
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: normalise in place)
@@ -191,6 +196,10 @@ class WorldModelSettings:
                 f"context_frames: {self.context_frames} latent frames of context need handover='latent' (with "
                 f"handover={self.handover!r} the next chunk starts from one re-encoded frame)."
             )
+        context_noise = check_number(self.context_noise, "context_noise", minimum=0.0)
+        if context_noise >= 1.0:
+            raise InputError(f"context_noise: expected a noise level in [0, 1), got {self.context_noise!r}.")
+        set_("context_noise", context_noise)
 
     def _apply_preset(self, set_) -> None:
         """Each setting the preset names takes its value where it still holds the class default (an explicit value

@@ -588,6 +588,7 @@ class Cosmos3Transformer(nn.Module):
         actions: torch.Tensor | None = None,
         action_noisy: torch.Tensor | None = None,
         domain_ids: torch.Tensor | None = None,
+        context_timesteps: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One GEN-tower pass.
 
@@ -597,6 +598,9 @@ class Cosmos3Transformer(nn.Module):
             video: [B, C, t, h, w] noisy/clean latents; video_noisy: [B, t] bool, True = noisy frame.
             timesteps: [B] model timesteps (int64 sigma*1000, as diffusers' scheduler hands them out).
             actions: [B, chunk, action_dim]; action_noisy: [B, chunk] bool; domain_ids: [B] long.
+            context_timesteps: [B] model timesteps of the clean video frames (the context), or None. A sample's clean
+                frames that carry noise of level sigma (context noise, as Diffusion Forcing feeds back its own frames)
+                get the embedding of ``int(sigma * 1000)``; at 0 they get none, exactly as without it.
         Returns:
             video velocity [B, C, t, h, w] and action velocity [B, chunk, action_dim] (fp32), zero on clean entries.
         """
@@ -605,8 +609,13 @@ class Cosmos3Transformer(nn.Module):
         hp, wp = layout.patch_hw
         video_tokens = self.proj_in(self.patchify(video.to(dtype)))
         video_token_noisy = video_noisy.repeat_interleave(hp * wp, dim=1)[..., None]
-        # Clean tokens get no timestep embedding at all (not a t=0 one), as in diffusers' scatter_add.
-        tokens = [torch.where(video_token_noisy, video_tokens + temb, video_tokens)]
+        # Clean tokens get no timestep embedding at all (not a t=0 one), as in diffusers' scatter_add; noised context
+        # frames get their own level's (zeroed where the level is 0, so that those rows stay exact).
+        clean_tokens = video_tokens
+        if context_timesteps is not None:
+            context_temb = self.timestep_embedding(context_timesteps) * (context_timesteps > 0).to(dtype)[:, None]
+            clean_tokens = video_tokens + context_temb[:, None, :]
+        tokens = [torch.where(video_token_noisy, video_tokens + temb, clean_tokens)]
         if layout.chunk:
             assert actions is not None and action_noisy is not None  # a layout with actions: they are given
             action_tokens = self.action_proj_in(actions.to(dtype), domain_ids) + self.action_modality_embed

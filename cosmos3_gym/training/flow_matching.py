@@ -22,8 +22,10 @@ inverse_dyn.    all clean                         all noisy
 ============== ================================ ==========================
 
 Clean entries are fed as ``x0`` without a timestep embedding (the model's ``forward`` handles that from the masks)
-and carry no loss. Action dims at or beyond the raw action width are zero in ``x0`` and in the noise (the engine
-zeroes them in the noise and after every step) and carry no loss.
+and carry no loss. A batch with ``context_sigmas`` (context noise, ``WorldModelTrainConfig.context_noise_max``) has
+its context frames already noised to those levels; their tokens get the levels' timestep embedding. Action dims at
+or beyond the raw action width are zero in ``x0`` and in the noise (the engine zeroes them in the noise and after
+every step) and carry no loss.
 
 A batch may carry a **loss focus** (``video_focus``, [B, h, w] in [0, 1], from ``data.window_focus``): latent cells
 where what matters moves get ``1 + focus_weight`` times the weight of the rest in the video loss. A small object on a
@@ -42,8 +44,8 @@ import torch.nn as nn
 from ..engine import MODES
 from ..errors import InputError
 from ..models.transformer import Cosmos3Transformer, TextKV
+from ..sampling import timesteps_from_sigmas
 
-NUM_TRAIN_TIMESTEPS = 1000  # the scheduler's num_train_timesteps: the model's timestep is int(sigma * 1000)
 SIGMA_DISTRIBUTIONS = ("uniform", "logit_normal")
 # The flow shift native Cosmos3 training uses per resolution tier (reference/cosmos3.md, section 4: 256 -> 3,
 # 480 -> 5, 720 -> 10); the 704 tier, not listed there, takes the 720 value.
@@ -79,11 +81,6 @@ def sample_sigmas(
     return shift_sigmas(u.clamp(1e-5, 1.0 - 1e-5), shift).float()
 
 
-def timesteps_from_sigmas(sigmas: torch.Tensor) -> torch.Tensor:
-    """The model timesteps: int64 truncation of sigma * 1000, as the sampler's ``timesteps``."""
-    return (sigmas.double() * NUM_TRAIN_TIMESTEPS).to(torch.int64)
-
-
 def mode_masks(
     modes: torch.Tensor, latent_t: int, chunk: int, context_frames: int = 1, state_rows: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +111,9 @@ class FlowMatchingBatch:
     action_noise: torch.Tensor  # [B, H + chunk, action_dim]
     window_index: torch.Tensor | None = None  # [B] long: the training windows drawn (the objective ignores it)
     video_focus: torch.Tensor | None = None  # [B, h, w] in [0, 1]: the loss focus (module docstring); None: none
+    # [B] float32: the noise level already put on each sample's context frames (context noise), given to the model
+    # as their timestep; None: clean context.
+    context_sigmas: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> FlowMatchingBatch:
         values: dict[str, Any] = {}
@@ -201,8 +201,17 @@ class FlowMatchingObjective(nn.Module):
         layout = self.transformer.gen_layout(
             text.lengths, (latent_t, h, w), rows, list(batch.fps), action_start_offset=action_start
         )
+        context_timesteps = None if batch.context_sigmas is None else timesteps_from_sigmas(batch.context_sigmas)
         v_video, v_action = self.transformer(
-            text, layout, video_in, video_noisy, timesteps, actions_in, action_noisy, batch.domain_ids
+            text,
+            layout,
+            video_in,
+            video_noisy,
+            timesteps,
+            actions_in,
+            action_noisy,
+            batch.domain_ids,
+            context_timesteps=context_timesteps,
         )
 
         video_weight = video_noisy[:, None, :, None, None].float().expand_as(x0_video)

@@ -149,6 +149,13 @@ class WorldModelTrainConfig:
     # output, never a clean encode of a real frame, and a model that only saw clean frames drifts chunk after chunk.
     # 0 disables it. Context frames carry no loss in any mode.
     cond_noise_std: float = 0.0
+    # Context noise with its level as the context's timestep (issue 42 item 4; Diffusion Forcing, GameNGen): each
+    # policy / forward-dynamics sample's context frames become (1 - s) * x0 + s * noise with s ~ U(0,
+    # context_noise_max), and their tokens get the timestep embedding of s (the transformer's context_timesteps), so
+    # the model knows how far to trust its context. context_noise is the level the exported checkpoint's envs run at
+    # (meta.json "context_noise"; Cosmos3Request.context_noise). 0 disables each; one kind of context noise at a time.
+    context_noise_max: float = 0.0
+    context_noise: float = 0.0
     # Rollout conditioning (rollout.py): the fraction of each batch (policy / forward-dynamics samples) whose frame 0
     # is what the model itself generates for it from a real frame 1..rollout_max_chunks chunks earlier (one depth per
     # step), through the env's path with rollout_num_steps sampler steps. 0 disables it. Needs window_stride to
@@ -271,6 +278,15 @@ class WorldModelTrainConfig:
         for name in ("min_lr_ratio", "ema_decay", "uncond_prob", "rollout_prob"):
             if not is_number(getattr(self, name)) or not 0 <= getattr(self, name) <= 1:
                 fail(name, "a number in [0, 1]")
+        for name in ("context_noise_max", "context_noise"):
+            if not is_number(getattr(self, name)) or not 0 <= getattr(self, name) < 1:
+                fail(name, "a noise level in [0, 1)")
+        if self.context_noise > 0 and self.context_noise_max == 0:
+            fail("context_noise", "0 without context_noise_max > 0 (the model would never have seen a noised context)")
+        if self.context_noise_max > 0 and self.cond_noise_std > 0:
+            fail("cond_noise_std", "0 with context_noise_max > 0 (one kind of context noise at a time)")
+        if self.context_noise_max > 0 and self.rollout_prob > 0:
+            fail("rollout_prob", "0 with context_noise_max > 0 (rollout samples condition on clean frames)")
         if not is_number(self.logit_mean):
             fail("logit_mean", "a finite number")
         if self.resolution_tier not in processor.RESOLUTION_TIERS:
@@ -655,6 +671,16 @@ def sample_batch(
             ],
             dim=2,
         )
+    context_sigmas = None
+    if config.context_noise_max > 0:  # drawn last, so that the draws above do not depend on it
+        # Inverse dynamics is given its whole video: no context to distrust, no level.
+        context_sigmas = torch.rand(b, generator=generator) * config.context_noise_max
+        context_sigmas = torch.where(modes == MODES.index("inverse_dynamics"), 0.0, context_sigmas)
+        k = config.context_frames
+        context = video[:, :, :k]
+        level = context_sigmas.view(b, 1, 1, 1, 1).to(context)
+        noise = torch.randn(context.shape, generator=generator).to(context)
+        video = torch.cat([(1.0 - level) * context + level * noise, video[:, :, k:]], dim=2)
     return FlowMatchingBatch(
         prompt_ids=prompt_ids,
         fps=[fps] * b,
@@ -668,6 +694,7 @@ def sample_batch(
         action_noise=action_noise,
         window_index=index,
         video_focus=focus,
+        context_sigmas=context_sigmas,
     )
 
 
@@ -1272,6 +1299,8 @@ class WorldModelTrainer:
                 meta.update(handover=config.handover, context_frames=config.context_frames)
             if config.action_history_length:  # the state rows every request must carry (a released model: none)
                 meta["action_history_length"] = config.action_history_length
+            if config.context_noise_max > 0:  # the level its envs run at, and what it was trained with
+                meta.update(context_noise=config.context_noise, context_noise_max=config.context_noise_max)
             export_checkpoint(
                 self.out_dir,
                 native_state_dict={k: v.float() for k, v in weights.items()},
