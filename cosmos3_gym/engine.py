@@ -713,9 +713,8 @@ class Cosmos3Engine:
             raise InputError(f"fps: expected a positive number, got {r.fps!r}")
         if r.flow_shift is not None and (not np.isfinite(r.flow_shift) or r.flow_shift <= 0):
             raise InputError(f"flow_shift: expected a positive number, got {r.flow_shift!r}")
-        if isinstance(r.context_noise, bool) or not isinstance(r.context_noise, (int, float, np.floating)):
-            raise InputError(f"context_noise: expected a noise level in [0, 1), got {r.context_noise!r}")
-        if not 0.0 <= r.context_noise < 1.0:  # NaN fails this too
+        is_level = isinstance(r.context_noise, (int, float, np.floating)) and not isinstance(r.context_noise, bool)
+        if not is_level or not 0.0 <= r.context_noise < 1.0:  # NaN fails the range too
             raise InputError(f"context_noise: expected a noise level in [0, 1), got {r.context_noise!r}")
         if r.context_noise > 0 and r.mode not in CONTEXT_MODES:
             raise InputError(
@@ -1090,10 +1089,9 @@ class Cosmos3Engine:
         levels = [p.request.context_noise for p in group]
         if any(levels):
             sigma = torch.tensor(levels, dtype=torch.float32)
-            context_noise = torch.cat([n if n is not None else torch.zeros_like(v) for v, _, n in noises])
-            x0_video = (1.0 - sigma.to(device).view(-1, 1, 1, 1, 1)) * x0_video + sigma.to(device).view(
-                -1, 1, 1, 1, 1
-            ) * _to_device(context_noise, device)
+            context_noise = _to_device(torch.cat([n if n is not None else 0 * v for v, _, n in noises]), device)
+            level = sigma.to(device).view(-1, 1, 1, 1, 1)
+            x0_video = (1.0 - level) * x0_video + level * context_noise
             context_timesteps = _to_device(timesteps_from_sigmas(sigma), device)
         video = torch.where(video_clean[:, None, :, None, None], x0_video, video)
         actions = torch.where(action_clean[..., None], x0_actions, actions)
