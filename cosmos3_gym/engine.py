@@ -1138,6 +1138,9 @@ class Cosmos3Engine:
         action_sampler = FlowUniPCSampler([p.schedule for p in group], device)
         steps = group[0].request.num_inference_steps
         gen_forward = self.gen_forward
+        # Only a batch with context noise passes its timesteps: the plain call keeps the forward's diffusers-shaped
+        # signature (a stand-in forward, e.g. profile_pusht_env.py --host-only, takes just that).
+        context_rows = {} if context_timesteps is None else {"context_timesteps": context_timesteps[row_index]}
         show_progress = self.progress and self.is_output_rank
         for i in tqdm(range(steps), desc="denoising", disable=not show_progress, leave=False):
             timesteps = video_sampler.timesteps_for_step(i)
@@ -1151,7 +1154,7 @@ class Cosmos3Engine:
                     actions[row_index],
                     action_noisy,
                     domain_ids,
-                    None if context_timesteps is None else context_timesteps[row_index],
+                    **context_rows,
                 )
                 v_video, v_action = v_video[:num_rows], v_action[:num_rows]
             else:  # a single unguided request under cfg=2: cfg rank 1 has no row, it only sends padding

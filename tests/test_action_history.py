@@ -110,9 +110,9 @@ def test_engine_and_training_feed_the_state_rows_alike(engine, monkeypatch):
         seen.append({"offset": action_start_offset, "rows": args[2]})
         return gen_layout(self, *args, action_start_offset=action_start_offset, **kwargs)
 
-    def spy_forward(self, text, layout, video, video_noisy, timesteps, actions, action_noisy, domain_ids):
+    def spy_forward(self, text, layout, video, video_noisy, timesteps, actions, action_noisy, domain_ids, **kwargs):
         seen[-1].update(actions=actions[0].clone(), action_noisy=action_noisy[0].clone())
-        return forward(self, text, layout, video, video_noisy, timesteps, actions, action_noisy, domain_ids)
+        return forward(self, text, layout, video, video_noisy, timesteps, actions, action_noisy, domain_ids, **kwargs)
 
     monkeypatch.setattr(transformer_type, "gen_layout", spy_layout)
     monkeypatch.setattr(transformer_type, "forward", spy_forward)

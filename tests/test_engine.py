@@ -136,8 +136,13 @@ def test_parity_checks_would_catch_wrong_cfg_and_noise(pipeline, engine, monkeyp
     assert relative_error(wrong_cfg.action, ref.action[0]) > 1e-2
 
     original = Cosmos3Engine.initial_noise
-    monkeypatch.setattr(Cosmos3Engine, "initial_noise", lambda self, p: tuple(reversed(
-        [torch.randn(t.shape, generator=torch.Generator().manual_seed(p.seed)) for t in reversed(original(self, p))])))
+    def reversed_draws(self, p):  # the action noise drawn before the video noise, from the same seed
+        video, action, context = original(self, p)
+        generator = torch.Generator().manual_seed(p.seed)
+        wrong_action = torch.randn(action.shape, generator=generator)
+        return torch.randn(video.shape, generator=generator), wrong_action, context
+
+    monkeypatch.setattr(Cosmos3Engine, "initial_noise", reversed_draws)
     wrong_noise = engine.step(request("policy", 4, 9, 2.5, image(7)), decode=False)
     assert relative_error(wrong_noise.action, ref.action[0]) > 1e-2
 

@@ -216,7 +216,7 @@ def test_denoise_starts_every_row_from_its_own_seeded_noise(engine, monkeypatch)
     assert video_noisy.any() and action_noisy.any() and (~video_noisy).any()
     for row, request in enumerate(requests):
         alone = engine.prepare(request, encode=False)
-        noise, action_noise = engine.initial_noise(alone)
+        noise, action_noise, _ = engine.initial_noise(alone)
         action_noise[:, alone.raw_action_dim :] = 0
         clean = prepared[row].x0_video[0]  # the batch's own encode (batched convolutions sum in another order)
         for frame in range(video.shape[2]):
