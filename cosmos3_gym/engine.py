@@ -1139,7 +1139,7 @@ class Cosmos3Engine:
         steps = group[0].request.num_inference_steps
         gen_forward = self.gen_forward
         # Only a batch with context noise passes its timesteps: the plain call keeps the forward's diffusers-shaped
-        # signature (a stand-in forward, e.g. profile_pusht_env.py --host-only, takes just that).
+        # signature (a stand-in forward, e.g. a host-only profile's, takes just that).
         context_rows = {} if context_timesteps is None else {"context_timesteps": context_timesteps[row_index]}
         show_progress = self.progress and self.is_output_rank
         for i in tqdm(range(steps), desc="denoising", disable=not show_progress, leave=False):

@@ -221,12 +221,14 @@ def test_sampler_options_reach_every_world_model_env_and_zero_policy_starts_skip
     monkeypatch.setattr(targets, "target_checks", lambda results: {"judged": sorted(results)})
     monkeypatch.setattr(targets, "format_summary", lambda results: "")
     targets.main(["--out", str(tmp_path), "--device", "cpu", "--results-name", "sweep.json", "--num-steps", "8",
-                  "--flow-shift", "6", "--policy-starts", "0", "--rigid-block", "--video-episodes", "0"])
-    sampling = {"num_steps": 8, "request_options": {"flow_shift": 6.0}}
+                  "--flow-shift", "6", "--context-noise", "0.1", "--policy-starts", "0", "--rigid-block",
+                  "--video-episodes", "0"])
+    sampling = {"num_steps": 8, "request_options": {"flow_shift": 6.0}, "context_noise": 0.1}
     assert seen["rollout"] == seen["random"] == {**sampling, "rigid_block": True}
     assert seen["restart"] == sampling
     written = json.loads((tmp_path / "sweep.json").read_text())
-    assert written["sampling"] == {"num_steps": 8, "flow_shift": 6.0} and "policies" not in written
+    assert written["sampling"] == {"num_steps": 8, "flow_shift": 6.0, "context_noise": 0.1}
+    assert "policies" not in written
     assert "policies_s" not in written["timings"]
     with pytest.raises(SystemExit):
         targets.main(["--out", str(tmp_path), "--results-name", "bad.json", "--policy-starts", "-1"])
