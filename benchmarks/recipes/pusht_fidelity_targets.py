@@ -220,6 +220,11 @@ def episode_means(values: np.ndarray) -> np.ndarray:
         return np.where(finite.any(1), np.where(finite, flat, 0.0).sum(1) / finite.sum(1), np.nan)
 
 
+def json_matrix(values: np.ndarray) -> list[list[float | None]]:
+    """``[N, K]`` -> nested lists for JSON, NaN as ``None`` (no value: e.g. no block found), 2 decimals."""
+    return [[None if not math.isfinite(v) else round(float(v), 2) for v in row] for row in np.asarray(values)]
+
+
 UNIT, ERROR = (0.0, 1.0), (0.0, math.inf)  # the bounds of rigidity / fractions and of errors
 
 
@@ -271,6 +276,9 @@ def heldout_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
         "block_position_error_px_rollout", "block_position_error_px_one_chunk", "block_position_error_px_fit_floor",
         "block_angle_error_deg_rollout", "block_angle_error_deg_one_chunk", "block_angle_error_deg_fit_floor",
         "block_found_rollout", "agent_error_px_rollout", "agent_visible_rollout")}
+    # Per episode and chunk, for paired comparisons of two models on the same episodes (paired_fidelity.py).
+    per_episode = {key: np.full((count, num_chunks), np.nan) for key in (
+        "block_position_error_px_rollout", "block_angle_error_deg_rollout")}
     for k in range(num_chunks):
         for name, estimate in (("rollout", rollout), ("one_chunk", one_chunk), ("copy_start", copy_start)):
             per_chunk[f"psnr_db_{name}"].append(
@@ -291,6 +299,9 @@ def heldout_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
             # A frame where either fit finds no block has no pose: left out (``block_found_rollout`` counts them).
             per_chunk[f"block_position_error_px_{name}"].append(finite_mean_ci95(np.where(found, position, np.nan), ERROR))
             per_chunk[f"block_angle_error_deg_{name}"].append(finite_mean_ci95(np.where(found, angle, np.nan), ERROR))
+            if name == "rollout":
+                per_episode["block_position_error_px_rollout"][:, k] = np.where(found, position, np.nan)
+                per_episode["block_angle_error_deg_rollout"][:, k] = np.where(found, angle, np.nan)
         position, angle = pose_errors(true_fit, true_poses[:, (k + 1) * chunk])
         per_chunk["block_position_error_px_fit_floor"].append(finite_mean_ci95(position, ERROR))
         per_chunk["block_angle_error_deg_fit_floor"].append(finite_mean_ci95(angle, ERROR))
@@ -301,7 +312,8 @@ def heldout_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
     frames_true = truth
     frames_model = np.concatenate([truth[:, :1], rollout.reshape(count, steps, *truth.shape[2:])], axis=1)
     result = {"num_episodes": count, "num_chunks": num_chunks, "chunk": chunk,
-              "rigidity_tolerance": RIGIDITY_TOLERANCE, "per_chunk": per_chunk}
+              "rigidity_tolerance": RIGIDITY_TOLERANCE, "per_chunk": per_chunk,
+              "per_episode": {key: json_matrix(values) for key, values in per_episode.items()}}
     return result, frames_true, frames_model
 
 
@@ -386,6 +398,12 @@ def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chun
         per_chunk["untouched_fraction"].append(float(untouched[:, k].mean()))
     near = near_miss_chunks(untouched, agent_clearance(agents, true_poses), chunk)
 
+    # The untouched block's displacement error per episode and chunk (None where touched or no block was fitted),
+    # for paired comparisons (paired_fidelity.py).
+    untouched_error = np.full((count, num_chunks), np.nan)
+    untouched_error[untouched] = untouched_block_errors(fits["world_model"]["pose"], fits["simulator"]["pose"],
+                                                        untouched, chunk)["position_px"]
+
     def untouched_errors(chunks: np.ndarray) -> dict[str, Any]:
         errors = untouched_block_errors(fits["world_model"]["pose"], fits["simulator"]["pose"], chunks, chunk)
         return {"num_chunks": int(chunks.sum()),
@@ -428,6 +446,7 @@ def any_action_fidelity(engine, assets_dir: Path, sim_seeds: list[int], num_chun
             # Does the model push blocks the agent only passes? The same errors where it came close and where not.
             "near_miss": {"max_gap_px": NEAR_MISS_PX, **untouched_errors(near)},
             "far": untouched_errors(untouched & ~near),
+            "per_episode_block_displacement_error_px": json_matrix(untouched_error),
         },
     }
 
