@@ -27,7 +27,7 @@ from common import add_output_arguments, check_results_target, provenance, write
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("profile_pusht_env.py", "profile_gpu.py", "common.py")
-STAGES = ("request_prep", "env_rest", "reward")
+STAGES = ("request_prep", "encode", "text", "denoise", "env_rest", "reward")  # the host-side stages (--host-only)
 
 
 def snapshot(commit: str, where: Path) -> Path:

@@ -388,3 +388,31 @@ def test_cfg_combine_per_request_tensor():
         cfg_combine(cond, uncond, torch.tensor([3.0, 1.0]))
     with pytest.raises(InputError, match="guidance_scale"):
         cfg_combine(cond, None, torch.tensor(scales))
+
+
+def test_shared_schedule_objects_equal_a_batch_of_distinct_ones():
+    """A batch that repeats a few Schedule objects (a vector env's slots share one) is checked and stacked once per
+    distinct object; its tables and steps equal those of the same batch made of distinct copies."""
+    import copy
+
+    a, b, c = (make_schedule(4, FLOW_CONFIG), make_schedule(4, FLOW_CONFIG, flow_shift=10.0),
+               make_schedule(4, karras_config(0.147, 200.0)))
+    shared = [a, b, a, a, c, b, a]
+    shared_sampler = FlowUniPCSampler(shared, "cpu")
+    copies_sampler = FlowUniPCSampler([copy.deepcopy(s) for s in shared], "cpu")
+    assert shared_sampler.batch_size == copies_sampler.batch_size == len(shared)
+    pairs = [(shared_sampler._timesteps, copies_sampler._timesteps)]
+    pairs.append((shared_sampler._x0_sigma, copies_sampler._x0_sigma))
+    for name in ("sample_coef", "anchor_x0_coef", "history_coefs", "new_x0_coef"):
+        for table in ("_predictor", "_corrector"):
+            pairs.append((getattr(getattr(shared_sampler, table), name), getattr(getattr(copies_sampler, table), name)))
+    for ours, expected in pairs:
+        assert ours.dtype == expected.dtype and ours.shape == expected.shape and torch.equal(ours, expected)
+    x = y = initial_noise(batch=len(shared))
+    for i in range(4):
+        x = shared_sampler.step(i, fake_velocity(x, shared_sampler.timesteps_for_step(i)), x)
+        y = copies_sampler.step(i, fake_velocity(y, copies_sampler.timesteps_for_step(i)), y)
+        assert torch.equal(x, y)
+    # a mismatch is named at its first batch index, as when every item was checked
+    with pytest.raises(InputError, match=r"schedules\[3\]"):
+        FlowUniPCSampler([a, b, a, make_schedule(5, FLOW_CONFIG), b], "cpu")
