@@ -349,6 +349,9 @@ def test_selective_checkpointing_in_compiled_blocks_gives_the_eager_gradients():
 def test_the_trainer_compiles_the_blocks_and_trains_as_eager(work, dataset, vae_dir):
     """``compile_blocks`` (the benchmark's fastest LoRA setting, issue 46): the blocks run compiled and give the same
     losses as eager, step for step."""
+    # A fresh dynamo state, as in a new training process: after the test above, the shared `checkpointed` wrapper
+    # would recompile into shape-dynamic graphs (automatic dynamic shapes), slower to compile than the static ones.
+    torch._dynamo.reset()
     losses = []
     for compiled in (False, True):
         out = work / f"compile_blocks_{compiled}"
