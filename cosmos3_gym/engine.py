@@ -670,23 +670,20 @@ class Cosmos3Engine:
     def text_kvs(self, prompts: list[list[int]]) -> list[TextKV]:
         """``text_kv`` of several prompts; the ones not cached go through the UND tower together in one padded
         batch (a request's conditional and unconditional prompts: one forward instead of two)."""
-        # One key per distinct list object: a vector env's slots share their prompt lists (``_prepare_like``), and
+        # One key per distinct list object (a vector env's slots share their prompt lists, ``_prepare_like``):
         # making and hashing a tuple of a few hundred ids for every slot was ~4 ms of a 256-slot step. The lists are
-        # held by ``prompts`` during the call, so their ids stay theirs.
+        # held by ``prompts`` during the call, so their ids stay theirs. Re-inserted on each use, ``keys`` ends in the
+        # order of last use: the LRU order that moving every prompt's key to the end in turn gives.
         keys: dict[int, tuple[int, ...]] = {}
-        last_use: dict[int, int] = {}
-        for position, ids in enumerate(prompts):
-            if id(ids) not in keys:
-                keys[id(ids)] = tuple(ids)
-            last_use[id(ids)] = position
+        for ids in prompts:
+            keys[id(ids)] = keys.pop(id(ids)) if id(ids) in keys else tuple(ids)
         missing = list(dict.fromkeys(key for key in keys.values() if key not in self._text_cache))
         if missing:
             batch = self.transformer.encode_text([list(key) for key in missing])
             for index, key in enumerate(missing):
                 self._text_cache[key] = batch.select(index)
-        # The LRU order of moving every prompt's key to the end in turn: the keys by their last use.
-        for list_id in sorted(last_use, key=last_use.__getitem__):
-            self._text_cache.move_to_end(keys[list_id])
+        for key in keys.values():
+            self._text_cache.move_to_end(key)
         by_list = {list_id: self._text_cache[key] for list_id, key in keys.items()}
         found = [by_list[id(ids)] for ids in prompts]
         while len(self._text_cache) > self._text_cache_size:
@@ -924,7 +921,7 @@ class Cosmos3Engine:
         for indexes in by_shape.values():
             for start in range(0, len(indexes), max_batch):
                 part = indexes[start : start + max_batch]
-                for i, latent in zip(part, self._encode(_cat_rows([clips[i] for i in part]).to(self.device))):
+                for i, latent in zip(part, self._encode(torch.cat([clips[i] for i in part]).to(self.device))):
                     latents[i] = latent
         return latents
 
@@ -1321,30 +1318,6 @@ def _rows_to_host(tensors: list[torch.Tensor | None]) -> list[list[torch.Tensor]
         staged.append(host)
     torch.cuda.current_stream().synchronize()
     return [None if host is None else [row.clone() for row in host] for host in staged]
-
-
-def _cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(tensors)`` (along dim 0); without the copy when they are already the consecutive rows of one tensor
-    laid out as ``torch.cat``'s output would be (its memory format, ``processor._cat_strides``), so the encoder sees
-    the same tensor: ``processor.prepare_uint8_conditioning``'s clips on a CPU (the copy was 200 MB a 256-slot step).
-    The view shares their memory: for a reader, as the encoder is."""
-    first = tensors[0]
-    if len(tensors) < 2 or first.ndim == 0 or first.stride() != processor._cat_strides(first):
-        return torch.cat(tensors)
-    step = first.stride(0) * first.shape[0]  # the offset from one tensor to the next
-    base = first.untyped_storage().data_ptr()
-    consecutive = step > 0 and all(
-        t.shape == first.shape
-        and t.stride() == first.stride()
-        and t.dtype == first.dtype
-        and t.device == first.device
-        and t.untyped_storage().data_ptr() == base
-        and t.storage_offset() == first.storage_offset() + i * step
-        for i, t in enumerate(tensors)
-    )
-    if not consecutive:
-        return torch.cat(tensors)
-    return first.as_strided((first.shape[0] * len(tensors), *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -428,24 +428,8 @@ def prepare_uint8_conditioning(
         np.stack(clips, out=levels.numpy())  # [B, T, H, W, 3]
         pixels = _uint8_to_pixels(levels.to(device, non_blocking=True)).permute(0, 4, 1, 2, 3)  # [B, 3, T, H, W]
         return list(_frames_on_canvas(_keep_frames(pixels, num_frames), layout).split(1))
-    # Clip by clip as before, each copied at once (while in the cache) into its row of the batch ``torch.cat`` would
-    # make of them, in its memory format: the engine then encodes the rows as they are (``engine._cat_rows``) instead
-    # of concatenating cold per-clip tensors again (a second pass over 200 MB at 256 slots). The same values.
-    batch: torch.Tensor | None = None
-    for row, clip in enumerate(clips):
-        pixels = _uint8_to_pixels(torch.from_numpy(clip))[None].permute(0, 4, 1, 2, 3)
-        pixels = _frames_on_canvas(_keep_frames(pixels, num_frames), layout)
-        if batch is None:
-            batch = torch.empty_strided((len(clips), *pixels.shape[1:]), _cat_strides(pixels), dtype=pixels.dtype)
-        batch[row : row + 1].copy_(pixels)
-    return [] if batch is None else list(batch.split(1))
-
-
-def _cat_strides(row: torch.Tensor) -> tuple[int, ...]:
-    """The strides of ``torch.cat`` of tensors laid out as ``row`` (its output's memory format follows its inputs'),
-    read off a cat of meta tensors; they do not depend on the number of rows."""
-    meta = torch.empty_strided(row.shape, row.stride(), dtype=row.dtype, device="meta")
-    return torch.cat([meta, meta]).stride()
+    per_clip = [_uint8_to_pixels(torch.from_numpy(clip))[None].permute(0, 4, 1, 2, 3) for clip in clips]
+    return [_frames_on_canvas(_keep_frames(clip, num_frames), layout) for clip in per_clip]
 
 
 def _uint8_to_pixels(levels: torch.Tensor) -> torch.Tensor:

@@ -267,14 +267,11 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 class _DeviceTable:
     """An ``UpdateTable`` for a batch of schedules as float32 device tensors, batch last: [N, B] and [N, K, B].
 
-    ``items``: the batch item -> its table's index in ``tables`` (None: one table per item), so that a batch of few
-    distinct schedules stacks each once (``np.stack`` of every item's table, then the same values by indexing)."""
+    ``items``: each batch item's index in ``tables``, so that a batch of few distinct schedules stacks each once."""
 
-    def __init__(self, tables: Sequence[UpdateTable], device: torch.device, items: np.ndarray | None = None):
+    def __init__(self, tables: Sequence[UpdateTable], device: torch.device, items: np.ndarray):
         def stack(name: str) -> torch.Tensor:
-            values = np.stack([getattr(table, name) for table in tables], axis=-1)
-            if items is not None:
-                values = values[..., items]
+            values = np.stack([getattr(table, name) for table in tables], axis=-1)[..., items]
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         self.order = [int(order) for order in tables[0].order]  # identical across the batch (checked by caller)
@@ -304,11 +301,13 @@ class FlowUniPCSampler:
         # one), so each distinct one is checked and stacked once and the batch's [.., B] arrays are picked from those
         # by index: the same values as stacking every item's (at 256 slots the per-item checks and stacks were ~10 ms
         # of host time a step). Distinct by identity: equal schedules that are different objects just stack twice.
-        distinct: dict[int, int] = {}  # id -> its index among the distinct ones, in order of first appearance
-        items = np.array([distinct.setdefault(id(s), len(distinct)) for s in schedules], dtype=np.int64)
+        first_index: dict[int, int] = {}  # id -> the batch index where it first appears
+        for index, schedule in enumerate(schedules):
+            first_index.setdefault(id(schedule), index)
+        position = {schedule_id: i for i, schedule_id in enumerate(first_index)}  # id -> its place among the distinct
+        items = np.array([position[id(schedule)] for schedule in schedules], dtype=np.int64)
         batch_size = len(schedules)
-        first_seen = np.unique(items, return_index=True)[1]  # each distinct one's first batch index
-        indexed = [(int(index), schedules[index]) for index in first_seen]
+        indexed = [(index, schedules[index]) for index in first_index.values()]
         schedules = [schedule for _, schedule in indexed]
         first = schedules[0]
         # a failing schedule fails at its first appearance: the error names the same item as a check of every item

@@ -247,54 +247,6 @@ def test_results_come_to_the_host_as_rows_of_their_own_or_stay_on_the_gpu(tiny_c
         assert np.array_equal(host.action, gpu.action)
 
 
-def _clip_by_clip(observations, layout, num_frames):
-    """``prepare_uint8_conditioning``'s CPU way before the clips were written into one batch: a tensor per clip."""
-    clips = [clip[None] if clip.ndim == 3 else clip[:num_frames] for clip in observations]
-    per_clip = [processor._uint8_to_pixels(torch.from_numpy(clip))[None].permute(0, 4, 1, 2, 3) for clip in clips]
-    return [processor._frames_on_canvas(processor._keep_frames(clip, num_frames), layout) for clip in per_clip]
-
-
-@pytest.mark.parametrize(
-    "shape, num_frames, canvas",
-    [((256, 256, 3), 1, "diffusers"), ((96, 160, 3), 1, "diffusers"), ((2, 96, 160, 3), 5, "diffusers"),
-     ((9, 256, 256, 3), 5, "diffusers"), ((3, 256, 256, 3), 1, "diffusers"), ((208, 272, 3), 1, "native")],
-)
-def test_uint8_clips_are_rows_the_encoder_takes_uncopied(shape, num_frames, canvas):
-    """The CPU's clips are the rows of one batch laid out as ``torch.cat`` of the per-clip tensors was, so
-    ``_cat_rows`` gives the encoder that very tensor (values and strides) without a copy."""
-    from cosmos3_gym.engine import _cat_rows
-
-    observations = [uint8_frames(seed, shape) for seed in range(4)]
-    layout = processor.uint8_layout(observations[0], 256, num_frames, canvas)
-    clips = processor.prepare_uint8_conditioning(observations, layout, num_frames)
-    old = _clip_by_clip(observations, layout, num_frames)
-    for new_clip, old_clip in zip(clips, old):
-        assert new_clip.shape == old_clip.shape and torch.equal(new_clip, old_clip)
-    batch, expected = _cat_rows(clips), torch.cat(old)
-    assert batch.stride() == expected.stride() and torch.equal(batch, expected)
-    assert batch.data_ptr() == clips[0].data_ptr()  # a view, not a copy
-    assert _cat_rows(clips[:1]).data_ptr() != clips[0].data_ptr()  # one clip: torch.cat's own copy
-
-
-def test_cat_rows_copies_what_is_not_one_tensors_rows():
-    from cosmos3_gym.engine import _cat_rows
-
-    base = torch.randn(6, 3, 2, 4, 4)
-    channels_last = torch.randn(6, 2, 4, 4, 3).permute(0, 4, 1, 2, 3)[:, :, :1]  # rows torch.cat lays out otherwise
-    cases = [
-        list(base.split(1))[::2],  # every other row
-        list(base.split(1))[::-1],  # reversed
-        [torch.randn(1, 3, 2, 4, 4) for _ in range(3)],  # separate tensors
-        list(base.split(2)),  # rows of two
-        list(channels_last.split(1)),
-    ]
-    for tensors in cases:
-        ours, expected = _cat_rows(tensors), torch.cat(tensors)
-        assert ours.stride() == expected.stride() and torch.equal(ours, expected)
-    rows = _cat_rows(list(base.split(2)))
-    assert rows.data_ptr() == base.data_ptr() and torch.equal(rows, base)  # consecutive blocks of rows: a view
-
-
 def test_text_kvs_keys_per_prompt_list_keep_the_lru_order(engine):
     """``text_kvs`` makes one key per distinct prompt list; the K/V it returns and the cache's LRU order are those of
     a key per prompt, moved to the end in turn (shared lists, equal lists that are different objects, repeats)."""

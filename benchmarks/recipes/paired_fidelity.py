@@ -30,6 +30,7 @@ sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]
 
 from common import add_output_arguments, write_results  # noqa: E402
 from fidelity_pusht_chunks import finite_mean_ci95  # noqa: E402
+from pusht_fidelity_targets import episode_means  # noqa: E402
 
 # What must match between a baseline and a variant run for their episodes to be the same ones.
 SAME_EPISODES = ("heldout_seed", "decoder")
@@ -39,13 +40,6 @@ UNTOUCHED = "per_episode_block_displacement_error_px"
 
 def _matrix(values: list[list[float | None]]) -> np.ndarray:
     return np.array([[np.nan if v is None else v for v in row] for row in values], dtype=np.float64)
-
-
-def _row_means(values: np.ndarray) -> np.ndarray:
-    """``[N, K]`` -> ``[N]``: the mean over each row's finite values (NaN where it has none)."""
-    finite = np.isfinite(values)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(finite, values, 0.0).sum(1) / finite.sum(1)
 
 
 def per_episode(result: dict[str, Any], name: str) -> dict[str, np.ndarray]:
@@ -97,14 +91,13 @@ def compare(pairs: list[tuple[dict, dict]]) -> dict[str, Any]:
         return {"baseline": finite_mean_ci95(base[both]), "variant": finite_mean_ci95(run[both]),
                 "variant_minus_baseline": finite_mean_ci95(run[both] - base[both])}
 
-    result: dict[str, Any] = {"num_episodes": 0, "per_chunk": {}, "whole_episode": {}}
+    result: dict[str, Any] = {"num_episodes": len(stack("position")[0]), "per_chunk": {}, "whole_episode": {}}
     for key, unit in (("position", "px"), ("angle", "deg")):
         base, run = stack(key)
-        result["num_episodes"] = len(base)
         result["per_chunk"][f"block_{key}_error_{unit}"] = [paired(base[:, k], run[:, k]) for k in range(base.shape[1])]
-        result["whole_episode"][f"block_{key}_error_{unit}"] = paired(_row_means(base), _row_means(run))
+        result["whole_episode"][f"block_{key}_error_{unit}"] = paired(episode_means(base), episode_means(run))
     base, run = stack("untouched")
-    result["untouched_block_displacement_error_px"] = paired(_row_means(base), _row_means(run))
+    result["untouched_block_displacement_error_px"] = paired(episode_means(base), episode_means(run))
     return result
 
 
@@ -135,8 +128,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--name", default=None, help="write the comparison as this results JSON (topic fidelity)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    load = lambda paths: [json.loads(Path(path).read_text()) for path in paths]  # noqa: E731
-    result = compare(pair_runs(load(args.baseline), load(args.variant)))
+    baseline, variant = ([json.loads(Path(path).read_text()) for path in paths]
+                         for paths in (args.baseline, args.variant))
+    result = compare(pair_runs(baseline, variant))
     result["baseline"] = [Path(path).name for path in args.baseline]
     result["variant"] = [Path(path).name for path in args.variant]
     print(format_summary(result, args.chunks))
