@@ -17,6 +17,10 @@
 #                                                               # levels 0, then CONTEXT_NOISE (0.1) (issue 42 item 4)
 #   bash benchmarks/recipes/finetune_ab_pusht.sh self-forcing   # self-forcing samples with a consistent target
 #                                                               # (tasks/pusht/self_forcing.py; about 400 s)
+#   bash benchmarks/recipes/finetune_ab_pusht.sh paired         # plain and context-noise in one call on the same
+#                                                               # episodes, each then measured on the same held-out
+#                                                               # episodes of every seed in SEEDS, for
+#                                                               # benchmarks/recipes/paired_fidelity.py
 #   MODEL=focus bash benchmarks/recipes/finetune_ab_pusht.sh evaluate   # the evaluation pool, 32 x 16 chunks
 #
 # Session 26 ran self-forcing (then `self_forcing_pusht.sh train`) and plain (then `control`, with STEPS=900), session
@@ -39,7 +43,7 @@
 # side by side, for MODEL=sf, focus, history, wide or plain (that arm's model, on a warm machine) or MODEL=builtin (the tree's
 # built-in model, once fine-tuned weights are installed there). Nothing here chooses on the evaluation pool.
 set -euo pipefail
-STAGE=${1:?plain, block-focus, history, wide, context-noise, self-forcing or evaluate}
+STAGE=${1:?plain, block-focus, history, wide, context-noise, paired, self-forcing or evaluate}
 OUT=${OUT:?set OUT to the output folder}
 WORK=${WORK:-/tmp/finetune_ab}
 ASSETS=cosmos3_gym/tasks/pusht/assets
@@ -49,8 +53,11 @@ export PYTHONUNBUFFERED=1
 RESULTS=$WORK/results
 mkdir -p "$RESULTS"
 
-pack() {  # the small files, in one archive (the device returns at most 8 files)
-  tar czf "$OUT/train_results.tar.gz" -C "$RESULTS" .
+pack() {  # the small files, in one archive (the device returns at most 8 files). Written whole or not at all (the
+  # call's time limit can stop it half-way); tar's status 1 is a log that another measurement was still writing
+  local partial=$OUT/.train_results.$BASHPID.tar.gz
+  tar czf "$partial" -C "$RESULTS" . || [ $? -eq 1 ]
+  mv "$partial" "$OUT/train_results.tar.gz"
 }
 
 fine_tune() {  # $1 the run's folder under $WORK; the rest: train_pusht.py arguments of that run
@@ -114,6 +121,23 @@ case "$STAGE" in
     heldout ctxnoise _level0 --context-noise 0  # a clean context, as the plain arm's
     heldout ctxnoise _level"${CONTEXT_NOISE:-0.1}" --context-noise "${CONTEXT_NOISE:-0.1}"  # the level it ships with
     exit 0 ;;
+  paired)  # both arms of item 4, then their held-out measurements seed by seed: two at once where the GPU holds them
+    # (an H200's 139 GiB; two on an H100 run out of memory), the context-noise arm at level 0 (a clean context, as
+    # the plain arm's) before the level it ships with
+    settings=(--wm-seconds "${SECONDS_BUDGET:-145}" --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}")
+    fine_tune plain "${settings[@]}"
+    fine_tune ctxnoise --wm-cond-noise 0 --wm-context-noise-max "${CONTEXT_NOISE_MAX:-0.5}" \
+      --wm-context-noise "${CONTEXT_NOISE:-0.1}" "${settings[@]}"
+    memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1) || memory_mib=0
+    for level in 0 "${CONTEXT_NOISE:-0.1}"; do
+      for seed in ${SEEDS:-4900000 4900100}; do
+        [ "$level" = 0 ] && heldout plain "_s$seed" --heldout-seed "$seed" &
+        [ "$memory_mib" -gt 100000 ] || wait
+        heldout ctxnoise "_level${level}_s$seed" --heldout-seed "$seed" --context-noise "$level"
+        wait
+      done
+    done
+    exit 0 ;;
   self-forcing)
     fine_tune sf --wm-self-forcing-rollouts "${ROLLOUTS:-3}" --wm-self-forcing-depth "${DEPTH:-10}" \
       --wm-self-forcing-envs "${ENVS:-256}" --wm-seconds 900 --wm-max-steps 40000 --deadline-s "${DEADLINE_S:-430}"
@@ -121,7 +145,8 @@ case "$STAGE" in
     heldout sf
     exit 0 ;;
   evaluate) ;;
-  *) echo "stage: expected plain, block-focus, history, wide, context-noise, self-forcing or evaluate, got $STAGE" >&2; exit 2 ;;
+  *) echo "stage: expected plain, block-focus, history, wide, context-noise, paired, self-forcing or evaluate, got $STAGE" >&2
+    exit 2 ;;
 esac
 
 case "${MODEL:?set MODEL to sf, focus, history, wide, ctxnoise, plain or builtin}" in
