@@ -21,6 +21,9 @@
 #                                                               # episodes, each then measured on the same held-out
 #                                                               # episodes of every seed in SEEDS, for
 #                                                               # benchmarks/recipes/paired_fidelity.py
+#                                                               # (more than one call's 10 minutes: call it again
+#                                                               # at once on the warm machine, it goes on from
+#                                                               # what the first call finished)
 #   MODEL=focus bash benchmarks/recipes/finetune_ab_pusht.sh evaluate   # the evaluation pool, 32 x 16 chunks
 #
 # Session 26 ran self-forcing (then `self_forcing_pusht.sh train`) and plain (then `control`, with STEPS=900), session
@@ -63,6 +66,10 @@ pack() {  # the small files, in one archive (the device returns at most 8 files)
 fine_tune() {  # $1 the run's folder under $WORK; the rest: train_pusht.py arguments of that run
   local run=$1
   shift
+  if [ -f "$RESULTS/$run/checkpoint.sha256" ]; then  # trained by an earlier call on this warm machine
+    echo "$run: trained in an earlier call, kept"
+    return
+  fi
   python3 benchmarks/recipes/train_pusht.py --part second --first-part $ASSETS --wm-init $ASSETS/checkpoint \
     --data $WORK/data --work "$WORK/$run" --out "$RESULTS/$run" --episodes "${EPISODES:-192}" --seed 101 \
     --policy-mix "$MIX" --wm-batch 256 --wm-lr "${LR:-1e-4}" --wm-warmup 50 --wm-cond-noise 0.3 \
@@ -81,6 +88,13 @@ heldout() {  # $1 the run: its held-out block error over 16 chunks and untouched
   # $2 (optional) a suffix naming this measurement of the run; the rest: further pusht_fidelity_targets.py arguments
   local run=$1 name=$1${2:-}
   shift $(($# < 2 ? $# : 2))
+  local finished
+  finished=$(find "$RESULTS/eval_$name" -name 'pusht_fidelity_*.json' -exec grep -L '"unfinished"' {} + 2>/dev/null) || true
+  if [ -n "$finished" ]; then  # measured by an earlier call on this warm machine
+    echo "$name: measured in an earlier call, kept"
+    return
+  fi
+  rm -rf "$RESULTS/eval_$name"  # what a call cut short by its time limit left
   timeout "${EVAL_SECONDS:-135}" python3 benchmarks/recipes/pusht_fidelity_targets.py \
     --assets "$WORK/$run/assets/pusht" --decoder light --heldout-seed 4900000 --chunks 16 --random-episodes 32 \
     --policy-starts 0 --video-episodes 1 --workers "$WORKERS" \
