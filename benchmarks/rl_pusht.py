@@ -51,7 +51,8 @@ Stages (``--stages``, comma-separated, in this order):
    t 95 % CI).
 
 Writes ``rl_pusht.json`` (card, commit, command; ``policies``: ``bc``, ``bc_demos``, ``grpo_simulator``,
-``grpo_world_model`` -> repo-relative policy files; every stage's numbers and wall clock; per-iteration histories)
+``grpo_world_model`` -> repo-relative policy files; every stage's numbers and wall clock; per-iteration histories;
+each GRPO stage's ``loop_speed``: env steps/s of the whole loop and of its env steps, after the first iterations)
 and ``rl_pusht.png`` (curves) to ``--out`` (default ``$OUT`` or benchmarks/results/rl), and the policy files (under
 1 MB each) to ``<out>/policies/`` (commit them as ``benchmarks/results/rl/policies/``). Intermediate files
 (demonstrations, GRPO checkpoints) and a copy of the results and policies go to ``--work`` (default
@@ -92,6 +93,7 @@ from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig, load_policy
 STAGES = ("demos", "bc", "dagger", "eval_bc", "grpo_sim", "grpo_wm", "eval")
 WORLDS = {"grpo_sim": "grpo_simulator", "grpo_wm": "grpo_world_model"}
 RESULTS_NAME = "rl_pusht.json"
+STEADY_AFTER = 5  # GRPO iterations left out of the loop's speed: the first ones compile and capture CUDA graphs
 RESET_STARTS = 2048  # gym-pusht resets GRPO draws its starts from with --rl-starts resets
 REPO_POLICY_DIR = "benchmarks/results/rl/policies"
 FULL = dict(demo_episodes=1000, demo_max_steps=300, demo_stride=1, start_stride=8, bc_steps=40000, bc_batch_size=256,
@@ -437,9 +439,14 @@ def stage_grpo(run: Run, stage: str) -> None:
             policy = start_policy(run)
             trainer = GRPOTrainer(policy, env, config, reference=reference, num_starts=len(starts), guard=guard)
         started = time.perf_counter()
+        ended = [started]  # when each iteration of this call ended: the whole loop's wall clock per iteration
+
+        def on_iteration(record: dict) -> None:
+            print(_iteration_line(key, record), flush=True)
+            ended.append(time.perf_counter())
+
         history = trainer.train(args.iterations, checkpoint_path=checkpoint, progress=not args.no_progress,
-                                max_seconds=args.grpo_seconds,
-                                on_iteration=lambda r: print(_iteration_line(key, r), flush=True))
+                                max_seconds=args.grpo_seconds, on_iteration=on_iteration)
         train_s = earlier_s + time.perf_counter() - started
     finally:
         env.close()
@@ -460,7 +467,13 @@ def stage_grpo(run: Run, stage: str) -> None:
         "env_s": float(sum(r["env_s"] for r in history)),
         "update_s": float(sum(r["update_s"] for r in history)),
         "guard_s": float(sum(r.get("guard_s", 0.0) for r in history)),
+        "loop_speed": loop_speed(history[len(history) - len(ended) + 1:], np.diff(ended)),
     }
+    speed = run.results[key]["loop_speed"]
+    if speed["env_steps"]:
+        print(f"{key}: {speed['loop_env_steps_per_s']:.0f} env steps/s for the whole loop, "
+              f"{speed['env_only_env_steps_per_s']:.0f} for its env steps ({speed['iterations']} iterations after "
+              f"{speed['skipped']})", flush=True)
     guarded = [r for r in history if r.get("guard")]
     if guarded:  # the world model's reward, checked against gym-pusht over every replayed episode
         imagined = sum(r["imagined_successes"] for r in guarded)
@@ -476,6 +489,18 @@ def stage_grpo(run: Run, stage: str) -> None:
             if any(np.isfinite(r["score_coverage_pearson"]) for r in guarded) else None,
             "mean_score_coverage_mae": float(np.mean([r["score_coverage_mae"] for r in guarded])),
         }
+
+
+def loop_speed(records: list[dict], iteration_s: np.ndarray, warmup: int = STEADY_AFTER) -> dict[str, Any]:
+    """Env steps per second of the whole GRPO loop (rollout, update, guard, checkpoint and logging: each iteration's
+    wall clock) and of its env steps alone, over this call's iterations after the first ``warmup`` (compile and graph
+    capture; all of them if there are no more)."""
+    steady = slice(warmup, None) if len(records) > warmup else slice(None)
+    steps = sum(r["env_steps"] for r in records[steady])
+    return {"iterations": len(records[steady]), "skipped": len(records) - len(records[steady]),
+            "env_steps": steps, "iteration_s": [float(t) for t in iteration_s],
+            "loop_env_steps_per_s": steps / float(np.sum(iteration_s[steady])) if steps else None,
+            "env_only_env_steps_per_s": steps / sum(r["env_s"] for r in records[steady]) if steps else None}
 
 
 def start_policy(run: Run) -> PixelGaussianPolicy:

@@ -52,6 +52,12 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     # seeds 7..: after the 3 demonstrations and DAgger's 2 rounds of 2 episodes
     assert world_model["starts"] == saved["grpo_simulator"]["starts"] == "2048 gym-pusht resets (seeds 7..)"
     assert saved["grpo_simulator"]["env_steps"] == world_model["env_steps"] == 16
+    for key in ("grpo_simulator", "grpo_world_model"):  # the whole loop's speed: fewer iterations than the warm-up
+        speed = saved[key]["loop_speed"]  # left out, so all of them count
+        assert speed["iterations"] == 2 and speed["skipped"] == 0 and speed["env_steps"] == 16
+        assert len(speed["iteration_s"]) == 2 and min(speed["iteration_s"]) > 0
+        assert speed["loop_env_steps_per_s"] == pytest.approx(16 / sum(speed["iteration_s"]))
+        assert speed["env_only_env_steps_per_s"] > speed["loop_env_steps_per_s"]  # the env is part of the loop
     assert "success_rate_difference_t95" in saved["grpo_world_model"]["vs_bc"]
     assert (out / "rl_pusht.png").stat().st_size > 0
 
