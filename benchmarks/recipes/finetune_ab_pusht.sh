@@ -17,10 +17,12 @@
 #                                                               # levels 0, then CONTEXT_NOISE (0.1) (issue 42 item 4)
 #   bash benchmarks/recipes/finetune_ab_pusht.sh self-forcing   # self-forcing samples with a consistent target
 #                                                               # (tasks/pusht/self_forcing.py; about 400 s)
-#   bash benchmarks/recipes/finetune_ab_pusht.sh paired         # plain and context-noise in one call on the same
-#                                                               # episodes, each then measured on the same held-out
-#                                                               # episodes of every seed in SEEDS, for
-#                                                               # benchmarks/recipes/paired_fidelity.py
+#   ARMS="plain focus" bash benchmarks/recipes/finetune_ab_pusht.sh paired
+#                                                               # every arm of ARMS (plain first; default plain
+#                                                               # ctxnoise; also focus, history, wide) on the same
+#                                                               # episodes, each measured on the same held-out
+#                                                               # episodes of every seed in SEEDS, then each against
+#                                                               # plain episode by episode (paired_fidelity.py)
 #                                                               # (more than one call's 10 minutes: call it again
 #                                                               # at once on the warm machine, it goes on from
 #                                                               # what the first call finished)
@@ -108,49 +110,75 @@ heldout() {  # $1 the run: its held-out block error over 16 chunks and untouched
   pack
 }
 
+arm_args() {  # $1 an arm: sets ARM_ARGS to its train_pusht.py arguments (the plain arm's settings and what differs)
+  ARM_ARGS=(--wm-seconds "${SECONDS_BUDGET:-145}" --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}")
+  case "$1" in
+    plain) ;;
+    focus) ARM_ARGS+=(--wm-block-focus "${FOCUS:-4}") ;;  # the block's latent cells weigh 1 + FOCUS times the rest
+    history) ARM_ARGS+=(--wm-action-history "${HISTORY:-4}") ;;  # the previous HISTORY actions as clean state rows
+    wide) ARM_ARGS+=(--grow-intermediate "${GROW_INTERMEDIATE:-1536}" --grow-heads "${GROW_HEADS:-16}") ;;
+    ctxnoise) ARM_ARGS+=(--wm-cond-noise 0 --wm-context-noise-max "${CONTEXT_NOISE_MAX:-0.5}"
+                         --wm-context-noise "${CONTEXT_NOISE:-0.1}") ;;
+    *) echo "arm: expected plain, focus, history, wide or ctxnoise, got $1" >&2; exit 2 ;;
+  esac
+}
+
+single() {  # $1 an arm: trained, then measured once (ctxnoise: at level 0, a clean context as the plain arm's, then
+  # at the level it ships with)
+  arm_args "$1"
+  fine_tune "$1" "${ARM_ARGS[@]}"
+  if [ "$1" = ctxnoise ]; then
+    heldout ctxnoise _level0 --context-noise 0
+    heldout ctxnoise _level"${CONTEXT_NOISE:-0.1}" --context-noise "${CONTEXT_NOISE:-0.1}"
+  else
+    heldout "$1"
+  fi
+}
+
 case "$STAGE" in
-  plain)
-    fine_tune plain --wm-seconds "${SECONDS_BUDGET:-145}" --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
-    heldout plain
-    exit 0 ;;
-  block-focus)  # the plain arm's settings, the block's latent cells weighing 1 + FOCUS times the rest
-    fine_tune focus --wm-block-focus "${FOCUS:-4}" --wm-seconds "${SECONDS_BUDGET:-145}" \
-      --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
-    heldout focus
-    exit 0 ;;
-  history)  # the plain arm's settings, each window's previous HISTORY actions as clean state rows
-    fine_tune history --wm-action-history "${HISTORY:-4}" --wm-seconds "${SECONDS_BUDGET:-145}" \
-      --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
-    heldout history
-    exit 0 ;;
-  wide)  # the plain arm's settings on a wider model (training.growth.grow_width: round 9's function, more units)
-    fine_tune wide --grow-intermediate "${GROW_INTERMEDIATE:-1536}" --grow-heads "${GROW_HEADS:-16}" \
-      --wm-seconds "${SECONDS_BUDGET:-145}" --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
-    heldout wide
-    exit 0 ;;
-  context-noise)  # the plain arm's settings, its unlabelled noise replaced by context noise at its level's timestep
-    fine_tune ctxnoise --wm-cond-noise 0 --wm-context-noise-max "${CONTEXT_NOISE_MAX:-0.5}" \
-      --wm-context-noise "${CONTEXT_NOISE:-0.1}" --wm-seconds "${SECONDS_BUDGET:-145}" \
-      --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}"
-    heldout ctxnoise _level0 --context-noise 0  # a clean context, as the plain arm's
-    heldout ctxnoise _level"${CONTEXT_NOISE:-0.1}" --context-noise "${CONTEXT_NOISE:-0.1}"  # the level it ships with
-    exit 0 ;;
-  paired)  # both arms of item 4, then their held-out measurements seed by seed: two at once where the GPU holds them
-    # (an H200's 139 GiB; two on an H100 run out of memory), the context-noise arm at level 0 (a clean context, as
-    # the plain arm's) before the level it ships with
-    settings=(--wm-seconds "${SECONDS_BUDGET:-145}" --wm-max-steps "${STEPS:-40000}" --deadline-s "${DEADLINE_S:-400}")
-    fine_tune plain "${settings[@]}"
-    fine_tune ctxnoise --wm-cond-noise 0 --wm-context-noise-max "${CONTEXT_NOISE_MAX:-0.5}" \
-      --wm-context-noise "${CONTEXT_NOISE:-0.1}" "${settings[@]}"
+  plain) single plain; exit 0 ;;
+  block-focus) single focus; exit 0 ;;
+  history) single history; exit 0 ;;
+  wide) single wide; exit 0 ;;  # a wider model (training.growth.grow_width: round 9's function, more units)
+  context-noise) single ctxnoise; exit 0 ;;  # unlabelled context noise replaced by noise at its level's timestep
+  paired)  # every arm of ARMS trained on the same episodes, then measured on the same held-out episodes of every seed
+    # in SEEDS, two measurements at once where the GPU holds them (an H200's 139 GiB; two on an H100 run out of
+    # memory); then each arm against the plain one, episode by episode (paired_fidelity.py, into $RESULTS/paired)
+    arms=(${ARMS:-plain ctxnoise})
+    [ "${arms[0]}" = plain ] || { echo "ARMS: expected plain first (the baseline of every pair), got ${arms[*]}" >&2; exit 2; }
+    for arm in "${arms[@]}"; do arm_args "$arm"; done  # every name checked before any training
+    for arm in "${arms[@]}"; do
+      arm_args "$arm"
+      fine_tune "$arm" "${ARM_ARGS[@]}"
+    done
     memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1) || memory_mib=0
-    for level in 0 "${CONTEXT_NOISE:-0.1}"; do
-      for seed in ${SEEDS:-4900000 4900100}; do
-        [ "$level" = 0 ] && heldout plain "_s$seed" --heldout-seed "$seed" &
-        [ "$memory_mib" -gt 100000 ] || wait
-        heldout ctxnoise "_level${level}_s$seed" --heldout-seed "$seed" --context-noise "$level"
-        wait
+    slots=1
+    [ "$memory_mib" -gt 100000 ] && slots=2
+    measure() {  # heldout's arguments, in the background once a slot is free
+      while [ "$(jobs -rp | wc -l)" -ge "$slots" ]; do wait -n || true; done
+      heldout "$@" &
+    }
+    for seed in ${SEEDS:-4900000 4900100}; do
+      for arm in "${arms[@]}"; do
+        case "$arm" in
+          ctxnoise) measure ctxnoise "_level0_s$seed" --heldout-seed "$seed" --context-noise 0 ;;
+          *) measure "$arm" "_s$seed" --heldout-seed "$seed" ;;
+        esac
       done
     done
+    [[ " ${arms[*]} " == *" ctxnoise "* ]] && for seed in ${SEEDS:-4900000 4900100}; do
+      measure ctxnoise "_level${CONTEXT_NOISE:-0.1}_s$seed" --heldout-seed "$seed" --context-noise "${CONTEXT_NOISE:-0.1}"
+    done
+    wait
+    mkdir -p "$RESULTS/paired"
+    for name in $(for run in "$RESULTS"/eval_*_s*/; do run=${run%/}; run=${run##*/eval_}; echo "${run%_s*}"; done |
+                  sort -u); do
+      [ "$name" = plain ] && continue
+      python3 benchmarks/recipes/paired_fidelity.py --baseline "$RESULTS"/eval_plain_s*/pusht_fidelity_*.json \
+        --variant "$RESULTS"/eval_"${name}"_s*/pusht_fidelity_*.json --name "paired_${name}_vs_plain.json" \
+        --out "$RESULTS/paired" --overwrite 2>&1 | tee "$RESULTS/paired/${name}.log" || true
+    done
+    pack
     exit 0 ;;
   self-forcing)
     fine_tune sf --wm-self-forcing-rollouts "${ROLLOUTS:-3}" --wm-self-forcing-depth "${DEPTH:-10}" \
