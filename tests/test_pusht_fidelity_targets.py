@@ -301,3 +301,29 @@ def test_fp8_is_checked_before_the_simulation_and_its_layer_policy_reaches_the_e
     assert written["precision"] == "fp8" and written["fp8_layers"] == "keep_qkv"
     with pytest.raises(SystemExit):  # an unknown policy is a usage error
         targets.main(["--out", str(tmp_path), "--precision", "fp8", "--fp8-layers", "most", "--results-name", "c.json"])
+
+
+def test_side_by_side_stills_show_each_chunk_of_both_worlds(tmp_path):
+    from PIL import Image
+
+    # 3 episodes of 4 chunks of 2 frames (and the start frame), each frame one flat colour that names its world,
+    # episode and frame, so every cell of the sheet says which frame it shows.
+    episodes, chunks, per_chunk, size = 3, 4, 2, 20
+    frames = 1 + chunks * per_chunk
+    truth = np.zeros((episodes, frames, size, size, 3), np.uint8)
+    model = np.zeros_like(truth)
+    for episode in range(episodes):
+        for frame in range(frames):
+            truth[episode, frame] = (10 + episode, 20 * frame, 0)
+            model[episode, frame] = (10 + episode, 20 * frame, 200)
+    sheet = np.asarray(Image.open(targets.side_by_side_stills(tmp_path / "s.png", truth, model, chunks)))
+    shown = [0, 1, 2, 4]  # chunks 0, chunks/4, chunks/2 and the last
+    cell_width, row_height = 2 * size + 4 + 8, 16 + size + 8
+    assert sheet.shape == (2 * row_height - 8, len(shown) * cell_width - 8, 3)  # two episodes by default
+    for row in range(2):
+        for column, chunk in enumerate(shown):
+            top, left = row * row_height + 16, column * cell_width
+            real = sheet[top + size // 2, left + size // 2]
+            imagined = sheet[top + size // 2, left + size + 4 + size // 2]
+            assert tuple(real) == (10 + row, 20 * chunk * per_chunk, 0)
+            assert tuple(imagined) == (10 + row, 20 * chunk * per_chunk, 200)

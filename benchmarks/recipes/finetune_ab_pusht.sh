@@ -154,9 +154,10 @@ case "$STAGE" in
     memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1) || memory_mib=0
     slots=1
     [ "$memory_mib" -gt 100000 ] && slots=2
-    measure() {  # heldout's arguments, in the background once a slot is free
+    measure() {  # heldout's arguments, in the background once a slot is free; no side by side (a call returns at
+      # most 8 files)
       while [ "$(jobs -rp | wc -l)" -ge "$slots" ]; do wait -n || true; done
-      heldout "$@" &
+      heldout "$@" --video-episodes 0 &
     }
     for seed in ${SEEDS:-4900000 4900100}; do
       for arm in "${arms[@]}"; do
