@@ -154,8 +154,10 @@ case "$STAGE" in
     memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1) || memory_mib=0
     slots=1
     [ "$memory_mib" -gt 100000 ] && slots=2
+    compared=()  # what each measurement compares with plain: the arm and its inference level, without the seed
     measure() {  # heldout's arguments, in the background once a slot is free; no side by side (a call returns at
       # most 8 files)
+      [ "$1" = plain ] || compared+=("$1${2%_s*}")
       while [ "$(jobs -rp | wc -l)" -ge "$slots" ]; do wait -n || true; done
       heldout "$@" --video-episodes 0 &
     }
@@ -167,14 +169,14 @@ case "$STAGE" in
         esac
       done
     done
-    [[ " ${arms[*]} " == *" ctxnoise "* ]] && for seed in ${SEEDS:-4900000 4900100}; do
-      measure ctxnoise "_level${CONTEXT_NOISE:-0.1}_s$seed" --heldout-seed "$seed" --context-noise "${CONTEXT_NOISE:-0.1}"
-    done
+    if [[ " ${arms[*]} " == *" ctxnoise "* ]]; then  # then at the level it ships with
+      for seed in ${SEEDS:-4900000 4900100}; do
+        measure ctxnoise "_level${CONTEXT_NOISE:-0.1}_s$seed" --heldout-seed "$seed" --context-noise "${CONTEXT_NOISE:-0.1}"
+      done
+    fi
     wait
     mkdir -p "$RESULTS/paired"
-    for name in $(for run in "$RESULTS"/eval_*_s*/; do run=${run%/}; run=${run##*/eval_}; echo "${run%_s*}"; done |
-                  sort -u); do
-      [ "$name" = plain ] && continue
+    for name in $(printf '%s\n' "${compared[@]}" | sort -u); do
       python3 benchmarks/recipes/paired_fidelity.py --baseline "$RESULTS"/eval_plain_s*/pusht_fidelity_*.json \
         --variant "$RESULTS"/eval_"${name}"_s*/pusht_fidelity_*.json --name "paired_${name}_vs_plain.json" \
         --out "$RESULTS/paired" --overwrite 2>&1 | tee "$RESULTS/paired/${name}.log" || true
