@@ -147,6 +147,16 @@ class Run:
                              f"call: bring that call's --work folder along and pass it as --work).")
         return path
 
+    def snapshot(self, policy: PixelGaussianPolicy, name: str, **where: Any) -> None:
+        """A checkpoint of this training run (``--bc-snapshot-steps``, ``--dagger-snapshots``): its policy file,
+        listed under ``snapshots`` in the results in the order written (issue 42 ranks a run's checkpoints)."""
+        path = self.policy_path(f"snapshot_{name}")
+        save_policy_file(policy, path, trained_by=f"benchmarks/rl_pusht.py (snapshot {name})", seed=self.args.seed,
+                         **where)
+        snapshots = self.results.setdefault("snapshots", [])
+        snapshots[:] = [s for s in snapshots if s["name"] != name]  # a stage run again replaces its snapshots
+        snapshots.append({"name": name, "policy": f"{REPO_POLICY_DIR}/{path.name}", **where})
+
     def record_policy(self, key: str, name: str) -> None:
         self.results["policies"][key] = f"{REPO_POLICY_DIR}/{self.policy_path(name).name}"
 
@@ -268,8 +278,11 @@ def stage_bc(run: Run) -> None:
     policy = run.new_policy()
     config = BCConfig(steps=args.bc_steps, batch_size=args.bc_batch_size, loss=args.bc_loss,
                       max_seconds=args.bc_seconds, seed=args.seed)
+    snapshot_steps = set(args.bc_snapshot_steps)
     started = time.perf_counter()
-    losses = train_bc(policy, observations, chunks, config, progress=not args.no_progress)
+    losses = train_bc(policy, observations, chunks, config, progress=not args.no_progress,
+                      on_step=lambda step: step in snapshot_steps and run.snapshot(policy, f"bc_step{step}",
+                                                                                     stage="bc", bc_steps=step))
     train_s = time.perf_counter() - started
     save_policy_file(policy, run.policy_path("bc"), trained_by="benchmarks/rl_pusht.py (bc)", samples=len(chunks),
                      steps=len(losses))
@@ -306,10 +319,7 @@ def stage_dagger(run: Run) -> None:
     try:
         history = train_dagger(policy, env, lambda r: np.arange(r * episodes, (r + 1) * episodes), config,
                                progress=not args.no_progress,
-                               on_round=lambda r: print(f"dagger round {r['round']}: rollout success "
-                                                        f"{r['rollout_success_rate']:.3f} coverage "
-                                                        f"{r['rollout_mean_final_coverage']:.3f}, {r['samples']} "
-                                                        f"samples, loss {r['final_loss']:.4f}", flush=True))
+                               on_round=lambda r: after_dagger_round(run, policy, r))
     finally:
         env.close()
     save_policy_file(policy, run.policy_path("bc"), trained_by="benchmarks/rl_pusht.py (bc, then dagger)",
@@ -318,6 +328,15 @@ def stage_dagger(run: Run) -> None:
     run.results.setdefault("bc", {})["dagger"] = {
         "config": asdict(config), "seeds": [first_seed, first_seed + args.dagger_rounds * episodes - 1],
         "history": history, "train_s": time.perf_counter() - started}
+
+
+def after_dagger_round(run: Run, policy: PixelGaussianPolicy, record: dict) -> None:
+    print(f"dagger round {record['round']}: rollout success {record['rollout_success_rate']:.3f} coverage "
+          f"{record['rollout_mean_final_coverage']:.3f}, {record['samples']} samples, loss {record['final_loss']:.4f}",
+          flush=True)
+    if run.args.dagger_snapshots:
+        run.snapshot(policy, f"dagger_round{record['round'] + 1}", stage="dagger", dagger_rounds=record["round"] + 1,
+                     samples=record["samples"])
 
 
 def dagger_first_seed(args) -> int:
@@ -598,6 +617,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--execution-noise", type=_floats, default=(0.0, 8.0, 16.0),
                         help="comma-separated px stds of the noise demonstrations execute (DART; one per episode)")
     parser.add_argument("--bc-loss", choices=("l1", "mse"), default="l1")
+    parser.add_argument("--bc-snapshot-steps", type=_ints, default=(),
+                        help="comma-separated BC steps after which the policy is also saved as a snapshot "
+                             "(rl_pusht_snapshot_bc_step<N>): checkpoints of one run")
+    parser.add_argument("--dagger-snapshots", action="store_true",
+                        help="save the policy after every DAgger round as a snapshot "
+                             "(rl_pusht_snapshot_dagger_round<R>)")
     parser.add_argument("--bc-seconds", type=float, default=None,
                         help="BC wall-clock budget: fewer than --bc-steps if they would not fit (default 120; --tiny "
                              "none)")
@@ -678,6 +703,16 @@ def main(argv: list[str] | None = None) -> dict:
     run.save()
     print_summary(run.results)
     return run.results
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 def _floats(text: str) -> tuple[float, ...]:

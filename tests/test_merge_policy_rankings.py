@@ -42,6 +42,9 @@ def test_parts_are_ranked_together_and_closed_loop_apart(merge_module, tmp_path)
     assert merged["closed_loop_policies"] == ["scripted-frames:5", "scripted-frames:50"]
     assert merged["rankings"]["all"]["reward_model"]["mmrv"] > 0.0  # scripted:5 ranked below scripted-frames:5
     assert merged["rankings"]["closed_loop"]["reward_model"]["spearman"] == pytest.approx(1.0)
+    # By success (coverage > 0.9 here): scripted:5 succeeds in reality only, so the world model gets it wrong.
+    by_success = merged["rankings_by_success"]["all"]["reward_model"]
+    assert by_success["mean_absolute_error"] == pytest.approx(0.25) and by_success["mmrv"] > 0.0
     assert merged["checks"]["scripted:5"] == {"coverage_within_0.1": False, "success_within_10_points": False}
     assert merged["checks"]["random"]["success_within_10_points"] is None  # real success below 30 %
 

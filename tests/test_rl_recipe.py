@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.sim  # needs gym-pusht (the sim extra)
 
@@ -25,7 +26,19 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     out, work = tmp_path / "out", tmp_path / "work"
     common = ["--tiny", "--work", str(work), "--scratch", str(tmp_path / "scratch"), "--no-progress", "--device",
               "cpu"]
-    recipe.main([*common, "--out", str(tmp_path / "first"), "--stages", "demos,bc,dagger,eval_bc"])
+    first = recipe.main([*common, "--out", str(tmp_path / "first"), "--stages", "demos,bc,dagger,eval_bc",
+                         "--bc-snapshot-steps", "1,3,99", "--dagger-snapshots"])
+    # Checkpoints of one run: BC after steps 1 and 3 (99 is past the tiny run's 4 steps), then every DAgger round.
+    assert [(s["name"], s["stage"]) for s in first["snapshots"]] == [
+        ("bc_step1", "bc"), ("bc_step3", "bc"), ("dagger_round1", "dagger"), ("dagger_round2", "dagger")]
+    snapshot_files = [tmp_path / "first" / "policies" / Path(s["policy"]).name for s in first["snapshots"]]
+    assert read_policy_metadata(snapshot_files[1])["bc_steps"] == 3
+    assert read_policy_metadata(snapshot_files[3])["dagger_rounds"] == 2
+    # Each snapshot is the policy as it was then: DAgger's last round is the final policy, BC's first step is not.
+    final = load_policy_file(work / "policies" / "rl_pusht_bc.safetensors").state_dict()
+    for file, same in ((snapshot_files[3], True), (snapshot_files[0], False)):
+        weights = load_policy_file(file).state_dict()
+        assert all(torch.equal(weights[k], final[k]) for k in final) == same
     # A second run with a fresh --out (another GPU call) continues from --work.
     # GRPO from fresh gym-pusht resets (after the DAgger seeds) instead of demonstration steps.
     results = recipe.main([*common, "--out", str(out), "--stages", "grpo_sim,grpo_wm,eval",

@@ -3,7 +3,8 @@
 A run ranks the policies it evaluated; a pool evaluated in parts (two processes on one GPU, each with its own
 simulator, halves the wall time) is ranked here from the per-policy rows of every part, which all used the same
 checkpoint, seeds and chunks (checked). Writes the per-policy table, the rankings by each scorer (Pearson, Spearman,
-MMRV, mean absolute error; ``tasks.pusht.compare.ranking_agreement``), over all policies and over those that act on
+MMRV, mean absolute error; ``tasks.pusht.compare.ranking_agreement``) of final coverage (``rankings``) and of success
+rate (``rankings_by_success``), over all policies and over those that act on
 frames (closed loop in both worlds, as users evaluate theirs; the others are replayed open loop in the world model),
 and issue 42's per-policy checks: success within 10 points where the real success rate is >= 30 %, final coverage
 within 0.1.
@@ -46,6 +47,9 @@ def merge(parts: list[dict]) -> dict:
     specs = sorted(rows)
     closed_loop = [spec for spec in specs if parse_policy_spec(spec).acts_on_frames]
     rankings = {"all": _rankings(rows, specs), "closed_loop": _rankings(rows, closed_loop)}
+    # Success is what users of an evaluator compare checkpoints by (issue 42: checkpoints of one run).
+    rankings_by_success = {"all": _rankings(rows, specs, "success_rate"),
+                           "closed_loop": _rankings(rows, closed_loop, "success_rate")}
     checks = {}
     for spec in specs:
         sim, wm = rows[spec]["simulator"], rows[spec]["world_model"]
@@ -55,16 +59,18 @@ def merge(parts: list[dict]) -> dict:
                                          if sim["success_rate"] >= 0.3 else None),
         }
     real = [rows[spec]["simulator"]["final_coverage"] for spec in specs]
-    return {"policies": rows, "closed_loop_policies": closed_loop, "rankings": rankings, "checks": checks,
+    return {"policies": rows, "closed_loop_policies": closed_loop, "rankings": rankings,
+            "rankings_by_success": rankings_by_success, "checks": checks,
             "real_final_coverage_span": [min(real), max(real)]}
 
 
-def _rankings(rows: dict[str, dict], specs: list[str]) -> dict[str, dict[str, float]]:
-    """Each scorer's ranking agreement over ``specs``: the reward model and every extra scorer of the run."""
-    real = np.array([rows[spec]["simulator"]["final_coverage"] for spec in specs])
-    scorers = {"reward_model": [rows[spec]["world_model"]["final_coverage"] for spec in specs]}
+def _rankings(rows: dict[str, dict], specs: list[str], measure: str = "final_coverage") -> dict[str, dict[str, float]]:
+    """Each scorer's ranking agreement on ``measure`` over ``specs``: the reward model and every extra scorer of the
+    run."""
+    real = np.array([rows[spec]["simulator"][measure] for spec in specs])
+    scorers = {"reward_model": [rows[spec]["world_model"][measure] for spec in specs]}
     for name in rows[specs[0]].get("world_model_by_score", {}):
-        scorers[name] = [rows[spec]["world_model_by_score"][name]["final_coverage"] for spec in specs]
+        scorers[name] = [rows[spec]["world_model_by_score"][name][measure] for spec in specs]
     return {name: ranking_agreement(np.array(guess), real) for name, guess in scorers.items()}
 
 
@@ -79,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     merged["inputs"] = [Path(path).name for path in args.inputs]
     merged["settings"] = {key: parts[0].get(key) for key in SAME_ACROSS_PARTS}
     merged["parts_provenance"] = [part.get("provenance") for part in parts]
-    for subset, by_scorer in merged["rankings"].items():
-        for name, ranking in by_scorer.items():
-            print(f"{subset} {name}: " + " ".join(f"{key} {value:.3f}" for key, value in ranking.items()))
+    for measure in ("rankings", "rankings_by_success"):
+        for subset, by_scorer in merged[measure].items():
+            for name, ranking in by_scorer.items():
+                print(f"{measure} {subset} {name}: " + " ".join(f"{k} {v:.3f}" for k, v in ranking.items()))
     write_results(merged, args.name, args.out, args.overwrite, topic="fidelity")
     return 0
 

@@ -14,6 +14,7 @@ steps after the first ``WARMUP_STEPS``, and the cosine schedule is laid over the
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,9 +71,11 @@ def train_bc(
     action_chunks: np.ndarray,
     config: BCConfig | None = None,
     progress: bool = True,
+    on_step: Callable[[int], None] | None = None,
 ) -> list[float]:
     """Train ``policy`` (in place, on its device) on ``observations`` uint8 ``[M, s, s, 3]`` and ``action_chunks``
-    ``[M, chunk, D]`` in [-1, 1]. Returns the loss of every step."""
+    ``[M, chunk, D]`` in [-1, 1]. Returns the loss of every step. ``on_step(n)`` runs after the n-th optimizer step
+    (snapshots of the run)."""
     from tqdm.auto import tqdm
 
     config = config or BCConfig()
@@ -120,6 +123,8 @@ def train_bc(
             losses.append(loss.detach())
             step += 1
             bar.update()
+            if on_step is not None:
+                on_step(step)
             if config.max_seconds is not None and step in (WARMUP_STEPS, WARMUP_STEPS + TIMING_STEPS):
                 _synchronize(device)
                 if step == WARMUP_STEPS:  # the first steps pay for CUDA's and cuDNN's start-up: not timed
