@@ -456,7 +456,7 @@ def check_results_target(name: str, out_dir: str | os.PathLike | None = None, ov
         raise SystemExit(f"refusing to overwrite the committed result {committed}; pass --out DIR for another folder "
                          f"or --overwrite to replace it")
     # Replaced where it lies, unless that is the archive: a new run of an archived result is a current one.
-    return path if "archive" in committed.relative_to(COMMITTED_RESULTS).parts[:1] else committed
+    return path if "archive" in committed.resolve().relative_to(COMMITTED_RESULTS).parts[:1] else committed
 
 
 def write_results(results: dict, name: str, out_dir: str | os.PathLike | None = None, overwrite: bool = False, *,

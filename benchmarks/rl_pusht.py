@@ -52,7 +52,8 @@ Stages (``--stages``, comma-separated, in this order):
 
 Writes ``rl_pusht.json`` (card, commit, command; ``policies``: ``bc``, ``bc_demos``, ``grpo_simulator``,
 ``grpo_world_model`` -> repo-relative policy files; every stage's numbers and wall clock; per-iteration histories;
-each GRPO stage's ``loop_speed``: env steps/s of the whole loop and of its env steps, after the first iterations)
+each GRPO stage's ``loop_speed``: env steps/s of the whole loop and of its env steps, after the first iterations;
+``snapshots``: the checkpoints ``--bc-snapshot-steps`` and ``--dagger-snapshots`` saved as ``rl_pusht_snapshot_*``)
 and ``rl_pusht.png`` (curves) to ``--out`` (default ``$OUT`` or benchmarks/results/rl), and the policy files (under
 1 MB each) to ``<out>/policies/`` (commit them as ``benchmarks/results/rl/policies/``). Intermediate files
 (demonstrations, GRPO checkpoints) and a copy of the results and policies go to ``--work`` (default
@@ -279,10 +280,13 @@ def stage_bc(run: Run) -> None:
     config = BCConfig(steps=args.bc_steps, batch_size=args.bc_batch_size, loss=args.bc_loss,
                       max_seconds=args.bc_seconds, seed=args.seed)
     snapshot_steps = set(args.bc_snapshot_steps)
+
+    def after_step(step: int) -> None:
+        if step in snapshot_steps:
+            run.snapshot(policy, f"bc_step{step}", stage="bc", bc_steps=step)
+
     started = time.perf_counter()
-    losses = train_bc(policy, observations, chunks, config, progress=not args.no_progress,
-                      on_step=lambda step: step in snapshot_steps and run.snapshot(policy, f"bc_step{step}",
-                                                                                     stage="bc", bc_steps=step))
+    losses = train_bc(policy, observations, chunks, config, progress=not args.no_progress, on_step=after_step)
     train_s = time.perf_counter() - started
     save_policy_file(policy, run.policy_path("bc"), trained_by="benchmarks/rl_pusht.py (bc)", samples=len(chunks),
                      steps=len(losses))

@@ -32,6 +32,12 @@ def test_write_results_refuses_a_committed_result_unless_overwrite(tmp_path, mon
     with pytest.raises(SystemExit):
         common.check_results_target(committed.name, str(common.COMMITTED_RESULTS))
     assert committed.read_bytes() == before
+    # --out given relative to the repository (as the README's commands do): --overwrite replaces the file where it
+    # lies (this once failed comparing a relative path with the absolute results root).
+    current = next(p for p in sorted(common.COMMITTED_RESULTS.rglob("*.json")) if "archive" not in p.parts)
+    monkeypatch.chdir(common.COMMITTED_RESULTS.parents[1])
+    target = common.check_results_target(current.name, "benchmarks/results", overwrite=True)
+    assert target.resolve() == current.resolve()
     # Elsewhere (--out DIR, or $OUT) results are written, and a script may update its own file as it goes.
     path = common.write_results({"x": 1}, committed.name, tmp_path)
     saved = json.loads(path.read_text())

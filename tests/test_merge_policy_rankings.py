@@ -17,7 +17,7 @@ def part(rows: dict[str, tuple[float, float]], heldout_seed: int = 7) -> dict:
         return {"final_coverage": coverage, "success_rate": float(coverage > 0.9)}
 
     return {"heldout_seed": heldout_seed, "decoder": "light", "precision": "bf16", "sampling": {},
-            "policies": {"policies": {spec: {"simulator": score(real), "world_model": score(wm),
+            "policies": {"num_chunks": 4, "policies": {spec: {"simulator": score(real), "world_model": score(wm),
                                              "world_model_by_score": {"geometric": score(wm)}}
                                       for spec, (real, wm) in rows.items()}}}
 
@@ -62,3 +62,26 @@ def test_parts_of_different_runs_are_refused(merge_module):
         merge_module.merge([part({"random": (0.1, 0.1)}), part({"scripted:5": (0.9, 0.5)}, heldout_seed=8)])
     with pytest.raises(SystemExit, match="in two parts"):
         merge_module.merge([part({"random": (0.1, 0.1)}), part({"random": (0.1, 0.2)})])
+
+
+def test_estimates_ranked_against_a_larger_real_evaluation(merge_module, tmp_path):
+    # The parts' few starts say a and b tie in reality; 300 starts of eval-real order them b > a, as the model does.
+    a = part({"scripted-frames:5": (0.5, 0.55), "scripted-frames:50": (0.5, 0.95)})
+    merged = merge_module.merge([a])
+    real = {"num_chunks": 4, "policies": {"scripted-frames:5": {"success_rate": 0.1, "episodes": 300},
+                                          "scripted-frames:50": {"success_rate": 0.3, "episodes": 300}}}
+    against = merge_module.against_real_success(merged, [a], real)
+    assert against["real_episodes"] == [300]
+    assert against["by_imagined_coverage"]["reward_model"]["spearman"] == pytest.approx(1.0)
+    assert against["by_imagined_success"]["geometric"]["mean_absolute_error"] == pytest.approx((0.1 + 0.7) / 2)
+    with pytest.raises(SystemExit, match="chunks"):
+        merge_module.against_real_success(merged, [a], {**real, "num_chunks": 38})
+    with pytest.raises(SystemExit, match="no real evaluation"):
+        merge_module.against_real_success(merged, [a], {**real, "policies": {}})
+    paths = [tmp_path / "a.json", tmp_path / "real.json"]
+    paths[0].write_text(json.dumps(a))
+    paths[1].write_text(json.dumps(real))
+    assert merge_module.main(["--inputs", str(paths[0]), "--real", str(paths[1]), "--name", "m.json",
+                              "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "m.json").read_text())["against_real_success"]["file"] == "real.json"
+

@@ -13,7 +13,9 @@
 #       # committed files) from STARTS (48) reporting seeds (5,000,000..) for CHUNKS (16) chunks in both worlds,
 #       # in two processes side by side, then one ranking by final coverage and by success
 #       # (merge_policy_rankings.py): $OUT/pusht_fidelity_run<SEED>_checkpoints_{A,B}.json and
-#       # pusht_fidelity_run<SEED>_checkpoints_ranking.json.
+#       # pusht_fidelity_run<SEED>_checkpoints_ranking.json. REAL=eval_real.json also ranks the estimates against a
+#       # larger real evaluation of the same files and horizon (cosmos3-gym eval-real --real-only --chunks CHUNKS
+#       # --first-sim-seed 5000000 --starts 300 --out ..., CPU cores suffice: 26 min on 2 for nine checkpoints).
 #
 # A CPU check of the mechanics: OUT=/tmp/o TRAIN_ARGS="--tiny --device cpu" SNAPSHOT_STEPS=1,2 bash ... train, then
 #   OUT=/tmp/o POLICIES="/tmp/checkpoints_run1300000/out/policies/rl_pusht_snapshot_*" STARTS=2 CHUNKS=1 \
@@ -60,7 +62,7 @@ case $STAGE in
     tail -n 5 "$OUT"/rank_*.log
     [[ $status == 0 ]] || exit $status
     parts=("$OUT"/pusht_fidelity_run"${SEED}"_checkpoints_[AB].json)
-    python3 benchmarks/recipes/merge_policy_rankings.py --inputs "${parts[@]}" \
+    python3 benchmarks/recipes/merge_policy_rankings.py --inputs "${parts[@]}" ${REAL:+--real "$REAL"} \
       --name "pusht_fidelity_run${SEED}_checkpoints_ranking.json" --out "$OUT"
     ;;
   *) echo "stage: expected train or rank, got $STAGE" >&2; exit 2 ;;

@@ -7,7 +7,8 @@ MMRV, mean absolute error; ``tasks.pusht.compare.ranking_agreement``) of final c
 rate (``rankings_by_success``), over all policies and over those that act on
 frames (closed loop in both worlds, as users evaluate theirs; the others are replayed open loop in the world model),
 and issue 42's per-policy checks: success within 10 points where the real success rate is >= 30 %, final coverage
-within 0.1.
+within 0.1. ``--real`` adds the estimates ranked against a larger real evaluation's success rates
+(``against_real_success``).
 
     python benchmarks/recipes/merge_policy_rankings.py --inputs A.json B.json --name evalpool_16.json --out DIR
 """
@@ -64,6 +65,32 @@ def merge(parts: list[dict]) -> dict:
             "real_final_coverage_span": [min(real), max(real)]}
 
 
+def against_real_success(merged: dict, parts: list[dict], real: dict) -> dict:
+    """The world model's estimates ranked against the success rates of a separate, larger real evaluation of the
+    same policies at the same horizon (``cosmos3-gym eval-real --real-only --out``): a few dozen starts leave the
+    real side of the ranking noisy. Only success is compared: eval-real's final coverage stops at success."""
+    chunks = {part["policies"]["num_chunks"] for part in parts}
+    if chunks != {real.get("num_chunks")}:
+        raise SystemExit(f"--real: its episodes are {real.get('num_chunks')} chunks, the parts' {sorted(chunks)}")
+    specs = sorted(merged["policies"])
+    missing = [spec for spec in specs if spec not in real.get("policies", {})]
+    if missing:
+        raise SystemExit(f"--real: no real evaluation of {missing}")
+    success = np.array([real["policies"][spec]["success_rate"] for spec in specs])
+    rows = merged["policies"]
+    estimates = {"reward_model": [rows[spec]["world_model"] for spec in specs]}
+    for name in rows[specs[0]].get("world_model_by_score", {}):
+        estimates[name] = [rows[spec]["world_model_by_score"][name] for spec in specs]
+    return {
+        "real_episodes": sorted({real["policies"][spec]["episodes"] for spec in specs}),
+        "real_success_rate": dict(zip(specs, success.tolist())),
+        "by_imagined_success": {name: ranking_agreement(np.array([e["success_rate"] for e in rows_]), success)
+                                for name, rows_ in estimates.items()},
+        "by_imagined_coverage": {name: ranking_agreement(np.array([e["final_coverage"] for e in rows_]), success)
+                                 for name, rows_ in estimates.items()},
+    }
+
+
 def _rankings(rows: dict[str, dict], specs: list[str], measure: str = "final_coverage") -> dict[str, dict[str, float]]:
     """Each scorer's ranking agreement on ``measure`` over ``specs``: the reward model and every extra scorer of the
     run."""
@@ -78,11 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--inputs", nargs="+", required=True, help="results JSONs of pusht_fidelity_targets.py")
     parser.add_argument("--name", required=True, help="the merged results' file name")
+    parser.add_argument("--real", default=None, help="an eval-real --real-only JSON of the same policies and horizon "
+                        "with more starts: the estimates are also ranked against its success rates")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     parts = [json.loads(Path(path).read_text()) for path in args.inputs]
     merged = merge(parts)
     merged["inputs"] = [Path(path).name for path in args.inputs]
+    if args.real:
+        merged["against_real_success"] = {"file": Path(args.real).name,
+                                          **against_real_success(merged, parts, json.loads(Path(args.real).read_text()))}
+        for key in ("by_imagined_success", "by_imagined_coverage"):
+            for name, ranking in merged["against_real_success"][key].items():
+                print(f"vs --real success, {key} {name}: " + " ".join(f"{k} {v:.3f}" for k, v in ranking.items()))
     merged["settings"] = {key: parts[0].get(key) for key in SAME_ACROSS_PARTS}
     merged["parts_provenance"] = [part.get("provenance") for part in parts]
     for measure in ("rankings", "rankings_by_success"):
