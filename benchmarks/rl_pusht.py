@@ -709,24 +709,21 @@ def main(argv: list[str] | None = None) -> dict:
     return run.results
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
+def _comma_separated(kind: type, minimum: float, expected: str):
+    """An argparse type: comma-separated ``kind`` values, none below ``minimum``."""
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(kind(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            values = ()
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {expected}, got {text!r}")
+        return values
+    return parse
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        values = ()
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated non-negative numbers, got {text!r}")
-    return values
+_ints = _comma_separated(int, 1, "positive integers")
+_floats = _comma_separated(float, 0, "non-negative numbers")
 
 
 def print_summary(results: dict) -> None:

@@ -77,10 +77,7 @@ def against_real_success(merged: dict, parts: list[dict], real: dict) -> dict:
     if missing:
         raise SystemExit(f"--real: no real evaluation of {missing}")
     success = np.array([real["policies"][spec]["success_rate"] for spec in specs])
-    rows = merged["policies"]
-    estimates = {"reward_model": [rows[spec]["world_model"] for spec in specs]}
-    for name in rows[specs[0]].get("world_model_by_score", {}):
-        estimates[name] = [rows[spec]["world_model_by_score"][name] for spec in specs]
+    estimates = _estimates(merged["policies"], specs)
     return {
         "real_episodes": sorted({real["policies"][spec]["episodes"] for spec in specs}),
         "real_success_rate": dict(zip(specs, success.tolist())),
@@ -95,10 +92,16 @@ def _rankings(rows: dict[str, dict], specs: list[str], measure: str = "final_cov
     """Each scorer's ranking agreement on ``measure`` over ``specs``: the reward model and every extra scorer of the
     run."""
     real = np.array([rows[spec]["simulator"][measure] for spec in specs])
-    scorers = {"reward_model": [rows[spec]["world_model"][measure] for spec in specs]}
+    return {name: ranking_agreement(np.array([e[measure] for e in estimates]), real)
+            for name, estimates in _estimates(rows, specs).items()}
+
+
+def _estimates(rows: dict[str, dict], specs: list[str]) -> dict[str, list[dict]]:
+    """Each scorer's world-model rows over ``specs``: the reward model's and every extra scorer's of the run."""
+    estimates = {"reward_model": [rows[spec]["world_model"] for spec in specs]}
     for name in rows[specs[0]].get("world_model_by_score", {}):
-        scorers[name] = [rows[spec]["world_model_by_score"][name][measure] for spec in specs]
-    return {name: ranking_agreement(np.array(guess), real) for name, guess in scorers.items()}
+        estimates[name] = [rows[spec]["world_model_by_score"][name] for spec in specs]
+    return estimates
 
 
 def main(argv: list[str] | None = None) -> int:
