@@ -53,7 +53,8 @@ Stages (``--stages``, comma-separated, in this order):
 Writes ``rl_pusht.json`` (card, commit, command; ``policies``: ``bc``, ``bc_demos``, ``grpo_simulator``,
 ``grpo_world_model`` -> repo-relative policy files; every stage's numbers and wall clock; per-iteration histories;
 each GRPO stage's ``loop_speed``: env steps/s of the whole loop and of its env steps, after the first iterations;
-``snapshots``: the checkpoints ``--bc-snapshot-steps`` and ``--dagger-snapshots`` saved as ``rl_pusht_snapshot_*``)
+``snapshots``: the checkpoints ``--bc-snapshot-steps``, ``--dagger-snapshots`` and ``--grpo-snapshot-iterations``
+saved as ``rl_pusht_snapshot_*``)
 and ``rl_pusht.png`` (curves) to ``--out`` (default ``$OUT`` or benchmarks/results/rl), and the policy files (under
 1 MB each) to ``<out>/policies/`` (commit them as ``benchmarks/results/rl/policies/``). Intermediate files
 (demonstrations, GRPO checkpoints) and a copy of the results and policies go to ``--work`` (default
@@ -149,7 +150,8 @@ class Run:
         return path
 
     def snapshot(self, policy: PixelGaussianPolicy, name: str, **where: Any) -> None:
-        """A checkpoint of this training run (``--bc-snapshot-steps``, ``--dagger-snapshots``): its policy file,
+        """A checkpoint of this training run (``--bc-snapshot-steps``, ``--dagger-snapshots``,
+        ``--grpo-snapshot-iterations``): its policy file,
         listed under ``snapshots`` in the results in the order written (issue 42 ranks a run's checkpoints)."""
         path = self.policy_path(f"snapshot_{name}")
         save_policy_file(policy, path, trained_by=f"benchmarks/rl_pusht.py (snapshot {name})", seed=self.args.seed,
@@ -461,11 +463,15 @@ def stage_grpo(run: Run, stage: str) -> None:
         else:
             policy = start_policy(run)
             trainer = GRPOTrainer(policy, env, config, reference=reference, num_starts=len(starts), guard=guard)
+        snapshot_iterations = set(args.grpo_snapshot_iterations)
         started = time.perf_counter()
         ended = [started]  # when each iteration of this call ended: the whole loop's wall clock per iteration
 
         def on_iteration(record: dict) -> None:
             print(_iteration_line(key, record), flush=True)
+            if trainer.iteration in snapshot_iterations:
+                run.snapshot(trainer.policy, f"{key}_it{trainer.iteration}", stage=stage,
+                             grpo_iterations=trainer.iteration, env_steps=record["env_steps_total"])
             ended.append(time.perf_counter())
 
         history = trainer.train(args.iterations, checkpoint_path=checkpoint, progress=not args.no_progress,
@@ -627,6 +633,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dagger-snapshots", action="store_true",
                         help="save the policy after every DAgger round as a snapshot "
                              "(rl_pusht_snapshot_dagger_round<R>)")
+    parser.add_argument("--grpo-snapshot-iterations", type=_ints, default=(),
+                        help="comma-separated GRPO iterations after which the policy is also saved as a snapshot "
+                             "(rl_pusht_snapshot_grpo_simulator_it<N>, ..._grpo_world_model_it<N>)")
     parser.add_argument("--bc-seconds", type=float, default=None,
                         help="BC wall-clock budget: fewer than --bc-steps if they would not fit (default 120; --tiny "
                              "none)")

@@ -101,6 +101,40 @@ def test_a_narrow_gaussian_that_moves_far_keeps_finite_weights():
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
 
 
+def test_the_guard_replays_in_the_background_with_the_numbers_of_an_inline_guard(tmp_path):
+    import threading
+
+    def slow_guard(indices, chunks, lengths):  # the "real simulator": success iff the first action's x > 0.5
+        threads.add(threading.current_thread().name)
+        time.sleep(0.05)  # still running when the next iteration starts
+        return {"success": chunks[:, 0, 0, 0] > 0.5, "final_coverage": chunks[:, 0, 0, 0].clip(0, 1)}
+
+    histories = {}
+    for background in (False, True):
+        threads = set()
+        trainer = toy_trainer(iterations=4, guard_every=2, guard_in_background=background)
+        trainer.guard = slow_guard
+        histories[background] = trainer.train(progress=False, checkpoint_path=tmp_path / f"{background}.safetensors")
+        assert all(name.startswith("grpo-guard") for name in threads) == background
+        # The checkpoint's history has the last iteration's replay too.
+        saved = GRPOTrainer.load(tmp_path / f"{background}.safetensors", ReachRight(16)).history
+        assert [bool(r.get("guard")) for r in saved] == [True, False, True, False]
+    timing = {"guard_s", "guard_in_background", "rollout_s", "env_s", "update_s"}
+    for inline, background in zip(histories[False], histories[True], strict=True):
+        assert {k: v for k, v in inline.items() if k not in timing} == {
+            k: v for k, v in background.items() if k not in timing}
+    assert histories[True][2]["replayed_success_rate"] == histories[False][2]["replayed_success_rate"]
+
+    def failing_guard(indices, chunks, lengths):
+        raise RuntimeError("simulator worker died")
+
+    trainer = toy_trainer(iterations=3, guard_every=1)
+    trainer.guard = failing_guard
+    with pytest.raises(RuntimeError, match="simulator worker died"):
+        trainer.train(progress=False)
+    assert trainer._guard_thread is None  # the thread is gone with the loop
+
+
 def test_grpo_resumes_exactly(tmp_path):
     straight = toy_trainer(kl_coef=0.1)
     straight.train(iterations=3, progress=False)

@@ -42,7 +42,8 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     # A second run with a fresh --out (another GPU call) continues from --work.
     # GRPO from fresh gym-pusht resets (after the DAgger seeds) instead of demonstration steps.
     results = recipe.main([*common, "--out", str(out), "--stages", "grpo_sim,grpo_wm,eval",
-                           "--guard-every", "1", "--rl-starts", "resets", "--initial-log-std", "-3"])
+                           "--guard-every", "1", "--rl-starts", "resets", "--initial-log-std", "-3",
+                           "--grpo-snapshot-iterations", "1"])
 
     assert set(results["policies"]) == {"bc", "bc_demos", "grpo_simulator", "grpo_world_model"}
     for key, path in results["policies"].items():
@@ -56,6 +57,15 @@ def test_tiny_recipe_writes_results_policies_and_curves(tmp_path, monkeypatch):
     dagger = saved["bc"]["dagger"]  # DAgger's policy became "bc"; the demonstrations-only one is "bc_demos"
     assert [r["round"] for r in dagger["history"]] == [0, 1] and dagger["seeds"] == [3, 6]
     assert read_policy_metadata(work / "policies" / "rl_pusht_bc.safetensors")["dagger_rounds"] == 2
+    # GRPO's snapshots after iteration 1 of 2, listed after the first call's, and not the final GRPO policy.
+    grpo_snapshots = [s for s in saved["snapshots"] if s["stage"].startswith("grpo")]
+    assert [(s["name"], s["grpo_iterations"]) for s in grpo_snapshots] == [
+        ("grpo_simulator_it1", 1), ("grpo_world_model_it1", 1)]
+    assert len(saved["snapshots"]) == 6
+    final = load_policy_file(out / "policies" / "rl_pusht_grpo_simulator.safetensors").state_dict()
+    weights = load_policy_file(out / "policies" / Path(grpo_snapshots[0]["policy"]).name).state_dict()
+    assert read_policy_metadata(out / "policies" / Path(grpo_snapshots[0]["policy"]).name)["grpo_iterations"] == 1
+    assert not all(torch.equal(weights[k], final[k]) for k in final)
     world_model = saved["grpo_world_model"]
     assert len(world_model["history"]) == 2 and all(r["guard"] for r in world_model["history"])
     assert world_model["reward_check"]["replayed_episodes"] == 8
