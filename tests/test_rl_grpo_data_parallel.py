@@ -3,11 +3,14 @@ all-reduced over the whole minibatch. Two gloo ranks on the CPU stand in for one
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
 from cosmos3_gym.rl.grpo import GRPOConfig, GRPOTrainer, Rollout
 from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig
+from cosmos3_gym.storage import load_safetensors
 
 from dist_utils import run_distributed
 from test_rl_grpo import SMALL, ReachRight
@@ -130,6 +133,27 @@ def _train_for_a_while() -> int:
 def test_a_time_budget_stops_every_rank_at_the_same_iteration():
     zero, one = run_distributed(_train_for_a_while, 2)
     assert zero == one and 1 <= zero < 50
+
+
+def _train_with_a_guard_on_rank_zero(path: str) -> list[bool]:
+    import torch.distributed as dist
+
+    def guard(indices, chunks, lengths):
+        return {"success": chunks[:, 0, 0, 0] > 0.3, "final_coverage": np.zeros(len(indices))}
+
+    trainer = GRPOTrainer(_policy(), ReachRight(8), _config(iterations=2, horizon=1, guard_every=2),
+                          guard=guard if dist.get_rank() == 0 else None)
+    trainer.train(checkpoint_path=path, progress=False)
+    return [bool(r.get("guard")) for r in trainer.history]
+
+
+def test_a_background_guard_on_rank_zero_alone_ends_with_every_rank_saving(tmp_path):
+    # The last replay joins after the loop and the checkpoint is written again: save is collective, so the ranks
+    # without a guard must take part (left out, rank 0 waited forever in its gather).
+    zero, one = run_distributed(_train_with_a_guard_on_rank_zero, 2, str(tmp_path / "grpo.safetensors"), timeout=120)
+    assert zero == [True, False] and one == [False, False]
+    _, metadata = load_safetensors(tmp_path / "grpo.safetensors", what="grpo checkpoint")
+    assert [bool(r.get("guard")) for r in json.loads(metadata["history"])] == [True, False]
 
 
 def _benchmark_on_rank(out: str) -> dict | None:

@@ -491,10 +491,12 @@ class GRPOTrainer:
                 if on_iteration is not None:
                     on_iteration(record)
                 slowest = max(slowest, time.perf_counter() - started - elapsed)
-            if guards:  # the last replays, into the history and its checkpoint
-                guards = _join_guards(guards, wait=True)
-                if checkpoint_path is not None:
-                    self.save(checkpoint_path)
+            # The last replays, into the history and its checkpoint; every rank saves together (save is collective)
+            # when any has one pending (a guard may run on rank 0 alone).
+            pending_anywhere = self._reduce([float(bool(guards))], dist.ReduceOp.MAX)[0]
+            guards = _join_guards(guards, wait=True)
+            if pending_anywhere and checkpoint_path is not None:
+                self.save(checkpoint_path)
         finally:
             bar.close()
             wait_for([future for _, future in guards])  # no replay outlives the loop (the caller closes its env)
