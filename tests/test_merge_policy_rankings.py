@@ -84,4 +84,17 @@ def test_estimates_ranked_against_a_larger_real_evaluation(merge_module, tmp_pat
     assert merge_module.main(["--inputs", str(paths[0]), "--real", str(paths[1]), "--name", "m.json",
                               "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "m.json").read_text())["against_real_success"]["file"] == "real.json"
+    # Two real evaluations (checkpoints evaluated in two sessions) count as one; overlapping or unequal ones do not.
+    halves = [{"num_chunks": 4, "policies": {spec: entry}} for spec, entry in real["policies"].items()]
+    real_paths = [tmp_path / "real_1.json", tmp_path / "real_2.json"]
+    for path, half in zip(real_paths, halves):
+        path.write_text(json.dumps(half))
+    assert merge_module.main(["--inputs", str(paths[0]), "--real", *map(str, real_paths), "--name", "m2.json",
+                              "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "m2.json").read_text())["against_real_success"]["by_imagined_coverage"][
+        "reward_model"]["spearman"] == pytest.approx(1.0)
+    with pytest.raises(SystemExit, match="two files"):
+        merge_module.combined_real([halves[0], halves[0]])
+    with pytest.raises(SystemExit, match="differ in length"):
+        merge_module.combined_real([halves[0], {**halves[1], "num_chunks": 38}])
 

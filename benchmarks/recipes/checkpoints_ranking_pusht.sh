@@ -9,11 +9,13 @@
 #       # under 1 MB each).
 #       # Commit them as benchmarks/results/rl/policies/eval_pool_run<SEED>_<name>.safetensors (never trained on,
 #       # never used to choose: evaluation pool).
+#   bash benchmarks/recipes/checkpoints_ranking_pusht.sh grpo    # the same run continued by GRPO in gym-pusht
+#       # (below): snapshots of similar skill.
 #   bash benchmarks/recipes/checkpoints_ranking_pusht.sh rank    # every file matching POLICIES (default those
 #       # committed files) from STARTS (48) reporting seeds (5,000,000..) for CHUNKS (16) chunks in both worlds,
 #       # in two processes side by side, then one ranking by final coverage and by success
 #       # (merge_policy_rankings.py): $OUT/pusht_fidelity_run<SEED>_checkpoints_{A,B}.json and
-#       # pusht_fidelity_run<SEED>_checkpoints_ranking.json. REAL=eval_real.json also ranks the estimates against a
+#       # pusht_fidelity_run<SEED>_checkpoints_ranking.json. REAL="eval_real.json ..." also ranks the estimates against a
 #       # larger real evaluation of the same files and horizon (cosmos3-gym eval-real --real-only --chunks CHUNKS
 #       # --first-sim-seed 5000000 --starts 300 --out ..., CPU cores suffice: 26 min on 2 for nine checkpoints).
 #
@@ -21,7 +23,7 @@
 #   OUT=/tmp/o POLICIES="/tmp/checkpoints_run1300000/out/policies/rl_pusht_snapshot_*" STARTS=2 CHUNKS=1 \
 #   EVAL_ARGS="--smoke --device cpu" bash ... rank
 set -euo pipefail
-STAGE=${1:?train or rank}
+STAGE=${1:?train, grpo or rank}
 OUT=${OUT:?set OUT to the output folder}
 SEED=${SEED:-1300000}
 export PYTHONUNBUFFERED=1
@@ -39,6 +41,19 @@ case $STAGE in
       --no-progress ${TRAIN_ARGS:-}
     # One archive: a device call returns at most 8 files.
     tar czf "$OUT/checkpoints_run$SEED.tar.gz" -C "$work/out" rl_pusht.json policies
+    ;;
+  grpo)
+    # The same run continued: GRPO in gym-pusht (rl_pusht.py's defaults) from its last DAgger round, saving the policy
+    # after each of GRPO_SNAPSHOTS iterations: checkpoints of similar skill. 300 iterations: ~6 min on an H100 with
+    # 16 cores, ~70 min on 2 CPU cores (TRAIN_ARGS="--device cpu --workers 2"). Commit the snapshots as
+    # eval_pool_run<SEED>_grpo_sim_it<N>.safetensors.
+    work=${WORK:-/tmp/checkpoints_run${SEED}_grpo}
+    mkdir -p "$work/policies"
+    cp "benchmarks/results/rl/policies/eval_pool_run${SEED}_dagger_round4.safetensors" "$work/policies/rl_pusht_bc.safetensors"
+    python3 benchmarks/rl_pusht.py --out "$work/out" --work "$work" --stages grpo_sim --seed "$SEED" \
+      --eval-seed 5000000 --demo-episodes 600 --dagger-episodes 384 --iterations "${ITERATIONS:-300}" \
+      --grpo-snapshot-iterations "${GRPO_SNAPSHOTS:-25,50,100,150,200,300}" --no-progress ${TRAIN_ARGS:-}
+    tar czf "$OUT/checkpoints_run${SEED}_grpo.tar.gz" -C "$work/out" rl_pusht.json policies
     ;;
   rank)
     # shellcheck disable=SC2206  # the pattern is meant to expand
@@ -62,8 +77,9 @@ case $STAGE in
     tail -n 5 "$OUT"/rank_*.log
     [[ $status == 0 ]] || exit $status
     parts=("$OUT"/pusht_fidelity_run"${SEED}"_checkpoints_[AB].json)
-    python3 benchmarks/recipes/merge_policy_rankings.py --inputs "${parts[@]}" ${REAL:+--real "$REAL"} \
+    # shellcheck disable=SC2086  # REAL may name several eval-real files
+    python3 benchmarks/recipes/merge_policy_rankings.py --inputs "${parts[@]}" ${REAL:+--real $REAL} \
       --name "pusht_fidelity_run${SEED}_checkpoints_ranking.json" --out "$OUT"
     ;;
-  *) echo "stage: expected train or rank, got $STAGE" >&2; exit 2 ;;
+  *) echo "stage: expected train, grpo or rank, got $STAGE" >&2; exit 2 ;;
 esac

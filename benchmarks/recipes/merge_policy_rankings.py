@@ -65,6 +65,20 @@ def merge(parts: list[dict]) -> dict:
             "real_final_coverage_span": [min(real), max(real)]}
 
 
+def combined_real(evaluations: list[dict]) -> dict:
+    """Several eval-real results as one: their policies together (each evaluated once, all at one horizon)."""
+    chunks = {evaluation.get("num_chunks") for evaluation in evaluations}
+    if len(chunks) > 1:
+        raise SystemExit(f"--real: the files' episodes differ in length ({sorted(chunks)} chunks)")
+    policies: dict = {}
+    for evaluation in evaluations:
+        twice = sorted(set(policies) & set(evaluation.get("policies", {})))
+        if twice:
+            raise SystemExit(f"--real: {twice} evaluated in two files")
+        policies.update(evaluation.get("policies", {}))
+    return {"num_chunks": chunks.pop(), "policies": policies}
+
+
 def against_real_success(merged: dict, parts: list[dict], real: dict) -> dict:
     """The world model's estimates ranked against the success rates of a separate, larger real evaluation of the
     same policies at the same horizon (``cosmos3-gym eval-real --real-only --out``): a few dozen starts leave the
@@ -108,16 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--inputs", nargs="+", required=True, help="results JSONs of pusht_fidelity_targets.py")
     parser.add_argument("--name", required=True, help="the merged results' file name")
-    parser.add_argument("--real", default=None, help="an eval-real --real-only JSON of the same policies and horizon "
-                        "with more starts: the estimates are also ranked against its success rates")
+    parser.add_argument("--real", nargs="+", default=None, help="eval-real --real-only JSONs of the same policies and "
+                        "horizon with more starts (several: their policies together): the estimates are also ranked "
+                        "against their success rates")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     parts = [json.loads(Path(path).read_text()) for path in args.inputs]
     merged = merge(parts)
     merged["inputs"] = [Path(path).name for path in args.inputs]
     if args.real:
-        merged["against_real_success"] = {"file": Path(args.real).name,
-                                          **against_real_success(merged, parts, json.loads(Path(args.real).read_text()))}
+        real = combined_real([json.loads(Path(path).read_text()) for path in args.real])
+        merged["against_real_success"] = {"file": ", ".join(Path(path).name for path in args.real),
+                                          **against_real_success(merged, parts, real)}
         for key in ("by_imagined_success", "by_imagined_coverage"):
             for name, ranking in merged["against_real_success"][key].items():
                 print(f"vs --real success, {key} {name}: " + " ".join(f"{k} {v:.3f}" for k, v in ranking.items()))
