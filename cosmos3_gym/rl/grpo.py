@@ -311,7 +311,6 @@ class GRPOTrainer:
             else math.nan,
             "score_coverage_mae": float(np.abs(final_score - real_coverage).mean()),
             "guard_s": time.perf_counter() - started,
-            "guard_in_background": self.config.guard_in_background,
         }
 
     def _guard_executor(self) -> ThreadPoolExecutor:
