@@ -211,6 +211,44 @@ def test_compare_policies_scores_the_world_model_with_extra_scorers_too():
     json.dumps(result)
 
 
+class DimmingVectorEnv(StandInVectorEnv):
+    """Every chunk halves the slots' frames; with ``frames_in_info=False`` it returns the last frame only as the
+    observation, as a world-model env without ``return_frames`` does."""
+
+    def __init__(self, *args, frames_in_info: bool):
+        super().__init__(*args)
+        self.frames_in_info = frames_in_info
+
+    def step(self, actions):
+        self.actions.append(np.array(actions))
+        chunk = self.single_action_space.shape[0]
+        clip = np.stack([self.frames // 2 ** (k + 1) for k in range(chunk)], axis=1)
+        self.frames = clip[:, -1]
+        info = {"frames": clip} if self.frames_in_info else {}
+        return {"image": self.frames.copy()}, np.zeros(self.num_envs), np.zeros(self.num_envs, bool), \
+            np.zeros(self.num_envs, bool), info
+
+
+@pytest.mark.sim
+def test_compare_policies_reads_the_last_frame_from_the_observation_when_the_env_returns_no_frames():
+    pytest.importorskip("gym_pusht")
+    stats = ActionStats.from_json({"min": [0.0, 0.0], "max": [512.0, 512.0]}, mode="minmax")
+    seen = {}
+    for frames_in_info in (True, False):
+        scored = seen.setdefault(frames_in_info, [])
+
+        def brightness(frames, scored=scored):
+            scored.append(frames.mean())
+            return frames.mean(axis=(1, 2, 3)) / 255.0
+
+        env = DimmingVectorEnv(4, 4, 32, frames_in_info=frames_in_info)
+        compare_policies("random,scripted:0", [3, 4], vector_env=env, score_frames=brightness, stats=stats,
+                         num_chunks=2)
+    assert seen[True] == seen[False]
+    # the chunks' last frames, not the starts: each is 1/16 as bright as the one before (integer halving)
+    assert seen[True][1] < seen[True][0] / 8 and seen[True][2] < seen[True][1] / 8
+
+
 def test_compare_policies_checks_the_slot_count():
     stats = ActionStats.from_json({"min": [0.0, 0.0], "max": [512.0, 512.0]}, mode="minmax")
     with pytest.raises(InputError, match="slots"):

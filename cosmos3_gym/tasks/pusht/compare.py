@@ -227,8 +227,10 @@ def compare_policies(
 ) -> dict[str, Any]:
     """Each policy of ``policies`` from the simulator starts ``sim_seeds``, in gym-pusht and in the world model.
 
-    ``vector_env``: a world-model vector env (``reset(options={"frames": [...]})``, ``step(actions)`` with
-    ``info["frames"] [slots, chunk, H, W, 3]``) with one slot per (policy, start), in policy-major order;
+    ``vector_env``: a world-model vector env (``reset(options={"frames": [...]})``, ``step(actions)``) with one slot
+    per (policy, start), in policy-major order; only each chunk's last frame is read: ``info["frames"][:, -1]``
+    where the env returns frames, else the observation images (the same frame at the model's size; an env that
+    decodes only the last frame does a third of the decode work on a CPU);
     ``score_frames``: frames ``[M, H, W, 3]`` uint8 -> predicted coverage ``[M]`` (the reward model);
     ``extra_scores``: more such scorers by name (e.g. a geometric coverage measured on the frames), each scored on the
     same world-model frames and reported next to the first (``world_model_by_score``, ``agreement_by_score``);
@@ -274,8 +276,8 @@ def compare_policies(
             if agent is not None:  # closed loop: it acts on the world model's own frames of its slots
                 rows = slice(index * len(sim_seeds), (index + 1) * len(sim_seeds))
                 actions[rows] = np.clip(agent.act(frames[rows]), -1.0, 1.0)
-        generated = np.asarray(vector_env.step(actions)[-1]["frames"])
-        frames = generated[:, -1]
+        observations, *_, info = vector_env.step(actions)
+        frames = np.asarray(info["frames"])[:, -1] if "frames" in info else np.asarray(observations["image"])
         for name, scorer in scorers.items():
             history[name].append(scorer(frames))
     predicted = {
@@ -418,7 +420,7 @@ def compare_with_simulator(
     env = make_pusht_vector_env(
         len(runs) * num_starts,
         assets_dir=assets.root,
-        return_frames=True,
+        return_frames=False,  # compare_policies reads each chunk's last frame, the observation: decode "last"
         reward_model=None,
         success_threshold=None,
         max_episode_steps=None,
