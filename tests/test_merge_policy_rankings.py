@@ -17,7 +17,8 @@ def part(rows: dict[str, tuple[float, float]], heldout_seed: int = 7) -> dict:
         return {"final_coverage": coverage, "success_rate": float(coverage > 0.9)}
 
     return {"heldout_seed": heldout_seed, "decoder": "light", "precision": "bf16", "sampling": {},
-            "policies": {"num_chunks": 4, "policies": {spec: {"simulator": score(real), "world_model": score(wm),
+            "policies": {"num_chunks": 4, "num_starts": 48,
+                         "policies": {spec: {"simulator": score(real), "world_model": score(wm),
                                              "world_model_by_score": {"geometric": score(wm)}}
                                       for spec, (real, wm) in rows.items()}}}
 
@@ -74,6 +75,8 @@ def test_estimates_ranked_against_a_larger_real_evaluation(merge_module, tmp_pat
     assert against["real_episodes"] == [300]
     assert against["by_imagined_coverage"]["reward_model"]["spearman"] == pytest.approx(1.0)
     assert against["by_imagined_success"]["geometric"]["mean_absolute_error"] == pytest.approx((0.1 + 0.7) / 2)
+    # Two policies: every draw that has a correlation has it at +-1.
+    assert set(against["by_imagined_success_interval_95"]["geometric"]) == {"pearson", "spearman"}
     with pytest.raises(SystemExit, match="chunks"):
         merge_module.against_real_success(merged, [a], {**real, "num_chunks": 38})
     with pytest.raises(SystemExit, match="no real evaluation"):
@@ -98,3 +101,18 @@ def test_estimates_ranked_against_a_larger_real_evaluation(merge_module, tmp_pat
     with pytest.raises(SystemExit, match="differ in length"):
         merge_module.combined_real([halves[0], {**halves[1], "num_chunks": 38}])
 
+
+
+def test_success_ranking_interval_follows_the_episode_noise(merge_module):
+    import numpy as np
+
+    rates = np.array([0.1, 0.3, 0.5, 0.7, 0.9])
+    many, few = np.full(5, 2000), np.full(5, 8)
+    tight = merge_module.success_ranking_interval(rates, many, rates, many)
+    assert tight["spearman"][0] == pytest.approx(1.0) and tight["pearson"][0] > 0.99
+    # Eight episodes a policy on the imagined side: neighbours swap often, the interval widens downwards.
+    loose = merge_module.success_ranking_interval(rates, few, rates, many)
+    assert loose["spearman"][0] < 0.8 and loose["spearman"][1] == pytest.approx(1.0)
+    # Policies of one skill: no ranking to find, the interval straddles zero.
+    tied = merge_module.success_ranking_interval(np.full(5, 0.3), np.full(5, 32), np.full(5, 0.3), np.full(5, 300))
+    assert tied["spearman"][0] < 0.0 < tied["spearman"][1]

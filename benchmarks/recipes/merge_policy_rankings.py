@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -91,15 +92,36 @@ def against_real_success(merged: dict, parts: list[dict], real: dict) -> dict:
     if missing:
         raise SystemExit(f"--real: no real evaluation of {missing}")
     success = np.array([real["policies"][spec]["success_rate"] for spec in specs])
+    real_episodes = np.array([real["policies"][spec]["episodes"] for spec in specs])
+    starts = {spec: part["policies"]["num_starts"] for part in parts for spec in part["policies"]["policies"]}
+    imagined_episodes = np.array([starts[spec] for spec in specs])
     estimates = _estimates(merged["policies"], specs)
     return {
-        "real_episodes": sorted({real["policies"][spec]["episodes"] for spec in specs}),
+        "real_episodes": sorted(set(real_episodes.tolist())),
         "real_success_rate": dict(zip(specs, success.tolist())),
         "by_imagined_success": {name: ranking_agreement(np.array([e["success_rate"] for e in rows_]), success)
                                 for name, rows_ in estimates.items()},
+        "by_imagined_success_interval_95": {
+            name: success_ranking_interval(np.array([e["success_rate"] for e in rows_]), imagined_episodes, success,
+                                           real_episodes)
+            for name, rows_ in estimates.items()},
         "by_imagined_coverage": {name: ranking_agreement(np.array([e["final_coverage"] for e in rows_]), success)
                                  for name, rows_ in estimates.items()},
     }
+
+
+def success_ranking_interval(imagined: np.ndarray, imagined_episodes: np.ndarray, real: np.ndarray,
+                             real_episodes: np.ndarray, draws: int = 2000, seed: int = 0) -> dict[str, list[float]]:
+    """95 % percentile intervals of Pearson and Spearman between imagined and real success rates, each rate redrawn
+    as a binomial count over its own episodes (a parametric bootstrap of both sides' episode noise: the per-episode
+    outcomes are not in the results). Draws where one side is constant have no correlation and are left out."""
+    rng = np.random.default_rng(seed)
+    imagined_draws = rng.binomial(imagined_episodes, imagined, size=(draws, len(imagined))) / imagined_episodes
+    real_draws = rng.binomial(real_episodes, real, size=(draws, len(real))) / real_episodes
+    rankings = [ranking_agreement(guess, truth) for guess, truth in zip(imagined_draws, real_draws)
+                if np.ptp(guess) > 0 and np.ptp(truth) > 0]
+    return {key: np.percentile([r[key] for r in rankings], [2.5, 97.5]).tolist() if rankings else [math.nan] * 2
+            for key in ("pearson", "spearman")}
 
 
 def _rankings(rows: dict[str, dict], specs: list[str], measure: str = "final_coverage") -> dict[str, dict[str, float]]:
@@ -137,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("by_imagined_success", "by_imagined_coverage"):
             for name, ranking in merged["against_real_success"][key].items():
                 print(f"vs --real success, {key} {name}: " + " ".join(f"{k} {v:.3f}" for k, v in ranking.items()))
+        for name, interval in merged["against_real_success"]["by_imagined_success_interval_95"].items():
+            print(f"vs --real success, by_imagined_success {name}, 95 % interval: "
+                  + " ".join(f"{k} [{low:.3f}, {high:.3f}]" for k, (low, high) in interval.items()))
     merged["settings"] = {key: parts[0].get(key) for key in SAME_ACROSS_PARTS}
     merged["parts_provenance"] = [part.get("provenance") for part in parts]
     for measure in ("rankings", "rankings_by_success"):
