@@ -195,12 +195,12 @@ def test_compare_policies_scores_the_world_model_with_extra_scorers_too():
 
     def by_policy(frames):  # the slots are policy-major: the first policy's get 0.25, the second's 0.75
         calls.append(len(frames))
-        return np.repeat([0.25, 0.75], len(seeds))
+        return np.repeat([0.25, 0.75], len(frames) // 2)
 
     result = compare_policies("random,scripted:0", seeds, vector_env=StandInVectorEnv(4, 4, 32),
                               score_frames=lambda f: np.zeros(len(f)), stats=stats, num_chunks=2,
                               extra_scores={"by_policy": by_policy})
-    assert calls == [4, 4, 4]  # the start frames and each chunk's last frames
+    assert calls == [4, 16, 16]  # the start frames, then every frame of each chunk (4 slots x 4 frames)
     random, scripted = result["policies"]["random"], result["policies"]["scripted:0"]
     assert random["world_model"]["final_coverage"] == 0.0  # the first scorer's report is unchanged
     assert random["world_model_by_score"]["by_policy"]["final_coverage"] == 0.25
@@ -211,9 +211,9 @@ def test_compare_policies_scores_the_world_model_with_extra_scorers_too():
     json.dumps(result)
 
 
-class DimmingVectorEnv(StandInVectorEnv):
-    """Every chunk halves the slots' frames; with ``frames_in_info=False`` it returns the last frame only as the
-    observation, as a world-model env without ``return_frames`` does."""
+class FlashVectorEnv(StandInVectorEnv):
+    """Every chunk's first frame is white, the rest black; with ``frames_in_info=False`` it returns the last frame
+    only, as the observation."""
 
     def __init__(self, *args, frames_in_info: bool):
         super().__init__(*args)
@@ -222,7 +222,8 @@ class DimmingVectorEnv(StandInVectorEnv):
     def step(self, actions):
         self.actions.append(np.array(actions))
         chunk = self.single_action_space.shape[0]
-        clip = np.stack([self.frames // 2 ** (k + 1) for k in range(chunk)], axis=1)
+        clip = np.zeros((self.num_envs, chunk, *self.frames.shape[1:]), np.uint8)
+        clip[:, 0] = 255
         self.frames = clip[:, -1]
         info = {"frames": clip} if self.frames_in_info else {}
         return {"image": self.frames.copy()}, np.zeros(self.num_envs), np.zeros(self.num_envs, bool), \
@@ -230,23 +231,25 @@ class DimmingVectorEnv(StandInVectorEnv):
 
 
 @pytest.mark.sim
-def test_compare_policies_reads_the_last_frame_from_the_observation_when_the_env_returns_no_frames():
+def test_compare_policies_scores_success_on_every_frame_and_coverage_on_the_last():
     pytest.importorskip("gym_pusht")
     stats = ActionStats.from_json({"min": [0.0, 0.0], "max": [512.0, 512.0]}, mode="minmax")
-    seen = {}
+
+    def white(frames):  # "coverage" 1 on a white frame, 0 elsewhere (no gym-pusht start is white)
+        return (frames == 255).all(axis=(1, 2, 3)).astype(float)
+
+    results = {}
     for frames_in_info in (True, False):
-        scored = seen.setdefault(frames_in_info, [])
-
-        def brightness(frames, scored=scored):
-            scored.append(frames.mean())
-            return frames.mean(axis=(1, 2, 3)) / 255.0
-
-        env = DimmingVectorEnv(4, 4, 32, frames_in_info=frames_in_info)
-        compare_policies("random,scripted:0", [3, 4], vector_env=env, score_frames=brightness, stats=stats,
-                         num_chunks=2)
-    assert seen[True] == seen[False]
-    # the chunks' last frames, not the starts: each is 1/16 as bright as the one before (integer halving)
-    assert seen[True][1] < seen[True][0] / 8 and seen[True][2] < seen[True][1] / 8
+        env = FlashVectorEnv(4, 4, 32, frames_in_info=frames_in_info)
+        results[frames_in_info] = compare_policies("random,scripted:0", [3, 4], vector_env=env, score_frames=white,
+                                                   stats=stats, num_chunks=2, success_threshold=0.95,
+                                                   extra_scores={"white": white})
+    for entry in results[True]["policies"].values():
+        # Success mid-chunk counts, as gym-pusht's success at any step; the coverage is the last frame's.
+        assert entry["world_model"]["success_rate"] == 1.0 and entry["world_model"]["final_coverage"] == 0.0
+        assert entry["world_model_by_score"]["white"]["success_rate"] == 1.0
+    for entry in results[False]["policies"].values():  # only the last frames seen: the flash is missed
+        assert entry["world_model"]["success_rate"] == 0.0
 
 
 def test_compare_policies_checks_the_slot_count():

@@ -228,9 +228,11 @@ def compare_policies(
     """Each policy of ``policies`` from the simulator starts ``sim_seeds``, in gym-pusht and in the world model.
 
     ``vector_env``: a world-model vector env (``reset(options={"frames": [...]})``, ``step(actions)``) with one slot
-    per (policy, start), in policy-major order; only each chunk's last frame is read: ``info["frames"][:, -1]``
-    where the env returns frames, else the observation images (the same frame at the model's size; an env that
-    decodes only the last frame does a third of the decode work on a CPU);
+    per (policy, start), in policy-major order, that returns every frame (``info["frames"]``, ``return_frames=True``):
+    each chunk's last frame is the coverage, and success is scored on every frame, as gym-pusht's success at any step
+    (scored at chunk ends only, the model's success was under-counted: in gym-pusht half of the episodes that
+    succeed show no success at any chunk's end, ``success_visibility_pusht.py``). An env without frames gives the
+    observations: last frames only;
     ``score_frames``: frames ``[M, H, W, 3]`` uint8 -> predicted coverage ``[M]`` (the reward model);
     ``extra_scores``: more such scorers by name (e.g. a geometric coverage measured on the frames), each scored on the
     same world-model frames and reported next to the first (``world_model_by_score``, ``agreement_by_score``);
@@ -239,7 +241,7 @@ def compare_policies(
 
     Returns per policy the real and predicted final coverage (mean, Student-t CI) and success (rate, Wilson CI),
     then Pearson / Spearman / MMRV / mean absolute error between the per-policy mean predicted and real final
-    coverage. Success: coverage > 0.95 at any step (real) or at any chunk's last frame (predicted), where the
+    coverage. Success: coverage > 0.95 at any step (real) or on any generated frame (predicted), where the
     ``score_frames`` scorer's line is ``success_threshold`` (a reward model's own, ``rewards.fit_success_threshold``:
     regressors score true successes below 0.95) and the ``extra_scores``' is 0.95. Coverage intervals are clipped
     to [0, 1].
@@ -269,7 +271,8 @@ def compare_policies(
         if callable(getattr(agent, "start_episodes", None)):
             agent.start_episodes()  # the world model's episodes start afresh, as the simulator's did
     frames = starts
-    history = {name: [scorer(starts)] for name, scorer in scorers.items()}
+    history = {name: [scorer(starts)] for name, scorer in scorers.items()}  # each chunk's last frame
+    peaks = {name: list(scores) for name, scores in history.items()}  # each chunk's best frame: success
     for k in range(num_chunks):
         actions = replayed[:, k].copy()
         for index, agent in enumerate(agents):
@@ -277,18 +280,25 @@ def compare_policies(
                 rows = slice(index * len(sim_seeds), (index + 1) * len(sim_seeds))
                 actions[rows] = np.clip(agent.act(frames[rows]), -1.0, 1.0)
         observations, *_, info = vector_env.step(actions)
-        frames = np.asarray(info["frames"])[:, -1] if "frames" in info else np.asarray(observations["image"])
+        clip = np.asarray(info["frames"]) if "frames" in info else np.asarray(observations["image"])[:, None]
+        frames = clip[:, -1]
         for name, scorer in scorers.items():
-            history[name].append(scorer(frames))
-    predicted = {
-        name: np.stack(scores, axis=1).reshape(len(runs), len(sim_seeds), num_chunks + 1)
-        for name, scores in history.items()
-    }
+            scores = np.asarray(scorer(clip.reshape(-1, *clip.shape[2:]))).reshape(clip.shape[:2])
+            history[name].append(scores[:, -1])
+            peaks[name].append(scores.max(axis=1))
+
+    def by_policy(scores: dict) -> dict:
+        return {
+            name: np.stack(chunks, axis=1).reshape(len(runs), len(sim_seeds), num_chunks + 1)
+            for name, chunks in scores.items()
+        }
+
+    predicted, predicted_peaks = by_policy(history), by_policy(peaks)
 
     per_policy: dict[str, dict[str, Any]] = {}
     for index, (run, (_, _, coverage)) in enumerate(zip(runs, simulated)):
         per_policy[run.spec] = {
-            "world_model": _scores(predicted[None][index], confidence, success_threshold),
+            "world_model": _scores(predicted[None][index], confidence, success_threshold, predicted_peaks[None][index]),
             "simulator": _scores(coverage, confidence),
             "evaluated_in_world_model": "closed loop"
             if run.acts_on_frames
@@ -296,7 +306,8 @@ def compare_policies(
         }
         if extra_scores:
             per_policy[run.spec]["world_model_by_score"] = {
-                name: _scores(predicted[name][index], confidence) for name in extra_scores
+                name: _scores(predicted[name][index], confidence, peaks=predicted_peaks[name][index])
+                for name in extra_scores
             }
     real = np.array([entry["simulator"]["final_coverage"] for entry in per_policy.values()])
     guess = np.array([entry["world_model"]["final_coverage"] for entry in per_policy.values()])
@@ -347,12 +358,16 @@ def _frame_policy_agent(
 
 
 def _scores(
-    coverage: np.ndarray, confidence: float, success_threshold: float = pusht.SUCCESS_COVERAGE
+    coverage: np.ndarray,
+    confidence: float,
+    success_threshold: float = pusht.SUCCESS_COVERAGE,
+    peaks: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Coverage ``[starts, T]`` -> final coverage (mean, CI in [0, 1]) and success (rate, Wilson CI): the coverage
-    passes ``success_threshold`` at any step."""
+    passes ``success_threshold`` at any step, or where ``peaks`` (``[starts, T]``, the best of every frame up to each
+    step) is given, the peaks do."""
     final = coverage[:, -1].astype(float)
-    successes = int((coverage > success_threshold).any(axis=1).sum())
+    successes = int(((coverage if peaks is None else peaks) > success_threshold).any(axis=1).sum())
     return {
         "final_coverage": float(final.mean()),
         "final_coverage_interval": mean_interval(list(final), confidence, bounds=(0.0, 1.0)),
@@ -420,7 +435,7 @@ def compare_with_simulator(
     env = make_pusht_vector_env(
         len(runs) * num_starts,
         assets_dir=assets.root,
-        return_frames=False,  # compare_policies reads each chunk's last frame, the observation: decode "last"
+        return_frames=True,  # success is scored on every frame
         reward_model=None,
         success_threshold=None,
         max_episode_steps=None,
