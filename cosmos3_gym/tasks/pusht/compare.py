@@ -230,9 +230,9 @@ def compare_policies(
     ``vector_env``: a world-model vector env (``reset(options={"frames": [...]})``, ``step(actions)``) with one slot
     per (policy, start), in policy-major order, that returns every frame (``info["frames"]``, ``return_frames=True``):
     each chunk's last frame is the coverage, and success is scored on every frame, as gym-pusht's success at any step
-    (scored at chunk ends only, the model's success was under-counted: in gym-pusht half of the episodes that
-    succeed show no success at any chunk's end, ``success_visibility_pusht.py``). An env without frames gives the
-    observations: last frames only;
+    (scored at chunk ends only, the model's success was under-counted: in gym-pusht two in five of the successes of
+    run 1300000's checkpoints are undone by the chunk's end, ``success_visibility_pusht.py``). An env without frames
+    gives the observations: last frames only;
     ``score_frames``: frames ``[M, H, W, 3]`` uint8 -> predicted coverage ``[M]`` (the reward model);
     ``extra_scores``: more such scorers by name (e.g. a geometric coverage measured on the frames), each scored on the
     same world-model frames and reported next to the first (``world_model_by_score``, ``agreement_by_score``);
