@@ -144,20 +144,26 @@ def test_a_long_vector_env_run_keeps_what_it_holds(tiny_checkpoint):
         for _ in range(10):
             env.step(env.action_space.sample())
         objects = live_objects()
-        memory = memory_held_by_this_test()[0]
+        memory = [memory_held_by_this_test()[0]]
         frames_bytes = 0  # of one step's info["frames"]
-        for _ in range(12):
-            info = env.step(env.action_space.sample())[-1]
-            frames_bytes = max(frames_bytes, info["frames"].nbytes if "frames" in info else 0)
-        del info
-        objects_after = live_objects()
-        memory_after, largest = memory_held_by_this_test()
+        for _ in range(2):  # two windows of 12 steps
+            for _ in range(12):
+                info = env.step(env.action_space.sample())[-1]
+                frames_bytes = max(frames_bytes, info["frames"].nbytes if "frames" in info else 0)
+            del info
+            if len(memory) == 1:
+                objects_after = live_objects()
+            memory_after, largest = memory_held_by_this_test()
+            memory.append(memory_after)
     finally:
         tracemalloc.stop()
         if outer_frames is not None:
             tracemalloc.start(outer_frames)
-    # One step's frames kept anywhere would add frames_bytes; a per-step dict or list, objects every step.
-    assert memory_after - memory < frames_bytes / 4, (memory, memory_after, frames_bytes, largest)
+    # One step's frames kept anywhere would add frames_bytes; a per-step dict or list, objects every step. A leak
+    # grows in both windows; the first may also take a one-off (CI once saw 167 kB there, in the full suite only,
+    # from many lines at a few kB each, torch's module-tracking tables among them), the second may not.
+    assert memory[1] - memory[0] < frames_bytes, (memory, frames_bytes, largest)
+    assert memory[2] - memory[1] < frames_bytes / 4, (memory, frames_bytes, largest)
     assert objects_after - objects < 12, (objects, objects_after)
     assert len(engine._text_cache) == 2 and len(engine._prompt_ids) == 2 and len(engine._schedules) == 1  # 2 tasks
 
