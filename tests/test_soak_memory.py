@@ -116,7 +116,11 @@ def memory_held_by_this_test() -> tuple[int, list[str]]:
     Only this file's allocations count: threads earlier tests left running (two tqdm monitors at this point of the
     suite) allocate without this file on their stack (the likely cause of a CI failure on 170 kB unaccounted for)."""
     gc.collect()
-    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, __file__, all_frames=True)])
+    # Without what torch._dynamo allocates: once dynamo is loaded (earlier tests compile), it tags every nn.Module
+    # created in a process-wide weak table, whose one-off resizes (72+ kB) land on whichever test grows it.
+    snapshot = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(True, __file__, all_frames=True), tracemalloc.Filter(False, "*/torch/_dynamo/*")]
+    )
     return sum(trace.size for trace in snapshot.traces), [str(stat) for stat in snapshot.statistics("lineno")[:5]]
 
 
@@ -159,11 +163,11 @@ def test_a_long_vector_env_run_keeps_what_it_holds(tiny_checkpoint):
         tracemalloc.stop()
         if outer_frames is not None:
             tracemalloc.start(outer_frames)
-    # One step's frames kept anywhere would add frames_bytes; a per-step dict or list, objects every step. A leak
-    # grows in both windows; the first may also take a one-off (CI once saw 167 kB there, in the full suite only,
-    # from many lines at a few kB each, torch's module-tracking tables among them), the second may not.
+    # One step's frames kept anywhere would add frames_bytes a step (12 x in a window); a per-step dict or list,
+    # objects every step. A leak grows in both windows; a one-off (a global table's resize: CI saw 157-167 kB in the
+    # full suite only, in either window) stays below one step's frames.
     assert memory[1] - memory[0] < frames_bytes, (memory, frames_bytes, largest)
-    assert memory[2] - memory[1] < frames_bytes / 4, (memory, frames_bytes, largest)
+    assert memory[2] - memory[1] < frames_bytes, (memory, frames_bytes, largest)
     assert objects_after - objects < 12, (objects, objects_after)
     assert len(engine._text_cache) == 2 and len(engine._prompt_ids) == 2 and len(engine._schedules) == 1  # 2 tasks
 
