@@ -150,12 +150,12 @@ def test_a_long_vector_env_run_keeps_what_it_holds(tiny_checkpoint):
         objects = live_objects()
         memory = [memory_held_by_this_test()[0]]
         frames_bytes = 0  # of one step's info["frames"]
-        for _ in range(2):  # two windows of 12 steps
+        for window in range(2):  # two windows of 12 steps
             for _ in range(12):
                 info = env.step(env.action_space.sample())[-1]
                 frames_bytes = max(frames_bytes, info["frames"].nbytes if "frames" in info else 0)
             del info
-            if len(memory) == 1:
+            if window == 0:
                 objects_after = live_objects()
             memory_after, largest = memory_held_by_this_test()
             memory.append(memory_after)

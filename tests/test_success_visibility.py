@@ -8,20 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+RECIPES = Path(__file__).resolve().parents[1] / "benchmarks" / "recipes"
+sys.path[:0] = [str(RECIPES.parent), str(RECIPES)]
+import success_visibility_pusht as recipe  # noqa: E402
 
 
-@pytest.fixture
-def recipe():
-    sys.path.insert(0, str(ROOT / "benchmarks" / "recipes"))
-    try:
-        import success_visibility_pusht
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks" / "recipes"))
-    return success_visibility_pusht
-
-
-def test_success_between_chunk_ends_is_counted_at_any_step_only(recipe):
+def test_success_between_chunk_ends_is_counted_at_any_step_only():
     chunk = 4
     coverage = np.zeros((3, 2 * chunk + 1))
     coverage[0, 2] = 0.97  # mid-chunk, gone by the chunk's end
