@@ -75,6 +75,13 @@ def test_estimates_ranked_against_a_larger_real_evaluation(merge_module, tmp_pat
     assert against["real_episodes"] == [300]
     assert against["by_imagined_coverage"]["reward_model"]["spearman"] == pytest.approx(1.0)
     assert against["by_imagined_success"]["geometric"]["mean_absolute_error"] == pytest.approx((0.1 + 0.7) / 2)
+    # Success within 10 points is checked against the larger evaluation's rates, where those are >= 30 %.
+    assert against["success_within_10_points"]["geometric"] == {"scripted-frames:5": None,
+                                                                "scripted-frames:50": False}
+    real_close = {**real, "policies": {**real["policies"],
+                                       "scripted-frames:50": {"success_rate": 0.95, "episodes": 300}}}
+    close = merge_module.against_real_success(merged, [a], real_close)
+    assert close["success_within_10_points"]["reward_model"]["scripted-frames:50"] is True
     # Two policies: every draw that has a correlation has it at +-1.
     assert set(against["by_imagined_success_interval_95"]["geometric"]) == {"pearson", "spearman"}
     with pytest.raises(SystemExit, match="chunks"):
