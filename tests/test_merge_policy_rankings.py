@@ -65,6 +65,41 @@ def test_parts_of_different_runs_are_refused(merge_module):
         merge_module.merge([part({"random": (0.1, 0.1)}), part({"random": (0.1, 0.2)})])
 
 
+def test_more_starts_of_a_policy_are_pooled(merge_module):
+    # A policy run twice from disjoint seeds (--policy-first-start) counts as one run over all its starts: the pooled
+    # rates, means and intervals are those of the starts together, computed from the per-start values.
+    import numpy as np
+
+    from cosmos3_gym.tasks.pusht.compare import _scores
+
+    rng = np.random.default_rng(3)
+    coverage = {world: rng.uniform(0.0, 1.0, size=(64, 5)) for world in ("simulator", "world_model")}
+
+    def run(first: int, count: int, spec: str = "scripted-frames:5") -> dict:
+        rows = {world: _scores(values[first:first + count], 0.95) for world, values in coverage.items()}
+        rows["world_model_by_score"] = {"geometric": rows["world_model"]}
+        return {"heldout_seed": 7, "decoder": "light", "precision": "bf16", "sampling": {},
+                "policies": {"num_chunks": 5, "num_starts": count, "sim_seeds": list(range(first, first + count)),
+                             "policies": {spec: {**rows, "evaluated_in_world_model": "closed loop"}}}}
+
+    merged = merge_module.merge([run(0, 32), run(32, 20), run(52, 12, spec="random")])
+    assert merged["starts"] == {"scripted-frames:5": 52, "random": 12}
+    pooled = merged["policies"]["scripted-frames:5"]
+    for world in ("simulator", "world_model"):
+        expected = _scores(coverage[world][:52], 0.95)
+        for key in ("final_coverage", "success_rate"):
+            assert pooled[world][key] == pytest.approx(expected[key])
+        for key in ("final_coverage_interval", "success_rate_interval"):
+            assert pooled[world][key] == pytest.approx(list(expected[key]))
+    assert pooled["world_model_by_score"]["geometric"] == pooled["world_model"]
+    with pytest.raises(SystemExit, match="overlapping"):
+        merge_module.merge([run(0, 32), run(16, 32)])
+    with pytest.raises(SystemExit, match="episode lengths"):
+        longer = run(32, 20)
+        longer["policies"]["num_chunks"] = 38
+        merge_module.merge([run(0, 32), longer])
+
+
 def test_estimates_ranked_against_a_larger_real_evaluation(merge_module, tmp_path):
     # The parts' few starts say a and b tie in reality; 300 starts of eval-real order them b > a, as the model does.
     a = part({"scripted-frames:5": (0.5, 0.55), "scripted-frames:50": (0.5, 0.95)})

@@ -2,13 +2,14 @@
 
 A run ranks the policies it evaluated; a pool evaluated in parts (two processes on one GPU, each with its own
 simulator, halves the wall time) is ranked here from the per-policy rows of every part, which all used the same
-checkpoint, seeds and chunks (checked). Writes the per-policy table, the rankings by each scorer (Pearson, Spearman,
-MMRV, mean absolute error; ``tasks.pusht.compare.ranking_agreement``) of final coverage (``rankings``) and of success
-rate (``rankings_by_success``), over all policies and over those that act on
-frames (closed loop in both worlds, as users evaluate theirs; the others are replayed open loop in the world model),
-and issue 42's per-policy checks: success within 10 points where the real success rate is >= 30 %, final coverage
-within 0.1. ``--real`` adds the estimates ranked against a larger real evaluation's success rates
-(``against_real_success``).
+checkpoint, seeds and chunks (checked). A policy in several parts that started from disjoint seeds
+(``--policy-first-start``: more starts for an earlier run's policies) is pooled over all its starts. Writes the
+per-policy table, the rankings by each scorer (Pearson, Spearman, MMRV, mean absolute error;
+``tasks.pusht.compare.ranking_agreement``) of final coverage (``rankings``) and of success rate
+(``rankings_by_success``), over all policies and over those that act on frames (closed loop in both worlds, as users
+evaluate theirs; the others are replayed open loop in the world model), and issue 42's per-policy checks: success
+within 10 points where the real success rate is >= 30 %, final coverage within 0.1. ``--real`` adds the estimates
+ranked against a larger real evaluation's success rates (``against_real_success``).
 
     python benchmarks/recipes/merge_policy_rankings.py --inputs A.json B.json --name evalpool_16.json --out DIR
 """
@@ -29,6 +30,7 @@ sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent)]
 from common import add_output_arguments, write_results  # noqa: E402
 
 from cosmos3_gym.policy_specs import parse_policy_spec  # noqa: E402
+from cosmos3_gym.statistics import student_t_quantile, wilson_interval  # noqa: E402
 from cosmos3_gym.tasks.pusht.compare import ranking_agreement  # noqa: E402
 
 SAME_ACROSS_PARTS = ("heldout_seed", "decoder", "precision", "sampling")
@@ -40,12 +42,12 @@ def merge(parts: list[dict]) -> dict:
         values = {json.dumps(part.get(key), sort_keys=True) for part in parts}
         if len(values) > 1:
             raise SystemExit(f"--inputs: the parts differ in {key!r} ({sorted(values)}); rank only comparable runs")
-    rows: dict[str, dict] = {}
+    runs: dict[str, list[tuple[dict, dict]]] = {}
     for part in parts:
         for spec, row in part["policies"]["policies"].items():
-            if spec in rows:
-                raise SystemExit(f"--inputs: policy {spec!r} is in two parts")
-            rows[spec] = row
+            runs.setdefault(spec, []).append((row, part["policies"]))
+    rows = {spec: pooled_row(spec, found) for spec, found in runs.items()}
+    starts = {spec: sum(run["num_starts"] for _, run in found) for spec, found in runs.items()}
     specs = sorted(rows)
     closed_loop = [spec for spec in specs if parse_policy_spec(spec).acts_on_frames]
     rankings = {"all": _rankings(rows, specs), "closed_loop": _rankings(rows, closed_loop)}
@@ -60,9 +62,69 @@ def merge(parts: list[dict]) -> dict:
             "success_within_10_points": success_within_10_points(wm["success_rate"], sim["success_rate"]),
         }
     real = [rows[spec]["simulator"]["final_coverage"] for spec in specs]
-    return {"policies": rows, "closed_loop_policies": closed_loop, "rankings": rankings,
+    return {"policies": rows, "starts": {spec: starts[spec] for spec in specs}, "closed_loop_policies": closed_loop,
+            "rankings": rankings,
             "rankings_by_success": rankings_by_success, "checks": checks,
             "real_final_coverage_span": [min(real), max(real)]}
+
+
+def pooled_row(spec: str, found: list[tuple[dict, dict]]) -> dict:
+    """One policy's row over the runs in ``found`` (``(row, the run's "policies" section)``), which must have started
+    from disjoint gym-pusht seeds and run as many chunks: every score's rates and means weighted by the runs' starts,
+    and their intervals recomputed over all starts (``_pooled_scores``)."""
+    if len(found) == 1:
+        return found[0][0]
+    seeds = [set(run.get("sim_seeds") or []) for _, run in found]
+    if any(not seed_set for seed_set in seeds) or sum(map(len, seeds)) != len(set().union(*seeds)):
+        raise SystemExit(f"--inputs: policy {spec!r} is in two parts with overlapping (or unrecorded) starts")
+    if len({run["num_chunks"] for _, run in found}) > 1:
+        raise SystemExit(f"--inputs: policy {spec!r} is in parts of different episode lengths")
+    modes = {row.get("evaluated_in_world_model") for row, _ in found}
+    if len(modes) > 1:
+        raise SystemExit(f"--inputs: policy {spec!r} is evaluated differently in the world model across parts {modes}")
+    sizes = [run["num_starts"] for _, run in found]
+    first = found[0][0]
+    pooled = {**first, "simulator": _pooled_scores([row["simulator"] for row, _ in found], sizes),
+              "world_model": _pooled_scores([row["world_model"] for row, _ in found], sizes)}
+    if "world_model_by_score" in first:
+        pooled["world_model_by_score"] = {
+            name: _pooled_scores([row["world_model_by_score"][name] for row, _ in found], sizes)
+            for name in first["world_model_by_score"]}
+    return pooled
+
+
+def _pooled_scores(scores: list[dict], sizes: list[int], confidence: float = 0.95) -> dict:
+    """Final coverage and success of several disjoint sets of starts as one set: the success count and the coverage
+    mean are exact; the coverage interval (Student t, as ``statistics.mean_interval``) is recomputed from each set's
+    standard deviation, read back from the half-width of its interval on a side that was not clipped to [0, 1] (the
+    per-start values are not in the results)."""
+    total = sum(sizes)
+    successes = sum(round(score["success_rate"] * size) for score, size in zip(scores, sizes))
+    mean = sum(score["final_coverage"] * size for score, size in zip(scores, sizes)) / total
+    pooled = {"final_coverage": mean, "success_rate": successes / total}
+    if "success_rate_interval" in scores[0]:
+        pooled["success_rate_interval"] = list(wilson_interval(successes, total, confidence))
+    if all(score.get("final_coverage_interval") for score in scores):
+        squares = 0.0
+        for score, size in zip(scores, sizes):
+            spread = _standard_deviation(score["final_coverage"], score["final_coverage_interval"], size, confidence)
+            squares += (size - 1) * spread**2 + size * (score["final_coverage"] - mean) ** 2
+        half = student_t_quantile(0.5 + confidence / 2, total - 1) * math.sqrt(squares / (total - 1) / total)
+        pooled["final_coverage_interval"] = [max(mean - half, 0.0), min(mean + half, 1.0)]
+    return pooled
+
+
+def _standard_deviation(mean: float, interval: list[float], size: int, confidence: float) -> float:
+    """The sample standard deviation behind ``mean_interval``'s ``interval`` of ``size`` values, from a bound that was
+    not clipped to [0, 1]."""
+    low, high = interval
+    if high < 1.0:
+        half = high - mean
+    elif low > 0.0:
+        half = mean - low
+    else:
+        raise SystemExit(f"--inputs: a coverage interval {interval} clipped on both sides cannot be pooled")
+    return half * math.sqrt(size) / student_t_quantile(0.5 + confidence / 2, size - 1)
 
 
 def success_within_10_points(imagined: float, real: float) -> bool | None:
@@ -98,8 +160,7 @@ def against_real_success(merged: dict, parts: list[dict], real: dict) -> dict:
         raise SystemExit(f"--real: no real evaluation of {missing}")
     success = np.array([real["policies"][spec]["success_rate"] for spec in specs])
     real_episodes = np.array([real["policies"][spec]["episodes"] for spec in specs])
-    starts = {spec: part["policies"]["num_starts"] for part in parts for spec in part["policies"]["policies"]}
-    imagined_episodes = np.array([starts[spec] for spec in specs])
+    imagined_episodes = np.array([merged["starts"][spec] for spec in specs])
     estimates = _estimates(merged["policies"], specs)
     return {
         "real_episodes": sorted(set(real_episodes.tolist())),
