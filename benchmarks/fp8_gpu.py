@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import re
 import sys
@@ -59,22 +60,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "recipes"))  # fidelity_pusht*
 
 from common import (  # noqa: E402
-    add_output_arguments, check_results_target, fp8_available, free_memory, gemm_peak_tflops, gen_twin, provenance,
-    timed, write_results,
+    add_output_arguments,
+    check_results_target,
+    fp8_available,
+    free_memory,
+    gemm_peak_tflops,
+    gen_twin,
+    provenance,
+    timed,
+    write_results,
 )
 from gpu_suite import (  # noqa: E402
-    GEN_PROMPT, diffusers_request, first_call_and_breakdown, gen_forward_flops, gen_forward_inputs, make_models,
-    our_request, rel, scene,
+    GEN_PROMPT,
+    diffusers_request,
+    first_call_and_breakdown,
+    gen_forward_flops,
+    gen_forward_inputs,
+    make_models,
+    our_request,
+    rel,
+    scene,
 )
 
-from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
-from cosmos3_gym.models.transformer import Cosmos3RotaryEmbedding, Cosmos3Transformer  # noqa: E402
-from cosmos3_gym.models.transformer import Cosmos3TransformerConfig  # noqa: E402
+from cosmos3_gym.models.transformer import (  # noqa: E402
+    Cosmos3RotaryEmbedding,
+    Cosmos3Transformer,
+    Cosmos3TransformerConfig,  # noqa: E402
+)
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.quantization import (  # noqa: E402
-    DEFAULT_FP8_LAYERS, FP8_LAYER_POLICIES, apply_fp8, fp8_linear_names,
+    DEFAULT_FP8_LAYERS,
+    FP8_LAYER_POLICIES,
+    apply_fp8,
+    fp8_linear_names,
 )
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG  # noqa: E402
 
 BF16 = "bf16"
 ENV_TIER = 256  # the vector-env target's resolution tier
@@ -269,7 +290,7 @@ def measure_variant(master, engine, policy, settings, shapes, peak, device, tiny
                 started = time.perf_counter()
                 forward(*inputs)  # compile + capture
                 first = time.perf_counter() - started
-                seconds, _ = timed(lambda: forward(*inputs), repeats=3, warmup=0)
+                seconds, _ = timed(functools.partial(forward, *inputs), repeats=3, warmup=0)
         except torch.OutOfMemoryError:
             entry["gen_forward"][key] = {"error": "OOM"}
             free_memory()
@@ -326,10 +347,10 @@ def pusht_accuracy(results: dict, save, device: str, policies: list[str], rankin
     from fidelity_pusht import action_following
     from fidelity_pusht_chunks import load_episodes
 
-    from cosmos3_gym.tasks.pusht.env import load_pusht_assets, pusht_env_defaults
     from cosmos3_gym.processor import ActionStats
     from cosmos3_gym.tasks.pusht import episodes as pusht
     from cosmos3_gym.tasks.pusht.compare import compare_with_simulator
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets, pusht_env_defaults
 
     assets = load_pusht_assets(None)
     defaults = pusht_env_defaults(assets)
@@ -422,9 +443,9 @@ def score_agreement(reference: dict, other: dict) -> dict:
 
 def pusht_rollout_psnr(results, runs, load, assets, defaults, episodes, chunks) -> dict:
     """Without gym-pusht: the PSNR between FP8 and bf16 rollouts from the shipped start frames."""
-    from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env
     from cosmos3_gym.tasks.pusht import episodes as pusht
     from cosmos3_gym.tasks.pusht.compare import replay_actions
+    from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env
 
     with np.load(assets.initial_states) as archive:
         starts = archive["frames"][:episodes]

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import add_output_arguments, check_results_target, provenance, timed, write_results  # noqa: E402
 
-from cosmos3_gym.testing import build_tiny_checkpoint  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
+from cosmos3_gym.testing import build_tiny_checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -49,7 +49,8 @@ def main() -> None:
             "finite": finite,
             "action_shape": list(low.action.shape),
             "pixels_shape": list(low.pixels.shape),
-            "bf16_vs_fp32_latent_rel": float((low.video_latents - high.video_latents).norm() / high.video_latents.norm()),
+            "bf16_vs_fp32_latent_rel": float((low.video_latents - high.video_latents).norm()
+                                             / high.video_latents.norm()),
             "bf16_vs_fp32_action_abs_max": float(np.abs(low.action - high.action).max()),
         }
         print(mode, results["modes"][mode])

@@ -44,16 +44,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from common import (  # noqa: E402
-    SCHEDULER, add_output_arguments, build_nano_transformer, build_wan22_vae, check_results_target,
-    fp8_unavailable_reason, free_memory, gemm_peak_tflops, gen_twin, provenance, sync, timed, write_results,
+    SCHEDULER,
+    add_output_arguments,
+    build_nano_transformer,
+    build_wan22_vae,
+    check_results_target,
+    fp8_unavailable_reason,
+    free_memory,
+    gemm_peak_tflops,
+    gen_twin,
+    provenance,
+    sync,
+    timed,
+    write_results,
 )
 
-from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG  # noqa: E402
-from cosmos3_gym.tokenizer import build_tiny_tokenizer  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
 from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.quantization import DEFAULT_FP8_LAYERS, fp8_linear_names  # noqa: E402
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG  # noqa: E402
+from cosmos3_gym.tokenizer import build_tiny_tokenizer  # noqa: E402
 
 
 def gen_forward_flops(cfg: Cosmos3TransformerConfig, gen_tokens: int, text_tokens: int) -> float:

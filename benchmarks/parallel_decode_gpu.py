@@ -24,13 +24,18 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import (  # noqa: E402
-    add_output_arguments, check_results_target, init_distributed, provenance, timed_ms, write_results,
+    add_output_arguments,
+    check_results_target,
+    init_distributed,
+    provenance,
+    timed_ms,
+    write_results,
 )
 from parallel_gpu import WAN22_VAE, build_vae, synchronize  # noqa: E402
 
-from cosmos3_gym.testing import TINY_VAE_CONFIG  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.parallel.vae_decode import decode_tile_parallel  # noqa: E402
+from cosmos3_gym.testing import TINY_VAE_CONFIG  # noqa: E402
 
 
 def main() -> None:

@@ -57,11 +57,19 @@ from diffusers import AutoencoderKLWan  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from cosmos3_gym.checkpoint import (  # noqa: E402
-    TINY_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG, build_tiny_tokenizer,
+    TINY_SCHEDULER_CONFIG,
+    TINY_TRANSFORMER_CONFIG,
+    TINY_VAE_CONFIG,
+    build_tiny_tokenizer,
 )
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request  # noqa: E402
 from cosmos3_gym.models.transformer import (  # noqa: E402
-    Cosmos3RotaryEmbedding, Cosmos3Transformer, Cosmos3TransformerConfig, RMSNorm, TextKV, build_on_meta,
+    Cosmos3RotaryEmbedding,
+    Cosmos3Transformer,
+    Cosmos3TransformerConfig,
+    RMSNorm,
+    TextKV,
+    build_on_meta,
 )
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.parallel.mesh import ParallelConfig, ParallelContext, init_parallel  # noqa: E402

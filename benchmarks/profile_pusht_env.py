@@ -36,7 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    add_decoder_arguments, add_output_arguments, check_results_target, provenance, sync, use_decoder_arguments,
+    add_decoder_arguments,
+    add_output_arguments,
+    check_results_target,
+    provenance,
+    sync,
+    use_decoder_arguments,
     write_results,
 )
 from profile_gpu import profile_call, summarise  # noqa: E402

@@ -49,7 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "recipes"))  # fidelity_pusht_chunks
 
 from common import (  # noqa: E402
-    add_decoder_arguments, add_output_arguments, check_results_target, provenance, sync, use_decoder_arguments,
+    add_decoder_arguments,
+    add_output_arguments,
+    check_results_target,
+    provenance,
+    sync,
+    use_decoder_arguments,
     write_results,
 )
 

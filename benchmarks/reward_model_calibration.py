@@ -2,11 +2,11 @@
 
 The env ends an episode when the reward model's score reaches the checkpoint's ``success_threshold``
 (``checkpoint/meta.json``). This simulates episodes in gym-pusht (default: the scripted pusher at its four noise levels,
-which succeeds in most of them) in two seed sets, scores every frame, and reports the score per coverage bin and, per threshold, the
-precision and recall of ``score >= threshold`` for gym-pusht's success (coverage > 0.95). The threshold with the best
-F1 on the first set (``cosmos3_gym.rewards.calibration.calibrate_success_threshold``) is checked on the second, next
-to the checkpoint's own; ``--write`` puts it into the checkpoint's meta.json. ``train_pusht.py`` already calibrates
-the threshold of every reward model it trains, the same way, on real episodes that model never saw (its
+which succeeds in most of them) in two seed sets, scores every frame, and reports the score per coverage bin and, per
+threshold, the precision and recall of ``score >= threshold`` for gym-pusht's success (coverage > 0.95). The threshold
+with the best F1 on the first set (``cosmos3_gym.rewards.calibration.calibrate_success_threshold``) is checked on the
+second, next to the checkpoint's own; ``--write`` puts it into the checkpoint's meta.json. ``train_pusht.py`` already
+calibrates the threshold of every reward model it trains, the same way, on real episodes that model never saw (its
 ``success_threshold`` stage); this re-checks a model on scripted episodes of other seeds, or sets the threshold of a
 reward model trained elsewhere. CPU, under a minute:
 
@@ -27,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_output_arguments, check_results_target, provenance, write_results  # noqa: E402
 
 from cosmos3_gym.rewards.calibration import (  # noqa: E402
-    calibrate_success_threshold, score_episode_files, success_threshold_table,
+    calibrate_success_threshold,
+    score_episode_files,
+    success_threshold_table,
 )
 
 COVERAGE_BINS = (0.0, 0.5, 0.8, 0.9, 0.95, 1.01)
@@ -66,9 +68,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--episodes and --steps: expected integers >= 1")
     check_results_target(args.results_name, args.out, args.overwrite)
 
-    from cosmos3_gym.tasks.pusht.env import META_FILE, REWARD_MODEL_DIR, load_pusht_assets
     from cosmos3_gym.rewards import ClassifierRewardModel
-    from cosmos3_gym.tasks.pusht import episodes as pusht, geometry as pusht_geometry
+    from cosmos3_gym.tasks.pusht import episodes as pusht
+    from cosmos3_gym.tasks.pusht import geometry as pusht_geometry
+    from cosmos3_gym.tasks.pusht.env import META_FILE, REWARD_MODEL_DIR, load_pusht_assets
 
     assets = load_pusht_assets(args.assets)
     reward_model = ClassifierRewardModel.load(assets.root / REWARD_MODEL_DIR).eval()
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.write:
         meta = {**assets.meta, "success_threshold": fitted["threshold"]}
         (assets.checkpoint / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        print(f"success_threshold {checkpoint_threshold:g} -> {fitted['threshold']:g} in {assets.checkpoint / META_FILE}")
+        print(f"success_threshold {checkpoint_threshold:g} -> {fitted['threshold']:g} in "
+              f"{assets.checkpoint / META_FILE}")
     write_results(results, args.results_name, args.out, args.overwrite, args=args)
     return results
 

@@ -67,7 +67,6 @@ Needs gym-pusht (the ``sim`` extra).
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 import hashlib
 import inspect
 import json
@@ -75,6 +74,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +131,8 @@ class Run:
         # "provenance" and "settings" are this call's; every call's command stays listed here.
         self.results.setdefault("calls", []).append(
             {"command": " ".join(["benchmarks/rl_pusht.py", *args.argv]), "stages": args.stages})
-        from cosmos3_gym.tasks.pusht.env import load_pusht_assets
         from cosmos3_gym.processor import ActionStats
+        from cosmos3_gym.tasks.pusht.env import load_pusht_assets
 
         self.assets = load_pusht_assets(args.assets)
         self.action_stats = ActionStats.from_json(self.assets.checkpoint / "action_stats.json", mode="minmax")
@@ -273,8 +273,8 @@ def stage_demos(run: Run) -> None:
 def stage_bc(run: Run) -> None:
     args = run.args
     if not (run.scratch / "demo_observations.npy").is_file():
-        raise SystemExit(f"{run.scratch / 'demo_observations.npy'} is missing: run the 'demos' stage first, in the same "
-                         f"call or with the same --scratch.")
+        raise SystemExit(f"{run.scratch / 'demo_observations.npy'} is missing: run the 'demos' stage first, in the "
+                         f"same call or with the same --scratch.")
     observations = np.load(run.scratch / "demo_observations.npy")
     chunks = np.load(run.scratch / "demo_action_chunks.npy")
     torch.manual_seed(args.seed)
@@ -443,7 +443,8 @@ def stage_grpo(run: Run, stage: str) -> None:
                         learning_rate=args.learning_rate, update_epochs=args.update_epochs,
                         minibatch_size=args.minibatch_size, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
                         coverage_weight=args.coverage_weight,
-                        advantage_normalization=args.advantage_normalization, guard_every=args.guard_every, seed=args.seed)
+                        advantage_normalization=args.advantage_normalization, guard_every=args.guard_every,
+                        seed=args.seed)
     started = time.perf_counter()
     # Simulator workers fork before anything touches CUDA.
     replay_env = run.sim_env(starts, args.num_envs, 1, args.horizon) if stage == "grpo_wm" else None

@@ -1,5 +1,5 @@
-"""Simulating PushT training episodes (``cosmos3_gym.tasks.pusht.episodes.generate_pusht_dataset``): episodes/s of this tree
-against a baseline tree (an older commit), in one run, and whether both wrote the same data.
+"""Simulating PushT training episodes (``cosmos3_gym.tasks.pusht.episodes.generate_pusht_dataset``): episodes/s of this
+tree against a baseline tree (an older commit), in one run, and whether both wrote the same data.
 
     python benchmarks/simulate_pusht.py                                    # CPU: 8 episodes x 128 steps, 1 worker
     python benchmarks/simulate_pusht.py --episodes 256 --workers 16 --out $OUT   # a 16-core machine
@@ -44,6 +44,7 @@ CHILD = "COSMOS3_GYM_SIMULATE_CHILD"  # set in a timed tree's process, and so in
 if os.environ.get(CHILD):
     # Like the recipe's main module: torch and the engine at the top; spawned simulator workers re-import it.
     import torch  # noqa: F401
+
     from cosmos3_gym.engine import Cosmos3Engine  # noqa: F401
 
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         baseline_tree = extract_baseline(args.baseline, scratch / "baseline")
         trees = {"current": ROOT} if baseline_tree is None else {"baseline": baseline_tree, "current": ROOT}
         runs, times = {}, {label: [] for label in trees}
-        for repeat in range(args.repeats):  # alternating, so a slow spell of a shared machine hits both
+        for _ in range(args.repeats):  # alternating, so a slow spell of a shared machine hits both
             for label, tree in trees.items():
                 runs[label] = run_tree(tree, settings, scratch, label)
                 times[label].append(runs[label]["seconds"])

@@ -45,7 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    add_decoder_arguments, add_output_arguments, check_results_target, provenance, use_decoder_arguments, write_results,
+    add_decoder_arguments,
+    add_output_arguments,
+    check_results_target,
+    provenance,
+    use_decoder_arguments,
+    write_results,
 )
 
 from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env  # noqa: E402

@@ -18,10 +18,10 @@ Modes and precisions (``--precision``):
   lora          bf16 frozen base on one GPU, float32 rank-``--lora-rank`` adapters on the GEN tower, AdamW on them.
 Activation checkpointing is per block (``--checkpointing full``, the default; ``selective`` keeps the matmul and
 attention outputs; ``none``), and ``--compile`` compiles each block. The model is built on the meta device, sharded,
-then materialised on the GPU (no full copy on any rank). Reports step time (median of ``--steps`` after one warm-up), tokens/s (all ranks),
-peak memory per GPU, and MFU against the card's dense bf16 peak (matmul and attention FLOPs of forward + backward,
-recomputation not counted). Writes ``training_fsdp_<mode>_world<N>[_bs<B>][_<checkpointing>_ac][_compiled].json`` through
-``benchmarks/common.py``.
+then materialised on the GPU (no full copy on any rank). Reports step time (median of ``--steps`` after one warm-up),
+tokens/s (all ranks), peak memory per GPU, and MFU against the card's dense bf16 peak (matmul and attention FLOPs of
+forward + backward, recomputation not counted). Writes
+``training_fsdp_<mode>_world<N>[_bs<B>][_<checkpointing>_ac][_compiled].json`` through ``benchmarks/common.py``.
 """
 
 from __future__ import annotations
@@ -39,18 +39,29 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from common import add_output_arguments, provenance, write_results  # noqa: E402
 
-from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from cosmos3_gym.models.transformer import (  # noqa: E402
-    Cosmos3RotaryEmbedding, Cosmos3Transformer, Cosmos3TransformerConfig, build_on_meta,
+    Cosmos3RotaryEmbedding,
+    Cosmos3Transformer,
+    Cosmos3TransformerConfig,
+    build_on_meta,
 )
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from cosmos3_gym.training.distributed import init_distributed  # noqa: E402
 from cosmos3_gym.training.flow_matching import (  # noqa: E402
-    FORWARD_DYNAMICS, POLICY, FlowMatchingBatch, FlowMatchingObjective, sample_sigmas,
+    FORWARD_DYNAMICS,
+    POLICY,
+    FlowMatchingBatch,
+    FlowMatchingObjective,
+    sample_sigmas,
 )
 from cosmos3_gym.training.fsdp import apply_fsdp  # noqa: E402
 from cosmos3_gym.training.lora import apply_lora  # noqa: E402
 from cosmos3_gym.training.world_model import (  # noqa: E402
-    WorldModelTrainConfig, build_optimizer, enable_gradient_checkpointing, set_trainable, training_step,
+    WorldModelTrainConfig,
+    build_optimizer,
+    enable_gradient_checkpointing,
+    set_trainable,
+    training_step,
 )
 
 # Dense bf16 tensor-core peak per card (no sparsity), for MFU.

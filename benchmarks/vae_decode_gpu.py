@@ -4,7 +4,9 @@ each variant against diffusers' own decode.
 
     python benchmarks/vae_decode_gpu.py --out $OUT          # full Wan2.2 VAE, random weights, one GPU
     python benchmarks/vae_decode_gpu.py --tiny              # the script itself, tiny VAE on the CPU
-    python benchmarks/vae_decode_gpu.py --shapes tier256_b16 --variants diffusers,auto_fused_norms,auto_fused_norms_streams2,auto_fused_norms_streams4 --out $OUT  # issue 23: parallel streams
+    python benchmarks/vae_decode_gpu.py --shapes tier256_b16 \
+        --variants diffusers,auto_fused_norms,auto_fused_norms_streams2,auto_fused_norms_streams4 \
+        --out $OUT                                          # issue 23: parallel streams
 
 Shapes: a 33-frame chunk at tier 480 (480x832, batch 1: a policy request) and at tier 256 (256x256, batch 1 and 16:
 the vector env). Every variant decodes the same normalised latents; ``max_abs`` / ``mean_abs`` compare its pixels in
@@ -25,7 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
-    add_output_arguments, build_wan22_vae, check_results_target, gemm_peak_tflops, provenance, timed, write_results,
+    add_output_arguments,
+    build_wan22_vae,
+    check_results_target,
+    gemm_peak_tflops,
+    provenance,
+    timed,
+    write_results,
 )
 
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402

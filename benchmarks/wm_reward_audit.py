@@ -114,10 +114,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not horizons or min(horizons) < 1 or max(horizons) > args.chunks:
         parser.error(f"--horizons: expected chunk counts in 1..{args.chunks}, got {args.horizons!r}")
 
-    from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env
     from cosmos3_gym.processor import ActionStats
-    from cosmos3_gym.tasks.pusht.reward import fit_tee
     from cosmos3_gym.rl.policy import load_policy_file
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env
+    from cosmos3_gym.tasks.pusht.reward import fit_tee
     from cosmos3_gym.tasks.pusht.sim_vector_env import PushTSimVectorEnv
     from cosmos3_gym.tasks.pusht.starts import DemoStartStates
 

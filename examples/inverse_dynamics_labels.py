@@ -18,9 +18,9 @@ import numpy as np
 from cosmos3_gym.agents import InverseDynamicsAgent, action_errors
 from cosmos3_gym.engine import Cosmos3Engine
 from cosmos3_gym.envs import WorldModelEnv
-from cosmos3_gym.testing import cached_tiny_checkpoint
 from cosmos3_gym.media import write_video
 from cosmos3_gym.processor import save_action_file
+from cosmos3_gym.testing import cached_tiny_checkpoint
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 

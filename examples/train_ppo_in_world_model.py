@@ -25,9 +25,9 @@ from stable_baselines3 import PPO
 from stable_baselines3.common.vec_env import VecMonitor
 
 from cosmos3_gym.agents import save_sb3_policy
-from cosmos3_gym.testing import cached_tiny_checkpoint
 from cosmos3_gym.envs import SB3VecEnv, WorldModelVectorEnv, make_world_model_vector_env
 from cosmos3_gym.evaluation import evaluate_policy
+from cosmos3_gym.testing import cached_tiny_checkpoint
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 

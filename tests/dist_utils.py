@@ -85,12 +85,14 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend:
             except queue.Empty:
                 dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in values]
                 if dead:
-                    raise DistributedTestError(f"rank {dead[0]} died with exit code {processes[dead[0]].exitcode}")
+                    raise DistributedTestError(
+                        f"rank {dead[0]} died with exit code {processes[dead[0]].exitcode}"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise DistributedTestError(
                         f"timed out after {timeout:.0f} s; ranks without a result: "
                         f"{sorted(set(range(world_size)) - values.keys())}"
-                    )
+                    ) from None
                 continue
             if not ok:
                 raise DistributedTestError(f"rank {rank} raised:\n{value}")

@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_training import FPS, TASK, TIER, make_dataset, world_model_config
 
 from cosmos3_gym.engine import MODES, Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.envs import WorldModelEnv
@@ -23,8 +24,6 @@ from cosmos3_gym.tokenizer import build_tiny_tokenizer
 from cosmos3_gym.training import train_world_model
 from cosmos3_gym.training.data import build_training_windows, read_dataset
 from cosmos3_gym.training.flow_matching import FlowMatchingBatch, FlowMatchingObjective, mode_masks
-
-from test_training import FPS, TASK, TIER, make_dataset, world_model_config
 
 POLICY, FORWARD, INVERSE = (MODES.index(m) for m in ("policy", "forward_dynamics", "inverse_dynamics"))
 HISTORY, CHUNK = 3, 4
@@ -144,8 +143,9 @@ def test_state_rows_carry_no_loss_but_condition(engine):
 
     def batch(actions, action_noise):
         return FlowMatchingBatch(
-            prompt_ids=[[1, 2, 3]] * 2, fps=[FPS] * 2, video=video, actions=actions, raw_action_dims=torch.tensor([2, 2]),
-            domain_ids=torch.tensor([0, 0]), modes=torch.tensor([POLICY, INVERSE]), sigmas=torch.tensor([0.6, 0.4]),
+            prompt_ids=[[1, 2, 3]] * 2, fps=[FPS] * 2, video=video, actions=actions,
+            raw_action_dims=torch.tensor([2, 2]), domain_ids=torch.tensor([0, 0]),
+            modes=torch.tensor([POLICY, INVERSE]), sigmas=torch.tensor([0.6, 0.4]),
             video_noise=torch.randn(video.shape, generator=torch.Generator().manual_seed(1)), action_noise=action_noise,
         )
 

@@ -14,9 +14,9 @@ from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransfor
 from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 
 from cosmos3_gym.checkpoint import load_safetensors_state_dict, resolve_checkpoint, validate_checkpoint
+from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.testing import TINY_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG, build_tiny_checkpoint
 from cosmos3_gym.tokenizer import SPECIAL_TOKENS
-from cosmos3_gym.errors import CheckpointError, InputError
 
 
 @pytest.fixture

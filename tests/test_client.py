@@ -24,12 +24,12 @@ import psutil
 import pytest
 import torch
 from PIL import Image
+from reference import relative_error
 
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.executors.client import Cosmos3EngineClient, start_engine_client
 from cosmos3_gym.parallel.mesh import ParallelConfig
-from reference import relative_error
 
 BASE = dict(domain="pusht", chunk=4, num_inference_steps=2, fps=15.0, resolution_tier=256)
 ENGINE_KWARGS = dict(device="cpu", dtype="fp32", progress=False)
@@ -235,7 +235,8 @@ def test_unguarded_scripts_start_tp2_workers_and_leave_none(style, tiny_checkpoi
 
 
 def test_gym_make_with_cfg_2_runs_the_env_on_worker_processes(tiny_checkpoint):
-    """gym.make(..., cfg_parallel=2) starts the workers itself (load_engine); its first step equals the in-process env's."""
+    """gym.make(..., cfg_parallel=2) starts the workers itself (load_engine); its first step equals the in-process
+    env's."""
     import gymnasium as gym
 
     import cosmos3_gym  # noqa: F401  (registers the env ids)

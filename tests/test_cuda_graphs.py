@@ -13,6 +13,7 @@ from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.models.transformer import TextKV
 
+
 def needs_cuda(test):
     """GPU tests carry the ``gpu`` marker (``pytest -m "not gpu"`` leaves them out) and skip without CUDA."""
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))

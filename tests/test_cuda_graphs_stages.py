@@ -12,12 +12,12 @@ tests skip without CUDA; on the CPU the option handling and the row padding are 
 import numpy as np
 import pytest
 import torch
+from test_cuda_graphs import needs_cuda
 
 from cosmos3_gym.cuda_graphs import replay_padded
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.models.light_decoder import LightDecoder, LightDecoderConfig
-from test_cuda_graphs import needs_cuda
 
 
 def test_stage_graphs_on_cpu_name_the_option(tiny_checkpoint):
@@ -155,7 +155,7 @@ def test_graphs_of_several_batch_sizes_share_one_memory_pool_and_stay_exact():
     start = torch.cuda.memory_reserved()
     growth = []
     with torch.inference_mode():
-        for rows, x in inputs.items():
+        for x in inputs.values():
             graphed(x)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # drops the warm-up's cached blocks; a graph's pool stays while it lives

@@ -67,7 +67,8 @@ def test_the_checker_finds_a_video_written_at_render_fps():
     assert not videos_written_at_render_fps("write_video(p, frames, fps=env.unwrapped.settings.fps)")
     block = "```python\nwrite_video(p, f, fps=env.metadata['render_fps'])\n```\n\n    ```python\n    x = 1\n    ```\n"
     assert python_blocks(block) == ["write_video(p, f, fps=env.metadata['render_fps'])\n", "x = 1\n"]
-    shell = "```bash\npip install .\npython - <<'EOF'\nimport numpy\nwrite_video(p, f, fps=e.metadata['render_fps'])\nEOF\n```"
+    shell = ("```bash\npip install .\npython - <<'EOF'\nimport numpy\n"
+             "write_video(p, f, fps=e.metadata['render_fps'])\nEOF\n```")
     assert [videos_written_at_render_fps(code) for code in python_blocks(shell)] == [
         ["write_video(p, f, fps=e.metadata['render_fps'])"]
     ]

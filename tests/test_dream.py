@@ -15,12 +15,12 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from test_evaluation import image, make_vec_env
 
 from cosmos3_gym.cli import main
 from cosmos3_gym.data.lerobot import LeRobotDataset
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.rl.dream import dream
-from test_evaluation import image, make_vec_env
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ def test_smoke_run_writes_results_policies_and_a_dream_dataset(tmp_path, monkeyp
     assert bc["real_plus_dreams"]["samples"] == bc["real"]["samples"] + dreams["bc_samples"]
     evaluation = saved["eval"]
     for name in ("real", "real_plus_dreams", "teacher"):
-        assert evaluation[name]["episodes"] == 3 and evaluation[name]["eval_seeds"] == [5_100_000, 5_100_002]  # the manifest's reporting seeds
+        # the manifest's reporting seeds
+        assert evaluation[name]["episodes"] == 3 and evaluation[name]["eval_seeds"] == [5_100_000, 5_100_002]
     paired = evaluation["paired_difference"]
     assert set(paired) >= {"success_rate_difference", "success_rate_difference_t95", "final_coverage_difference"}
     for name in ("real", "real_plus_dreams"):

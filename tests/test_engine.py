@@ -11,10 +11,10 @@ import torch
 from diffusers import Cosmos3OmniPipeline
 from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 from PIL import Image
+from reference import relative_error
 
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
-from reference import relative_error
 
 TIER, FPS, STEPS = 256, 15.0, 3
 
@@ -91,7 +91,8 @@ def test_decoded_video_matches_pipeline(pipeline, engine):
 
 
 def test_optimized_engine_matches_the_pipeline(pipeline, tiny_checkpoint):
-    """``optimize=True`` (compiled transformer blocks, fused VAE norms) keeps the pipeline's numbers, decode included."""
+    """``optimize=True`` (compiled transformer blocks, fused VAE norms) keeps the pipeline's numbers, decode
+    included."""
     optimized = Cosmos3Engine.from_pretrained(tiny_checkpoint, progress=False, optimize=True)
     ref = run_pipeline(pipeline, "policy", 4, 3, 2.0, image(2), output_type="np")
     ours = optimized.step(request("policy", 4, 3, 2.0, image(2)), decode=True)

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import cosmos3_gym
 from cosmos3_gym import launcher
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request, Cosmos3Result
 from cosmos3_gym.engine_protocol import WorldModelEngine
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.executors.client import Cosmos3EngineClient
 from cosmos3_gym.parallel.mesh import ParallelConfig, resolve_parallel_config
-
 
 
 class FakeWorldModel:

@@ -4,6 +4,7 @@ Everything runs the real tiny model (chunk 4, 2 denoising steps, tier 256, 96x12
 real frame sizes, noise seeding and decode.
 """
 
+import dataclasses
 import warnings
 
 import gymnasium as gym
@@ -462,7 +463,8 @@ def test_a_folder_that_is_not_a_checkpoint_says_so(tmp_path, tiny_checkpoint):
     folder.mkdir()
     Image.fromarray(image(0)).save(folder / "start.png")
     for kwargs in ({}, dict(initial_states=image(0), **FAST)):
-        with pytest.raises(CheckpointError, match=r"is not a usable Cosmos3 checkpoint .*missing directory .*transformer"):
+        with pytest.raises(CheckpointError,
+                           match=r"is not a usable Cosmos3 checkpoint .*missing directory .*transformer"):
             WorldModelEnv(folder, **kwargs)
     partial = tmp_path / "partial"
     (partial / "transformer").mkdir(parents=True)
@@ -579,7 +581,7 @@ def test_settings_are_one_validated_object(engine):
     settings = env.settings
     assert isinstance(settings, WorldModelSettings) and settings.raw_action_dim == 2  # the pusht domain's width
     assert (settings.chunk, settings.num_steps, settings.guidance_scale, settings.resolution_tier) == (4, 2, 1.5, 256)
-    with pytest.raises(Exception):  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
         settings.chunk = 8
     other = make_env(engine, settings=settings, initial_states=image(1))
     assert other.settings == settings and other.action_space == env.action_space
@@ -617,7 +619,8 @@ def test_checkpoint_settings_are_defaults_and_overrides_are_logged(tiny_checkpoi
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     (checkpoint / "action_stats.json").write_text(json.dumps({"min": [0.0, 0.0], "max": [512.0, 512.0]}))
     defaults = checkpoint_defaults(checkpoint)
-    assert defaults["chunk"] == 4 and defaults["fps"] == 10.0 and len(load_initial_states(defaults["initial_states"])) == 2
+    assert defaults["chunk"] == 4 and defaults["fps"] == 10.0 and len(
+        load_initial_states(defaults["initial_states"])) == 2
     assert defaults["action_stats"].dim == 2 and "action_normalization" not in defaults
 
     with caplog.at_level("WARNING", logger="cosmos3_gym.envs.settings"):

@@ -18,13 +18,13 @@ import pytest
 from gymnasium.vector import AutoresetMode
 from PIL import Image
 
+from cosmos3_gym import evaluation, policy_specs, statistics
 from cosmos3_gym.agents import PolicyAgent
 from cosmos3_gym.checkpoint import checkpoint_defaults
 from cosmos3_gym.cli import main
 from cosmos3_gym.engine import Cosmos3Engine
 from cosmos3_gym.envs import WorldModelEnv, WorldModelVectorEnv
 from cosmos3_gym.errors import InputError
-from cosmos3_gym import evaluation, policy_specs, statistics
 from cosmos3_gym.evaluation import (
     RandomPolicy,
     evaluate_policy,

@@ -11,7 +11,6 @@ from dist_utils import run_distributed
 
 from cosmos3_gym import quantization
 from cosmos3_gym.checkpoint import resolve_checkpoint, validate_checkpoint
-from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.cli import main
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
@@ -21,8 +20,13 @@ from cosmos3_gym.parallel.overlap import OverlappedGenForward
 from cosmos3_gym.parallel.plan import parallelize_transformer
 from cosmos3_gym.parallel.tensor_parallel import RowParallelLinear, apply_tensor_parallel, is_quantized
 from cosmos3_gym.quantization import (
-    FP8_LAYER_POLICIES, apply_fp8, check_fp8_supported, check_precision, fp8_linear_names,
+    FP8_LAYER_POLICIES,
+    apply_fp8,
+    check_fp8_supported,
+    check_precision,
+    fp8_linear_names,
 )
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
 
 has_fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 needs_fp8_gpu = pytest.mark.skipif(not has_fp8_gpu, reason="needs a CUDA GPU with FP8 (compute capability >= 8.9)")

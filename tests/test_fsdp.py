@@ -10,23 +10,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_distributed
 from safetensors.torch import load_file
+from test_training import CHUNK, FPS, TINY_VAE, make_dataset, read_log, world_model_config
 
 from cosmos3_gym import storage
-from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.engine import Cosmos3Engine
 from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig
+from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.training import VAETrainConfig, train_vae
 from cosmos3_gym.training.distributed import init_distributed
 from cosmos3_gym.training.flow_matching import FlowMatchingBatch, FlowMatchingObjective
 from cosmos3_gym.training.fsdp import apply_fsdp, full_tensor
 from cosmos3_gym.training.world_model import (
-    WorldModelTrainConfig, WorldModelTrainer, build_optimizer, enable_gradient_checkpointing, set_trainable,
+    WorldModelTrainConfig,
+    WorldModelTrainer,
+    build_optimizer,
+    enable_gradient_checkpointing,
+    set_trainable,
     training_step,
 )
-
-from dist_utils import run_distributed
-from test_training import CHUNK, FPS, TINY_VAE, make_dataset, read_log, world_model_config
 
 
 def _batch(rows: slice) -> FlowMatchingBatch:

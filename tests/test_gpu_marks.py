@@ -35,6 +35,6 @@ def test_every_test_that_skips_without_cuda_is_marked_gpu():
 def test_the_check_sees_an_unmarked_cuda_test(tmp_path):
     path = tmp_path / "test_example.py"
     path.write_text('import pytest, torch\n\n@pytest.mark.skipif(not torch.cuda.is_available(), reason="x")\n'
-                    'def test_on_gpu():\n    pass\n\n@pytest.mark.gpu\n@pytest.mark.skipif(not torch.cuda.is_available(),'
-                    ' reason="x")\ndef test_marked():\n    pass\n')
+                    'def test_on_gpu():\n    pass\n\n@pytest.mark.gpu\n'
+                    '@pytest.mark.skipif(not torch.cuda.is_available(), reason="x")\ndef test_marked():\n    pass\n')
     assert _needs_cuda_without_the_marker(path) == ["test_example.py::test_on_gpu"]

@@ -3,13 +3,13 @@ and its new blocks are real parameters that training moves."""
 
 import pytest
 import torch
+from reference import random_reference_transformer
+from test_transformer import ours_from, run_ours
 
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig
 from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.training.growth import grow_depth, grow_width, layer_sources
-from reference import random_reference_transformer
-from test_transformer import ours_from, run_ours
 
 
 def randomized_model() -> Cosmos3Transformer:
@@ -93,7 +93,8 @@ def test_widened_model_computes_the_same_outputs(variant):
     assert (g.intermediate_size, g.num_attention_heads, g.num_key_value_heads) == (
         c.intermediate_size * 2, c.num_attention_heads * 2, c.num_attention_heads * 2 // group)
     assert g.hidden_size == c.hidden_size and g.head_dim == c.head_dim
-    assert grown.gen_layers[0].attn.qkv.weight.shape[0] == (g.num_attention_heads + 2 * g.num_key_value_heads) * g.head_dim
+    assert grown.gen_layers[0].attn.qkv.weight.shape[0] == (
+        g.num_attention_heads + 2 * g.num_key_value_heads) * g.head_dim
     with torch.no_grad():
         video, action = run_ours(model, *inputs(model))
         grown_video, grown_action = run_ours(grown.eval(), *inputs(model))
@@ -138,10 +139,11 @@ def test_width_and_depth_compose_and_bad_widths_are_refused():
 
 
 def test_a_fine_tune_widens_its_init_checkpoint_and_exports_the_wider_model(tmp_path, tiny_checkpoint):
+    from test_training import make_dataset, world_model_config
+
     from cosmos3_gym.engine import Cosmos3Engine
     from cosmos3_gym.training import train_world_model
     from cosmos3_gym.training.world_model import WorldModelTrainConfig
-    from test_training import make_dataset, world_model_config
 
     old = Cosmos3Transformer.from_pretrained(tiny_checkpoint / "transformer").config
     width = {"intermediate_size": old.intermediate_size * 2, "num_attention_heads": old.num_attention_heads * 2}

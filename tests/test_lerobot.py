@@ -10,15 +10,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from test_training import CHUNK, FPS, TASK, TINY_MODEL, make_dataset
 
 from cosmos3_gym import cli
-from cosmos3_gym.engine import Cosmos3Engine
 from cosmos3_gym.data.initial_states import load_initial_states
+from cosmos3_gym.data.lerobot import LeRobotDataset, _aggregate_episode_stats, write_lerobot_dataset
+from cosmos3_gym.engine import Cosmos3Engine
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.training.data import read_dataset
-from cosmos3_gym.data.lerobot import LeRobotDataset, _aggregate_episode_stats, write_lerobot_dataset
-
-from test_training import CHUNK, FPS, TASK, TINY_MODEL, make_dataset
 
 CAMERA = "observation.images.top"
 

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from test_pusht import FRAME, build_tiny_pusht_assets
+from test_training import make_dataset
 
 import cosmos3_gym  # noqa: F401  (registers the env ids)
 from cosmos3_gym import launcher, processor
@@ -20,12 +22,13 @@ from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.models.light_decoder import LightDecoder, LightDecoderConfig
 from cosmos3_gym.models.vae import Cosmos3VAE
 from cosmos3_gym.training.light_decoder import (
-    DecoderWindows, LightDecoderTrainConfig, build_decoder_windows, decoder_psnr, light_decoder_loss,
+    DecoderWindows,
+    LightDecoderTrainConfig,
+    build_decoder_windows,
+    decoder_psnr,
+    light_decoder_loss,
     train_light_decoder,
 )
-
-from test_pusht import FRAME, build_tiny_pusht_assets
-from test_training import make_dataset
 
 TINY = LightDecoderConfig(channels=(8, 8, 6, 4), blocks=(1, 0, 0, 1))
 

@@ -7,17 +7,16 @@ import json
 
 import pytest
 import torch
+from test_training import make_dataset, world_model_config
 
-from cosmos3_gym.testing import build_tiny_checkpoint
-from cosmos3_gym.tokenizer import build_tiny_tokenizer
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.models.transformer import Cosmos3Transformer
+from cosmos3_gym.testing import build_tiny_checkpoint
+from cosmos3_gym.tokenizer import build_tiny_tokenizer
 from cosmos3_gym.training import WorldModelTrainer
 from cosmos3_gym.training.distributed import init_distributed
 from cosmos3_gym.training.lora import merge_lora_state_dict
 from cosmos3_gym.training.world_model import sample_batch, step_generator
-
-from test_training import make_dataset, world_model_config
 
 
 @pytest.fixture(scope="module")

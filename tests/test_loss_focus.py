@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_training import FPS, TIER, make_dataset, read_log, world_model_config
 
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig
@@ -16,10 +17,9 @@ from cosmos3_gym.tasks.pusht.readoff import block_mask
 from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.tokenizer import build_tiny_tokenizer
 from cosmos3_gym.training.data import build_training_windows, load_focus_mask, read_dataset, window_focus
+from cosmos3_gym.training.distributed import init_distributed
 from cosmos3_gym.training.flow_matching import FlowMatchingBatch, FlowMatchingObjective
 from cosmos3_gym.training.world_model import WorldModelTrainer, sample_batch
-from cosmos3_gym.training.distributed import init_distributed
-from test_training import FPS, TIER, make_dataset, read_log, world_model_config
 
 RED_SQUARE = "test_loss_focus:red_square"
 SIZE = 128  # the dataset's frames: the tiny VAE's latent grid is 8 x 8 cells of 16 px
@@ -174,8 +174,9 @@ def test_pusht_block_mask_is_the_blocks_pixels():
 def test_the_train_command_takes_the_focus(tmp_path, dataset, tiny_checkpoint, capsys):
     import json
 
-    from cosmos3_gym import cli
     from test_training import TINY_MODEL
+
+    from cosmos3_gym import cli
 
     common = ["train", "--dataset", str(dataset), "--vae", str(tiny_checkpoint / "vae"), "--steps", "1",
               "--batch-size", "2", "--chunk", "4", "--model", json.dumps(TINY_MODEL), "--device", "cpu",

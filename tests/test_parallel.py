@@ -23,11 +23,11 @@ import pytest
 import torch
 from dist_utils import free_port, run_distributed
 from PIL import Image
+from reference import relative_error
 
-from cosmos3_gym.testing import build_tiny_checkpoint
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
-from reference import relative_error
+from cosmos3_gym.testing import build_tiny_checkpoint
 
 TOL = 1e-5
 BASE = dict(domain="pusht", chunk=4, num_inference_steps=2, fps=15.0, resolution_tier=256)
@@ -260,7 +260,7 @@ def world4(tiny_checkpoint, wide_checkpoint):
     return run_distributed(world4_program, 4, str(tiny_checkpoint), str(wide_checkpoint), timeout=300)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_batch(checkpoint, name: str, seeds: tuple[int, ...]) -> list[dict]:
     """The single-process results of one batch, with the seeds the ranks drew for its seed=None requests."""
     reqs, decode = batches()[name]
@@ -268,7 +268,7 @@ def reference_batch(checkpoint, name: str, seeds: tuple[int, ...]) -> list[dict]
     return summarize(reference_engine(checkpoint).step(reqs, decode=decode))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_engine(checkpoint) -> Cosmos3Engine:
     return load(checkpoint)
 

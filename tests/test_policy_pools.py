@@ -8,7 +8,6 @@ import json
 import shutil
 
 import numpy as np
-
 import pytest
 
 from cosmos3_gym.errors import InputError

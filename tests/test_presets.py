@@ -15,14 +15,14 @@ import torch
 from diffusers import Cosmos3OmniPipeline
 from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 from PIL import Image
+from reference import relative_error
 from transformers import AutoTokenizer
 
 from cosmos3_gym import presets, processor
-from cosmos3_gym.testing import build_tiny_checkpoint
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.sampling import make_schedule
-from reference import relative_error
+from cosmos3_gym.testing import build_tiny_checkpoint
 
 TASK = "put the marker in the bowl"
 # PR49's plain prompt for TASK, concat_view + the RoboLab camera description, 33 frames at 15 fps, 544x736 canvas.
@@ -445,7 +445,6 @@ def test_env_sends_the_last_executed_rows_as_state(engine, monkeypatch):
     import gymnasium as gym
 
     import cosmos3_gym  # noqa: F401  (registers the envs)
-
     from cosmos3_gym.engine import Cosmos3Result
 
     sent = []

@@ -14,13 +14,14 @@ import pytest
 import torch
 
 import cosmos3_gym  # noqa: F401  (registers the env ids)
-from cosmos3_gym.tasks.pusht import env as pusht_env
 from cosmos3_gym.data import load_initial_states
 from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.media import write_video
 from cosmos3_gym.processor import ActionStats
 from cosmos3_gym.rewards import ClassifierRewardModel
-from cosmos3_gym.tasks.pusht import episodes as pusht, policies as pusht_policies
+from cosmos3_gym.tasks.pusht import env as pusht_env
+from cosmos3_gym.tasks.pusht import episodes as pusht
+from cosmos3_gym.tasks.pusht import policies as pusht_policies
 
 FRAME = 64  # tiny stand-in frames: 64 x 64 stays 64 x 64 at tier 256 (4 x 4 latents)
 
@@ -405,7 +406,8 @@ def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_asse
 
     vae_files = sorted(p.name for p in (work / "vae").iterdir())
     assert vae_files == sorted(p.name for p in (tiny_assets / "checkpoint" / "vae").iterdir())
-    assert not (work / "assets" / "pusht" / "checkpoint" / "transformer").exists()  # the world model stage writes its own
+    # the world model stage writes its own
+    assert not (work / "assets" / "pusht" / "checkpoint" / "transformer").exists()
     for name in (pusht_env.INITIAL_STATES_FILE, f"{pusht_env.REWARD_MODEL_DIR}/config.json"):
         assert (work / "assets" / "pusht" / name).read_bytes() == (tiny_assets / name).read_bytes()
 
@@ -423,7 +425,8 @@ def test_train_pusht_starts_a_fine_tune_from_an_installed_model_folder(tiny_asse
     settings = (defaults["score_name"], defaults["success_threshold"], defaults["max_episode_steps"])
     assert settings == ("coverage", 0.95, 38)  # 300 gym-pusht steps in chunks of 8
     assert defaults["reward_model"] == f"classifier:{(assets / pusht_env.REWARD_MODEL_DIR).resolve()}"
-    assert len(load_initial_states(defaults["initial_states"])) > 0 and "dataset" not in json.loads(meta_path.read_text())
+    assert len(load_initial_states(defaults["initial_states"])) > 0 and "dataset" not in json.loads(
+        meta_path.read_text())
 
 
 @pytest.mark.sim

@@ -11,9 +11,8 @@ import torch
 
 from cosmos3_gym.cuda_graphs import row_bucket as _row_bucket
 from cosmos3_gym.engine import Cosmos3Request
-from cosmos3_gym.tasks.pusht import env as pusht_env
 from cosmos3_gym.errors import CheckpointError, InputError
-
+from cosmos3_gym.tasks.pusht import env as pusht_env
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +72,7 @@ def test_fast_exact_env_equals_the_baseline_path(env_pair):
         outputs.append([env.step(actions) for _ in range(2)])
     bf16 = fast.engine.vae.vae.dtype == torch.bfloat16  # on CPUs with native bf16 (pusht._cpu_has_native_bf16)
     for (obs, reward, terminated, truncated, info), (obs_b, reward_b, term_b, trunc_b, info_b) in zip(*outputs):
+        assert terminated.tolist() == term_b.tolist() and truncated.tolist() == trunc_b.tolist()
         difference = np.abs(obs["image"].astype(np.int16) - obs_b["image"].astype(np.int16))
         if bf16:
             # bf16 rounding in the VAE: measured 54-56 dB PSNR against fp32 after the first step (2 steps here).

@@ -76,8 +76,9 @@ def test_pushes_the_block_closed_loop_in_gym_pusht():
 @pytest.mark.sim
 def test_compare_policies_runs_it_closed_loop_in_the_world_model():
     pytest.importorskip("gym_pusht")
-    from cosmos3_gym.tasks.pusht.compare import compare_policies
     from test_fidelity import StandInVectorEnv
+
+    from cosmos3_gym.tasks.pusht.compare import compare_policies
 
     env = StandInVectorEnv(4, 8, 64)
     result = compare_policies("scripted:0,scripted-frames:0", [110000, 110001], vector_env=env,

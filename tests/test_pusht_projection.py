@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import cosmos3_gym  # noqa: F401  (registers the env ids)
+from cosmos3_gym.errors import InputError
 from cosmos3_gym.tasks.pusht import env as pusht_env
 from cosmos3_gym.tasks.pusht import projection as pusht_projection
 from cosmos3_gym.tasks.pusht.projection import RigidBlockProjection, check_rigid_block
-from cosmos3_gym.errors import InputError
 from cosmos3_gym.tasks.pusht.reward import rigidity
 
 SIZE = (256, 256)  # the built-in model's frames

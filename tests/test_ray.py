@@ -16,14 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
+from reference import relative_error
 
 from cosmos3_gym.cli import main
 from cosmos3_gym.engine import Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.executors.ray_replicas import split_contiguous
-from reference import relative_error
 
 try:
     import ray

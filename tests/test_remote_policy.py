@@ -21,13 +21,13 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from test_evaluation import FAST_FLAGS, image, make_vec_env
 
 from cosmos3_gym import policy_specs
 from cosmos3_gym.agents import PolicyServer, RemotePolicyAgent, RemotePolicyError
 from cosmos3_gym.agents.remote import ObservationAdapter, pack, parse_remote_spec, unpack
 from cosmos3_gym.cli import main
 from cosmos3_gym.errors import InputError
-from test_evaluation import FAST_FLAGS, image, make_vec_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

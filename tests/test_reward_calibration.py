@@ -102,7 +102,7 @@ def test_built_in_checkpoint_uses_the_calibrated_threshold():
 
 
 def test_another_reward_model_gets_gym_pushts_line_not_the_checkpoints_threshold():
-    from cosmos3_gym.tasks.pusht.env import pusht_env_arguments, pusht_env_defaults, load_pusht_assets
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets, pusht_env_arguments, pusht_env_defaults
 
     own = pusht_env_defaults(load_pusht_assets())["reward_model"]
     assert pusht_env_arguments()["success_threshold"] == 0.92
@@ -159,10 +159,10 @@ def test_score_episode_files_scores_every_labelled_frame(tmp_path):
 
 
 def _pusht_work(tmp_path: Path, success: bool = True) -> tuple[Path, Path]:
-    """8 training episodes and 2 held-out ones, 12 frames each, the last 4 of each successes (coverage > 0.95)
-    where ``success``. Real successes score 0.93 (a regressor shrinks the top), failures 0.6 -- except in the episodes the
-    reward model trained on (read or replayed), where successes score 0.99 and failures 0.94: calibrating on those
-    would not give precision and recall 1."""
+    """8 training episodes and 2 held-out ones, 12 frames each, the last 4 of each successes (coverage > 0.95) where
+    ``success``. Real successes score 0.93 (a regressor shrinks the top), failures 0.6 -- except in the episodes the
+    reward model trained on (read or replayed), where successes score 0.99 and failures 0.94: calibrating on those would
+    not give precision and recall 1."""
     work = tmp_path / "work"
     coverage = [0.3, 0.5, 0.7, 0.8, 0.85, 0.9, 0.92, 0.93] + ([0.96, 0.97, 0.98, 0.99] if success else [0.94] * 4)
     for name, count in (("dataset", 8), ("heldout", 2)):

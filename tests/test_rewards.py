@@ -22,11 +22,11 @@ from cosmos3_gym.rewards import (
     available_reward_models,
     check_frames,
     register_reward_model,
+    registry,
     resolve_reward_model,
     train_classifier,
     validate_reward,
 )
-from cosmos3_gym.rewards import registry
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,8 @@ def test_entry_point_lookup(tmp_path, monkeypatch):
             importlib.metadata.EntryPoint("other_group", "cosmos3_gym_test_plugin:make", "another.group"),
         ),
     )
-    assert available_reward_models() == ["broken", "classifier", "constant", "goal_image"]  # the tasks' come from entry points
+    # the tasks' come from entry points
+    assert available_reward_models() == ["broken", "classifier", "constant", "goal_image"]
     model = resolve_reward_model("constant?value=2.5")
     assert model.name == "constant?value=2.5"
     assert model(torch.rand(2, 1, 3, 8, 8), ["a", "b"]).tolist() == [2.5, 2.5]

@@ -12,8 +12,8 @@ pytest.importorskip("gym_pusht")
 from cosmos3_gym.errors import InputError  # noqa: E402
 from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.rl.bc import BCConfig  # noqa: E402
-from cosmos3_gym.tasks.pusht.dagger import DAggerConfig, collect_labelled_rollouts, train_dagger  # noqa: E402
 from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig  # noqa: E402
+from cosmos3_gym.tasks.pusht.dagger import DAggerConfig, collect_labelled_rollouts, train_dagger  # noqa: E402
 from cosmos3_gym.tasks.pusht.policies import ScriptedPusher, plan_chunk_in_physics  # noqa: E402
 from cosmos3_gym.tasks.pusht.replay import policy_rollout_starts  # noqa: E402
 from cosmos3_gym.tasks.pusht.sim import PushTSim  # noqa: E402
@@ -130,7 +130,7 @@ def test_policy_rollout_starts_are_the_states_before_every_chunk_the_policy_took
         starts = policy_rollout_starts(expert, env, [2, 0, 1], 40, image_size=(64, 64))
         replay = env.starts
         # Each episode's first state is its reset; then one state per chunk it took, none after success.
-        for slot, start in enumerate([2, 0, 1]):
+        for start in [2, 0, 1]:
             mine = np.flatnonzero(starts.episodes == start)
             np.testing.assert_allclose(starts.sim_states[mine[0]], replay.sim_states[start])
             np.testing.assert_array_equal(starts.steps[mine], np.arange(len(mine)) * 8)

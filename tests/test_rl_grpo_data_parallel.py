@@ -7,13 +7,12 @@ import json
 
 import numpy as np
 import torch
+from dist_utils import run_distributed
+from test_rl_grpo import SMALL, ReachRight
 
 from cosmos3_gym.rl.grpo import GRPOConfig, GRPOTrainer, Rollout
 from cosmos3_gym.rl.policy import PixelGaussianPolicy, PolicyConfig
 from cosmos3_gym.storage import load_safetensors
-
-from dist_utils import run_distributed
-from test_rl_grpo import SMALL, ReachRight
 
 CHUNKS = (6, 10)  # chunks on rank 0 and rank 1: ranks whose episodes ended early have fewer
 

@@ -1,5 +1,5 @@
-"""RL in imagination (benchmarks/recipes/rl_imagination_pusht.py) end to end at smoke size, and the simulator env it trains
-the comparison agent in (cosmos3_gym.tasks.pusht.sim_env.PushTSimEnv)."""
+"""RL in imagination (benchmarks/recipes/rl_imagination_pusht.py) end to end at smoke size, and the simulator env it
+trains the comparison agent in (cosmos3_gym.tasks.pusht.sim_env.PushTSimEnv)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_sim_env_matches_the_world_model_spaces_starts_and_compare_rollouts():
-    from cosmos3_gym.tasks.pusht.env import load_pusht_assets
     from cosmos3_gym.tasks.pusht.compare import PolicyRun, simulate_policy
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets
     from cosmos3_gym.tasks.pusht.sim_env import make_pusht_sim_env
 
     assets = load_pusht_assets()
@@ -36,7 +36,8 @@ def test_sim_env_matches_the_world_model_spaces_starts_and_compare_rollouts():
         obs, info = env.reset(seed=1)
         assert info["sim_seed"] in env.start_seeds
 
-        # The same normalised chunks give the same true coverage as compare.simulate_policy (how policies are evaluated).
+        # The same normalised chunks give the same true coverage as compare.simulate_policy (how policies are
+        # evaluated).
         chunks = np.random.default_rng(0).uniform(-1.2, 1.2, size=(2, 8, 2)).astype(np.float32)  # clipped alike
         env.reset(options={"sim_seed": 20_000})
         rewards, truncated = [], []

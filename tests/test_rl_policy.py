@@ -4,7 +4,6 @@ cloning."""
 from __future__ import annotations
 
 import json
-
 import time
 
 import numpy as np
@@ -15,7 +14,11 @@ import torch
 from cosmos3_gym.errors import CheckpointError, InputError
 from cosmos3_gym.rl.bc import BCConfig, random_shift, train_bc
 from cosmos3_gym.rl.policy import (
-    PixelGaussianPolicy, PolicyConfig, load_policy_file, read_policy_metadata, save_policy_file,
+    PixelGaussianPolicy,
+    PolicyConfig,
+    load_policy_file,
+    read_policy_metadata,
+    save_policy_file,
 )
 
 SMALL = dict(channels=(8, 8, 8, 8), hidden=32)

@@ -1,5 +1,7 @@
 """``SB3VecEnv``: Stable-Baselines3's VecEnv API over the batched world-model env, and PPO training on it."""
 
+import functools
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -131,7 +133,8 @@ def test_ppo_learns_through_sb3_vec_env_where_the_reward_demands_it():
 
     learned = {}
     for sign in (1.0, -1.0):
-        env = SB3VecEnv(SyncVectorEnv([lambda: ActionRewardEnv(sign)] * 4, autoreset_mode=AutoresetMode.SAME_STEP))
+        env = SB3VecEnv(SyncVectorEnv([functools.partial(ActionRewardEnv, sign)] * 4,
+                                      autoreset_mode=AutoresetMode.SAME_STEP))
         model = PPO("MultiInputPolicy", env, n_steps=64, batch_size=64, n_epochs=4, learning_rate=3e-3, seed=0,
                     device="cpu", policy_kwargs=dict(net_arch=[16]))
         probe = {"state": np.zeros((16, 2), np.float32)}

@@ -20,7 +20,10 @@ from cosmos3_gym.data.episodes import read_episode_dataset
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.processor import ActionStats
 from cosmos3_gym.tasks.pusht.self_forcing import (
-    SELF_FORCING_EPISODE_PREFIX, generate_self_forcing_episodes, plan_rollouts, sample_sheet,
+    SELF_FORCING_EPISODE_PREFIX,
+    generate_self_forcing_episodes,
+    plan_rollouts,
+    sample_sheet,
 )
 
 CHUNK, DEPTH, ROLLOUTS, SLOTS, SEED = 8, 2, 2, 3, 5
@@ -130,7 +133,7 @@ def test_each_sample_starts_from_the_generated_frame_and_continues_from_the_stat
     made = [(row, depth) for row in range(len(plan)) for depth in range(1, DEPTH + 1) if (row, depth) != (1, 2)]
     sim = PushTSim((256, 256))
     for path, (row, depth) in zip(paths, made):
-        sample, (episode, start) = load(path), plan[row]
+        sample, (_, start) = load(path), plan[row]
         t, real = start + depth * CHUNK, sources[plan[row][0]]
         assert np.array_equal(sample["frames"][0], env.generated[(row, depth)])
         state = sample["sim_states"][0]
@@ -190,7 +193,7 @@ def test_bad_sources_and_settings_name_the_field(samples, source, tmp_path):
 def test_the_built_in_model_generates_the_sample_as_its_env_does(source, tmp_path):
     """The real world model: a sample's frame 0 is the frame a fresh env gives for the same start, actions and seed."""
     from cosmos3_gym.tasks.pusht.compare import replay_actions
-    from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env, pusht_env_defaults, load_pusht_assets
+    from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults
 
     def env():
         return make_pusht_vector_env(1, return_frames=True, reward_model=None, success_threshold=None,

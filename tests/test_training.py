@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 from diffusers import Cosmos3OmniPipeline, Cosmos3OmniTransformer
+from dist_utils import run_distributed
 from safetensors.torch import load_file
 
 from cosmos3_gym import cli, processor
 from cosmos3_gym.checkpoint import load_safetensors_state_dict
-from cosmos3_gym.testing import TINY_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.engine import MODES, Cosmos3Engine, Cosmos3Request
 from cosmos3_gym.errors import InputError
 from cosmos3_gym.media import to_uint8
@@ -32,6 +32,7 @@ from cosmos3_gym.models.transformer import (
 )
 from cosmos3_gym.models.vae import Cosmos3VAE
 from cosmos3_gym.sampling import make_schedule
+from cosmos3_gym.testing import TINY_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.training import (
     VAETrainConfig,
     WorldModelTrainConfig,
@@ -41,7 +42,11 @@ from cosmos3_gym.training import (
     train_world_model,
 )
 from cosmos3_gym.training.data import (
-    TrainingWindows, build_training_windows, encode_episode_windows, encode_windows, encode_windows_of_episodes,
+    TrainingWindows,
+    build_training_windows,
+    encode_episode_windows,
+    encode_windows,
+    encode_windows_of_episodes,
     read_dataset,
 )
 from cosmos3_gym.training.distributed import init_distributed
@@ -53,13 +58,15 @@ from cosmos3_gym.training.flow_matching import (
     timesteps_from_sigmas,
 )
 from cosmos3_gym.training.rollout import RolloutConditioner, generate_forward_dynamics, reencode_last_frame
-from cosmos3_gym.training.vae import _ClipBatches
 from cosmos3_gym.training.schedule import learning_rate
+from cosmos3_gym.training.vae import _ClipBatches
 from cosmos3_gym.training.world_model import (
-    enable_gradient_checkpointing, init_train_steps, sample_batch, step_generator, warn_if_vae_clips_are_short,
+    enable_gradient_checkpointing,
+    init_train_steps,
+    sample_batch,
+    step_generator,
+    warn_if_vae_clips_are_short,
 )
-
-from dist_utils import run_distributed
 
 TASK = "move the red square"
 CHUNK, TIER, FPS = 4, 256, 10.0

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_training import FPS, TASK, TIER, make_dataset, read_log, world_model_config
 
 from cosmos3_gym import processor
 from cosmos3_gym.checkpoint import safetensors_files
@@ -27,12 +28,14 @@ from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
 from cosmos3_gym.tokenizer import build_tiny_tokenizer
 from cosmos3_gym.training import build_decoder_windows, train_world_model
 from cosmos3_gym.training.data import (
-    TrainingWindows, _sha256_of_files, build_training_windows, latent_cache_key, read_dataset,
+    TrainingWindows,
+    _sha256_of_files,
+    build_training_windows,
+    latent_cache_key,
+    read_dataset,
 )
 from cosmos3_gym.training.flow_matching import FlowMatchingBatch, FlowMatchingObjective, mode_masks
 from cosmos3_gym.training.world_model import sample_batch
-
-from test_training import FPS, TASK, TIER, make_dataset, read_log, world_model_config
 
 POLICY, FORWARD, INVERSE = (MODES.index(m) for m in ("policy", "forward_dynamics", "inverse_dynamics"))
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from reference import random_reference_transformer, reference_velocities
 
 from cosmos3_gym.models.transformer import Cosmos3Transformer, Cosmos3TransformerConfig, TextKV, build_on_meta
 from cosmos3_gym.testing import TINY_TRANSFORMER_CONFIG
-from reference import random_reference_transformer, reference_velocities
 
 MODES = {
     # mode: (clean latent frames given t, clean action rows given chunk)

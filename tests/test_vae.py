@@ -263,7 +263,8 @@ def test_tiled_decode_is_diffusers_tiling_within_its_blend_bound(vae):
             tile_pixels = vae.decode(latents[..., top : top + tile.tile_latent_h, left : left + tile.tile_latent_w])
             rows = slice(16 * top, 16 * top + tile_pixels.shape[3])
             cols = slice(16 * left, 16 * left + tile_pixels.shape[4])
-            bound[..., rows, cols] = torch.maximum(bound[..., rows, cols], (tile_pixels - untiled[..., rows, cols]).abs())
+            bound[..., rows, cols] = torch.maximum(bound[..., rows, cols],
+                                                   (tile_pixels - untiled[..., rows, cols]).abs())
     error = (tiled - untiled).abs()
     print(f"tiled vs untiled decode: max abs error {error.max():.4f} (per-pixel bound max {bound.max():.4f})")
     assert error.max() > 1e-3  # the tiles really were decoded apart
@@ -305,7 +306,7 @@ def test_bad_input_is_rejected_naming_the_field(vae, vae_dir, tmp_path):
         Cosmos3VAE(AutoencoderKLWan(base_dim=8, z_dim=4, latents_mean=[0.0] * 4, latents_std=[1.0, 1.0, 0.0, 1.0]))
 
 
-# ---- fuse_decoder_norms: one compiled kernel per RMS norm (+ the SiLU after it) in the decoder ------------------------
+# ---- fuse_decoder_norms: one compiled kernel per RMS norm (+ the SiLU after it) in the decoder -----------------------
 
 
 def fused_and_plain(wrapper: Cosmos3VAE, chunk_frames: int | None = 4, channels_last: bool = False):
@@ -422,8 +423,8 @@ def test_fused_norms_share_graphs_across_shapes(vae, vae_bf16):
         decode_many(fused_and_plain(wrapper, channels_last=channels_last)[0], shapes)
     graphs = counters["stats"]["unique_graphs"]
     print(f"fused norms: {graphs} graphs compiled for float32 (contiguous and channels-last) and bfloat16")
-    # Measured 11 (torch 2.13 CPU): at most, per dtype and function one graph for each size-1 pattern of [outer, C, inner]:
-    # outer == 1 (batch 1), neither, inner == 1 (channels-last).
+    # Measured 11 (torch 2.13 CPU): at most, per dtype and function one graph for each size-1 pattern of
+    # [outer, C, inner]: outer == 1 (batch 1), neither, inner == 1 (channels-last).
     assert 0 < graphs <= 12
     decode_many(fused_and_plain(vae)[0], [(5, 7, 2), (1, 9, 3)])  # new shapes reuse the graphs
     assert counters["stats"]["unique_graphs"] == graphs

@@ -239,7 +239,8 @@ def stage_bc(run: Run) -> None:
             "samples": int(len(chunks)), "steps": len(losses), "final_loss": losses[-1],
             "loss": losses[::every] + [losses[-1]], "config": asdict(config), "train_s": train_s,
         }
-    run.results["policies"] = {name: f"benchmarks/results/rl/policies/{run.policy_path(name).name}" for name in POLICIES}
+    run.results["policies"] = {name: f"benchmarks/results/rl/policies/{run.policy_path(name).name}"
+                               for name in POLICIES}
 
 
 def eval_seeds(args: argparse.Namespace) -> range:

@@ -13,12 +13,13 @@ training seed). Four measurements:
    and at each chunk's last frame the error (table pixels, of 512) of the agent and block positions read off the
    frames by colour (``cosmos3_gym.tasks.pusht.readoff``: no learned regressor; checked against the simulator's state),
    with how often the block is visible at all in the estimate.
-2. **Policy evaluation.** ``cosmos3_gym.tasks.pusht.compare.compare_with_simulator``: random actions, the scripted pusher at
-   four noise levels and the checkpoint's own policy, each in the simulator (true coverage) and in the world model
-   (the reward model's coverage estimate) from the same starts, with 95 % CIs, and how well the world model ranks
-   them: Pearson, Spearman, MMRV and mean absolute error of the per-policy mean final coverage. PPO policies saved
-   by ``rl_imagination_pusht.py`` join the ranking as ``ppo:PATH`` items of ``--policies``, e.g.
-   ``--policies random,scripted:0,agent,ppo:benchmarks/results/rl/rl_imagination_pusht_cpu_world_model_policy.safetensors``
+2. **Policy evaluation.** ``cosmos3_gym.tasks.pusht.compare.compare_with_simulator``: random actions, the scripted
+   pusher at four noise levels and the checkpoint's own policy, each in the simulator (true coverage) and in the
+   world model (the reward model's coverage estimate) from the same starts, with 95 % CIs, and how well the world
+   model ranks them: Pearson, Spearman, MMRV and mean absolute error of the per-policy mean final coverage. PPO
+   policies saved by ``rl_imagination_pusht.py`` join the ranking as ``ppo:PATH`` items of ``--policies``,
+   e.g. ``--policies
+   random,scripted:0,agent,ppo:benchmarks/results/rl/rl_imagination_pusht_cpu_world_model_policy.safetensors``
    (one line); like ``agent`` they run closed loop in both worlds.
 3. **Inverse dynamics.** ``InverseDynamicsAgent`` on the simulator's chunk + 1 frame windows: MSE of its actions
    against the true ones (normalised space), against predicting the dataset's mean action.
@@ -51,10 +52,10 @@ from fidelity_pusht_chunks import load_episodes, mean_ci95  # noqa: E402
 
 from cosmos3_gym.agents import InverseDynamicsAgent  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
-from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults  # noqa: E402
 from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
 from cosmos3_gym.tasks.pusht.compare import compare_with_simulator, format_comparison, replay_actions, ssim  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults  # noqa: E402
 from cosmos3_gym.tasks.pusht.readoff import read_positions  # noqa: E402
 
 DEFAULT_POLICIES = "random,scripted:0,scripted:10,scripted:25,scripted:50,agent"

@@ -41,11 +41,11 @@ from common import add_output_arguments, check_results_target, provenance, write
 
 from cosmos3_gym.agents import PolicyAgent  # noqa: E402
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
-from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults  # noqa: E402
 from cosmos3_gym.processor import ActionStats  # noqa: E402
 from cosmos3_gym.rewards import ClassifierRewardModel  # noqa: E402
-from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
 from cosmos3_gym.statistics import mean_interval, wilson_interval  # noqa: E402
+from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env, pusht_env_defaults  # noqa: E402
 
 
 def mean_ci95(values, bounds: tuple[float, float] | None = None) -> dict[str, float]:

@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     episodes = load_episodes(args.heldout_seed, args.episodes, steps, args.workers)
     velocity = velocity_from_history(load_episodes(args.fit_seed, args.fit_episodes, steps, args.workers), episodes)
 
-    variants = ["exact", "no_velocity", "no_agent_velocity", "no_block_velocity", *(f"block_noise_{s:g}{once}" for s in NOISE_LEVELS_PX for once in ("", "_once"))]
+    variants = ["exact", "no_velocity", "no_agent_velocity", "no_block_velocity",
+                *(f"block_noise_{s:g}{once}" for s in NOISE_LEVELS_PX for once in ("", "_once"))]
     sim = pusht.PushTSim((96, 96), render_every_step=False)
     per_variant = {}
     try:

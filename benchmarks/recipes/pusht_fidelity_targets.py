@@ -74,24 +74,33 @@ RECIPES = Path(__file__).resolve().parent
 sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
 from common import (  # noqa: E402
-    add_decoder_arguments, add_output_arguments, check_results_target, provenance, results_dir,
-    use_decoder_arguments, write_results,
+    add_decoder_arguments,
+    add_output_arguments,
+    check_results_target,
+    provenance,
+    results_dir,
+    use_decoder_arguments,
+    write_results,
 )
 from fidelity_pusht_chunks import finite_mean_ci95, load_episodes, mean_ci95  # noqa: E402
 
 from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
-from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env  # noqa: E402
-from cosmos3_gym.tasks.pusht.projection import RigidBlockProjection  # noqa: E402
 from cosmos3_gym.media import write_video  # noqa: E402
 from cosmos3_gym.policy_specs import parse_policy_spec, policy_spec_help  # noqa: E402
 from cosmos3_gym.quantization import (  # noqa: E402
-    DEFAULT_FP8_LAYERS, FP8_LAYER_POLICIES, PRECISIONS, apply_fp8, check_fp8_supported,
+    DEFAULT_FP8_LAYERS,
+    FP8_LAYER_POLICIES,
+    PRECISIONS,
+    apply_fp8,
+    check_fp8_supported,
 )
-from cosmos3_gym.tasks.pusht.reward import CENTROID_Y, DEFAULT_MIN_IOU, fit_tee  # noqa: E402
 from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
 from cosmos3_gym.tasks.pusht.compare import compare_with_simulator, ranking_agreement, replay_actions  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import load_pusht_assets, make_pusht_vector_env  # noqa: E402
 from cosmos3_gym.tasks.pusht.geometry import AGENT_RADIUS, distance_to_outline, tee_outline  # noqa: E402
+from cosmos3_gym.tasks.pusht.projection import RigidBlockProjection  # noqa: E402
 from cosmos3_gym.tasks.pusht.readoff import read_positions  # noqa: E402
+from cosmos3_gym.tasks.pusht.reward import CENTROID_Y, DEFAULT_MIN_IOU, fit_tee  # noqa: E402
 
 # The policy files committed in benchmarks/results/rl: behaviour cloning, GRPO in the simulator and in the world model
 # (benchmarks/rl_pusht.py), SB3 PPO trained in the world model (rl_imagination_pusht.py); relative to the working
@@ -297,7 +306,8 @@ def heldout_fidelity(engine, assets_dir: Path, episodes: list[dict], num_chunks:
             position, angle = pose_errors(fits[name]["pose"][:, k, -1], true_fit)
             found = fits[name]["valid"][:, k, -1] & fits["simulator"]["valid"][:, k, -1]
             # A frame where either fit finds no block has no pose: left out (``block_found_rollout`` counts them).
-            per_chunk[f"block_position_error_px_{name}"].append(finite_mean_ci95(np.where(found, position, np.nan), ERROR))
+            per_chunk[f"block_position_error_px_{name}"].append(
+                finite_mean_ci95(np.where(found, position, np.nan), ERROR))
             per_chunk[f"block_angle_error_deg_{name}"].append(finite_mean_ci95(np.where(found, angle, np.nan), ERROR))
             if name == "rollout":
                 per_episode["block_position_error_px_rollout"][:, k] = np.where(found, position, np.nan)
@@ -687,7 +697,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--episodes", type=int, default=32, help="held-out episodes (targets 1-3, and the starts of 4)")
     parser.add_argument("--chunks", type=int, default=8, help="chunks per held-out / random-action episode")
     parser.add_argument("--random-episodes", type=int, default=32, help="uniform random-action episodes (target 4)")
-    parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policy specs ({policy_spec_help()})")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES,
+                        help=f"comma-separated policy specs ({policy_spec_help()})")
     parser.add_argument("--policy-starts", type=int, default=32,
                         help="starts per policy (target 5); 0 skips the policies (a sampling or decoder sweep of "
                              "targets 1-4)")
@@ -806,7 +817,8 @@ def main(argv: list[str] | None = None) -> dict:
     results["targets"] = target_checks(results)
     results = {"provenance": command, **results}
     print(format_summary(results))
-    write_results(results, args.results_name, args.out, args.overwrite, args=args)  # before the video: the numbers come first
+    # before the video: the numbers come first
+    write_results(results, args.results_name, args.out, args.overwrite, args=args)
     count = min(args.video_episodes, len(truth))
     if count:
         target = results_dir(args.out, "fidelity") / "pusht_side_by_side.mp4"

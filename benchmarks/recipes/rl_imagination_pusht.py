@@ -130,8 +130,8 @@ def make_world_model_vec_env(engine, assets_dir: Path, num_envs: int, chunks: in
     """``cosmos3_gym/PushT-v0`` with ``num_envs`` slots as an SB3 VecEnv (SAME_STEP autoreset)."""
     from gymnasium.vector import AutoresetMode
 
-    from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env
     from cosmos3_gym.envs.sb3 import SB3VecEnv
+    from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env
 
     vector_env = make_pusht_vector_env(num_envs, assets_dir=assets_dir, engine=engine, max_episode_steps=chunks,
                                        observation_size=(obs_size, obs_size), autoreset_mode=AutoresetMode.SAME_STEP)

@@ -3,9 +3,9 @@
     python benchmarks/recipes/train_light_decoder.py --out $OUT                  # one H100/H200, 16 cores: ~8 min
     python benchmarks/recipes/train_light_decoder.py --smoke --out /tmp/light    # the same pipeline on a CPU, ~1 min
 
-The shipped decoder (session 20, ``benchmarks/results/training/train_light_decoder_h200_v2.json``) took simulate 8 s, encode
-58 s, generate 102 s, train 240 s and evaluate 27 s on one H200 with ``--workers 15``. ``--deadline-s`` shortens the
-training so that a time-limited call ends in time. More data than fits one 10-minute call: two calls on one warm
+The shipped decoder (session 20, ``benchmarks/results/training/train_light_decoder_h200_v2.json``) took simulate 8 s,
+encode 58 s, generate 102 s, train 240 s and evaluate 27 s on one H200 with ``--workers 15``. ``--deadline-s`` shortens
+the training so that a time-limited call ends in time. More data than fits one 10-minute call: two calls on one warm
 machine with the same ``--work``, the first ending after the encode stage::
 
     python benchmarks/recipes/train_light_decoder.py --out $OUT --work /tmp/ldw --episodes 384 --stop-after encode
@@ -53,18 +53,22 @@ sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # t
 from common import add_output_arguments, check_results_target, provenance, timed, write_results  # noqa: E402
 from fidelity_pusht_chunks import finite_mean_ci95  # noqa: E402
 
-from cosmos3_gym.tasks.pusht.env import fast_pusht_engine, load_pusht_assets  # noqa: E402
 from cosmos3_gym.models.light_decoder import LightDecoder, LightDecoderConfig  # noqa: E402
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import fast_pusht_engine, load_pusht_assets  # noqa: E402
 from cosmos3_gym.training.export import ACTION_STATS_FILE  # noqa: E402
 from cosmos3_gym.training.light_decoder import (  # noqa: E402
-    DecoderWindows, LightDecoderTrainConfig, build_decoder_windows, decoder_psnr, train_light_decoder,
+    DecoderWindows,
+    LightDecoderTrainConfig,
+    build_decoder_windows,
+    decoder_psnr,
+    train_light_decoder,
 )
 
 RESULTS_NAME = "train_light_decoder.json"
 DECODER_DIR = "light_decoder"
 MAX_DECODER_MB = 16.0
-EVAL_RESERVE_S = 60.0  # what --deadline-s leaves for the evaluate and speed stages (~30 s on an H200)  # what comes back from the device machine
+EVAL_RESERVE_S = 60.0  # what --deadline-s leaves for the evaluate and speed stages (~30 s on an H200)
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 FULL = dict(episodes=256, steps_per_episode=128, heldout_episodes=32, image_size=None, seconds=240.0,
@@ -188,9 +192,9 @@ def generate(args, datasets: dict[str, Path], assets, chunk: int, image_size: tu
     is 0."""
     if args.generated_starts_per_episode == 0:
         return [None, None]
-    from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env, pusht_env_defaults
     from cosmos3_gym.processor import ActionStats
     from cosmos3_gym.tasks.pusht.compare import replay_actions
+    from cosmos3_gym.tasks.pusht.env import make_pusht_vector_env, pusht_env_defaults
 
     stats = ActionStats.from_json(pusht_env_defaults(assets)["action_stats"],
                                   mode=assets.meta.get("action_normalization", "minmax"))
@@ -339,7 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
             decoder=LightDecoderConfig(latent_channels=vae.latent_channels, channels=ints(args.channels),
                                        blocks=ints(args.blocks), temporal_compression=vae.temporal_compression),
             steps=args.max_steps, seconds=train_seconds(args, time.perf_counter() - started),
-            batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device, warmup_steps=min(100, args.max_steps // 10), latent_noise=args.latent_noise,
+            batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device,
+            warmup_steps=min(100, args.max_steps // 10), latent_noise=args.latent_noise,
         )
         stage("train", train_light_decoder, train_windows, decoder_dir, config)
         del train_windows  # gigabytes of frames on the device
@@ -359,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
         if results["training"]["folder_mb"] > MAX_DECODER_MB:
             raise SystemExit(f"{decoder_dir} is {results['training']['folder_mb']:.1f} MiB, over {MAX_DECODER_MB}")
 
-        def evaluate() -> dict:
+        def evaluate(decoder: LightDecoder, vae: Cosmos3VAE) -> dict:
             report = {}
             for frames in ("last", "all"):
                 psnr = decoder_psnr(decoder, heldout_windows, vae, frames=frames)
@@ -377,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
                 report["last_frame"]["light_bf16_vs_real"] = finite_mean_ci95(psnr["light_vs_real"])
             return report
 
-        results["psnr_db"] = stage("evaluate", evaluate)
+        results["psnr_db"] = stage("evaluate", evaluate, decoder, vae)
         psnr_db = results["psnr_db"]
         for key, value in [*psnr_db["last_frame"].items(), *psnr_db.get("generated", {}).items()]:
             print(f"last frame PSNR {key}: {value['mean']:.2f} dB [{value['ci95_low']:.2f}, {value['ci95_high']:.2f}]")

@@ -6,8 +6,8 @@ evaluate it against the real simulator.
 
 Needs gym-pusht (the ``sim`` extra). Stages:
 
-1. simulate training episodes and held-out episodes (``cosmos3_gym.tasks.pusht.episodes.generate_pusht_dataset``, one process
-   per core) and the held-out start frames the env ships (``--episodes``, ``--steps-per-episode``, ...);
+1. simulate training episodes and held-out episodes (``cosmos3_gym.tasks.pusht.episodes.generate_pusht_dataset``, one
+   process per core) and the held-out start frames the env ships (``--episodes``, ``--steps-per-episode``, ...);
 2. train the VAE (``cosmos3_gym.training.train_vae``) for ``--vae-seconds``;
 3. train the world model (``train_world_model``) for ``--wm-seconds``, written straight into ``<assets>/checkpoint``
    and given the env defaults in its meta.json (task, num_steps, guidance_scale, max_episode_steps, and gym-pusht's
@@ -55,9 +55,9 @@ pixel hand-over with one frame.
 ``--lerobot`` trains stages 2 and 3 from the simulated episodes written as a LeRobot v3.0 dataset
 (``training.lerobot.write_lerobot_dataset``, H.264 videos) instead of our episode layout.
 
-Files in ``--out`` (at most 8, no folders): train_pusht.json (train_pusht_<part>.json) (stages, timings, sizes, configs, last losses, provenance), fidelity_pusht_chunks.json,
-pusht_assets.tar.gz, side_by_side.mp4, vae_log.jsonl, world_model_log.jsonl. Datasets, latent caches and training
-states stay in ``--work``.
+Files in ``--out`` (at most 8, no folders): train_pusht.json (train_pusht_<part>.json) (stages, timings, sizes, configs,
+last losses, provenance), fidelity_pusht_chunks.json, pusht_assets.tar.gz, side_by_side.mp4, vae_log.jsonl,
+world_model_log.jsonl. Datasets, latent caches and training states stay in ``--work``.
 """
 
 from __future__ import annotations
@@ -81,25 +81,30 @@ import torch
 RECIPES = Path(__file__).resolve().parent
 sys.path[:0] = [str(RECIPES.parents[1]), str(RECIPES.parent), str(RECIPES)]  # the repository, benchmarks/, recipes/
 
-from common import inputs_from_args, provenance, write_results  # noqa: E402
 import fidelity_pusht_chunks  # noqa: E402
+from common import inputs_from_args, provenance, write_results  # noqa: E402
 
 from cosmos3_gym.checkpoint import checkpoint_decoder  # noqa: E402
 from cosmos3_gym.engine import LIGHT_DECODER_DIR, Cosmos3Engine  # noqa: E402
 from cosmos3_gym.errors import InputError  # noqa: E402
-from cosmos3_gym.tasks.pusht.env import (  # noqa: E402
-    CHECKPOINT_DIR, INITIAL_STATES_FILE, META_FILE, REWARD_MODEL_DIR, load_pusht_assets, make_pusht_vector_env,
-    pusht_env_defaults,
-)
 from cosmos3_gym.processor import ActionStats  # noqa: E402
-from cosmos3_gym.tasks.pusht.compare import replay_actions  # noqa: E402
 from cosmos3_gym.rewards import ClassifierRewardModel, train_classifier  # noqa: E402
 from cosmos3_gym.rewards.calibration import calibrate_success_threshold, score_episode_files  # noqa: E402
 from cosmos3_gym.storage import replace_entries  # noqa: E402
 from cosmos3_gym.tasks.pusht import episodes as pusht  # noqa: E402
+from cosmos3_gym.tasks.pusht.compare import replay_actions  # noqa: E402
+from cosmos3_gym.tasks.pusht.env import (  # noqa: E402
+    CHECKPOINT_DIR,
+    INITIAL_STATES_FILE,
+    META_FILE,
+    REWARD_MODEL_DIR,
+    load_pusht_assets,
+    make_pusht_vector_env,
+    pusht_env_defaults,
+)
 from cosmos3_gym.tasks.pusht.self_forcing import generate_self_forcing_episodes, sample_sheet  # noqa: E402
-from cosmos3_gym.training.export import ACTION_STATS_FILE, resolve_save_dtype  # noqa: E402
 from cosmos3_gym.training import VAETrainConfig, WorldModelTrainConfig, train_vae, train_world_model  # noqa: E402
+from cosmos3_gym.training.export import ACTION_STATS_FILE, resolve_save_dtype  # noqa: E402
 
 # gym-pusht's episode limit: 300 control steps (30 s).
 BLOCK_FOCUS = "cosmos3_gym.tasks.pusht.readoff:block_mask"  # --wm-block-focus: the block's pixels, by colour
@@ -120,9 +125,9 @@ FULL = dict(
 SMOKE = dict(
     FULL, episodes=6, steps_per_episode=20, image_size=64, heldout_episodes=3, initial_states=4,
     vae_seconds=2.0, vae_max_steps=8, vae_batch=2, vae_base_dim=4, vae_decoder_dim=8, wm_seconds=2.0,
-    wm_max_steps=8, wm_batch=2, wm_warmup=2, wm_policy_episodes="all", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
-    intermediate=128, chunk=4, rm_frames=64, rm_epochs=1, rm_input_size=32, rm_rollout_episodes=2, fidelity_episodes=2, fidelity_chunks=4,
-    policy_episodes=2, policy_chunks=2, video_chunks=2,
+    wm_max_steps=8, wm_batch=2, wm_warmup=2, wm_policy_episodes="all", hidden=64, layers=2, heads=4, kv_heads=2,
+    head_dim=16, intermediate=128, chunk=4, rm_frames=64, rm_epochs=1, rm_input_size=32, rm_rollout_episodes=2,
+    fidelity_episodes=2, fidelity_chunks=4, policy_episodes=2, policy_chunks=2, video_chunks=2,
 )
 # Training speed is measured with this many steps on a few episodes (the second half of them timed), then the
 # stage gets the steps that fit its time budget, at least MIN_STEPS and at most its --*-max-steps.
@@ -213,8 +218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--policy-mix", default=None,
                         help="the training episodes' policies and shares, e.g. 'scripted=0.5,uniform=0.2,"
                              "file:benchmarks/results/rl/policies/rl_pusht_bc.safetensors=0.3' (policies of "
-                             "cosmos3_gym.tasks.pusht.episodes.generate_pusht_dataset; default its DEFAULT_POLICY_MIX). Policy "
-                             "files need --wm-init (its action statistics map their actions)")
+                             "cosmos3_gym.tasks.pusht.episodes.generate_pusht_dataset; default its DEFAULT_POLICY_MIX)."
+                             " Policy files need --wm-init (its action statistics map their actions)")
     parser.add_argument("--rollout-reward-model", action=argparse.BooleanOptionalAction, default=True,
                         help="retrain the reward model on the new world model's rollouts (off: keep --first-part's, "
                              "for a fine-tune that a later call continues)")
