@@ -63,8 +63,7 @@ def merge(parts: list[dict]) -> dict:
         }
     real = [rows[spec]["simulator"]["final_coverage"] for spec in specs]
     return {"policies": rows, "starts": {spec: starts[spec] for spec in specs}, "closed_loop_policies": closed_loop,
-            "rankings": rankings,
-            "rankings_by_success": rankings_by_success, "checks": checks,
+            "rankings": rankings, "rankings_by_success": rankings_by_success, "checks": checks,
             "real_final_coverage_span": [min(real), max(real)]}
 
 
