@@ -86,7 +86,7 @@ from cosmos3_gym.engine import Cosmos3Engine  # noqa: E402
 from cosmos3_gym.models.transformer import (  # noqa: E402
     Cosmos3RotaryEmbedding,
     Cosmos3Transformer,
-    Cosmos3TransformerConfig,  # noqa: E402
+    Cosmos3TransformerConfig,
 )
 from cosmos3_gym.models.vae import Cosmos3VAE  # noqa: E402
 from cosmos3_gym.quantization import (  # noqa: E402
